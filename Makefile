@@ -1,0 +1,53 @@
+# Shardline build. `make demo` and `make test` each do all set-up on a fresh machine.
+PYTHON_SYS ?= python3
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+PIP        := $(PY) -m pip
+# A CPU wheel of this torch lies on the build machines; an unpinned torch pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+PROTOS     := $(wildcard protos/*.proto)
+PB_STAMP   := services/pb/.generated
+
+.PHONY: all venv protos test test-unit test-integration demo bench clean distclean
+
+all: protos
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON_SYS) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+venv: $(VENV)/.installed
+
+# Generated modules land in services/pb/ and import each other as services.pb.*
+$(PB_STAMP): $(PROTOS) $(VENV)/.installed
+	$(PY) -m grpc_tools.protoc -Iservices/pb=protos --python_out=. --pyi_out=. --grpc_python_out=. \
+		$(patsubst protos/%,services/pb/%,$(PROTOS))
+	touch $@
+
+protos: $(PB_STAMP)
+
+test: protos
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-unit: protos
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+test-integration: protos
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+demo: protos
+	$(VENV)/bin/shardline up --ps 2 --workers 2 --job examples/demo_job.yaml
+
+bench: protos
+	$(PY) bench/run.py --out bench/results/latest.json
+
+clean:
+	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info

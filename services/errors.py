@@ -1,0 +1,53 @@
+"""One error hierarchy for every Shardline component.
+
+Names follow torch.distributed.elastic: the suffix says what kind of failure it is, so callers can
+catch ``ShardlineTimeoutError`` without caring which component timed out.
+"""
+
+from __future__ import annotations
+
+
+class ShardlineError(Exception):
+    """Base class of every error Shardline raises on purpose."""
+
+
+class ShardlineConfigError(ShardlineError, ValueError):
+    """A configuration value or argument is invalid. The message quotes the key and the bad value."""
+
+
+class ShardlineTimeoutError(ShardlineError, TimeoutError):
+    """An operation did not finish within its ``*_timeout``."""
+
+
+class ShardlineStateError(ShardlineError):
+    """An operation is not valid in the current state (e.g. a push for a step the node is not at)."""
+
+
+class ShardlineConnectionError(ShardlineError, ConnectionError):
+    """A peer could not be reached or closed the connection."""
+
+
+class FrameError(ShardlineError):
+    """A data-plane frame is malformed; the connection it came on cannot be trusted further."""
+
+
+class FrameTooLargeError(FrameError):
+    """A frame's header or payload exceeds the configured limit."""
+
+
+class RemoteError(ShardlineError):
+    """A data-plane peer answered with an error reply.
+
+    ``code`` is the ``ErrorCode`` name from ``dataplane.proto`` (e.g. ``"UNKNOWN_TENSOR"``).
+    """
+
+    def __init__(self, code: str, message: str, *, epoch: int = 0, step: int = 0):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.remote_message = message
+        self.epoch = epoch
+        self.step = step
+
+
+class NotOwnerError(RemoteError):
+    """The node does not own a requested block at the client's epoch; ``epoch`` is the node's."""
