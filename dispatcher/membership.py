@@ -1,0 +1,210 @@
+"""PS-node membership: registration, heartbeats, failure detection and the ring epoch.
+
+Pure and clock-free: every time-dependent call takes ``now`` (seconds on any monotonic clock), so
+tests drive it with a fake clock. Thread-safe: one lock guards all state.
+
+A node is ``alive`` from registration until its last heartbeat is more than ``heartbeat_timeout``
+seconds old when ``expire(now)`` runs; it is then ``dead`` and stays listed (for status) until it
+registers again. A dead or unknown node's heartbeat returns False: it must register again.
+
+The epoch starts at 1 and increases by one on every change of what the routing table publishes:
+the alive set, or an alive node's rack, addresses, capacity or virtual-node count.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+from dataclasses import dataclass
+
+from services.daemon import parse_host_port
+from services.errors import ShardlineConfigError
+from services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
+
+ALIVE = "alive"
+DEAD = "dead"
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """A snapshot of one node, as published in the routing table and cluster status."""
+
+    node_id: str
+    rack: str
+    grpc_address: str
+    data_address: str
+    capacity: float
+    state: str                    # ALIVE or DEAD
+    vnodes: int                   # virtual nodes on the ring; 0 when dead
+    heartbeat_age_seconds: float
+    blocks: int                   # as last reported by the node
+    bytes: int
+
+
+@dataclass
+class _Node:
+    node_id: str
+    rack: str
+    grpc_address: str
+    data_address: str
+    capacity: float
+    vnodes: int
+    state: str
+    last_heartbeat: float
+    blocks: int = 0
+    bytes: int = 0
+
+    def published(self) -> tuple:
+        """The fields whose change alters the routing table."""
+        return (self.state, self.rack, self.grpc_address, self.data_address, self.capacity, self.vnodes)
+
+
+def validate_name(value: object, what: str) -> str:
+    """A node id or rack: 1..128 characters of ``[A-Za-z0-9._-]``."""
+    if not isinstance(value, str) or not _NAME_RE.fullmatch(value):
+        raise ShardlineConfigError(f"{what} must be 1..128 characters of [A-Za-z0-9._-], got {value!r}")
+    return value
+
+
+def validate_address(value: object, what: str) -> str:
+    """A ``HOST:PORT`` that peers can dial (port 1..65535)."""
+    if not isinstance(value, str):
+        raise ShardlineConfigError(f"{what} must be HOST:PORT, got {value!r}")
+    _host, port = parse_host_port(value, what=what)
+    if port == 0:
+        raise ShardlineConfigError(f"{what} must name the bound port, not 0, got {value!r}")
+    return value
+
+
+def _validate_count(value: object, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ShardlineConfigError(f"{what} must be an integer >= 0, got {value!r}")
+    return value
+
+
+class Membership:
+    """The set of PS nodes known to the dispatcher and the epoch of their routing table."""
+
+    def __init__(self, heartbeat_timeout: float, vnodes_per_capacity: int = DEFAULT_VNODES_PER_CAPACITY):
+        if (
+            isinstance(heartbeat_timeout, bool)
+            or not isinstance(heartbeat_timeout, (int, float))
+            or not math.isfinite(heartbeat_timeout)
+            or heartbeat_timeout <= 0
+        ):
+            raise ShardlineConfigError(f"heartbeat_timeout must be a finite number of seconds > 0, got {heartbeat_timeout!r}")
+        vnode_counts({}, vnodes_per_capacity)  # validates the density
+        self.heartbeat_timeout = float(heartbeat_timeout)
+        self.vnodes_per_capacity = vnodes_per_capacity
+        self._lock = threading.Lock()
+        self._nodes: dict[str, _Node] = {}
+        self._epoch = 1
+
+    @property
+    def epoch(self) -> int:
+        with self._lock:
+            return self._epoch
+
+    @property
+    def alive_count(self) -> int:
+        with self._lock:
+            return sum(1 for node in self._nodes.values() if node.state == ALIVE)
+
+    def register(
+        self,
+        node_id: str,
+        rack: str,
+        grpc_address: str,
+        data_address: str,
+        capacity: float,
+        now: float,
+    ) -> int:
+        """Add a node, revive a dead one, or refresh/update a known one. Returns the epoch after.
+
+        Re-registering an alive node with the same rack, addresses and capacity only refreshes its
+        heartbeat (a node retrying registration must not churn the ring). Any other change, including
+        a node coming back from dead, bumps the epoch. Raises ShardlineConfigError on a bad field.
+        """
+        validate_name(node_id, "node_id")
+        validate_name(rack, "rack")
+        validate_address(grpc_address, "grpc_address")
+        validate_address(data_address, "data_address")
+        vnodes = vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id]
+        with self._lock:
+            before = self._nodes.get(node_id)
+            node = _Node(
+                node_id=node_id,
+                rack=rack,
+                grpc_address=grpc_address,
+                data_address=data_address,
+                capacity=float(capacity),
+                vnodes=vnodes,
+                state=ALIVE,
+                last_heartbeat=now,
+            )
+            if before is not None:
+                # Keep the last storage report until the node sends a fresh one.
+                node.blocks, node.bytes = before.blocks, before.bytes
+            self._nodes[node_id] = node
+            if before is None or before.published() != node.published():
+                self._epoch += 1
+            return self._epoch
+
+    def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0) -> bool:
+        """Record a heartbeat with the node's storage report. False: unknown or dead, register again."""
+        _validate_count(blocks, "blocks")
+        _validate_count(bytes, "bytes")
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None or node.state != ALIVE:
+                return False
+            node.last_heartbeat = max(node.last_heartbeat, now)
+            node.blocks, node.bytes = blocks, bytes
+            return True
+
+    def expire(self, now: float) -> list[str]:
+        """Declare dead every alive node silent for more than ``heartbeat_timeout``. Returns their ids."""
+        with self._lock:
+            expired = sorted(
+                node.node_id
+                for node in self._nodes.values()
+                if node.state == ALIVE and now - node.last_heartbeat > self.heartbeat_timeout
+            )
+            for node_id in expired:
+                self._nodes[node_id].state = DEAD
+            if expired:
+                self._epoch += 1
+            return expired
+
+    def routing_table(self, now: float | None = None) -> tuple[int, list[NodeRecord]]:
+        """``(epoch, alive nodes sorted by id)``; the ring is ``HashRing({n.node_id: n.vnodes})``.
+
+        Heartbeat ages are computed against ``now`` when given, else reported as 0.
+        """
+        with self._lock:
+            return self._epoch, [
+                self._record(node, now) for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
+                if node.state == ALIVE
+            ]
+
+    def all_nodes(self, now: float) -> list[NodeRecord]:
+        """Every known node, alive and dead, sorted by id, with heartbeat ages at ``now``."""
+        with self._lock:
+            return [self._record(node, now) for node in sorted(self._nodes.values(), key=lambda n: n.node_id)]
+
+    @staticmethod
+    def _record(node: _Node, now: float | None) -> NodeRecord:
+        return NodeRecord(
+            node_id=node.node_id,
+            rack=node.rack,
+            grpc_address=node.grpc_address,
+            data_address=node.data_address,
+            capacity=node.capacity,
+            state=node.state,
+            vnodes=node.vnodes if node.state == ALIVE else 0,
+            heartbeat_age_seconds=0.0 if now is None else max(0.0, now - node.last_heartbeat),
+            blocks=node.blocks,
+            bytes=node.bytes,
+        )

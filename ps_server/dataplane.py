@@ -1,0 +1,84 @@
+"""The PS data-plane connection loop: read a frame, check it, read its payload, reply.
+
+Malformed frames (bad magic, unparsable header, inconsistent lengths, over the limits) get a
+``BAD_FRAME``/``TOO_LARGE`` error reply and the connection is closed: the stream can no longer be
+trusted to be on a frame boundary. Well-formed requests that fail (unknown job, not owner, wrong
+shape, NaN gradient...) get an error reply; their payload is skipped and the connection stays up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ps_server.node import NotOwner, PSNode
+from ps_server.store import StoreError
+from services import frame
+from services.errors import FrameError, FrameTooLargeError
+from services.pb import dataplane_pb2 as dp
+
+log = logging.getLogger("shardline.ps.dataplane")
+
+
+def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, metrics=None) -> None:
+    buffer = bytearray(0)
+    while True:
+        try:
+            header = frame.recv_header(sock, limits)
+        except ConnectionError:
+            return  # peer went away between frames
+        except FrameError as exc:
+            code = dp.TOO_LARGE if isinstance(exc, FrameTooLargeError) else dp.BAD_FRAME
+            log.warning("closing data-plane connection from %s: %s", peer, exc)
+            if metrics:
+                metrics.request(None, dp.ErrorCode.Name(code))
+            _send_quietly(sock, frame.error_header(0, code, str(exc)))
+            return
+        started = time.perf_counter()
+        op = dp.Op.Name(header.op)
+        try:
+            node.precheck(header)
+        except StoreError as exc:
+            frame.skip_bytes(sock, header.payload_bytes, buffer)
+            _reply_error(sock, header, exc, node, metrics, op)
+            continue
+        if header.payload_bytes > len(buffer):
+            # Grows to the largest frame seen on this connection (bounded by limits), then reused.
+            buffer = bytearray(header.payload_bytes)
+        view = memoryview(buffer)[: header.payload_bytes]
+        try:
+            frame.recv_exactly_into(sock, view)
+        except ConnectionError:
+            return
+        try:
+            reply, payloads = node.handle(header, view)
+        except StoreError as exc:
+            _reply_error(sock, header, exc, node, metrics, op)
+            continue
+        except Exception as exc:  # a bug must not kill the node; report it and keep serving
+            log.exception("internal error handling %s from %s", op, peer)
+            _reply_error(sock, header, StoreError("INTERNAL", f"internal error: {type(exc).__name__}: {exc}"), node, metrics, op)
+            continue
+        frame.send_frame(sock, reply, payloads)
+        if metrics:
+            metrics.request(op, "OK", seconds=time.perf_counter() - started,
+                            bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes)
+
+
+def _reply_error(sock, header, exc: StoreError, node: PSNode, metrics, op: str) -> None:
+    epoch = exc.epoch if isinstance(exc, NotOwner) else node.routing.epoch
+    step = 0
+    job = node.store.get(header.job)
+    if job is not None:
+        step = job.step
+    if metrics:
+        metrics.request(op, exc.code)
+    log.debug("%s from rank %d failed: %s %s", op, header.rank, exc.code, exc)
+    frame.send_frame(sock, frame.error_header(header.request_id, dp.ErrorCode.Value(exc.code), str(exc), epoch=epoch, step=step))
+
+
+def _send_quietly(sock, header) -> None:
+    try:
+        frame.send_frame(sock, header)
+    except OSError:
+        pass

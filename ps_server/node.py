@@ -1,0 +1,136 @@
+"""Request handling of one PS node: frame headers in, replies out. No sockets here.
+
+``precheck`` runs on a header before its payload is read (so nothing is allocated for a frame
+that will be refused); ``handle`` runs the operation on the received payload. Both raise
+``StoreError`` with a dataplane ``ErrorCode`` name, which the transport turns into an error reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+from ps_server.store import JobStore, NodeStore, PushItem, StoreError
+from services import frame
+from services.pb import common_pb2
+from services.pb import dataplane_pb2 as dp
+from services.routing import RoutingView
+
+log = logging.getLogger("shardline.ps")
+
+# Longest a single waiting pull may block server-side; clients ask for less.
+MAX_PULL_WAIT_SECONDS = 600.0
+
+
+class NotOwner(StoreError):
+    def __init__(self, message: str, epoch: int):
+        super().__init__("NOT_OWNER", message)
+        self.epoch = epoch
+
+
+class PSNode:
+    """A PS node's data-plane logic.
+
+    ``fetch_job(name)`` returns the job's ``JobSpec`` from the dispatcher or None if unknown;
+    ``fetch_routing()`` returns the current ``RoutingTable``. Both are injected so unit tests run
+    without a dispatcher.
+    """
+
+    def __init__(self, node_id: str, fetch_job: Callable[[str], common_pb2.JobSpec | None],
+                 fetch_routing: Callable[[], common_pb2.RoutingTable], *, metrics=None):
+        self.node_id = node_id
+        self.store = NodeStore()
+        self._fetch_job = fetch_job
+        self._fetch_routing = fetch_routing
+        self._routing = RoutingView.empty()
+        self._routing_lock = threading.Lock()
+        self.metrics = metrics
+
+    # --- routing ----------------------------------------------------------------------------
+    @property
+    def routing(self) -> RoutingView:
+        return self._routing
+
+    def update_routing(self, table: common_pb2.RoutingTable) -> None:
+        view = RoutingView.from_proto(table)
+        with self._routing_lock:
+            if view.epoch >= self._routing.epoch:
+                self._routing = view
+
+    def refresh_routing(self) -> RoutingView:
+        self.update_routing(self._fetch_routing())
+        return self._routing
+
+    # --- jobs -------------------------------------------------------------------------------
+    def job(self, name: str) -> JobStore:
+        job = self.store.get(name)
+        if job is not None:
+            return job
+        if not name:
+            raise StoreError("UNKNOWN_JOB", "frame names no job")
+        spec = self._fetch_job(name)
+        if spec is None:
+            raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+        return self.store.add(spec)
+
+    # --- frames -----------------------------------------------------------------------------
+    def precheck(self, header: frame.FrameHeader) -> None:
+        """Validate a header against node state before its payload is read."""
+        if header.op == dp.OP_PING:
+            return
+        if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL):
+            raise StoreError("INVALID_ARGUMENT", f"op {dp.Op.Name(header.op)} is not a request")
+        job = self.job(header.job)
+        routing = self._routing
+        if header.epoch > routing.epoch:
+            routing = self.refresh_routing()
+        if header.epoch < routing.epoch:
+            raise NotOwner(f"client routes with epoch {header.epoch}, node is at epoch {routing.epoch}", routing.epoch)
+        for ref in header.blocks:
+            numel = job.expected_numel(ref.tensor, ref.index)
+            if routing.owner(job.name, ref.tensor, ref.index) != self.node_id:
+                raise NotOwner(f"block {ref.tensor}[{ref.index}] is not owned by node {self.node_id!r} at epoch {routing.epoch}",
+                               routing.epoch)
+            if header.op in (dp.OP_INIT, dp.OP_PUSH) and not ref.zero and ref.numel != numel:
+                raise StoreError("INVALID_ARGUMENT",
+                                 f"block {ref.tensor}[{ref.index}] has {numel} elements, frame sends {ref.numel}")
+            if header.op == dp.OP_INIT and ref.dtype != dp.FLOAT32:
+                raise StoreError("INVALID_ARGUMENT", f"initial values of {ref.tensor!r} must be float32")
+        if header.op == dp.OP_PULL and header.payload_bytes:
+            raise StoreError("INVALID_ARGUMENT", "a pull request carries no payload")
+
+    def handle(self, header: frame.FrameHeader, payload) -> tuple[frame.FrameHeader, list]:
+        """Run a prechecked request. ``payload`` is a buffer of ``header.payload_bytes`` bytes."""
+        reply = frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job,
+                                  epoch=self._routing.epoch)
+        if header.op == dp.OP_PING:
+            return reply, []
+        job = self.job(header.job)
+        weight = header.weight if header.weight else 1.0
+        if header.op == dp.OP_INIT:
+            items = [(ref.tensor, ref.index, t) for ref, t in frame.payload_views(payload, header.blocks)]
+            if any(t is None for _, _, t in items):
+                raise StoreError("INVALID_ARGUMENT", "initial values cannot be zero flags")
+            job.init_blocks(items)
+            reply.step = job.step
+            return reply, []
+        if header.op == dp.OP_PUSH:
+            items = [PushItem(ref.tensor, ref.index, t) for ref, t in frame.payload_views(payload, header.blocks)]
+            reply.step = job.push(header.rank, header.step, weight, items)
+            return reply, []
+        if header.op == dp.OP_COMMIT:
+            reply.step = job.commit(header.rank, header.step, weight)
+            return reply, []
+        # OP_PULL
+        timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
+        if header.min_step > job.step:
+            job.wait_for_step(header.min_step, timeout)
+        wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
+        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp")
+        reply.step = step
+        payloads = []
+        for tensor, index, version, value in blocks:
+            reply.blocks.append(frame.block_ref(tensor, index, value, version=version))
+            payloads.append(frame.tensor_bytes(value))
+        return reply, payloads

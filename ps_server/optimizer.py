@@ -1,0 +1,463 @@
+"""Server-side optimizers: SGD (momentum, Nesterov), Adam and AdamW applied to one block at a time.
+
+A PS node stores each tensor as blocks (contiguous 1-D float32 slices of the flattened tensor) and
+keeps optimizer state per block. Every update here is element-wise, so stepping the blocks of a
+tensor one by one with per-block state gives the same result as stepping the whole tensor.
+
+Numerics follow ``torch.optim``'s single-tensor implementations (``foreach=False``: the
+``_single_tensor_sgd`` / ``_single_tensor_adam`` functions of torch 2.13) operation for operation,
+with the same Python-double scalar arithmetic (``1 - dampening``, ``lr / bias_correction1``,
+``bias_correction2 ** 0.5``, ``1 - lr * weight_decay``...) and the same tensor kernels in the same
+order, so results are bitwise equal to ``torch.optim.<Opt>(..., foreach=False)`` on CPU. On CPU,
+torch's default (``foreach=None``) also picks the single-tensor path. The only liberty taken is
+where temporaries live (a copy made by torch out of place may be reused in place here); the values
+computed are the same.
+
+Usage::
+
+    cfg = OptimizerConfig.from_kwargs("adamw", lr=1e-4, weight_decay=0.01)
+    opt = make_optimizer(cfg)
+    state = opt.init_state(block.numel())
+    opt.step(block, grad, state)          # grad=None: a zero gradient
+    opt.lr = 5e-5                          # schedules: change lr for later steps ...
+    opt.step(block, grad, state, lr=5e-5)  # ... or override it for one call
+
+Thread safety: an optimizer object holds no per-step scratch, so one instance may step different
+blocks from several threads at once (torch releases the GIL inside its kernels). A given block and
+its state must not be stepped concurrently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+
+from services.errors import ShardlineConfigError
+
+__all__ = [
+    "KINDS",
+    "OptimizerConfig",
+    "BlockOptimizer",
+    "SGDBlockOptimizer",
+    "AdamBlockOptimizer",
+    "make_optimizer",
+]
+
+KINDS = ("sgd", "adam", "adamw")
+
+# torch.optim's constructor defaults in torch 2.13 (torch/optim/sgd.py, adam.py, adamw.py).
+# tests/unit/test_optimizer.py checks them against torch.optim.<Opt>(params).defaults.
+_SGD_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "momentum": 0.0,
+    "dampening": 0.0,
+    "weight_decay": 0.0,
+    "nesterov": False,
+    "maximize": False,
+}
+_ADAM_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.0,
+    "amsgrad": False,
+    "maximize": False,
+}
+_ADAMW_DEFAULTS: dict[str, Any] = {**_ADAM_DEFAULTS, "weight_decay": 1e-2}
+_DEFAULTS = {"sgd": _SGD_DEFAULTS, "adam": _ADAM_DEFAULTS, "adamw": _ADAMW_DEFAULTS}
+
+# Value an OptimizerConfig holds in the fields a kind does not use ("inert" fields). They are the
+# dataclass defaults, so OptimizerConfig("sgd", lr=0.1) is valid and equality is meaningful.
+_INERT_FOR_SGD: dict[str, Any] = {"betas": (0.9, 0.999), "eps": 1e-8, "amsgrad": False}
+_INERT_FOR_ADAM: dict[str, Any] = {"momentum": 0.0, "dampening": 0.0, "nesterov": False}
+
+
+def _real(name: str, value: Any) -> float:
+    """A finite real number as a Python float, else ShardlineConfigError quoting name and value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ShardlineConfigError(f"Invalid {name} value: {value!r} (expected a real number)")
+    f = float(value)
+    if not math.isfinite(f):
+        raise ShardlineConfigError(f"Invalid {name} value: {value!r} (must be finite)")
+    return f
+
+
+def _flag(name: str, value: Any) -> bool:
+    if isinstance(value, (bool, numpy.bool_)):
+        return bool(value)
+    raise ShardlineConfigError(f"Invalid {name} value: {value!r} (expected a bool)")
+
+
+def _check_lr(lr: Any, name: str = "lr") -> float:
+    lr = _real(name, lr)
+    if lr < 0.0:
+        raise ShardlineConfigError(f"Invalid learning rate: {name}={lr!r}")
+    return lr
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """One job's optimizer: torch.optim's hyperparameters, validated the way torch validates them.
+
+    Fields a kind does not use hold their dataclass default (SGD: ``betas``, ``eps``, ``amsgrad``;
+    Adam/AdamW: ``momentum``, ``dampening``, ``nesterov``); setting them to anything else is an
+    error. Construct with :meth:`from_kwargs` (fills torch's per-kind defaults) or directly
+    (validated in ``__post_init__``; numeric fields are normalized to ``float``).
+    """
+
+    kind: str
+    lr: float = 1e-3
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    amsgrad: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        kind = self.kind
+        if not isinstance(kind, str) or kind.strip().lower() not in KINDS:
+            raise ShardlineConfigError(
+                f"Invalid optimizer kind: {kind!r} (expected one of {', '.join(KINDS)})"
+            )
+        kind = kind.strip().lower()
+        setf = object.__setattr__
+        setf(self, "kind", kind)
+
+        # Same checks, same order and same wording as torch.optim's constructors.
+        lr = _check_lr(self.lr)
+        momentum = _real("momentum", self.momentum)
+        dampening = _real("dampening", self.dampening)
+        nesterov = _flag("nesterov", self.nesterov)
+        weight_decay = _real("weight_decay", self.weight_decay)
+        eps = _real("eps", self.eps)
+        amsgrad = _flag("amsgrad", self.amsgrad)
+        maximize = _flag("maximize", self.maximize)
+        betas = self.betas
+        if isinstance(betas, (str, bytes)) or not hasattr(betas, "__len__") or len(betas) != 2:
+            raise ShardlineConfigError(f"Invalid betas value: {betas!r} (expected a pair)")
+        betas = (_real("betas[0]", betas[0]), _real("betas[1]", betas[1]))
+
+        if kind == "sgd":
+            if momentum < 0.0:
+                raise ShardlineConfigError(f"Invalid momentum value: {momentum!r}")
+            if weight_decay < 0.0:
+                raise ShardlineConfigError(f"Invalid weight_decay value: {weight_decay!r}")
+            if nesterov and (momentum <= 0 or dampening != 0):
+                raise ShardlineConfigError(
+                    "Nesterov momentum requires a momentum and zero dampening: "
+                    f"nesterov=True, momentum={momentum!r}, dampening={dampening!r}"
+                )
+            inert = _INERT_FOR_SGD
+        else:
+            if not 0.0 <= eps:
+                raise ShardlineConfigError(f"Invalid epsilon value: eps={eps!r}")
+            if not 0.0 <= betas[0] < 1.0:
+                raise ShardlineConfigError(f"Invalid beta parameter at index 0: {betas[0]!r}")
+            if not 0.0 <= betas[1] < 1.0:
+                raise ShardlineConfigError(f"Invalid beta parameter at index 1: {betas[1]!r}")
+            if not 0.0 <= weight_decay:
+                raise ShardlineConfigError(f"Invalid weight_decay value: {weight_decay!r}")
+            inert = _INERT_FOR_ADAM
+
+        values = {
+            "lr": lr,
+            "momentum": momentum,
+            "dampening": dampening,
+            "nesterov": nesterov,
+            "weight_decay": weight_decay,
+            "betas": betas,
+            "eps": eps,
+            "amsgrad": amsgrad,
+            "maximize": maximize,
+        }
+        for name, expected in inert.items():
+            if values[name] != expected:
+                raise ShardlineConfigError(
+                    f"{name}={values[name]!r} is not a parameter of {kind} "
+                    f"(leave it at {expected!r})"
+                )
+        for name, value in values.items():
+            setf(self, name, value)
+
+    # ------------------------------------------------------------------ constructors
+
+    @classmethod
+    def from_kwargs(cls, kind: str, **kwargs: Any) -> "OptimizerConfig":
+        """Build from torch.optim-style keyword arguments, filling torch's defaults for ``kind``.
+
+        Accepted keywords: SGD ``lr, momentum, dampening, weight_decay, nesterov, maximize``;
+        Adam/AdamW ``lr, betas, eps, weight_decay, amsgrad, maximize``. Anything else (including
+        torch's implementation switches ``foreach``, ``fused``, ``capturable``, ``differentiable``)
+        raises ShardlineConfigError.
+        """
+        if not isinstance(kind, str) or kind.strip().lower() not in KINDS:
+            raise ShardlineConfigError(
+                f"Invalid optimizer kind: {kind!r} (expected one of {', '.join(KINDS)})"
+            )
+        kind = kind.strip().lower()
+        defaults = _DEFAULTS[kind]
+        unknown = sorted(set(kwargs) - set(defaults))
+        if unknown:
+            bad = ", ".join(f"{k}={kwargs[k]!r}" for k in unknown)
+            raise ShardlineConfigError(
+                f"Unknown {kind} optimizer argument(s): {bad} "
+                f"(accepted: {', '.join(sorted(defaults))})"
+            )
+        return cls(kind=kind, **{**defaults, **kwargs})
+
+    @classmethod
+    def from_proto(cls, spec: Any) -> "OptimizerConfig":
+        """Build from a ``shardline.v1.OptimizerSpec``.
+
+        proto3 cannot tell an unset field from zero, so every field is taken literally (no
+        defaults are filled): producers must set them all, as :meth:`to_proto` does. Fields the
+        kind does not use are ignored.
+        """
+        kind = spec.kind.strip().lower() if isinstance(spec.kind, str) else spec.kind
+        values: dict[str, Any] = {
+            "lr": spec.lr,
+            "weight_decay": spec.weight_decay,
+            "maximize": spec.maximize,
+        }
+        if kind == "sgd":
+            values.update(momentum=spec.momentum, dampening=spec.dampening, nesterov=spec.nesterov)
+        elif kind in ("adam", "adamw"):
+            values.update(betas=(spec.beta1, spec.beta2), eps=spec.eps, amsgrad=spec.amsgrad)
+        return cls(kind=kind, **values)
+
+    # ------------------------------------------------------------------ views
+
+    def to_proto(self) -> Any:
+        """This config as a ``shardline.v1.OptimizerSpec`` (every field set)."""
+        from services.pb import common_pb2
+
+        return common_pb2.OptimizerSpec(
+            kind=self.kind,
+            lr=self.lr,
+            momentum=self.momentum,
+            dampening=self.dampening,
+            nesterov=self.nesterov,
+            weight_decay=self.weight_decay,
+            beta1=self.betas[0],
+            beta2=self.betas[1],
+            eps=self.eps,
+            amsgrad=self.amsgrad,
+            maximize=self.maximize,
+        )
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the matching torch.optim constructor (see :meth:`torch_class`)."""
+        return {name: getattr(self, name) for name in _DEFAULTS[self.kind]}
+
+    def torch_class(self) -> type:
+        """``torch.optim.SGD``, ``torch.optim.Adam`` or ``torch.optim.AdamW``."""
+        return {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[
+            self.kind
+        ]
+
+    def replace(self, **changes: Any) -> "OptimizerConfig":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)
+
+
+# ---------------------------------------------------------------------- block optimizers
+
+
+class BlockOptimizer:
+    """Applies one optimizer to blocks: ``init_state(numel)`` then ``step(param, grad, state)``.
+
+    ``lr`` is mutable (``opt.lr = x``, validated) for learning-rate schedules; ``step(..., lr=x)``
+    overrides it for a single call without changing it. Both must be finite and >= 0.
+    """
+
+    config: OptimizerConfig
+
+    def __init__(self, config: OptimizerConfig) -> None:
+        self.config = config
+        self._lr = config.lr
+
+    @property
+    def lr(self) -> float:
+        """Current learning rate (starts at ``config.lr``)."""
+        return self._lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self._lr = _check_lr(value)
+
+    def init_state(self, numel: int) -> dict[str, torch.Tensor | int]:
+        """Fresh state for a block of ``numel`` float32 elements (CPU tensors)."""
+        raise NotImplementedError
+
+    def step(
+        self,
+        param: torch.Tensor,
+        grad: torch.Tensor | None,
+        state: dict[str, torch.Tensor | int],
+        *,
+        lr: float | None = None,
+    ) -> None:
+        """One optimizer step on ``param`` (updated in place) with ``grad``; ``state`` is updated.
+
+        ``grad=None`` means an all-zero gradient and behaves exactly like ``torch.zeros_like(param)``
+        (the step happens: step counts advance, momentum decays, weight decay applies). ``grad``
+        itself is never modified. ``param`` and ``grad`` are float32 tensors of the same shape
+        (blocks are 1-D, but any shape works).
+        """
+        raise NotImplementedError
+
+    # helpers
+
+    def _prepare(
+        self, param: torch.Tensor, grad: torch.Tensor | None, lr: float | None
+    ) -> tuple[torch.Tensor, bool, float]:
+        """(grad, grad_is_private, lr): the gradient to use, whether it may be modified in place."""
+        if param.dtype != torch.float32:
+            raise ShardlineConfigError(f"param dtype must be float32, got {param.dtype}")
+        step_lr = self._lr if lr is None else _check_lr(lr)
+        if grad is None:
+            return torch.zeros_like(param), True, step_lr
+        if grad.dtype != param.dtype:
+            raise ShardlineConfigError(f"grad dtype {grad.dtype} does not match param {param.dtype}")
+        if grad.shape != param.shape:
+            raise ShardlineConfigError(
+                f"grad shape {tuple(grad.shape)} does not match param {tuple(param.shape)}"
+            )
+        return grad, False, step_lr
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.config!r}, lr={self._lr!r})"
+
+
+class SGDBlockOptimizer(BlockOptimizer):
+    """torch.optim.SGD (``_single_tensor_sgd``).
+
+    State: ``step`` (int, steps taken) and, when ``momentum != 0``, ``momentum_buffer`` (float32,
+    preallocated; torch's "buffer is None" on the first step is ``step == 0`` here, and the first
+    step copies the gradient into it exactly like torch's ``grad.clone()``).
+    """
+
+    def init_state(self, numel: int) -> dict[str, torch.Tensor | int]:
+        state: dict[str, torch.Tensor | int] = {"step": 0}
+        if self.config.momentum != 0:
+            state["momentum_buffer"] = torch.zeros(int(numel), dtype=torch.float32)
+        return state
+
+    def step(self, param, grad, state, *, lr=None):
+        grad, private, lr = self._prepare(param, grad, lr)
+        c = self.config
+        momentum = c.momentum
+
+        if c.maximize:
+            grad = torch.neg(grad)  # torch: -grads[i]
+            private = True
+        if c.weight_decay != 0:
+            if private:
+                grad = grad.add_(param, alpha=c.weight_decay)
+            else:
+                grad = grad.add(param, alpha=c.weight_decay)
+                private = True
+
+        if momentum != 0:
+            buf = state["momentum_buffer"]
+            if state["step"] == 0:
+                buf.copy_(grad)  # torch: buf = grad.detach().clone()
+            else:
+                buf.mul_(momentum).add_(grad, alpha=1 - c.dampening)
+            if c.nesterov:
+                if private:
+                    grad = grad.add_(buf, alpha=momentum)
+                else:
+                    grad = grad.add(buf, alpha=momentum)
+            else:
+                grad = buf
+
+        param.add_(grad, alpha=-lr)
+        state["step"] = int(state["step"]) + 1
+
+
+class AdamBlockOptimizer(BlockOptimizer):
+    """torch.optim.Adam / AdamW (``_single_tensor_adam``; AdamW = decoupled weight decay).
+
+    State: ``step`` (0-dim float32 tensor, as torch keeps it: it stops counting at 2**24 exactly
+    like torch's), ``exp_avg``, ``exp_avg_sq`` and, with amsgrad, ``max_exp_avg_sq``.
+    """
+
+    def __init__(self, config: OptimizerConfig) -> None:
+        super().__init__(config)
+        self.decoupled_weight_decay = config.kind == "adamw"
+
+    def init_state(self, numel: int) -> dict[str, torch.Tensor | int]:
+        numel = int(numel)
+        state: dict[str, torch.Tensor | int] = {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": torch.zeros(numel, dtype=torch.float32),
+            "exp_avg_sq": torch.zeros(numel, dtype=torch.float32),
+        }
+        if self.config.amsgrad:
+            state["max_exp_avg_sq"] = torch.zeros(numel, dtype=torch.float32)
+        return state
+
+    def step(self, param, grad, state, *, lr=None):
+        grad, private, lr = self._prepare(param, grad, lr)
+        c = self.config
+        beta1, beta2 = c.betas
+        weight_decay = c.weight_decay
+        exp_avg = state["exp_avg"]
+        exp_avg_sq = state["exp_avg_sq"]
+        step_t = state["step"]
+
+        if c.maximize:
+            grad = torch.neg(grad)  # torch: -grads[i]
+            private = True
+
+        step_t += 1
+
+        if weight_decay != 0:
+            if self.decoupled_weight_decay:
+                param.mul_(1 - lr * weight_decay)
+            elif private:
+                grad = grad.add_(param, alpha=weight_decay)
+            else:
+                grad = grad.add(param, alpha=weight_decay)
+
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+
+        step = step_t.item()
+        bias_correction1 = 1 - beta1**step
+        bias_correction2 = 1 - beta2**step
+        step_size = lr / bias_correction1
+        bias_correction2_sqrt = bias_correction2**0.5
+
+        if c.amsgrad:
+            max_exp_avg_sq = state["max_exp_avg_sq"]
+            torch.maximum(max_exp_avg_sq, exp_avg_sq, out=max_exp_avg_sq)
+            denom = torch.sqrt(max_exp_avg_sq)
+        else:
+            denom = torch.sqrt(exp_avg_sq)
+        # torch: (v.sqrt() / bias_correction2_sqrt).add_(eps), with the division done in place here
+        denom.div_(bias_correction2_sqrt).add_(c.eps)
+
+        param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def make_optimizer(config: OptimizerConfig | Any) -> BlockOptimizer:
+    """The block optimizer for ``config`` (an OptimizerConfig or a ``shardline.v1.OptimizerSpec``)."""
+    if not isinstance(config, OptimizerConfig):
+        if hasattr(config, "beta1") and hasattr(config, "kind"):
+            config = OptimizerConfig.from_proto(config)
+        else:
+            raise ShardlineConfigError(f"Invalid optimizer config: {config!r}")
+    if config.kind == "sgd":
+        return SGDBlockOptimizer(config)
+    return AdamBlockOptimizer(config)

@@ -1,0 +1,204 @@
+"""Data-plane frame codec: an 8-byte prefix, a protobuf ``FrameHeader``, then raw tensor bytes.
+
+Prefix (big-endian): magic ``b"SL"``, format version (1), flags (0), uint32 header length.
+The payload is the concatenation of the listed blocks' bytes, in header order; a block flagged
+``zero`` carries no bytes. Everything a receiver needs to size its buffers is in the header, and
+``validate_header`` checks it against ``FrameLimits`` *before* any payload is read or allocated:
+dtype whitelist, ``numel * itemsize == nbytes``, ``sum(nbytes) == payload_bytes``, bounded
+header, payload and block count.
+
+Helpers here work on any object with ``recv_into``/``sendall`` (a socket), so the codec is tested
+without a network. Nothing is pickled: headers are protobuf, payloads are raw little-endian
+tensor bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from services.errors import FrameError, FrameTooLargeError
+from services.pb import dataplane_pb2 as dp
+
+PREFIX = struct.Struct(">2sBBI")
+MAGIC = b"SL"
+FORMAT_VERSION = 1
+
+Op = dp.Op
+ErrorCode = dp.ErrorCode
+FrameHeader = dp.FrameHeader
+BlockRef = dp.BlockRef
+
+ITEMSIZE = {dp.FLOAT32: 4, dp.FLOAT16: 2, dp.BFLOAT16: 2}
+TORCH_DTYPE = {dp.FLOAT32: torch.float32, dp.FLOAT16: torch.float16, dp.BFLOAT16: torch.bfloat16}
+WIRE_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
+KNOWN_OPS = frozenset(dp.Op.values()) - {dp.OP_UNSPECIFIED}
+
+
+@dataclass(frozen=True)
+class FrameLimits:
+    """Bounds a receiver enforces before allocating anything for a frame."""
+
+    max_header_bytes: int = 4 * 1024 * 1024
+    max_payload_bytes: int = 1024 * 1024 * 1024
+    max_blocks: int = 65_536
+
+
+DEFAULT_LIMITS = FrameLimits()
+
+
+def encode_prefix_and_header(header: FrameHeader) -> bytes:
+    body = header.SerializeToString()
+    return PREFIX.pack(MAGIC, FORMAT_VERSION, 0, len(body)) + body
+
+
+def decode_prefix(prefix: bytes | memoryview, limits: FrameLimits = DEFAULT_LIMITS) -> int:
+    """Validate the 8-byte prefix and return the header length."""
+    if len(prefix) != PREFIX.size:
+        raise FrameError(f"frame prefix must be {PREFIX.size} bytes, got {len(prefix)}")
+    magic, version, flags, header_len = PREFIX.unpack(prefix)
+    if magic != MAGIC:
+        raise FrameError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a Shardline data-plane peer")
+    if version != FORMAT_VERSION:
+        raise FrameError(f"unsupported frame format version {version} (this node speaks {FORMAT_VERSION})")
+    if flags != 0:
+        raise FrameError(f"unknown frame flags {flags:#x}")
+    if header_len == 0:
+        raise FrameError("frame header length is 0")
+    if header_len > limits.max_header_bytes:
+        raise FrameTooLargeError(f"frame header of {header_len} bytes exceeds the limit of {limits.max_header_bytes}")
+    return header_len
+
+
+def parse_header(body: bytes | memoryview) -> FrameHeader:
+    header = FrameHeader()
+    try:
+        header.ParseFromString(bytes(body))
+    except Exception as exc:  # protobuf raises DecodeError; any failure means garbage
+        raise FrameError(f"frame header is not a valid FrameHeader: {exc}") from None
+    return header
+
+
+def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -> None:
+    """Check the header's internal consistency and bounds. Raises FrameError / FrameTooLargeError.
+
+    Content checks that need server state (known job/tensor, ownership, expected block size) are
+    the receiver's; this function guarantees that ``payload_bytes`` is what the blocks add up to
+    and that it is within ``limits``.
+    """
+    if header.op not in KNOWN_OPS:
+        raise FrameError(f"unknown frame op {header.op}")
+    if header.payload_bytes > limits.max_payload_bytes:
+        raise FrameTooLargeError(
+            f"frame payload of {header.payload_bytes} bytes exceeds the limit of {limits.max_payload_bytes}"
+        )
+    if len(header.blocks) > limits.max_blocks:
+        raise FrameTooLargeError(f"frame lists {len(header.blocks)} blocks, limit is {limits.max_blocks}")
+    total = 0
+    for ref in header.blocks:
+        if ref.zero:
+            if ref.nbytes != 0:
+                raise FrameError(f"block {ref.tensor}[{ref.index}] is flagged zero but claims {ref.nbytes} bytes")
+            continue
+        if header.op == dp.OP_PULL and ref.nbytes == 0 and ref.numel == 0:
+            continue  # a pull request names blocks without carrying them
+        itemsize = ITEMSIZE.get(ref.dtype)
+        if itemsize is None:
+            raise FrameError(f"block {ref.tensor}[{ref.index}] has unsupported dtype {ref.dtype}")
+        if ref.numel * itemsize != ref.nbytes:
+            raise FrameError(
+                f"block {ref.tensor}[{ref.index}]: numel {ref.numel} * itemsize {itemsize} != nbytes {ref.nbytes}"
+            )
+        total += ref.nbytes
+    if total != header.payload_bytes:
+        raise FrameError(f"blocks add up to {total} bytes but the header claims payload_bytes={header.payload_bytes}")
+
+
+def recv_exactly_into(sock, view: memoryview) -> None:
+    """Fill ``view`` from ``sock``. Raises ConnectionError if the peer closes first."""
+    got = 0
+    n = len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        got += r
+
+
+def recv_header(sock, limits: FrameLimits = DEFAULT_LIMITS) -> FrameHeader:
+    """Read and validate one frame's prefix and header (not its payload)."""
+    prefix = bytearray(PREFIX.size)
+    recv_exactly_into(sock, memoryview(prefix))
+    header_len = decode_prefix(prefix, limits)
+    body = bytearray(header_len)
+    recv_exactly_into(sock, memoryview(body))
+    header = parse_header(body)
+    validate_header(header, limits)
+    return header
+
+
+def skip_bytes(sock, n: int, scratch: bytearray | None = None) -> None:
+    """Read and discard ``n`` payload bytes, keeping the stream aligned on frame boundaries."""
+    buf = scratch if scratch is not None and len(scratch) > 0 else bytearray(min(n, 1 << 20) or 1)
+    view = memoryview(buf)
+    while n > 0:
+        chunk = min(n, len(view))
+        recv_exactly_into(sock, view[:chunk])
+        n -= chunk
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor."""
+    if not t.is_contiguous():
+        raise ValueError("tensor must be contiguous")
+    if t.dtype == torch.bfloat16:
+        return memoryview(t.view(torch.int16).numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")
+
+
+def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes] = ()) -> None:
+    """Send a frame; ``header.payload_bytes`` is set from ``payloads``."""
+    header.payload_bytes = sum(len(p) for p in payloads)
+    head = encode_prefix_and_header(header)
+    if header.payload_bytes < 65536:
+        # Small frames: one syscall keeps latency down.
+        sock.sendall(b"".join([head, *[bytes(p) for p in payloads]]))
+        return
+    sock.sendall(head)
+    for p in payloads:
+        if len(p):
+            sock.sendall(p)
+
+
+def error_header(request_id: int, code: int, message: str, *, epoch: int = 0, step: int = 0) -> FrameHeader:
+    return FrameHeader(op=dp.OP_ERROR, request_id=request_id, code=code, message=message[:4096], epoch=epoch, step=step)
+
+
+def block_ref(tensor: str, index: int, t: torch.Tensor | None, *, version: int = 0, zero: bool = False,
+              numel: int | None = None) -> BlockRef:
+    """A BlockRef describing ``t`` (or a zero/absent block of ``numel`` elements)."""
+    if t is None:
+        return BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=numel or 0, nbytes=0,
+                        version=version, zero=zero)
+    dtype = WIRE_DTYPE.get(t.dtype)
+    if dtype is None:
+        raise ValueError(f"dtype {t.dtype} cannot go on the wire (float32, float16, bfloat16)")
+    return BlockRef(tensor=tensor, index=index, dtype=dtype, numel=t.numel(), nbytes=t.numel() * t.element_size(),
+                    version=version)
+
+
+def payload_views(buf: bytearray | memoryview, refs: Iterable[BlockRef]) -> list[tuple[BlockRef, torch.Tensor | None]]:
+    """Split a received payload into (ref, tensor view) pairs; zero-flag blocks give None."""
+    out = []
+    offset = 0
+    for ref in refs:
+        if ref.zero or ref.nbytes == 0:
+            out.append((ref, None))
+            continue
+        t = torch.frombuffer(buf, dtype=TORCH_DTYPE[ref.dtype], count=ref.numel, offset=offset)
+        out.append((ref, t))
+        offset += ref.nbytes
+    return out

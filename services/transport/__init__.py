@@ -1,0 +1,36 @@
+"""Data-plane transports, one module each, chosen by name: ``tcp``, ``rdma`` or ``auto``.
+
+A transport provides ``listen(host, port, serve_connection) -> Listener`` and
+``connect(address, connect_timeout) -> Connection``. A Connection has the socket methods the frame
+codec needs (``recv_into``, ``sendall``, ``close``), so ``services.frame`` works unchanged over
+any of them. ``auto`` picks RDMA when an RDMA device is present and TCP otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from services.errors import ShardlineConfigError
+
+log = logging.getLogger("shardline.transport")
+
+TRANSPORT_NAMES = ("tcp", "rdma", "auto")
+
+
+def get_transport(name: str):
+    """Return the transport module for ``name``. Raises ShardlineConfigError for unusable choices."""
+    if name not in TRANSPORT_NAMES:
+        raise ShardlineConfigError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {name!r}")
+    from services.transport import rdma, tcp
+
+    if name == "tcp":
+        return tcp
+    available, reason = rdma.rdma_available()
+    if name == "auto":
+        if available and rdma.IMPLEMENTED:
+            return rdma
+        log.info("no RDMA device (%s); data plane uses TCP", reason)
+        return tcp
+    if not available:
+        raise ShardlineConfigError(f"transport 'rdma' requested but {reason}; use 'auto' to fall back to TCP")
+    return rdma

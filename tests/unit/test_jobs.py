@@ -1,0 +1,246 @@
+"""JobRegistry: validation, normalization, idempotent creation, conflicts and readiness."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from dispatcher.jobs import JobRegistry, UnknownJobError
+from services.blocks import DEFAULT_BLOCK_ELEMENTS
+from services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from services.pb import common_pb2
+
+
+def make_spec(name: str = "sft-1", **overrides) -> common_pb2.JobSpec:
+    spec = common_pb2.JobSpec(
+        name=name,
+        optimizer=common_pb2.OptimizerSpec(kind="adamw", lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01),
+        sync="bsp",
+        world_size=2,
+        tensors=[
+            common_pb2.TensorSpec(name="layers.0.attn.weight", shape=[64, 64], trainable=True),
+            common_pb2.TensorSpec(name="embed/tokens", shape=[100, 64], dtype="float32", trainable=True),
+            common_pb2.TensorSpec(name="norm.bias", shape=[0], trainable=False),
+        ],
+    )
+    for key, value in overrides.items():
+        if key.startswith("optimizer_"):
+            setattr(spec.optimizer, key[len("optimizer_"):], value)
+        else:
+            setattr(spec, key, value)
+    return spec
+
+
+class FakeClock:
+    def __init__(self, t: float = 1_700_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def jobs() -> JobRegistry:
+    return JobRegistry(clock=FakeClock())
+
+
+def test_create_normalizes_and_records(jobs):
+    record, created = jobs.create(make_spec())
+    assert created is True
+    assert record.name == "sft-1" and record.ready is False
+    assert record.created_unix_ms == 1_700_000_000_000
+    assert record.spec.block_elements == DEFAULT_BLOCK_ELEMENTS
+    assert [t.dtype for t in record.spec.tensors] == ["float32"] * 3
+    assert jobs.get("sft-1").spec == record.spec
+
+
+def test_identical_create_returns_existing_job(jobs):
+    first, _ = jobs.create(make_spec())
+    again, created = jobs.create(make_spec())
+    assert created is False
+    assert again.spec == first.spec and again.created_unix_ms == first.created_unix_ms
+
+
+def test_spec_equal_after_normalization_is_not_a_conflict(jobs):
+    jobs.create(make_spec())
+    explicit = make_spec(block_elements=DEFAULT_BLOCK_ELEMENTS)
+    for tensor in explicit.tensors:
+        tensor.dtype = "float32"
+    reordered = make_spec()
+    reordered.tensors.reverse()
+    assert jobs.create(explicit)[1] is False
+    assert jobs.create(reordered)[1] is False
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"sync": "asp"}, "sync"),
+        ({"world_size": 4}, "world_size"),
+        ({"block_elements": 1024}, "block_elements"),
+        ({"allow_nonfinite": True}, "allow_nonfinite"),
+        ({"optimizer_lr": 2e-4}, "optimizer.lr"),
+        ({"optimizer_kind": "adam"}, "optimizer.kind"),
+    ],
+)
+def test_conflicting_create_names_the_differing_field(jobs, overrides, field):
+    jobs.create(make_spec())
+    with pytest.raises(ShardlineStateError) as err:
+        jobs.create(make_spec(**overrides))
+    assert field in str(err.value) and "sft-1" in str(err.value)
+    assert not isinstance(err.value, UnknownJobError)
+
+
+def test_conflicting_tensors_are_named(jobs):
+    jobs.create(make_spec())
+    reshaped = make_spec()
+    reshaped.tensors[1].shape[:] = [101, 64]
+    with pytest.raises(ShardlineStateError, match=r"'embed/tokens' shape is \[100, 64\] but the request has \[101, 64\]"):
+        jobs.create(reshaped)
+    fewer = make_spec()
+    del fewer.tensors[2]
+    with pytest.raises(ShardlineStateError, match="norm.bias"):
+        jobs.create(fewer)
+    frozen = make_spec()
+    frozen.tensors[0].trainable = False
+    with pytest.raises(ShardlineStateError, match="trainable"):
+        jobs.create(frozen)
+
+
+def bad_tensor(**fields) -> common_pb2.JobSpec:
+    spec = make_spec()
+    spec.tensors.append(common_pb2.TensorSpec(**fields))
+    return spec
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        (make_spec(name=""), "''"),
+        (make_spec(name="has space"), "'has space'"),
+        (make_spec(name="a/b"), "'a/b'"),
+        (make_spec(name="x" * 129), "xxxx"),
+        (make_spec(sync="ssp"), "'ssp'"),
+        (make_spec(world_size=0), "world_size"),
+        (make_spec(block_elements=64 * 1024 * 1024 + 1), "67108865"),
+        (make_spec(optimizer_kind="lion"), "'lion'"),
+        (make_spec(optimizer_kind=""), "optimizer.kind"),
+        (make_spec(optimizer_lr=-0.1), "-0.1"),
+        (make_spec(optimizer_lr=float("nan")), "nan"),
+        (make_spec(optimizer_beta2=1.0), "optimizer.beta2"),
+        (make_spec(optimizer_eps=-1e-8), "optimizer.eps"),
+        (make_spec(optimizer_weight_decay=-0.01), "optimizer.weight_decay"),
+        (bad_tensor(name="bad name!", shape=[1]), "'bad name!'"),
+        (bad_tensor(name="", shape=[1]), "''"),
+        (bad_tensor(name="t" * 257, shape=[1]), "tttt"),
+        (bad_tensor(name="norm.bias", shape=[1]), "'norm.bias'"),
+        (bad_tensor(name="neg", shape=[2, -1]), "[2, -1]"),
+        (bad_tensor(name="half", shape=[2], dtype="float16"), "'float16'"),
+    ],
+)
+def test_invalid_specs_are_rejected_quoting_the_value(jobs, spec, fragment):
+    with pytest.raises(ShardlineConfigError) as err:
+        jobs.create(spec)
+    assert fragment in str(err.value)
+    assert jobs.list() == []
+
+
+def test_sgd_nesterov_follows_torch_rules(jobs):
+    sgd = common_pb2.OptimizerSpec(kind="sgd", lr=0.1, nesterov=True)
+    spec = make_spec()
+    spec.optimizer.CopyFrom(sgd)
+    with pytest.raises(ShardlineConfigError, match="nesterov"):
+        jobs.create(spec)
+    spec.optimizer.momentum = 0.9
+    assert jobs.create(spec)[1] is True
+
+
+def test_missing_optimizer_is_rejected(jobs):
+    spec = make_spec()
+    spec.ClearField("optimizer")
+    with pytest.raises(ShardlineConfigError, match="optimizer.kind"):
+        jobs.create(spec)
+
+
+def test_records_are_copies(jobs):
+    record, _ = jobs.create(make_spec())
+    record.spec.world_size = 99
+    assert jobs.get("sft-1").spec.world_size == 2
+
+
+def test_get_unknown_job_raises_not_found_error(jobs):
+    with pytest.raises(UnknownJobError, match="'nope'"):
+        jobs.get("nope")
+    with pytest.raises(UnknownJobError):
+        jobs.mark_ready("nope")
+    with pytest.raises(UnknownJobError):
+        jobs.wait_ready("nope", 0.0)
+
+
+def test_mark_ready_is_idempotent(jobs):
+    jobs.create(make_spec())
+    assert jobs.mark_ready("sft-1").ready is True
+    assert jobs.mark_ready("sft-1").ready is True
+    assert jobs.get("sft-1").ready is True
+
+
+def test_wait_ready_times_out(jobs):
+    jobs.create(make_spec())
+    with pytest.raises(ShardlineTimeoutError, match="sft-1"):
+        jobs.wait_ready("sft-1", 0.0)
+    start = time.monotonic()
+    with pytest.raises(ShardlineTimeoutError):
+        jobs.wait_ready("sft-1", 0.1)
+    assert 0.09 <= time.monotonic() - start < 2.0
+
+
+def test_wait_ready_wakes_when_marked(jobs):
+    jobs.create(make_spec())
+    results: list = []
+    waiters = [threading.Thread(target=lambda: results.append(jobs.wait_ready("sft-1", 10.0))) for _ in range(3)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.05)
+    start = time.monotonic()
+    jobs.mark_ready("sft-1")
+    for w in waiters:
+        w.join(timeout=5)
+    assert time.monotonic() - start < 1.0
+    assert [r.ready for r in results] == [True, True, True]
+
+
+def test_wait_ready_on_ready_job_returns_at_once(jobs):
+    jobs.create(make_spec())
+    jobs.mark_ready("sft-1")
+    assert jobs.wait_ready("sft-1", 0.0).ready is True
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf")])
+def test_wait_ready_rejects_bad_timeout(jobs, timeout):
+    jobs.create(make_spec())
+    with pytest.raises(ShardlineConfigError, match="timeout"):
+        jobs.wait_ready("sft-1", timeout)
+
+
+def test_list_is_sorted_by_name(jobs):
+    for name in ("b-job", "a-job", "c.job"):
+        jobs.create(make_spec(name=name))
+    assert [r.name for r in jobs.list()] == ["a-job", "b-job", "c.job"]
+
+
+def test_concurrent_creates_have_exactly_one_creator(jobs):
+    barrier = threading.Barrier(8)
+    created: list[bool] = []
+
+    def create() -> None:
+        barrier.wait()
+        created.append(jobs.create(make_spec())[1])
+
+    threads = [threading.Thread(target=create) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert sorted(created) == [False] * 7 + [True]

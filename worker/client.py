@@ -1,0 +1,393 @@
+"""Worker-side client of a Shardline cluster: job set-up, push, commit, (delta) pull.
+
+Locating blocks is local: the client fetches the routing table from the dispatcher, builds the
+same CityHash64 ring as the PS nodes, and talks to each owning node over one data-plane
+connection. A ``NOT_OWNER`` reply makes it refresh routing and resend only the refused blocks.
+
+The client keeps an L1 cache: one flat fp32 tensor per job tensor plus the version of each block
+it holds. Pulls name those versions, so nodes send only blocks that changed (delta pull), and the
+reply payload is received straight into the cached tensor (``bind`` lets that tensor be a model
+parameter, so pulls land in the parameter itself).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from services import frame
+from services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
+from services.dispatcher_client import DispatcherClient
+from services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
+                             ShardlineStateError, ShardlineTimeoutError)
+from services.pb import common_pb2
+from services.pb import dataplane_pb2 as dp
+from services.routing import RoutingView
+from services.transport import get_transport
+
+log = logging.getLogger("shardline.worker")
+
+
+@dataclass
+class TransferStats:
+    pushed_bytes: int = 0
+    pulled_bytes: int = 0
+    pushed_zero_blocks: int = 0
+    pulled_blocks: int = 0
+
+
+class _NodeConnection:
+    """One data-plane connection to a PS node; requests on it are serialized."""
+
+    def __init__(self, address: str, transport, connect_timeout: float):
+        self.address = address
+        self.sock = transport.connect(address, connect_timeout)
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+class Client:
+    """Connection of one worker to one job. Not thread-safe: one training loop drives it.
+
+    Timeouts: ``rpc_timeout`` for control-plane calls, ``pull_timeout`` for a waiting pull (how long
+    a worker waits for the slowest worker of a BSP step), ``connect_timeout`` for data-plane
+    connections and for waiting on the job creator.
+    """
+
+    def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
+                 rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
+                 max_retries: int = 5):
+        self.job = job
+        self.rank = rank
+        self.pull_timeout = pull_timeout
+        self.connect_timeout = connect_timeout
+        self.max_retries = max_retries
+        self._transport = get_transport(transport)
+        self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout)
+        self.dispatcher.wait_until_reachable(connect_timeout)
+        self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
+        self.spec: common_pb2.JobSpec | None = None
+        self.step: int | None = None
+        self.stats = TransferStats()
+        self._values: dict[str, torch.Tensor] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._slices: dict[str, list] = {}
+        self._versions: dict[tuple[str, int], int] = {}
+        self._conns: dict[str, _NodeConnection] = {}
+        self._request_ids = itertools.count(1)
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
+        info = self.dispatcher.get_job(job)
+        if info is not None and info.ready:
+            self._load_spec(info.spec)
+
+    # --- job set-up -------------------------------------------------------------------------
+    def _load_spec(self, spec: common_pb2.JobSpec) -> None:
+        self.spec = spec
+        for t in spec.tensors:
+            shape = tuple(int(d) for d in t.shape)
+            numel = math.prod(shape)
+            self._shapes[t.name] = shape
+            self._slices[t.name] = block_slices(numel, int(spec.block_elements))
+            if t.name not in self._values:
+                self._values[t.name] = torch.zeros(numel, dtype=torch.float32)
+
+    @property
+    def sync(self) -> str:
+        return self._require_spec().sync
+
+    def _require_spec(self) -> common_pb2.JobSpec:
+        if self.spec is None:
+            raise ShardlineStateError(f"job {self.job!r} is not ready on the cluster; call init() first")
+        return self.spec
+
+    def init(self, tensors: dict[str, torch.Tensor], *, optimizer: str = "sgd", sync: str = "bsp",
+             world_size: int = 1, block_elements: int | None = None, trainable: dict[str, bool] | None = None,
+             allow_nonfinite: bool = False, ready_timeout: float | None = None, **optimizer_kwargs) -> bool:
+        """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
+
+        Returns True if this call created the job (and so wrote the initial values). A job that
+        exists must have the same tensors (names and shapes), or ShardlineStateError is raised.
+        """
+        from ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+
+        opt = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
+        trainable = trainable or {}
+        spec = common_pb2.JobSpec(name=self.job, optimizer=opt.to_proto(), sync=sync, world_size=world_size,
+                                  block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite)
+        for name, t in tensors.items():
+            spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True))
+        resp = self.dispatcher.create_job(spec)
+        if resp.created:
+            self._load_spec(resp.job.spec)
+            for name, t in tensors.items():
+                self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
+            self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=0)
+            for name in tensors:
+                for s in self._slices[name]:
+                    self._versions[(name, s.index)] = 0
+            self.dispatcher.mark_job_ready(self.job)
+            self.step = 0
+            return True
+        self.wait_ready(ready_timeout)
+        have = {t.name: tuple(t.shape) for t in self.spec.tensors}
+        want = {n: tuple(t.shape) for n, t in tensors.items()}
+        if have != want:
+            raise ShardlineStateError(f"job {self.job!r} exists with tensors {have}, not {want}")
+        return False
+
+    def wait_ready(self, timeout: float | None = None) -> common_pb2.JobSpec:
+        """Wait until the job exists and its creator initialized it."""
+        timeout = self.connect_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while self.dispatcher.get_job(self.job) is None:
+            if time.monotonic() > deadline:
+                raise ShardlineTimeoutError(f"job {self.job!r} was not created within {timeout:g} s")
+            time.sleep(0.1)
+        info = self.dispatcher.wait_job_ready(self.job, max(0.1, deadline - time.monotonic()))
+        self._load_spec(info.spec)
+        return info.spec
+
+    def bind(self, name: str, tensor: torch.Tensor, *, same_contents: bool = False) -> None:
+        """Make ``tensor`` (contiguous CPU float32 of the tensor's shape) the cache of ``name``.
+
+        Pulls then write into it directly. Unless ``same_contents`` (the caller guarantees it holds
+        exactly the cached values), its contents are unknown, so the next pull transfers every block
+        of it once.
+        """
+        self._require_spec()
+        if name not in self._shapes:
+            raise ShardlineConfigError(f"job {self.job!r} has no tensor {name!r}")
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ShardlineConfigError(f"bind({name!r}) needs a contiguous CPU float32 tensor, got {tensor.dtype} on {tensor.device}")
+        if tuple(tensor.shape) != self._shapes[name]:
+            raise ShardlineConfigError(f"bind({name!r}): shape {tuple(tensor.shape)} != job shape {self._shapes[name]}")
+        self._values[name] = tensor.view(-1)
+        if same_contents:
+            return
+        for s in self._slices[name]:
+            self._versions.pop((name, s.index), None)
+
+    # --- data path --------------------------------------------------------------------------
+    def pull(self, names=None, *, min_step: int | None = None, timeout: float | None = None) -> dict[str, torch.Tensor]:
+        """Fetch tensors (default: all of the job). Only blocks newer than the cached ones move.
+
+        BSP: waits server-side until the nodes are at ``min_step`` (default: this client's step).
+        Returns copies shaped like the job's tensors.
+        """
+        names = self._names(names)
+        self._pull(names, min_step=min_step, timeout=timeout)
+        return {n: self._values[n].clone().view(self._shapes[n]) for n in names}
+
+    def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0) -> None:
+        """Contribute gradients for the current step.
+
+        BSP: push to the owning nodes, then commit the step on every node (the step is applied
+        once all workers committed); the client's step advances. ASP: applied on arrival.
+        ``None`` gradients are not sent (the tensor is not stepped unless another worker sends one).
+        """
+        self._push(grads, weight)
+        if self.sync == "bsp":
+            self._commit(weight)
+
+    def step_sync(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, pull_names=None) -> int:
+        """One training step: push, commit (BSP), then pull what changed. Returns the new step."""
+        self._push(grads, weight)
+        if self.sync == "bsp":
+            self._commit(weight)
+        self._pull(self._names(pull_names), min_step=None, timeout=None)
+        return self.step
+
+    def _names(self, names) -> list[str]:
+        self._require_spec()
+        if names is None:
+            return list(self._shapes)
+        names = [names] if isinstance(names, str) else list(names)
+        for n in names:
+            if n not in self._shapes:
+                raise ShardlineConfigError(f"job {self.job!r} has no tensor {n!r}")
+        return names
+
+    def _current_step(self) -> int:
+        if self.step is None:
+            self._pull([], min_step=0, timeout=None)  # learn the step from the nodes
+        return self.step or 0
+
+    def _push(self, grads: dict[str, torch.Tensor | None], weight: float) -> None:
+        spec = self._require_spec()
+        if not (math.isfinite(weight) and weight > 0):
+            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        trainable = {t.name: t.trainable for t in spec.tensors}
+        payload: dict[tuple[str, int], torch.Tensor | None] = {}
+        for name, g in grads.items():
+            if g is None:
+                continue
+            if name not in self._shapes:
+                raise ShardlineConfigError(f"job {self.job!r} has no tensor {name!r}")
+            if not trainable[name]:
+                raise ShardlineConfigError(f"tensor {name!r} is frozen in job {self.job!r}; it takes no gradient")
+            if tuple(g.shape) != self._shapes[name]:
+                raise ShardlineConfigError(f"gradient for {name!r} has shape {tuple(g.shape)}, tensor is {self._shapes[name]}")
+            flat = g.detach().to("cpu").reshape(-1)
+            if flat.dtype not in frame.WIRE_DTYPE:
+                flat = flat.to(torch.float32)
+            flat = flat.contiguous()
+            if not spec.allow_nonfinite and not bool(torch.isfinite(flat).all()):
+                raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
+            for s in self._slices[name]:
+                part = flat[s.start:s.stop]
+                payload[(name, s.index)] = part if bool(part.any()) else None
+        step = self._current_step()
+        self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+
+    def _commit(self, weight: float) -> None:
+        step = self._current_step()
+        self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
+        self.step = step + 1
+
+    def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> None:
+        if min_step is None:
+            min_step = self.step if (self.step is not None and self.sync == "bsp") else 0
+        keys = [(n, s.index) for n in names for s in self._slices[n]]
+        self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=timeout or self.pull_timeout, all_nodes=not keys)
+
+    # --- scatter/gather over nodes ------------------------------------------------------------
+    def _conn(self, node_id: str) -> _NodeConnection:
+        conn = self._conns.get(node_id)
+        address = self.routing.data_address(node_id)
+        if conn is None or conn.address != address:
+            if conn is not None:
+                conn.close()
+            conn = self._conns[node_id] = _NodeConnection(address, self._transport, self.connect_timeout)
+        return conn
+
+    def refresh_routing(self) -> None:
+        self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
+
+    def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
+                 min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False) -> None:
+        """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those."""
+        pending = list(keys)
+        done_nodes: set[str] = set()
+        for attempt in range(self.max_retries + 1):
+            groups: dict[str, list] = {}
+            for key in pending:
+                groups.setdefault(self.routing.owner(self.job, *key), []).append(key)
+            if all_nodes:
+                for node_id in self.routing.nodes:
+                    if node_id not in done_nodes:
+                        groups.setdefault(node_id, [])
+            futures = {node_id: self._pool.submit(self._exchange, node_id, op, blocks, step, weight, grads, min_step, timeout)
+                       for node_id, blocks in groups.items()}
+            retry, errors, steps, refused = [], [], [], False
+            for node_id, fut in futures.items():
+                try:
+                    steps.append(fut.result())
+                    done_nodes.add(node_id)
+                except NotOwnerError:
+                    refused = True
+                    retry.extend(groups[node_id])
+                except (RemoteError, ShardlineConnectionError, ConnectionError, OSError) as exc:
+                    errors.append((node_id, exc))
+            if errors:
+                node_id, exc = errors[0]
+                if isinstance(exc, RemoteError):
+                    raise exc
+                raise ShardlineConnectionError(f"data plane to node {node_id!r} failed: {exc}") from exc
+            if steps and self.step is None:
+                self.step = max(steps)
+            if not refused:
+                return
+            log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", len(retry))
+            self.refresh_routing()
+            pending = retry
+        raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} routing refreshes")
+
+    def _exchange(self, node_id: str, op: int, keys: list, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
+        header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
+                                   step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout)
+        payloads = []
+        expected: dict[tuple[str, int], object] = {}
+        for name, index in keys:
+            s = self._slices[name][index]
+            if op == dp.OP_PUSH:
+                g = grads[(name, index)]
+                if g is None:
+                    header.blocks.append(frame.block_ref(name, index, None, zero=True, numel=s.numel))
+                    self.stats.pushed_zero_blocks += 1
+                else:
+                    header.blocks.append(frame.block_ref(name, index, g))
+                    payloads.append(frame.tensor_bytes(g))
+            elif op == dp.OP_INIT:
+                v = self._values[name][s.start:s.stop]
+                header.blocks.append(frame.block_ref(name, index, v))
+                payloads.append(frame.tensor_bytes(v))
+            else:  # pull
+                have = self._versions.get((name, index))
+                header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None))
+                expected[(name, index)] = s
+        conn = self._conn(node_id)
+        with conn.lock:
+            try:
+                frame.send_frame(conn.sock, header, payloads)
+                reply = frame.recv_header(conn.sock, frame.FrameLimits(max_payload_bytes=1 << 40))
+            except (OSError, ConnectionError) as exc:
+                conn.close()
+                self._conns.pop(node_id, None)
+                raise ShardlineConnectionError(f"node {node_id!r} at {conn.address}: {exc}") from exc
+            if reply.op == dp.OP_ERROR:
+                code = dp.ErrorCode.Name(reply.code)
+                if reply.code == dp.NOT_OWNER:
+                    raise NotOwnerError(code, reply.message, epoch=reply.epoch, step=reply.step)
+                if reply.code in (dp.BAD_FRAME, dp.TOO_LARGE):
+                    conn.close()
+                    self._conns.pop(node_id, None)
+                raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
+            if op == dp.OP_PUSH:
+                self.stats.pushed_bytes += header.payload_bytes
+            if op == dp.OP_PULL:
+                self._receive_blocks(conn, node_id, reply, expected)
+        return reply.step
+
+    def _receive_blocks(self, conn: _NodeConnection, node_id: str, reply, expected: dict) -> None:
+        """Receive a pull reply's payload straight into the cached tensors, validating each block first."""
+        for ref in reply.blocks:
+            s = expected.get((ref.tensor, ref.index))
+            if s is None or ref.dtype != dp.FLOAT32 or ref.numel != s.numel or ref.zero:
+                conn.close()
+                self._conns.pop(node_id, None)
+                raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {ref.tensor}[{ref.index}]")
+            dest = self._values[ref.tensor][s.start:s.stop]
+            frame.recv_exactly_into(conn.sock, frame.tensor_bytes(dest))
+            self._versions[(ref.tensor, ref.index)] = ref.version
+            self.stats.pulled_bytes += ref.nbytes
+            self.stats.pulled_blocks += 1
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
+        self._pool.shutdown(wait=False)
+        self.dispatcher.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def connect(cluster: str, job: str, **kwargs) -> Client:
+    """Connect to the cluster whose dispatcher is at ``cluster`` (HOST:PORT) for ``job``."""
+    return Client(cluster, job, **kwargs)

@@ -1,0 +1,117 @@
+"""``PSOptimizer``: a drop-in optimizer for torch training loops backed by a Shardline cluster.
+
+``step()`` pushes the gradients (blocks whose gradient is exactly zero go as a flag), commits the
+step under BSP, waits server-side for the cluster to apply it, and pulls only the blocks that
+changed straight into the parameters. The optimizer math runs on the PS nodes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+
+from services.errors import ShardlineConfigError
+from worker.client import Client
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ShardlineConfigError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+class PSOptimizer:
+    """Optimizer whose state and update live on the parameter servers.
+
+    ``named_parameters``: (name, parameter) pairs, as ``model.named_parameters()`` gives. Frozen
+    parameters (``requires_grad=False``) are registered too, so workers that did not create the job
+    get them from the cluster; they never change, so after the first pull they cost nothing.
+
+    Rank 0 creates the job from its parameters if the cluster lacks it; every other rank (and every
+    rank of a resumed job) starts from the values the cluster holds.
+    ``world_size``/``rank`` default to ``WORLD_SIZE``/``RANK`` (as torchrun sets them), else 1/0.
+    Remaining keyword arguments are the optimizer's hyperparameters with torch.optim's names.
+    """
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], cluster: str, job: str, *,
+                 optimizer: str = "adamw", sync: str = "bsp", world_size: int | None = None, rank: int | None = None,
+                 block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
+                 connect_timeout: float = 60.0, allow_nonfinite: bool = False, **optimizer_kwargs):
+        self.params = list(named_parameters)
+        if not self.params:
+            raise ShardlineConfigError("PSOptimizer got no parameters")
+        names = [n for n, _ in self.params]
+        if len(set(names)) != len(names):
+            raise ShardlineConfigError("parameter names must be unique")
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
+        self.rank = _env_int("RANK", 0) if rank is None else int(rank)
+        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+            raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
+        self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
+                             connect_timeout=connect_timeout)
+        created = False
+        if self.rank == 0:
+            created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,
+                             world_size=self.world_size, block_elements=block_elements,
+                             trainable={n: p.requires_grad for n, p in self.params},
+                             allow_nonfinite=allow_nonfinite, **optimizer_kwargs)
+        else:
+            self.client.wait_ready(connect_timeout)
+        spec = self.client.spec
+        if spec.world_size != self.world_size:
+            raise ShardlineConfigError(f"job {job!r} has world_size {spec.world_size}, this worker says {self.world_size}")
+        # Pulls land directly in parameters that are contiguous CPU fp32; others go through the cache.
+        self._copy_back = []
+        for name, p in self.params:
+            if p.dtype == torch.float32 and p.device.type == "cpu" and p.data.is_contiguous():
+                # The creator's parameters are exactly what it initialized the job with.
+                self.client.bind(name, p.data, same_contents=created)
+            else:
+                self._copy_back.append((name, p))
+        self.client._pull([n for n, _ in self.params], min_step=0, timeout=None)
+        self._sync_copies()
+
+    def _sync_copies(self) -> None:
+        with torch.no_grad():
+            for name, p in self._copy_back:
+                p.copy_(self.client._values[name].view(p.shape))
+
+    @property
+    def version(self) -> int:
+        """The job step whose parameters the model now holds."""
+        return self.client.step or 0
+
+    def step(self, weight: float | None = None) -> int:
+        """Push gradients, commit (BSP), wait for the applied step and pull changed blocks.
+
+        ``weight`` is this worker's weight in the mean over workers (default 1); pass the number of
+        tokens of an imbalanced batch. Returns the new version.
+        """
+        grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
+        version = self.client.step_sync(grads, weight=1.0 if weight is None else float(weight))
+        self._sync_copies()
+        return version
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for _, p in self.params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.zero_()
+
+    def close(self) -> None:
+        self.client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
