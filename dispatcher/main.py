@@ -31,11 +31,17 @@ log = logging.getLogger("shardline.dispatcher")
 PROG = "shardline-dispatcher"
 DEFAULT_LISTEN = "0.0.0.0:7000"
 STOP_GRACE_SECONDS = 5.0
-# Keys a --config file may set; --config itself cannot be nested.
-CONFIG_KEYS = (
-    "listen", "metrics_port", "ready_file", "log_level",
-    "heartbeat_timeout", "heartbeat_interval", "vnodes_per_capacity",
-)
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
+# Keys a --config file may set and the type each value must have; --config itself cannot nest.
+CONFIG_KEYS: dict[str, type] = {
+    "listen": str,
+    "metrics_port": int,
+    "ready_file": str,
+    "log_level": str,
+    "heartbeat_timeout": float,
+    "heartbeat_interval": float,
+    "vnodes_per_capacity": int,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_args(parser, default_listen=DEFAULT_LISTEN)
     parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
                         help="seconds without a heartbeat after which a PS node is declared dead")
-    parser.add_argument("--heartbeat-interval", type=float, default=1.0,
-                        help="seconds between heartbeats that PS nodes are told to use")
+    parser.add_argument("--heartbeat-interval", type=float, default=None,
+                        help="seconds between heartbeats that PS nodes are told to use "
+                             "(default: 1, or a third of --heartbeat-timeout if that is less)")
     parser.add_argument("--vnodes-per-capacity", type=int, default=128,
                         help="virtual nodes on the ring per unit of node capacity")
     return parser
@@ -63,18 +70,25 @@ def load_config(path: str) -> dict:
         return {}
     if not isinstance(data, dict):
         raise ShardlineConfigError(f"--config {path!r} must hold a mapping of option names, got {type(data).__name__}")
-    for key in data:
+    for key, value in data.items():
         if key not in CONFIG_KEYS:
             raise ShardlineConfigError(
                 f"unknown key {key!r} in --config {path!r}; known keys: {', '.join(CONFIG_KEYS)}"
             )
+        _check_type(value, CONFIG_KEYS[key], f"{key} in --config {path!r}")
     return data
 
 
-def _check_number(value: object, key: str, kind: type) -> None:
-    # YAML may give a string or a bool where a number belongs; argparse types only cover flags.
-    if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
-        raise ShardlineConfigError(f"{key} must be {'a number' if kind is float else 'an integer'}, got {value!r}")
+def _check_type(value: object, kind: type, what: str) -> None:
+    # Values from the file bypass argparse's type conversion, so they are checked here.
+    if kind is str:
+        ok, expected = isinstance(value, str), "a string"
+    elif kind is int:
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
+    else:
+        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    if not ok:
+        raise ShardlineConfigError(f"{what} must be {expected}, got {value!r}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -84,13 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.config:
         parser.set_defaults(**load_config(args.config))
         args = parser.parse_args(argv)
-    _check_number(args.heartbeat_timeout, "heartbeat_timeout", float)
-    _check_number(args.heartbeat_interval, "heartbeat_interval", float)
-    _check_number(args.vnodes_per_capacity, "vnodes_per_capacity", int)
-    _check_number(args.metrics_port, "metrics_port", int)
     if not 0 <= args.metrics_port <= 65535:
         raise ShardlineConfigError(f"metrics_port must be in 0..65535, got {args.metrics_port!r}")
     parse_host_port(args.listen, what="listen")
+    if args.heartbeat_interval is None:
+        # Leave room for two missed heartbeats before a node counts as dead.
+        args.heartbeat_interval = min(DEFAULT_HEARTBEAT_INTERVAL, args.heartbeat_timeout / 3)
     return args
 
 

@@ -59,6 +59,14 @@ def job_info(record: JobRecord) -> dispatcher_pb2.JobInfo:
     return dispatcher_pb2.JobInfo(spec=record.spec, ready=record.ready, created_unix_ms=record.created_unix_ms)
 
 
+class _Abort(Exception):
+    """Raised inside a handler to end the call with a specific status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
 def _status_of(exc: Exception) -> grpc.StatusCode:
     if isinstance(exc, ShardlineConfigError):
         return grpc.StatusCode.INVALID_ARGUMENT
@@ -93,14 +101,6 @@ def _rpc(method: Callable) -> Callable:
         context.abort(code, message)
 
     return wrapper
-
-
-class _Abort(Exception):
-    """Raised inside a handler to end the call with a specific status."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(message)
-        self.code, self.message = code, message
 
 
 class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
@@ -271,6 +271,7 @@ def create_server(
     ``heartbeat_interval`` is what nodes are told to use; it must be below ``heartbeat_timeout`` or
     healthy nodes would be declared dead between heartbeats.
     """
+    membership = Membership(heartbeat_timeout, vnodes_per_capacity)  # validates both
     if (
         isinstance(heartbeat_interval, bool)
         or not isinstance(heartbeat_interval, (int, float))
@@ -278,7 +279,6 @@ def create_server(
         or heartbeat_interval <= 0
     ):
         raise ShardlineConfigError(f"heartbeat_interval must be a finite number of seconds > 0, got {heartbeat_interval!r}")
-    membership = Membership(heartbeat_timeout, vnodes_per_capacity)
     if heartbeat_interval >= heartbeat_timeout:
         raise ShardlineConfigError(
             f"heartbeat_interval must be below heartbeat_timeout, got interval {heartbeat_interval!r} "

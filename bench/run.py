@@ -1,0 +1,601 @@
+"""Shardline data-plane benchmark: throughput of a 64 MiB tensor and latency of a 4 KiB pull,
+each against a raw-TCP baseline measured in the same run, interleaved.
+
+    .venv/bin/python bench/run.py --out bench/results/latest.json     # full run (~1-2 min)
+    .venv/bin/python bench/run.py --quick                             # sanity run (~30 s)
+
+The machine is shared and noisy, so no absolute number here means much on its own: every Shardline
+measurement is taken next to a raw-TCP measurement of the same transfer, alternating A/B/A/B
+(the order of the groups rotates every repetition), and reported as a ratio. See bench/README.md
+for what each row measures.
+
+The script starts its own daemons as subprocesses (``python -m dispatcher.main`` and
+``python -m ps_server.main`` with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file F``) plus the
+raw-TCP peer (``bench/rawpeer.py``), and always stops them (SIGTERM, then SIGKILL after 10 s), also
+when interrupted; children also get PR_SET_PDEATHSIG so a killed benchmark leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import datetime as _dt
+import itertools
+import json
+import math
+import os
+import platform
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from services import frame  # noqa: E402
+from services.dispatcher_client import DispatcherClient  # noqa: E402
+from services.pb import dataplane_pb2 as dp  # noqa: E402
+from services.transport import tcp  # noqa: E402
+from worker.client import connect  # noqa: E402
+
+BIG_ELEMENTS = 16 * 1024 * 1024          # 64 MiB of fp32
+BIG_BYTES = BIG_ELEMENTS * 4
+SMALL_ELEMENTS = 1024                     # 4 KiB of fp32
+SMALL_BYTES = SMALL_ELEMENTS * 4
+LR = 1e-6                                 # SGD lr: real optimizer work, values stay sane
+TARGET_RATIO = 0.6
+HELLO = struct.Struct(">cQ")
+PY = sys.executable
+
+
+# --------------------------------------------------------------------------------------------
+# processes
+# --------------------------------------------------------------------------------------------
+def _pdeathsig():
+    """In the child: get SIGTERM if the benchmark dies, so no daemon outlives it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Processes:
+    """Subprocesses of this run; ``stop_all`` terminates exactly these, by pid."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen, Path]] = []
+
+    def spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
+        ready = self.workdir / f"{name}.ready.json"
+        log = self.workdir / f"{name}.log"
+        with open(log, "wb") as fh:
+            p = subprocess.Popen([*argv, "--ready-file", str(ready)], cwd=ROOT, stdin=subprocess.DEVNULL,
+                                 stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig)
+        self.procs.append((name, p, log))
+        return p, ready
+
+    def wait_ready(self, name: str, p: subprocess.Popen, ready: Path, timeout: float = 90.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            if ready.exists():
+                try:
+                    return json.loads(ready.read_text())
+                except ValueError:
+                    pass  # written atomically by the daemons, but be safe
+            if p.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {p.returncode} before it was ready:\n{self.tail(name)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{name} not ready after {timeout:g} s:\n{self.tail(name)}")
+            time.sleep(0.05)
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        for n, _, log in self.procs:
+            if n == name:
+                try:
+                    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                except OSError:
+                    return ""
+        return ""
+
+    def stop_all(self, grace: float = 10.0) -> dict[str, int | None]:
+        for _, p, _ in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        codes = {}
+        for name, p, _ in self.procs:
+            try:
+                codes[name] = p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes[name] = p.wait()
+        return codes
+
+
+class Cluster:
+    def __init__(self, name: str, dispatcher: str, ps: list[dict]):
+        self.name, self.dispatcher, self.ps = name, dispatcher, ps
+
+
+def start_clusters(procs: Processes, layout: dict[str, int]) -> dict[str, Cluster]:
+    """Start one dispatcher + N PS nodes per entry of ``layout`` (name -> N), in parallel."""
+    common = ["--listen", "127.0.0.1:0", "--metrics-port", "0", "--log-level", "WARNING"]
+    dispatchers = {name: procs.spawn(f"{name}-dispatcher", [PY, "-m", "dispatcher.main", *common]) for name in layout}
+    addrs = {name: procs.wait_ready(f"{name}-dispatcher", *dispatchers[name])["grpc"] for name in layout}
+    ps = {name: [procs.spawn(f"{name}-ps{i}", [PY, "-m", "ps_server.main", *common, "--cluster", addrs[name],
+                                                "--node-id", f"{name}-ps{i}", "--transport", "tcp"])
+                 for i in range(n)] for name, n in layout.items()}
+    clusters = {}
+    for name, n in layout.items():
+        infos = [procs.wait_ready(f"{name}-ps{i}", *ps[name][i]) for i in range(n)]
+        dc = DispatcherClient(addrs[name])
+        try:
+            deadline = time.monotonic() + 30
+            while len(dc.get_routing().nodes) < n:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"cluster {name}: dispatcher never listed {n} PS nodes")
+                time.sleep(0.05)
+        finally:
+            dc.close()
+        clusters[name] = Cluster(name, addrs[name], infos)
+    return clusters
+
+
+# --------------------------------------------------------------------------------------------
+# raw-TCP baseline (client side; the server side is bench/rawpeer.py in its own process)
+# --------------------------------------------------------------------------------------------
+def _recv_exactly_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
+    while got < n:
+        r = sock.recv_into(view[got:], n - got)
+        if r == 0:
+            raise ConnectionError("raw peer closed the connection")
+        got += r
+
+
+class RawConn:
+    def __init__(self, addr: str, mode: bytes, size: int):
+        host, port = addr.rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)), timeout=60)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock.sendall(HELLO.pack(mode, size))
+        self.buf = bytearray(size)
+        for i in range(0, size, 4096):
+            self.buf[i] = i & 0xFF
+        self.view = memoryview(self.buf)
+        self.ack = memoryview(bytearray(1))
+
+    def get(self) -> float:
+        """Pull baseline: 1-byte request, ``size`` bytes back into a preallocated buffer."""
+        t0 = time.perf_counter()
+        self.sock.sendall(b"g")
+        _recv_exactly_into(self.sock, self.view)
+        return time.perf_counter() - t0
+
+    def put(self) -> float:
+        """Push baseline: ``size`` bytes from a preallocated buffer, 1-byte ack back."""
+        t0 = time.perf_counter()
+        self.sock.sendall(self.view)
+        _recv_exactly_into(self.sock, self.ack)
+        return time.perf_counter() - t0
+
+    def echo(self) -> float:
+        """Latency baseline: ``size`` bytes out, the same ``size`` bytes back."""
+        t0 = time.perf_counter()
+        self.sock.sendall(self.view)
+        _recv_exactly_into(self.sock, self.view)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# frame-level diagnostics: services.frame over a bare socket to one PS, no worker.client
+# --------------------------------------------------------------------------------------------
+class FramePeer:
+    """Speaks the data-plane protocol to one PS directly, to split client cost from server cost."""
+
+    def __init__(self, data_addr: str, job: str, epoch: int):
+        self.sock = tcp.connect(data_addr)
+        self.job, self.epoch = job, epoch
+        self.ids = itertools.count(1)
+        self.limits = frame.FrameLimits(max_payload_bytes=1 << 40)
+
+    def _roundtrip(self, header, payloads=()):
+        frame.send_frame(self.sock, header, payloads)
+        reply = frame.recv_header(self.sock, self.limits)
+        if reply.op == dp.OP_ERROR:
+            raise RuntimeError(f"{dp.Op.Name(header.op)}: {dp.ErrorCode.Name(reply.code)} {reply.message}")
+        return reply
+
+    def pull_full(self, blocks: list[tuple[str, int]], dest: memoryview) -> float:
+        """Pull ``blocks`` as a client with an empty cache (every block is sent); payload into ``dest``."""
+        header = frame.FrameHeader(op=dp.OP_PULL, request_id=next(self.ids), job=self.job, epoch=self.epoch,
+                                   wait_timeout_seconds=10.0,
+                                   blocks=[dp.BlockRef(tensor=t, index=i, has=False) for t, i in blocks])
+        t0 = time.perf_counter()
+        reply = self._roundtrip(header)
+        frame.recv_exactly_into(self.sock, dest[: reply.payload_bytes])
+        dt = time.perf_counter() - t0
+        if reply.payload_bytes != len(dest):
+            raise RuntimeError(f"frame pull moved {reply.payload_bytes} bytes, expected {len(dest)}")
+        return dt
+
+    def push_commit(self, step: int, refs: list, payloads: list) -> tuple[float, int]:
+        """BSP push of prebuilt blocks for ``step`` then commit (world_size 1): returns (seconds, new step)."""
+        push = frame.FrameHeader(op=dp.OP_PUSH, request_id=next(self.ids), job=self.job, epoch=self.epoch,
+                                 step=step, weight=1.0, blocks=refs)
+        commit = frame.FrameHeader(op=dp.OP_COMMIT, request_id=next(self.ids), job=self.job, epoch=self.epoch,
+                                   step=step, weight=1.0)
+        t0 = time.perf_counter()
+        self._roundtrip(push, payloads)
+        reply = self._roundtrip(commit)
+        return time.perf_counter() - t0, int(reply.step)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Shardline client measurements
+# --------------------------------------------------------------------------------------------
+class ShardlineBig:
+    """A 64 MiB tensor job on one cluster (SGD, BSP, world_size 1), driven through worker.client."""
+
+    def __init__(self, cluster: Cluster, job: str, init: torch.Tensor):
+        self.client = connect(cluster.dispatcher, job, transport="tcp", pull_timeout=60.0)
+        self.client.init({"w": init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1)
+        owners: dict[str, int] = {}
+        for s in self.client._slices["w"]:
+            node = self.client.routing.owner(job, "w", s.index)
+            owners[node] = owners.get(node, 0) + 1
+        self.blocks_per_node = dict(sorted(owners.items()))
+
+    def push(self, grad: torch.Tensor) -> float:
+        t0 = time.perf_counter()
+        self.client.push({"w": grad})
+        return time.perf_counter() - t0
+
+    def pull(self) -> float:
+        """The public API after a push: every block changed, so all 64 MiB move; includes the returned copy."""
+        before = self.client.stats.pulled_bytes
+        t0 = time.perf_counter()
+        out = self.client.pull(["w"])
+        dt = time.perf_counter() - t0
+        del out
+        moved = self.client.stats.pulled_bytes - before
+        if moved != BIG_BYTES:
+            raise RuntimeError(f"pull moved {moved} bytes, expected {BIG_BYTES}: not a full transfer")
+        return dt
+
+    def pull_into_cache(self) -> float:
+        """Diagnostic: forget the cached versions (what bind() does), then pull into the cache only,
+        without pull()'s returned copy."""
+        c = self.client
+        for s in c._slices["w"]:
+            c._versions.pop(("w", s.index), None)
+        before = c.stats.pulled_bytes
+        t0 = time.perf_counter()
+        c._pull(["w"], min_step=None, timeout=None)
+        dt = time.perf_counter() - t0
+        if c.stats.pulled_bytes - before != BIG_BYTES:
+            raise RuntimeError("cache pull was not a full transfer")
+        return dt
+
+    def close(self) -> None:
+        self.client.close()
+
+
+# --------------------------------------------------------------------------------------------
+# statistics and reporting
+# --------------------------------------------------------------------------------------------
+def summary(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    return {"n": len(values), "median": statistics.median(values), "min": min(values), "max": max(values),
+            "mean": statistics.fmean(values)}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list."""
+    k = max(0, min(len(sorted_values) - 1, math.ceil(q / 100.0 * len(sorted_values)) - 1))
+    return sorted_values[k]
+
+
+def latency_summary(seconds: list[float]) -> dict:
+    us = sorted(s * 1e6 for s in seconds)
+    return {"n": len(us), "p50_us": percentile(us, 50), "p90_us": percentile(us, 90), "p99_us": percentile(us, 99),
+            "min_us": us[0], "max_us": us[-1], "mean_us": statistics.fmean(us)}
+
+
+def machine_info() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpu_count": os.cpu_count(), "hostname": socket.gethostname()}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+                break
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                info["mem_total_kib"] = int(line.split()[1])
+    with contextlib.suppress(Exception):
+        import numpy
+        info["numpy"] = numpy.__version__
+    with contextlib.suppress(Exception):
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                            text=True, timeout=10).stdout.strip()
+        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                                capture_output=True, text=True, timeout=10).stdout.strip())
+    return info
+
+
+def loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
+# Throughput rows: key -> (label, description). Order is the table order.
+TPUT_ROWS = {
+    "raw_pull": ("raw TCP pull", "1-byte request, 64 MiB sendall from a preallocated buffer in another process, recv_into a preallocated buffer"),
+    "raw_push": ("raw TCP push", "64 MiB sendall from a preallocated buffer, recv_into a preallocated buffer in another process, 1-byte ack"),
+    "ps1_pull": ("shardline pull, 1 PS", "client.pull(['w']) after a push changed every block: 64 blocks of 1 MiB, includes pull()'s returned copy"),
+    "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}): BSP push + commit, includes the server-side SGD step"),
+    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
+    "ps2_push": ("shardline push, 2 PS", "as ps1_push, over 2 PS nodes"),
+    "ps1_pull_cache": ("diag: pull into cache, 1 PS", "client._pull after dropping cached versions: the wire transfer into the L1 cache, without pull()'s returned copy"),
+    "ps2_pull_cache": ("diag: pull into cache, 2 PS", "as ps1_pull_cache, 2 PS nodes"),
+    "frame_pull": ("diag: frame-level pull, 1 PS", "services.frame over a bare socket to the PS: PULL of all 64 blocks with an empty cache, payload into one preallocated buffer (no worker.client)"),
+    "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks)"),
+}
+# ratio key -> (numerator, denominator)
+TPUT_RATIOS = {
+    "pull_1ps": ("ps1_pull", "raw_pull"),
+    "push_1ps": ("ps1_push", "raw_push"),
+    "pull_2ps": ("ps2_pull", "raw_pull"),
+    "push_2ps": ("ps2_push", "raw_push"),
+    "pull_cache_1ps": ("ps1_pull_cache", "raw_pull"),
+    "pull_cache_2ps": ("ps2_pull_cache", "raw_pull"),
+    "frame_pull_1ps": ("frame_pull", "raw_pull"),
+    "frame_push_1ps": ("frame_push", "raw_push"),
+}
+HEADLINE_RATIOS = ("pull_1ps", "push_1ps", "pull_2ps", "push_2ps")
+
+LAT_ROWS = {
+    "raw_pingpong": ("raw TCP ping-pong", "4 KiB request, 4 KiB response, between this process and rawpeer"),
+    "pull": ("shardline pull 4 KiB", "client.pull(['s']) after a push changed the block (1024 fp32, 1 block, 1 PS)"),
+    "frame_pull": ("diag: frame-level pull 4 KiB", "services.frame PULL with an empty cache over a bare socket (no worker.client)"),
+    "push": ("diag: shardline push 4 KiB", "client.push({'s': grad}): BSP push + commit = 2 round trips + SGD step"),
+}
+
+
+def run(args) -> dict:
+    reps, warmup, samples = args.reps, args.warmup, args.samples
+    workdir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
+    procs = Processes(workdir)
+    closers = []
+    result: dict = {
+        "benchmark": "shardline data plane vs raw TCP",
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(PY).name, *sys.argv]),
+        "quick": args.quick,
+        "machine": machine_info(),
+        "loadavg_start": loadavg(),
+        "config": {"big_tensor_bytes": BIG_BYTES, "big_tensor_elements": BIG_ELEMENTS,
+                   "block_elements": 262_144, "small_tensor_bytes": SMALL_BYTES, "optimizer": "sgd", "lr": LR,
+                   "sync": "bsp", "world_size": 1, "transport": "tcp", "throughput_reps": reps,
+                   "throughput_warmup_reps": warmup, "latency_samples": samples, "latency_warmup_samples": args.lat_warmup,
+                   "gbps_unit": "1e9 bytes/s", "target_ratio": TARGET_RATIO},
+    }
+    t_start = time.monotonic()
+    try:
+        # --- processes --------------------------------------------------------------------
+        raw_p, raw_ready = procs.spawn("rawpeer", [PY, str(ROOT / "bench" / "rawpeer.py")])
+        clusters = start_clusters(procs, {"ps1": 1, "ps2": 2})
+        raw_addr = procs.wait_ready("rawpeer", raw_p, raw_ready)["addr"]
+        print(f"daemons up in {time.monotonic() - t_start:.1f} s (logs in {workdir})", flush=True)
+
+        # --- jobs -------------------------------------------------------------------------
+        gen = torch.Generator().manual_seed(0)
+        init = torch.randn(BIG_ELEMENTS, generator=gen)
+        grad = torch.randn(BIG_ELEMENTS, generator=gen)
+        big = {"ps1": ShardlineBig(clusters["ps1"], "tput", init), "ps2": ShardlineBig(clusters["ps2"], "tput", init)}
+        closers.extend(b.close for b in big.values())
+
+        # frame-level diagnostics use their own job so the worker.client job's steps stay consistent
+        fclient = connect(clusters["ps1"].dispatcher, "tput_frame", transport="tcp")
+        closers.append(fclient.close)
+        fclient.init({"w": init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1)
+        fpeer = FramePeer(clusters["ps1"].ps[0]["data"], "tput_frame", fclient.routing.epoch)
+        closers.append(fpeer.close)
+        fblocks = [("w", s.index) for s in fclient._slices["w"]]
+        frefs = [frame.block_ref("w", s.index, grad[s.start:s.stop]) for s in fclient._slices["w"]]
+        fpayloads = [frame.tensor_bytes(grad[s.start:s.stop]) for s in fclient._slices["w"]]
+        fdest = memoryview(bytearray(BIG_BYTES))
+        fstep = [0]
+        del init
+
+        raw_get = RawConn(raw_addr, b"G", BIG_BYTES)
+        raw_put = RawConn(raw_addr, b"P", BIG_BYTES)
+        closers.extend([raw_get.close, raw_put.close])
+
+        def frame_push():
+            dt, fstep[0] = fpeer.push_commit(fstep[0], frefs, fpayloads)
+            return dt
+
+        groups = [
+            ("raw", [("raw_pull", raw_get.get), ("raw_push", raw_put.put)]),
+            ("ps1", [("ps1_push", lambda: big["ps1"].push(grad)), ("ps1_pull", big["ps1"].pull),
+                     ("ps1_pull_cache", big["ps1"].pull_into_cache)]),
+            ("ps2", [("ps2_push", lambda: big["ps2"].push(grad)), ("ps2_pull", big["ps2"].pull),
+                     ("ps2_pull_cache", big["ps2"].pull_into_cache)]),
+            ("frame", [("frame_pull", lambda: fpeer.pull_full(fblocks, fdest)), ("frame_push", frame_push)]),
+        ]
+        times: dict[str, list[float]] = {k: [] for k in TPUT_ROWS}
+        print(f"throughput: {warmup} warm-up + {reps} reps of {len(groups)} interleaved groups", flush=True)
+        for rep in range(warmup + reps):
+            k = rep % len(groups)
+            for _, steps in groups[k:] + groups[:k]:  # rotate the order: no group always goes first
+                for key, fn in steps:
+                    dt = fn()
+                    if rep >= warmup:
+                        times[key].append(dt)
+            if rep >= warmup and args.verbose:
+                print(f"  rep {rep - warmup + 1}/{reps}: " +
+                      " ".join(f"{k}={BIG_BYTES / times[k][-1] / 1e9:.2f}" for k in TPUT_ROWS), flush=True)
+
+        tput_rows = {}
+        for key, (label, desc) in TPUT_ROWS.items():
+            gbps = [BIG_BYTES / s / 1e9 for s in times[key]]
+            tput_rows[key] = {"label": label, "what": desc, "bytes": BIG_BYTES, "gbps": summary(gbps),
+                              "ms": summary([s * 1e3 for s in times[key]])}
+        tput_ratios = {}
+        for key, (num, den) in TPUT_RATIOS.items():
+            paired = [times[den][i] / times[num][i] for i in range(min(len(times[num]), len(times[den])))]
+            r = tput_rows[num]["gbps"]["median"] / tput_rows[den]["gbps"]["median"]
+            tput_ratios[key] = {"of": f"{num} / {den}", "ratio_of_medians": r, "paired": summary(paired),
+                                "meets_target": r >= TARGET_RATIO}
+        result["throughput"] = {"rows": tput_rows, "ratios": tput_ratios,
+                                "blocks_per_node": {c: b.blocks_per_node for c, b in big.items()}}
+
+        # --- latency ----------------------------------------------------------------------
+        small_init = torch.randn(SMALL_ELEMENTS, generator=gen)
+        small_grad = torch.randn(SMALL_ELEMENTS, generator=gen)
+        lclient = connect(clusters["ps1"].dispatcher, "lat", transport="tcp", pull_timeout=60.0)
+        closers.append(lclient.close)
+        lclient.init({"s": small_init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1)
+        lpeer = FramePeer(clusters["ps1"].ps[0]["data"], "lat", lclient.routing.epoch)
+        closers.append(lpeer.close)
+        ldest = memoryview(bytearray(SMALL_BYTES))
+        raw_echo = RawConn(raw_addr, b"E", SMALL_BYTES)
+        closers.append(raw_echo.close)
+
+        def sl_pull():
+            before = lclient.stats.pulled_bytes
+            t0 = time.perf_counter()
+            out = lclient.pull(["s"])
+            dt = time.perf_counter() - t0
+            del out
+            if lclient.stats.pulled_bytes - before != SMALL_BYTES:
+                raise RuntimeError("small pull was not a transfer")
+            return dt
+
+        def sl_push():
+            t0 = time.perf_counter()
+            lclient.push({"s": small_grad})
+            return time.perf_counter() - t0
+
+        lat_groups = [
+            [("raw_pingpong", raw_echo.echo)],
+            [("push", sl_push), ("pull", sl_pull)],
+            [("frame_pull", lambda: lpeer.pull_full([("s", 0)], ldest))],
+        ]
+        lat: dict[str, list[float]] = {k: [] for k in LAT_ROWS}
+        print(f"latency: {args.lat_warmup} warm-up + {samples} samples, interleaved", flush=True)
+        for i in range(args.lat_warmup + samples):
+            k = i % len(lat_groups)
+            for steps in lat_groups[k:] + lat_groups[:k]:
+                for key, fn in steps:
+                    dt = fn()
+                    if i >= args.lat_warmup:
+                        lat[key].append(dt)
+        lat_rows = {key: {"label": label, "what": desc, **latency_summary(lat[key])}
+                    for key, (label, desc) in LAT_ROWS.items()}
+        lat_ratios = {}
+        for key in ("pull", "frame_pull"):
+            lat_ratios[f"{key}_vs_raw"] = {"of": f"{key} / raw_pingpong",
+                                           "p50": lat_rows[key]["p50_us"] / lat_rows["raw_pingpong"]["p50_us"],
+                                           "p99": lat_rows[key]["p99_us"] / lat_rows["raw_pingpong"]["p99_us"]}
+        result["latency"] = {"rows": lat_rows, "ratios": lat_ratios,
+                             "note": "ratios are shardline/raw latency: 1.0 = as fast as raw TCP, higher is slower"}
+    finally:
+        for close in reversed(closers):
+            with contextlib.suppress(Exception):
+                close()
+        result["daemon_exit_codes"] = procs.stop_all()
+    result["loadavg_end"] = loadavg()
+    result["wall_seconds"] = round(time.monotonic() - t_start, 1)
+    return result
+
+
+def print_table(r: dict) -> None:
+    m = r["machine"]
+    print()
+    print(f"Shardline data-plane benchmark  {r['timestamp']}  torch {m['torch']}  "
+          f"{m.get('cpu_count')} CPUs  load {r['loadavg_start']} -> {r['loadavg_end']}  "
+          f"{'QUICK ' if r['quick'] else ''}wall {r['wall_seconds']} s")
+    t = r["throughput"]
+    n = t["rows"]["raw_pull"]["gbps"]["n"]
+    print(f"\nThroughput, 64 MiB fp32 tensor (16M elements, 1 MiB blocks); GB/s = 1e9 B/s; {n} interleaved reps")
+    print(f"  {'row':38s} {'median':>7s} {'min':>6s} {'max':>6s} {'ms(med)':>8s}")
+    for key, row in t["rows"].items():
+        g = row["gbps"]
+        print(f"  {row['label']:38s} {g['median']:7.3f} {g['min']:6.3f} {g['max']:6.3f} {row['ms']['median']:8.1f}")
+    print(f"\n  ratio shardline/raw (GB/s)     {'of medians':>10s} {'paired med':>10s}  target >= {TARGET_RATIO}")
+    for key, ratio in t["ratios"].items():
+        mark = "" if key not in HEADLINE_RATIOS else ("  ok" if ratio["meets_target"] else "  BELOW TARGET")
+        print(f"  {key:30s} {ratio['ratio_of_medians']:10.2f} {ratio['paired']['median']:10.2f}{mark}")
+    print(f"  blocks per PS node: {t['blocks_per_node']}")
+    lt = r["latency"]
+    n = lt["rows"]["raw_pingpong"]["n"]
+    print(f"\nLatency, 4 KiB (1024 fp32), {n} interleaved samples each, microseconds")
+    print(f"  {'row':38s} {'p50':>8s} {'p90':>8s} {'p99':>8s} {'max':>9s}")
+    for key, row in lt["rows"].items():
+        print(f"  {row['label']:38s} {row['p50_us']:8.0f} {row['p90_us']:8.0f} {row['p99_us']:8.0f} {row['max_us']:9.0f}")
+    for key, ratio in lt["ratios"].items():
+        print(f"  ratio {key:32s} p50 {ratio['p50']:.2f}x   p99 {ratio['p99']:.2f}x")
+    print()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Shardline data-plane benchmark against a raw-TCP baseline")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--quick", action="store_true", help="fast sanity run: few reps and samples")
+    p.add_argument("--reps", type=int, default=None, help="throughput repetitions (default 15, quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed throughput repetitions first (default 2, quick 1)")
+    p.add_argument("--samples", type=int, default=None, help="latency samples per row (default 2000, quick 200)")
+    p.add_argument("--lat-warmup", type=int, default=None, help="untimed latency samples first (default 100, quick 20)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every throughput repetition")
+    args = p.parse_args(argv)
+    args.reps = args.reps if args.reps is not None else (3 if args.quick else 15)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    args.samples = args.samples if args.samples is not None else (200 if args.quick else 2000)
+    args.lat_warmup = args.lat_warmup if args.lat_warmup is not None else (20 if args.quick else 100)
+    if args.reps < 1 or args.samples < 1 or args.warmup < 0 or args.lat_warmup < 0:
+        p.error("--reps and --samples must be >= 1, warm-ups >= 0")
+
+    def _terminate(signum, _frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, _terminate)
+    result = run(args)
+    print_table(result)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        os.replace(tmp, out)
+        print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""The small model and data the BSP/ASP integration tests train, shared by the worker script and
+the single-process reference. Run as a script it is one worker process:
+
+    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import nn
+
+VOCAB, DIM, OUT, BATCH = 40, 8, 3, 6
+HYPER = {
+    "adamw": dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
+    "sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+    "adam": dict(lr=0.05),
+}
+
+
+class SmallModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1234)
+        self.embed = nn.Embedding(VOCAB, DIM)          # most rows untouched per step: zero blocks
+        self.proj = nn.Linear(DIM, OUT)
+        self.scale = nn.Parameter(torch.full((OUT,), 0.5), requires_grad=False)  # frozen
+        self.unused = nn.Parameter(torch.randn(5))     # never in the graph: grad stays None
+
+    def forward(self, tokens):
+        return self.proj(self.embed(tokens).mean(1)) * self.scale
+
+
+def batch(step: int, rank: int, n: int = BATCH):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    tokens = torch.randint(0, VOCAB // 4, (n, 4), generator=g)  # only a quarter of the vocabulary
+    targets = tokens[:, 0] % OUT  # learnable from the first token's embedding
+    return tokens, targets
+
+
+def loss_fn(model, tokens, targets):
+    return nn.functional.cross_entropy(model(tokens), targets)
+
+
+def reference(optimizer: str, steps: int, world_size: int) -> dict[str, torch.Tensor]:
+    """Single process, torch.optim, each step on the concatenation of all ranks' batches."""
+    model = SmallModel()
+    cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
+    opt = cls([p for p in model.parameters() if p.requires_grad], **HYPER[optimizer])
+    for step in range(steps):
+        parts = [batch(step, r) for r in range(world_size)]
+        tokens = torch.cat([p[0] for p in parts])
+        targets = torch.cat([p[1] for p in parts])
+        opt.zero_grad()
+        loss_fn(model, tokens, targets).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def main(argv):
+    cluster, job, rank, world, optimizer, sync, steps, out = argv
+    rank, world, steps = int(rank), int(world), int(steps)
+    from safetensors.torch import save_file
+
+    from worker import PSOptimizer
+
+    torch.set_num_threads(1)
+    model = SmallModel()
+    opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
+                      world_size=world, rank=rank, block_elements=16, connect_timeout=60, pull_timeout=120,
+                      **HYPER[optimizer])
+    eval_tokens, eval_targets = batch(10_000, 0, n=300)
+    with torch.no_grad():
+        eval_first = loss_fn(model, eval_tokens, eval_targets).item()
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step, rank)
+        opt.zero_grad()
+        loss = loss_fn(model, tokens, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    with torch.no_grad():
+        eval_last = loss_fn(model, eval_tokens, eval_targets).item()
+    stats = opt.client.stats
+    state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    state["_losses"] = torch.tensor(losses)
+    state["_eval"] = torch.tensor([eval_first, eval_last])
+    state["_pulled_blocks"] = torch.tensor([stats.pulled_blocks])
+    state["_version"] = torch.tensor([opt.version])
+    save_file(state, out)
+    opt.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

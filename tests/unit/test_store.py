@@ -1,0 +1,162 @@
+"""PS store sync semantics against torch.optim run on the equivalent single-process gradients."""
+
+import threading
+
+import pytest
+import torch
+
+from ps_server.optimizer import OptimizerConfig
+from ps_server.store import JobStore, PushItem, StoreError
+from services.blocks import block_slices
+from services.pb import common_pb2
+
+BLOCK = 7
+
+
+def make_job(sync="bsp", world_size=2, kind="adamw", **hp):
+    spec = common_pb2.JobSpec(name="j", sync=sync, world_size=world_size, block_elements=BLOCK,
+                              optimizer=OptimizerConfig.from_kwargs(kind, **hp).to_proto())
+    spec.tensors.add(name="a", shape=[4, 5], dtype="float32", trainable=True)
+    spec.tensors.add(name="b", shape=[3], dtype="float32", trainable=True)
+    spec.tensors.add(name="frozen", shape=[2], dtype="float32", trainable=False)
+    return spec
+
+
+def init_store(store, values):
+    items = []
+    for name, t in values.items():
+        flat = t.reshape(-1)
+        for s in block_slices(flat.numel(), BLOCK):
+            items.append((name, s.index, flat[s.start:s.stop]))
+    store.init_blocks(items)
+
+
+def items_for(name, grad):
+    flat = grad.reshape(-1)
+    out = []
+    for s in block_slices(flat.numel(), BLOCK):
+        part = flat[s.start:s.stop]
+        out.append(PushItem(name, s.index, part.clone() if bool(part.any()) else None))
+    return out
+
+
+def values(store, name, shape):
+    n = torch.Size(shape).numel()
+    flat = torch.empty(n)
+    for s in block_slices(n, BLOCK):
+        flat[s.start:s.stop] = store.blocks[(name, s.index)].value
+    return flat.view(shape)
+
+
+def test_bsp_weighted_mean_matches_torch_and_skips_untouched():
+    torch.manual_seed(0)
+    a0, b0, f0 = torch.randn(4, 5), torch.randn(3), torch.randn(2)
+    store = JobStore(make_job(lr=0.01, weight_decay=0.1))
+    init_store(store, {"a": a0, "b": b0, "frozen": f0})
+    ref_a, ref_b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref_a, ref_b], lr=0.01, weight_decay=0.1, foreach=False)
+    for step in range(4):
+        g1, g2 = torch.randn(4, 5), torch.randn(4, 5)
+        g1[0] = 0  # a whole zero block from rank 0 goes as a flag
+        w1, w2 = 3.0, 1.0
+        store.push(0, step, w1, items_for("a", g1))
+        store.push(1, step, w2, items_for("a", g2))
+        assert store.commit(0, step, w1) == step  # not applied until every rank committed
+        assert store.commit(1, step, w2) == step + 1
+        # "b" got no gradient from anyone: torch skips params whose grad is None
+        ref_a.grad = (w1 * g1 + w2 * g2) / (w1 + w2)
+        ref_b.grad = None
+        opt.step()
+        torch.testing.assert_close(values(store, "a", (4, 5)), ref_a.detach(), rtol=0, atol=1e-6)
+        assert torch.equal(values(store, "b", (3,)), b0)
+        assert all(store.blocks[("a", i)].version == step + 1 for i in range(3))
+        assert store.blocks[("b", 0)].version == 0
+
+
+def test_zero_gradient_block_is_still_stepped():
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(world_size=1, lr=0.1, weight_decay=0.5))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    store.push(0, 0, 1.0, items_for("a", torch.zeros(4, 5)))
+    store.commit(0, 0, 1.0)
+    ref = a0.clone().requires_grad_()
+    ref.grad = torch.zeros(4, 5)
+    torch.optim.AdamW([ref], lr=0.1, weight_decay=0.5, foreach=False).step()
+    assert torch.equal(values(store, "a", (4, 5)), ref.detach())
+
+
+def test_rank_without_gradient_counts_in_the_mean():
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    g = torch.randn(4, 5)
+    store.push(0, 0, 1.0, items_for("a", g))
+    store.commit(0, 0, 1.0)
+    store.commit(1, 0, 1.0)  # rank 1's grad for "a" was None: contributes zero
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - g / 2, rtol=0, atol=1e-6)
+
+
+def test_rejections_leave_no_partial_update():
+    store = JobStore(make_job())
+    init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    bad = torch.randn(4, 5)
+    bad[3, 4] = float("nan")
+    with pytest.raises(StoreError) as e:
+        store.push(0, 0, 1.0, items_for("a", bad))
+    assert e.value.code == "NONFINITE" and "'a'" in str(e.value)
+    assert all(store.blocks[("a", i)].grad_sum is None for i in range(3))
+    with pytest.raises(StoreError) as e:
+        store.push(0, 1, 1.0, items_for("a", torch.ones(4, 5)))
+    assert e.value.code == "STALE_STEP"
+    with pytest.raises(StoreError) as e:
+        store.push(0, 0, 1.0, [PushItem("frozen", 0, torch.ones(2))])
+    assert e.value.code == "INVALID_ARGUMENT" and "frozen" in str(e.value)
+    with pytest.raises(StoreError) as e:
+        store.push(0, 0, 1.0, [PushItem("nope", 0, torch.ones(2))])
+    assert e.value.code == "UNKNOWN_TENSOR"
+    with pytest.raises(StoreError) as e:
+        store.push(0, 0, 1.0, [PushItem("a", 0, torch.ones(3))])
+    assert e.value.code == "INVALID_ARGUMENT" and "elements" in str(e.value)
+    with pytest.raises(StoreError) as e:
+        store.push(0, 0, 1.0, [PushItem("a", 9, torch.ones(7))])
+    assert e.value.code == "INVALID_ARGUMENT" and "out of range" in str(e.value)
+    with pytest.raises(StoreError) as e:
+        store.push(5, 0, 1.0, items_for("a", torch.ones(4, 5)))
+    assert e.value.code == "INVALID_ARGUMENT"
+    store.push(0, 0, 1.0, items_for("a", torch.ones(4, 5)))
+    with pytest.raises(StoreError, match="twice"):
+        store.push(0, 0, 1.0, items_for("a", torch.ones(4, 5)))
+    store.commit(0, 0, 1.0)
+    with pytest.raises(StoreError) as e:
+        store.commit(0, 0, 1.0)
+    assert e.value.code == "STALE_STEP"
+    assert torch.equal(values(store, "a", (4, 5)), torch.zeros(4, 5))  # nothing applied yet
+
+
+def test_asp_applies_on_arrival():
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(sync="asp", kind="sgd", lr=0.5))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    g = torch.randn(4, 5)
+    assert store.push(1, 0, 1.0, items_for("a", g)) == 1
+    assert store.push(0, 0, 1.0, items_for("a", g)) == 2
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - g, rtol=0, atol=1e-6)
+    with pytest.raises(StoreError):
+        store.commit(0, 0, 1.0)
+
+
+def test_waiting_pull_wakes_on_apply_and_times_out():
+    store = JobStore(make_job(world_size=1, kind="sgd", lr=0.1))
+    init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    with pytest.raises(StoreError) as e:
+        store.wait_for_step(1, timeout=0.05)
+    assert e.value.code == "TIMEOUT"
+    result = {}
+    t = threading.Thread(target=lambda: result.setdefault("step", store.wait_for_step(1, timeout=10)))
+    t.start()
+    store.push(0, 0, 1.0, items_for("a", torch.ones(4, 5)))
+    store.commit(0, 0, 1.0)
+    t.join(10)
+    assert result["step"] == 1
+    step, changed = store.changed_blocks([("a", 0, 0), ("b", 0, 0), ("frozen", 0, None)], copy=False)
+    assert step == 1 and [(c[0], c[1]) for c in changed] == [("a", 0), ("frozen", 0)]
