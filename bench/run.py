@@ -73,8 +73,9 @@ def _pdeathsig():
 class Processes:
     """Subprocesses of this run; ``stop_all`` terminates exactly these, by pid."""
 
-    def __init__(self, workdir: Path):
+    def __init__(self, workdir: Path, env: dict | None = None):
         self.workdir = workdir
+        self.env = env
         self.procs: list[tuple[str, subprocess.Popen, Path]] = []
 
     def spawn(self, name: str, argv: list[str]) -> tuple[subprocess.Popen, Path]:
@@ -82,7 +83,7 @@ class Processes:
         log = self.workdir / f"{name}.log"
         with open(log, "wb") as fh:
             p = subprocess.Popen([*argv, "--ready-file", str(ready)], cwd=ROOT, stdin=subprocess.DEVNULL,
-                                 stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig)
+                                 stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig, env=self.env)
         self.procs.append((name, p, log))
         return p, ready
 
@@ -356,27 +357,27 @@ def loadavg() -> list[float] | None:
 TPUT_ROWS = {
     "raw_pull": ("raw TCP pull", "1-byte request, 64 MiB sendall from a preallocated buffer in another process, recv_into a preallocated buffer"),
     "raw_push": ("raw TCP push", "64 MiB sendall from a preallocated buffer, recv_into a preallocated buffer in another process, 1-byte ack"),
-    "ps1_pull": ("shardline pull, 1 PS", "client.pull(['w']) after a push changed every block: 64 blocks of 1 MiB, includes pull()'s returned copy"),
-    "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}): BSP push + commit, includes the server-side SGD step"),
-    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
+    "ps1_pull": ("shardline pull(), 1 PS", "client.pull(['w']) right after a push changed every block: 64 blocks of 1 MiB move; includes pull()'s returned copy"),
+    "ps1_pull_cache": ("shardline pull into cache, 1 PS", "drop the cached block versions (as bind() does), then client._pull: the path PSOptimizer.step takes (lands in the bound tensor, no returned copy)"),
+    "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}): BSP push + commit, includes client/server checks and the server-side SGD step"),
+    "ps2_pull": ("shardline pull(), 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
+    "ps2_pull_cache": ("shardline pull into cache, 2 PS", "as ps1_pull_cache, 2 PS nodes"),
     "ps2_push": ("shardline push, 2 PS", "as ps1_push, over 2 PS nodes"),
-    "ps1_pull_cache": ("diag: pull into cache, 1 PS", "client._pull after dropping cached versions: the wire transfer into the L1 cache, without pull()'s returned copy"),
-    "ps2_pull_cache": ("diag: pull into cache, 2 PS", "as ps1_pull_cache, 2 PS nodes"),
     "frame_pull": ("diag: frame-level pull, 1 PS", "services.frame over a bare socket to the PS: PULL of all 64 blocks with an empty cache, payload into one preallocated buffer (no worker.client)"),
-    "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks)"),
+    "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks; same server work)"),
 }
 # ratio key -> (numerator, denominator)
 TPUT_RATIOS = {
     "pull_1ps": ("ps1_pull", "raw_pull"),
+    "pull_cache_1ps": ("ps1_pull_cache", "raw_pull"),
     "push_1ps": ("ps1_push", "raw_push"),
     "pull_2ps": ("ps2_pull", "raw_pull"),
-    "push_2ps": ("ps2_push", "raw_push"),
-    "pull_cache_1ps": ("ps1_pull_cache", "raw_pull"),
     "pull_cache_2ps": ("ps2_pull_cache", "raw_pull"),
+    "push_2ps": ("ps2_push", "raw_push"),
     "frame_pull_1ps": ("frame_pull", "raw_pull"),
     "frame_push_1ps": ("frame_push", "raw_push"),
 }
-HEADLINE_RATIOS = ("pull_1ps", "push_1ps", "pull_2ps", "push_2ps")
+HEADLINE_RATIOS = ("pull_1ps", "pull_cache_1ps", "push_1ps", "pull_2ps", "pull_cache_2ps", "push_2ps")
 
 LAT_ROWS = {
     "raw_pingpong": ("raw TCP ping-pong", "4 KiB request, 4 KiB response, between this process and rawpeer"),
@@ -389,7 +390,12 @@ LAT_ROWS = {
 def run(args) -> dict:
     reps, warmup, samples = args.reps, args.warmup, args.samples
     workdir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
-    procs = Processes(workdir)
+    env = None
+    if args.torch_threads:
+        # torch reads OMP_NUM_THREADS when it starts; this process sets its own below
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}
+        torch.set_num_threads(args.torch_threads)
+    procs = Processes(workdir, env)
     closers = []
     result: dict = {
         "benchmark": "shardline data plane vs raw TCP",
@@ -402,7 +408,9 @@ def run(args) -> dict:
                    "block_elements": 262_144, "small_tensor_bytes": SMALL_BYTES, "optimizer": "sgd", "lr": LR,
                    "sync": "bsp", "world_size": 1, "transport": "tcp", "throughput_reps": reps,
                    "throughput_warmup_reps": warmup, "latency_samples": samples, "latency_warmup_samples": args.lat_warmup,
-                   "gbps_unit": "1e9 bytes/s", "target_ratio": TARGET_RATIO},
+                   "gbps_unit": "1e9 bytes/s", "target_ratio": TARGET_RATIO,
+                   "torch_threads": args.torch_threads or f"default ({torch.get_num_threads()} in the benchmark process)",
+                   "throughput_budget_seconds": args.budget},
     }
     t_start = time.monotonic()
     try:
@@ -450,13 +458,19 @@ def run(args) -> dict:
         ]
         times: dict[str, list[float]] = {k: [] for k in TPUT_ROWS}
         print(f"throughput: {warmup} warm-up + {reps} reps of {len(groups)} interleaved groups", flush=True)
+        t_tput = time.monotonic()
+        done = 0
         for rep in range(warmup + reps):
+            if rep >= warmup + min(reps, 5) and time.monotonic() - t_tput > args.budget:
+                print(f"  time budget of {args.budget:g} s spent: stopping after {done} reps", flush=True)
+                break
             k = rep % len(groups)
             for _, steps in groups[k:] + groups[:k]:  # rotate the order: no group always goes first
                 for key, fn in steps:
                     dt = fn()
                     if rep >= warmup:
                         times[key].append(dt)
+            done += rep >= warmup
             if rep >= warmup and args.verbose:
                 print(f"  rep {rep - warmup + 1}/{reps}: " +
                       " ".join(f"{k}={BIG_BYTES / times[k][-1] / 1e9:.2f}" for k in TPUT_ROWS), flush=True)
@@ -472,7 +486,7 @@ def run(args) -> dict:
             r = tput_rows[num]["gbps"]["median"] / tput_rows[den]["gbps"]["median"]
             tput_ratios[key] = {"of": f"{num} / {den}", "ratio_of_medians": r, "paired": summary(paired),
                                 "meets_target": r >= TARGET_RATIO}
-        result["throughput"] = {"rows": tput_rows, "ratios": tput_ratios,
+        result["throughput"] = {"reps": done, "rows": tput_rows, "ratios": tput_ratios,
                                 "blocks_per_node": {c: b.blocks_per_node for c, b in big.items()}}
 
         # --- latency ----------------------------------------------------------------------
@@ -541,6 +555,7 @@ def print_table(r: dict) -> None:
     print(f"Shardline data-plane benchmark  {r['timestamp']}  torch {m['torch']}  "
           f"{m.get('cpu_count')} CPUs  load {r['loadavg_start']} -> {r['loadavg_end']}  "
           f"{'QUICK ' if r['quick'] else ''}wall {r['wall_seconds']} s")
+    print(f"torch threads: {r['config']['torch_threads']}; command: {r['command']}")
     t = r["throughput"]
     n = t["rows"]["raw_pull"]["gbps"]["n"]
     print(f"\nThroughput, 64 MiB fp32 tensor (16M elements, 1 MiB blocks); GB/s = 1e9 B/s; {n} interleaved reps")
@@ -572,12 +587,17 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed throughput repetitions first (default 2, quick 1)")
     p.add_argument("--samples", type=int, default=None, help="latency samples per row (default 2000, quick 200)")
     p.add_argument("--lat-warmup", type=int, default=None, help="untimed latency samples first (default 100, quick 20)")
+    p.add_argument("--budget", type=float, default=None,
+                   help="soft time limit in s for the throughput phase; stops after >= 5 reps once spent (default 120, quick 60)")
+    p.add_argument("--torch-threads", type=int, default=0,
+                   help="set OMP_NUM_THREADS for the daemons and torch.set_num_threads here (default: torch's default)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every throughput repetition")
     args = p.parse_args(argv)
     args.reps = args.reps if args.reps is not None else (3 if args.quick else 15)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.samples = args.samples if args.samples is not None else (200 if args.quick else 2000)
     args.lat_warmup = args.lat_warmup if args.lat_warmup is not None else (20 if args.quick else 100)
+    args.budget = args.budget if args.budget is not None else (60.0 if args.quick else 120.0)
     if args.reps < 1 or args.samples < 1 or args.warmup < 0 or args.lat_warmup < 0:
         p.error("--reps and --samples must be >= 1, warm-ups >= 0")
 

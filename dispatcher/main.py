@@ -12,9 +12,8 @@ import argparse
 import logging
 import sys
 
-import yaml
-
 from dispatcher.server import create_server
+from services.config import parse_daemon_args
 from services.daemon import (
     add_common_args,
     format_host_port,
@@ -32,16 +31,6 @@ PROG = "shardline-dispatcher"
 DEFAULT_LISTEN = "0.0.0.0:7000"
 STOP_GRACE_SECONDS = 5.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
-# Keys a --config file may set and the type each value must have; --config itself cannot nest.
-CONFIG_KEYS: dict[str, type] = {
-    "listen": str,
-    "metrics_port": int,
-    "ready_file": str,
-    "log_level": str,
-    "heartbeat_timeout": float,
-    "heartbeat_interval": float,
-    "vnodes_per_capacity": int,
-}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,47 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(path: str) -> dict:
-    """Read a YAML mapping of option names (underscored) to values. Raises ShardlineConfigError."""
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = yaml.safe_load(fh)
-    except OSError as exc:
-        raise ShardlineConfigError(f"cannot read --config {path!r}: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ShardlineConfigError(f"--config {path!r} is not valid YAML: {exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ShardlineConfigError(f"--config {path!r} must hold a mapping of option names, got {type(data).__name__}")
-    for key, value in data.items():
-        if key not in CONFIG_KEYS:
-            raise ShardlineConfigError(
-                f"unknown key {key!r} in --config {path!r}; known keys: {', '.join(CONFIG_KEYS)}"
-            )
-        _check_type(value, CONFIG_KEYS[key], f"{key} in --config {path!r}")
-    return data
-
-
-def _check_type(value: object, kind: type, what: str) -> None:
-    # Values from the file bypass argparse's type conversion, so they are checked here.
-    if kind is str:
-        ok, expected = isinstance(value, str), "a string"
-    elif kind is int:
-        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    else:
-        ok, expected = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
-    if not ok:
-        raise ShardlineConfigError(f"{what} must be {expected}, got {value!r}")
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Flags over config file over defaults. Raises ShardlineConfigError for a bad value."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.config:
-        parser.set_defaults(**load_config(args.config))
-        args = parser.parse_args(argv)
+    """Flags over SHARDLINE_* environment over config file over defaults. Raises ShardlineConfigError."""
+    args = parse_daemon_args(build_parser(), argv)
     if not 0 <= args.metrics_port <= 65535:
         raise ShardlineConfigError(f"metrics_port must be in 0..65535, got {args.metrics_port!r}")
     parse_host_port(args.listen, what="listen")

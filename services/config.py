@@ -28,20 +28,40 @@ def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str])
     return given
 
 
+_EXPECTED = {int: "an integer", float: "a number", str: "a string"}
+
+
 def _coerce(action: argparse.Action, key: str, value, source: str):
-    if action.type is None or isinstance(value, (list, dict)):
-        if isinstance(value, (list, dict)):
-            raise ShardlineConfigError(f"{source}: {key} must be a scalar, got {value!r}")
-        if action.const is not None and isinstance(action.default, bool):
-            return _as_bool(key, value, source)
-        return str(value) if value is not None else None
-    try:
-        return action.type(value)
-    except (TypeError, ValueError):
-        raise ShardlineConfigError(f"{source}: {key} has an invalid value {value!r}") from None
+    """Check a value from the file or the environment; argparse never saw it."""
+    what = f"{key} in {source}"
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return _as_bool(what, value)
+    kind = action.type or str
+    if isinstance(value, str) and source == "environment" and kind is not str:
+        try:
+            return kind(value)
+        except ValueError:
+            raise ShardlineConfigError(f"{what} must be {_EXPECTED.get(kind, kind.__name__)}, got {value!r}") from None
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif kind is str:
+        ok = isinstance(value, str)
+    else:
+        try:
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ShardlineConfigError(f"{what} has an invalid value {value!r}") from None
+    if not ok:
+        raise ShardlineConfigError(f"{what} must be {_EXPECTED[kind]}, got {value!r}")
+    if action.choices is not None and value not in action.choices:
+        raise ShardlineConfigError(f"{what} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
+    return value
 
 
-def _as_bool(key: str, value, source: str) -> bool:
+def _as_bool(what: str, value) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -49,7 +69,7 @@ def _as_bool(key: str, value, source: str) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ShardlineConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    raise ShardlineConfigError(f"{what} must be true or false, got {value!r}")
 
 
 def parse_daemon_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, env_prefix: str = "SHARDLINE_") -> argparse.Namespace:
@@ -73,12 +93,12 @@ def parse_daemon_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
-            raise ShardlineConfigError(f"--config {args.config!r} must be a mapping of option: value, got {type(loaded).__name__}")
+            raise ShardlineConfigError(f"--config {args.config!r} must hold a mapping of option names, got {type(loaded).__name__}")
         for key, value in loaded.items():
             dest = str(key).replace("-", "_")
             if dest not in actions:
                 known = ", ".join(sorted(actions))
-                raise ShardlineConfigError(f"--config {args.config!r}: unknown key {key!r} (known keys: {known})")
+                raise ShardlineConfigError(f"unknown key {key!r} in --config {args.config!r}; known keys: {known}")
             file_values[dest] = _coerce(actions[dest], str(key), value, f"--config {args.config!r}")
 
     for dest, action in actions.items():

@@ -1,0 +1,94 @@
+"""`shardline up`: a whole local cluster trains a short demo job, summarizes it and leaves no process."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(150)
+
+DATA = Path(__file__).parent / "data"
+DEMO_SHORT = DATA / "demo_short.yaml"
+
+
+def shardline_cmd() -> list[str]:
+    script = Path(sys.executable).parent / "shardline"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "services.cli"]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                if text.encode() in fh.read():
+                    found.append(int(entry))
+        except OSError:
+            pass
+    return found
+
+
+def run_up(workdir: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run `shardline up` with its workdir; whatever happens, nothing of it outlives the test."""
+    proc = subprocess.Popen([*shardline_cmd(), "up", "--workdir", str(workdir), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)   # the CLI shuts its cluster down on SIGINT
+            try:
+                proc.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for pid in processes_mentioning(str(workdir)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_up_trains_the_demo_and_cleans_up(tmp_path):
+    workdir = tmp_path / "up"
+    res = run_up(workdir, "--ps", "2", "--workers", "2", "--job", str(DEMO_SHORT), "--timeout", "100")
+    assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    out = res.stdout
+    # rank 0's progress was streamed live
+    assert re.search(r"step 12/12 loss \d", out), out
+    # the summary: every worker completed all steps, both nodes hold blocks, rank 0's samples
+    assert "== summary: job demo-short" in out
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank}\s+completed\s+0\s+12/12\s+\d+\.\d+", out), out
+    for node in ("ps-0", "ps-1"):
+        m = re.search(rf"^{node}\s+default\s+alive\s+(\d+)\s", out, re.M)
+        assert m and int(m.group(1)) > 0, out
+    assert "before  ->  after" in out and "exact-match accuracy" in out
+    assert "cluster shut down" in out
+    # machine-readable results of each worker
+    results = [json.loads((workdir / f"worker-{r}.result.json").read_text()) for r in (0, 1)]
+    assert [r["status"] for r in results] == ["completed", "completed"]
+    assert [r["version"] for r in results] == [12, 12]
+    assert results[0]["before_samples"] and results[0]["after_samples"]
+    assert processes_mentioning(str(workdir)) == []
+
+
+def test_up_reports_a_failing_worker(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(DEMO_SHORT.read_text().replace("steps: 12", "steps: 12\n  stpes: 3"))
+    workdir = tmp_path / "up"
+    res = run_up(workdir, "--ps", "1", "--workers", "2", "--job", str(bad), "--timeout", "100")
+    assert res.returncode == 1, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert re.search(r"worker-\d \(rank \d\) exited with code 2", res.stderr), res.stderr
+    assert "stpes" in res.stderr  # the worker's own error, from its log
+    assert processes_mentioning(str(workdir)) == []
