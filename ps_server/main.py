@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-payload-bytes", type=int, default=frame.DEFAULT_LIMITS.max_payload_bytes)
     p.add_argument("--connect-timeout", type=float, default=60.0, help="how long to wait for the dispatcher at start")
     p.add_argument("--rpc-timeout", type=float, default=10.0)
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="intra-op threads for optimizer math (1: a node's connection threads already run in parallel)")
     return p
 
 
@@ -85,10 +87,15 @@ def main(argv=None) -> int:
         if args.max_payload_bytes <= 0:
             raise ShardlineConfigError(f"--max-payload-bytes must be > 0, got {args.max_payload_bytes!r}")
         transport = get_transport(args.transport)
+        if args.torch_threads < 1:
+            raise ShardlineConfigError(f"--torch-threads must be >= 1, got {args.torch_threads!r}")
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
         return 2
 
+    import torch
+
+    torch.set_num_threads(args.torch_threads)
     stop = install_stop_handlers()
     client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout)
 

@@ -29,6 +29,7 @@ import torch
 from ps_server.optimizer import OptimizerConfig, make_optimizer
 from services.blocks import block_slice, num_blocks
 from services.errors import ShardlineError
+from services.tensor_checks import all_finite
 from services.pb import common_pb2
 
 
@@ -54,7 +55,10 @@ class Block:
     value: torch.Tensor                      # 1-D fp32 master copy
     state: dict
     version: int = 0
-    grad_sum: torch.Tensor | None = None     # sum of weight * grad for the step being collected
+    # Sum of weight * grad for the step being collected; the buffer lives as long as the block
+    # (allocated once, not per step) and holds data only while has_grad is set.
+    grad_buf: torch.Tensor | None = None
+    has_grad: bool = False
     pushed_by: set = field(default_factory=set)
 
 
@@ -113,7 +117,7 @@ class JobStore:
             if value.numel() != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"block {tensor}[{index}] must have {numel} elements, got {value.numel()}")
-            if not bool(torch.isfinite(value).all()):
+            if not all_finite(value):
                 raise StoreError("NONFINITE", f"initial value of tensor {tensor!r} block {index} contains NaN or Inf")
         created = 0
         with self.cond:
@@ -140,7 +144,7 @@ class JobStore:
                 if item.grad.numel() != numel:
                     raise StoreError("INVALID_ARGUMENT",
                                      f"gradient for {item.tensor}[{item.index}] must have {numel} elements, got {item.grad.numel()}")
-                if not self.allow_nonfinite and not bool(torch.isfinite(item.grad).all()):
+                if not self.allow_nonfinite and not all_finite(item.grad):
                     raise StoreError("NONFINITE", f"gradient for tensor {item.tensor!r} (block {item.index}) contains NaN or Inf")
         with self.cond:
             blocks = [self._block(item.tensor, item.index) for item in items]
@@ -164,13 +168,17 @@ class JobStore:
                 block.pushed_by.add(rank)
                 if item.grad is None:
                     continue
-                g = item.grad.to(torch.float32)
-                if block.grad_sum is None:
-                    block.grad_sum = g * weight if weight != 1.0 else g.clone()
+                if block.grad_buf is None:
+                    block.grad_buf = torch.empty_like(block.value)
+                if not block.has_grad:
+                    block.grad_buf.copy_(item.grad)  # also converts fp16/bf16 pushes to fp32
+                    if weight != 1.0:
+                        block.grad_buf.mul_(weight)
+                    block.has_grad = True
                 elif weight != 1.0:
-                    block.grad_sum.add_(g, alpha=weight)
+                    block.grad_buf.add_(item.grad.to(torch.float32), alpha=weight)
                 else:
-                    block.grad_sum.add_(g)
+                    block.grad_buf.add_(item.grad.to(torch.float32))
             return self.step
 
     def commit(self, rank: int, step: int, weight: float) -> int:
@@ -201,11 +209,11 @@ class JobStore:
             if not block.pushed_by:
                 continue
             grad = None
-            if block.grad_sum is not None:
-                grad = block.grad_sum.div_(total) if total != 1.0 else block.grad_sum
+            if block.has_grad:
+                grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
             self.optimizer.step(block.value, grad, block.state)
             block.version = new_version
-            block.grad_sum = None
+            block.has_grad = False
             block.pushed_by = set()
         self.step = new_version
         self.committed = {}

@@ -37,7 +37,6 @@ import subprocess
 import sys
 import threading
 import time
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -158,8 +157,9 @@ def _pdeathsig_preexec() -> Callable[[], None] | None:
 
 _PREEXEC = _pdeathsig_preexec()
 
-# Clusters not yet shut down; shut down at interpreter exit.
-_LIVE: "weakref.WeakSet[LocalCluster]" = weakref.WeakSet()
+# Clusters not yet shut down; shut down at interpreter exit. Strong references on purpose: a
+# cluster object nobody holds any more still has processes to reap.
+_LIVE: "set[LocalCluster]" = set()
 
 
 def _shutdown_all() -> None:
@@ -246,6 +246,8 @@ class LocalCluster:
         return handle
 
     def _spawn(self, handle: DaemonHandle) -> None:
+        if self._closed:
+            raise RuntimeError("this LocalCluster was shut down")
         try:
             handle.ready_file.unlink()
         except FileNotFoundError:
@@ -419,12 +421,12 @@ class LocalCluster:
         with self._lock:
             handles = sorted(self.handles.values(), key=lambda h: {"worker": 0, "ps": 1, "dispatcher": 2}[h.kind])
             self._closed = True
-        for h in handles:
-            if h.alive():
-                try:
-                    h.proc.send_signal(signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+        running = [h for h in handles if h.alive()]
+        for h in running:
+            try:
+                h.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         deadline = time.monotonic() + timeout
         codes: dict[str, int | None] = {}
         for h in handles:
@@ -434,10 +436,10 @@ class LocalCluster:
                 codes[h.name] = h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 codes[h.name] = None
-        for h in handles:
-            if h.proc is None:
-                continue
-            # Anything left in the daemon's process group (stragglers, or children of the daemon).
+        # Anything left in the process group of a daemon that ran until now: stragglers, or
+        # children of the daemon. (Groups of daemons reaped earlier are left alone: their ids may
+        # have been reused.)
+        for h in running:
             self._killpg(h.proc.pid)
             h.proc.wait()
         _LIVE.discard(self)

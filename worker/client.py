@@ -24,6 +24,7 @@ import torch
 
 from services import frame
 from services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
+from services.tensor_checks import all_finite, is_all_zero
 from services.dispatcher_client import DispatcherClient
 from services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
                              ShardlineStateError, ShardlineTimeoutError)
@@ -34,6 +35,9 @@ from services.transport import get_transport
 
 log = logging.getLogger("shardline.worker")
 
+# Replies come from nodes this client chose to talk to; their size follows what it asked for.
+REPLY_LIMITS = frame.FrameLimits(max_payload_bytes=1 << 40)
+
 
 @dataclass
 class TransferStats:
@@ -41,6 +45,21 @@ class TransferStats:
     pulled_bytes: int = 0
     pushed_zero_blocks: int = 0
     pulled_blocks: int = 0
+
+
+class _Immediate:
+    """A call run on the spot with the ``result()`` interface of a Future."""
+
+    def __init__(self, fn, *args):
+        try:
+            self._value, self._error = fn(*args), None
+        except BaseException as exc:  # re-raised from result(), like a Future
+            self._value, self._error = None, exc
+
+    def result(self):
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 class _NodeConnection:
@@ -180,15 +199,18 @@ class Client:
             self._versions.pop((name, s.index), None)
 
     # --- data path --------------------------------------------------------------------------
-    def pull(self, names=None, *, min_step: int | None = None, timeout: float | None = None) -> dict[str, torch.Tensor]:
+    def pull(self, names=None, *, min_step: int | None = None, timeout: float | None = None,
+             copy: bool = True) -> dict[str, torch.Tensor]:
         """Fetch tensors (default: all of the job). Only blocks newer than the cached ones move.
 
         BSP: waits server-side until the nodes are at ``min_step`` (default: this client's step).
-        Returns copies shaped like the job's tensors.
+        Returns tensors shaped like the job's; with ``copy=False`` they are views of the client's
+        cache, which later pulls overwrite in place (no 64 MB copy per pull).
         """
         names = self._names(names)
         self._pull(names, min_step=min_step, timeout=timeout)
-        return {n: self._values[n].clone().view(self._shapes[n]) for n in names}
+        values = {n: self._values[n].view(self._shapes[n]) for n in names}
+        return {n: v.clone() for n, v in values.items()} if copy else values
 
     def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0) -> None:
         """Contribute gradients for the current step.
@@ -243,11 +265,11 @@ class Client:
             if flat.dtype not in frame.WIRE_DTYPE:
                 flat = flat.to(torch.float32)
             flat = flat.contiguous()
-            if not spec.allow_nonfinite and not bool(torch.isfinite(flat).all()):
+            if not spec.allow_nonfinite and not all_finite(flat):
                 raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
             for s in self._slices[name]:
                 part = flat[s.start:s.stop]
-                payload[(name, s.index)] = part if bool(part.any()) else None
+                payload[(name, s.index)] = None if is_all_zero(part) else part
         step = self._current_step()
         self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
 
@@ -288,8 +310,13 @@ class Client:
                 for node_id in self.routing.nodes:
                     if node_id not in done_nodes:
                         groups.setdefault(node_id, [])
-            futures = {node_id: self._pool.submit(self._exchange, node_id, op, blocks, step, weight, grads, min_step, timeout)
-                       for node_id, blocks in groups.items()}
+            args = (op, step, weight, grads, min_step, timeout)
+            if len(groups) == 1:  # no thread hand-off for the common single-node request
+                (node_id, blocks), = groups.items()
+                futures = {node_id: _Immediate(self._exchange, node_id, blocks, *args)}
+            else:
+                futures = {node_id: self._pool.submit(self._exchange, node_id, blocks, *args)
+                           for node_id, blocks in groups.items()}
             retry, errors, steps, refused = [], [], [], False
             for node_id, fut in futures.items():
                 try:
@@ -314,7 +341,7 @@ class Client:
             pending = retry
         raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} routing refreshes")
 
-    def _exchange(self, node_id: str, op: int, keys: list, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
+    def _exchange(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout)
         payloads = []
@@ -341,7 +368,7 @@ class Client:
         with conn.lock:
             try:
                 frame.send_frame(conn.sock, header, payloads)
-                reply = frame.recv_header(conn.sock, frame.FrameLimits(max_payload_bytes=1 << 40))
+                reply = frame.recv_header(conn.sock, REPLY_LIMITS)
             except (OSError, ConnectionError) as exc:
                 conn.close()
                 self._conns.pop(node_id, None)

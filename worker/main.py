@@ -334,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     transfer = out["transfer"]
     moved = ""
     if transfer:
-        moved = (f", pushed {transfer.get('pushed_bytes', 0) / 1e6:.1f} MB, "
-                 f"pulled {transfer.get('pulled_bytes', 0) / 1e6:.1f} MB")
+        moved = (f", pushed {transfer.get('pushed_bytes', 0) / 2**20:.1f} MiB, "
+                 f"pulled {transfer.get('pulled_bytes', 0) / 2**20:.1f} MiB")
     final_loss = out.get("final_loss")
     loss_text = f"{final_loss:.4f}" if isinstance(final_loss, float) and math.isfinite(final_loss) else "n/a"
     print(f"done: rank {rank}/{world_size} job {spec.name} {status}: {out['steps_done']}/{tr.steps} steps, "

@@ -1,0 +1,41 @@
+import pytest
+import torch
+
+from services.tensor_checks import all_finite, is_all_zero
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_finite_agrees_with_elementwise_check(dtype):
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        t = torch.randn(1000, generator=g).to(dtype)
+        pos = int(torch.randint(0, 1000, (1,), generator=g))
+        choice = int(torch.randint(0, 4, (1,), generator=g))
+        if choice == 1:
+            t[pos] = float("nan")
+        elif choice == 2:
+            t[pos] = float("inf")
+        elif choice == 3:
+            t[pos] = -float("inf")
+        assert all_finite(t) == bool(torch.isfinite(t).all())
+
+
+def test_all_finite_when_the_sum_overflows():
+    big = torch.full((10,), 3e38)  # every element finite, the float32 sum is not
+    assert all_finite(big)
+    assert all_finite(torch.empty(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_is_all_zero(dtype):
+    z = torch.zeros(100, dtype=dtype)
+    assert is_all_zero(z)
+    z[0] = -0.0
+    assert is_all_zero(z)
+    z[99] = 1e-3
+    assert not is_all_zero(z)
+    z = torch.zeros(100, dtype=dtype)
+    z[50] = float("nan")
+    assert not is_all_zero(z)
+    assert not is_all_zero(torch.ones(3, dtype=dtype))
+    assert is_all_zero(torch.zeros(6, dtype=dtype)[::2])  # non-contiguous
