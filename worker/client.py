@@ -212,16 +212,25 @@ class Client:
         values = {n: self._values[n].view(self._shapes[n]) for n in names}
         return {n: v.clone() for n, v in values.items()} if copy else values
 
-    def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0) -> None:
+    def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, commit: bool = True) -> None:
         """Contribute gradients for the current step.
 
-        BSP: push to the owning nodes, then commit the step on every node (the step is applied
-        once all workers committed); the client's step advances. ASP: applied on arrival.
-        ``None`` gradients are not sent (the tensor is not stepped unless another worker sends one).
+        BSP: push to the owning nodes, then (unless ``commit=False``) commit the step on every
+        node; the step is applied once all workers committed, and the client's step advances.
+        Several ``push(..., commit=False)`` calls for different tensors may precede ``commit()``.
+        ASP: applied on arrival. ``None`` gradients are not sent (the tensor is not stepped unless
+        another worker sends one).
         """
         self._push(grads, weight)
-        if self.sync == "bsp":
+        if commit and self.sync == "bsp":
             self._commit(weight)
+
+    def commit(self, *, weight: float = 1.0) -> int:
+        """BSP: declare this worker's pushes for the current step complete. Returns the new step."""
+        if self.sync != "bsp":
+            raise ShardlineStateError(f"commit() is for BSP jobs; job {self.job!r} is {self.sync!r}")
+        self._commit(weight)
+        return self.step
 
     def step_sync(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, pull_names=None) -> int:
         """One training step: push, commit (BSP), then pull what changed. Returns the new step."""
