@@ -43,7 +43,7 @@ from worker.tasks import (
 
 __all__ = [
     "JobSection", "ModelSpec", "TaskSpec", "TrainSpec", "JobSpec", "TrainResult", "LocalOptimizer",
-    "load_job", "parse_job", "run_training", "make_local_optimizer", "OPTIMIZERS", "SYNC_MODES",
+    "load_job", "parse_job", "run_training", "run_local", "make_local_optimizer", "OPTIMIZERS", "SYNC_MODES",
     "LR_SCHEDULES",
 ]
 
@@ -546,8 +546,9 @@ def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, pro
     eval_seed = task.seed + EVAL_SEED_OFFSET
     prompts = sample_prompts(task, tr.sample_prompts, seed=eval_seed) if lead else []
 
-    result = TrainResult(spec.name, ranks[0] if len(ranks) == 1 else 0, world_size, tr.steps, [], float("nan"),
-                         0.0, 0, 0, 0.0, n_params, n_trainable, model=model)
+    result = TrainResult(job_name=spec.name, rank=ranks[0], world_size=world_size, steps=tr.steps, losses=[],
+                         final_loss=float("nan"), train_seconds=0.0, tokens=0, target_tokens=0,
+                         tokens_per_s=0.0, n_params=n_params, n_trainable=n_trainable, model=model)
     # The optimizer may replace the weights (a PSOptimizer of a resumed job pulls what the cluster
     # holds), so "before" is measured after it exists.
     opt = make_optimizer(list(model.named_parameters()))

@@ -15,7 +15,7 @@ at init equals the base model's) and every non-LoRA parameter is frozen (``requi
 :func:`mark_only_lora_trainable` re-opens chosen groups (embeddings, norms, biases).
 
 Parameter names are stable strings: ``tok_emb.weight``, ``pos_emb.weight``,
-``blocks.{i}.ln1.weight``, ``blocks.{i}.attn.qkv.weight``, ``blocks.{i}.attn.proj.weight``,
+``blocks.{i}.ln1.weight``, ``blocks.{i}.attn.qkv.weight`` (no bias), ``blocks.{i}.attn.proj.*``,
 ``blocks.{i}.ln2.*``, ``blocks.{i}.mlp.fc.*``, ``blocks.{i}.mlp.proj.*``, ``ln_f.*``, and
 ``lm_head.weight`` when the head is untied; LoRA adds ``<linear>.lora_A`` / ``<linear>.lora_B``.
 """
@@ -70,17 +70,20 @@ class LoRALinear(nn.Linear):
         return super().extra_repr() + f", rank={self.rank}, alpha={self.alpha:g}"
 
 
-def _linear(d_in: int, d_out: int, lora_rank: int, lora_alpha: float) -> nn.Linear:
+def _linear(d_in: int, d_out: int, lora_rank: int, lora_alpha: float, bias: bool = True) -> nn.Linear:
     if lora_rank > 0:
-        return LoRALinear(d_in, d_out, lora_rank, lora_alpha)
-    return nn.Linear(d_in, d_out)
+        return LoRALinear(d_in, d_out, lora_rank, lora_alpha, bias=bias)
+    return nn.Linear(d_in, d_out, bias=bias)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float, lora_rank: int, lora_alpha: float):
         super().__init__()
         self.n_heads = n_heads
-        self.qkv = _linear(d_model, 3 * d_model, lora_rank, lora_alpha)
+        # No qkv bias: a key bias cannot change the softmax, so its gradient is zero up to float
+        # round-off, and Adam would turn that noise into full-size steps (runs that sum gradients in
+        # a different order, e.g. a parameter server's weighted mean, would then diverge there).
+        self.qkv = _linear(d_model, 3 * d_model, lora_rank, lora_alpha, bias=False)
         self.proj = _linear(d_model, d_model, lora_rank, lora_alpha)
         self.dropout = dropout
         self.resid_drop = nn.Dropout(dropout)
@@ -192,7 +195,8 @@ class TinyGPT(nn.Module):
             for lin, s in ((block.attn.qkv, std), (block.attn.proj, resid_std),
                            (block.mlp.fc, std), (block.mlp.proj, resid_std)):
                 lin.weight.normal_(0.0, s, generator=g)
-                lin.bias.zero_()
+                if lin.bias is not None:
+                    lin.bias.zero_()
         self.ln_f.weight.fill_(1.0)
         self.ln_f.bias.zero_()
         if self.lm_head is not None:

@@ -41,7 +41,7 @@ class Progress:
         self.width = max(int(width), 1)
         self.prefix = prefix
         self.min_interval = min_interval
-        self._last_draw = 0.0
+        self._last_draw: float | None = None
         self._drawn_len = 0  # length of the partial TTY line on screen (0 = cursor at line start)
         self._last_line = ""
         self._closed = False
@@ -73,7 +73,7 @@ class Progress:
         last = step >= self.total
         if self.tty:
             now = time.monotonic()
-            if not last and now - self._last_draw < self.min_interval:
+            if not last and self._last_draw is not None and now - self._last_draw < self.min_interval:
                 return
             self._last_draw = now
             line = self.format(step, loss, tokens_per_s, version, bar=True)

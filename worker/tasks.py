@@ -305,19 +305,28 @@ def sample_answers(model: torch.nn.Module, prompts: Sequence[str], task: SFTTask
 
 
 def format_samples(before: Sequence[dict] | None, after: Sequence[dict] | None) -> str:
-    """A small text table of before/after answers (either side may be None)."""
-    rows = list(after or before or [])
-    if not rows:
+    """A text table of greedy answers before and after training (either side may be None)::
+
+        sample answers, before  ->  after training (ok = exact match):
+        prompt     expected  before          after
+        rev 2=     2         ========= x  -> 2 ok
+        rev 4105=  5014      ========= x  -> 5014 ok
+    """
+    sides = [(name, rows) for name, rows in (("before", before), ("after", after)) if rows]
+    if not sides:
         return ""
-    w = max(len(r["prompt"]) for r in rows)
-    ew = max(max(len(r["expected"] or "") for r in rows), len("expected"))
-    lines = [f"{'prompt':<{w}}  {'expected':<{ew}}  " + ("before" if before else "") +
-             ("  ->  after" if before and after else ("after" if after else ""))]
-    for i, r in enumerate(rows):
-        cells = [f"{r['prompt']:<{w}}", f"{r['expected'] or '?':<{ew}}"]
-        for side in (before, after):
-            if side:
-                s = side[i]
-                cells.append(f"{(s['got'] or '(empty)')!s} {'ok' if s['correct'] else 'x '}")
-        lines.append("  ".join(cells[:2]) + "  " + "  ->  ".join(cells[2:]))
+    base = sides[-1][1]
+    cell = lambda r: f"{r['got'] or '(empty)'} {'ok' if r['correct'] else 'x'}"  # noqa: E731
+    arrow = len(sides) == 2
+    table = [["prompt", "expected"] + [name if i == 0 or not arrow else "   " + name
+                                       for i, (name, _) in enumerate(sides)]]
+    for i, r in enumerate(base):
+        cells = [cell(rows[i]) for _, rows in sides]
+        if arrow:
+            cells[1] = "-> " + cells[1]
+        table.append([r["prompt"], r["expected"] or "?"] + cells)
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    title = "sample answers, " + ("before  ->  after training" if arrow else f"{sides[0][0]} training")
+    lines = [title + " (ok = exact match):"]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in table]
     return "\n".join(lines)
