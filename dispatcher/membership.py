@@ -13,12 +13,12 @@ the alive set, or an alive node's rack, addresses, capacity or virtual-node coun
 
 from __future__ import annotations
 
-import math
 import re
 import threading
 from dataclasses import dataclass
 
 from services.daemon import parse_host_port
+from services.config import require_positive_number
 from services.errors import ShardlineConfigError
 from services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
 
@@ -88,15 +88,8 @@ class Membership:
     """The set of PS nodes known to the dispatcher and the epoch of their routing table."""
 
     def __init__(self, heartbeat_timeout: float, vnodes_per_capacity: int = DEFAULT_VNODES_PER_CAPACITY):
-        if (
-            isinstance(heartbeat_timeout, bool)
-            or not isinstance(heartbeat_timeout, (int, float))
-            or not math.isfinite(heartbeat_timeout)
-            or heartbeat_timeout <= 0
-        ):
-            raise ShardlineConfigError(f"heartbeat_timeout must be a finite number of seconds > 0, got {heartbeat_timeout!r}")
+        self.heartbeat_timeout = require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
         vnode_counts({}, vnodes_per_capacity)  # validates the density
-        self.heartbeat_timeout = float(heartbeat_timeout)
         self.vnodes_per_capacity = vnodes_per_capacity
         self._lock = threading.Lock()
         self._nodes: dict[str, _Node] = {}

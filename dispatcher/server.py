@@ -22,6 +22,7 @@ from prometheus_client import Counter, Gauge
 from dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
 from dispatcher.membership import Membership, NodeRecord
 from services.daemon import create_grpc_server
+from services.config import require_positive_number
 from services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
 from services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
@@ -272,13 +273,7 @@ def create_server(
     healthy nodes would be declared dead between heartbeats.
     """
     membership = Membership(heartbeat_timeout, vnodes_per_capacity)  # validates both
-    if (
-        isinstance(heartbeat_interval, bool)
-        or not isinstance(heartbeat_interval, (int, float))
-        or not math.isfinite(heartbeat_interval)
-        or heartbeat_interval <= 0
-    ):
-        raise ShardlineConfigError(f"heartbeat_interval must be a finite number of seconds > 0, got {heartbeat_interval!r}")
+    require_positive_number(heartbeat_interval, "heartbeat_interval (seconds)")
     if heartbeat_interval >= heartbeat_timeout:
         raise ShardlineConfigError(
             f"heartbeat_interval must be below heartbeat_timeout, got interval {heartbeat_interval!r} "

@@ -254,14 +254,6 @@ def _job_header(path: Path) -> dict:
             "optimizer": train.get("optimizer", "adamw")}
 
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
 
 def _fmt_loss(x) -> str:
     return f"{x:.4f}" if isinstance(x, (int, float)) else "-"
@@ -316,7 +308,7 @@ def _wait_fresh_heartbeats(cluster, since: float, timeout: float) -> dict | None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.local_cluster import DaemonStartError, LocalCluster
+    from services.local_cluster import DaemonStartError, LocalCluster, read_json_object
 
     out = sys.stdout
     try:
@@ -393,14 +385,14 @@ def cmd_up(args: argparse.Namespace) -> int:
                       f"logs in {workdir}", file=sys.stderr)
             else:
                 what = f"{handle.name}" + (f" (rank {workers.index(handle)})" if handle in workers else "")
-                res = _read_json(result_files[workers.index(handle)]) if handle in workers else None
+                res = read_json_object(result_files[workers.index(handle)]) if handle in workers else None
                 reason = f": {res['error']}" if res and res.get("error") else ""
                 print(f"\n{PROG} up: error: {what} exited with code {rc}{reason}\n"
                       f"last lines of {handle.log_path}:\n{handle.log_tail(30)}", file=sys.stderr)
             code = EXIT_FAILED
         else:
             status = _wait_fresh_heartbeats(cluster, finished, timeout=3.0)
-            results = [_read_json(f) for f in result_files]
+            results = [read_json_object(f) for f in result_files]
             print("", file=out)
             print(render_up_summary(job, results, [w.returncode for w in workers], status,
                                     finished - started), file=out, flush=True)

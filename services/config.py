@@ -8,12 +8,20 @@ and quote the value; nothing is silently ignored.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Sequence
 
 import yaml
 
 from services.errors import ShardlineConfigError
+
+def require_positive_number(value, what: str) -> float:
+    """Return ``value`` as a float if it is a finite real number > 0 (bools are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ShardlineConfigError(f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
 
 # Options that make no sense in a shared config file.
 _NOT_FROM_FILE = {"config", "help"}

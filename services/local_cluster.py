@@ -119,6 +119,16 @@ def log_tail(path: str | os.PathLike, lines: int = 40) -> str:
     return "\n".join(data.decode("utf-8", "replace").splitlines()[-lines:])
 
 
+def read_json_object(path: str | os.PathLike) -> dict | None:
+    """The JSON object in ``path``, or None if it is missing, partial or not an object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def flags_to_argv(flags: dict[str, Any]) -> list[str]:
     """``{"heartbeat_timeout": 1, "verbose": True, "x": None}`` -> ``["--heartbeat-timeout", "1", "--verbose"]``."""
     argv: list[str] = []
@@ -275,14 +285,14 @@ class LocalCluster:
             raise DaemonStartError(f"{handle.name} was never started")
         delay = 0.02
         while True:
-            info = self._read_ready(handle.ready_file)
+            info = read_json_object(handle.ready_file)
             if info is not None and info.get("pid") == proc.pid:
                 handle.info = info
                 return handle
             code = proc.poll()
             if code is not None:
                 # The file may have landed just before the exit.
-                info = self._read_ready(handle.ready_file)
+                info = read_json_object(handle.ready_file)
                 if info is not None and info.get("pid") == proc.pid:
                     handle.info = info
                     return handle
@@ -295,15 +305,6 @@ class LocalCluster:
                     f"last lines of {handle.log_path}:\n{handle.log_tail()}")
             time.sleep(delay)
             delay = min(delay * 1.5, 0.2)
-
-    @staticmethod
-    def _read_ready(path: Path) -> dict | None:
-        try:
-            with open(path, encoding="utf-8") as fh:
-                data = json.load(fh)
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
 
     def _start(self, handle: DaemonHandle, wait: bool) -> DaemonHandle:
         self._spawn(handle)

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from services import frame
-from services.blocks import block_slices
 from services.daemon import grpc_channel, parse_host_port
 from services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from services.pb import dataplane_pb2 as dp

@@ -1,10 +1,6 @@
 """Delta pulls and routing refresh against live daemons."""
 
-import subprocess
-import sys
-
 import torch
-from safetensors.torch import load_file
 
 import train_model
 from worker import connect
@@ -40,32 +36,17 @@ def test_frozen_tensor_is_transferred_once(cluster, tmp_path):
 
 def test_workers_pull_frozen_parameters_once(cluster, tmp_path):
     steps = 4
-    outs = []
-    procs = []
-    for rank in range(2):
-        out = tmp_path / f"r{rank}.safetensors"
-        outs.append(out)
-        procs.append(subprocess.Popen([sys.executable, train_model.__file__, cluster.address, "delta-train", str(rank), "2",
-                                       "adamw", "bsp", str(steps), str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        for p in procs:
-            text, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, text
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = train_model.run_workers(cluster.address, "delta-train", "adamw", "bsp", tmp_path, steps=steps)
     model = train_model.SmallModel()
     blocks_of = {n: -(-p.numel() // 16) for n, p in model.named_parameters()}
     trainable_blocks = sum(b for n, b in blocks_of.items() if n not in ("scale", "unused"))
     # rank 1 pulls everything once; afterwards per step only blocks that changed: frozen "scale" and
     # never-stepped "unused" are never sent again.
-    pulled = int(load_file(str(outs[1]))["_pulled_blocks"])
+    pulled = int(results[1]["_pulled_blocks"])
     assert pulled <= sum(blocks_of.values()) + steps * trainable_blocks
     assert pulled >= sum(blocks_of.values())
     # rank 0 created the job from its own parameters, so it never pulls the frozen ones at all
-    pulled0 = int(load_file(str(outs[0]))["_pulled_blocks"])
+    pulled0 = int(results[0]["_pulled_blocks"])
     assert pulled0 <= steps * trainable_blocks
 
 
@@ -73,7 +54,6 @@ def wait_nodes_at_epoch(cluster, epoch, timeout=15.0):
     """Wait until every PS routes with ``epoch`` (they learn it from heartbeat replies)."""
     import time
 
-    import grpc
 
     from services.daemon import grpc_channel
     from services.pb import ps_pb2, ps_pb2_grpc

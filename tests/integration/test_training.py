@@ -1,40 +1,16 @@
 """Two worker processes train through two PS nodes; BSP must equal single-process torch.optim."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import train_model
 
 STEPS = 8
 
 
-def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=STEPS):
-    procs, outs = [], []
-    for rank in range(world):
-        out = tmp_path / f"{job}-rank{rank}.safetensors"
-        outs.append(out)
-        procs.append(subprocess.Popen(
-            [sys.executable, train_model.__file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        for p in procs:
-            output, _ = p.communicate(timeout=120)
-            assert p.returncode == 0, output
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [load_file(str(o)) for o in outs]
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer):
-    results = run_workers(cluster.address, f"bsp-{optimizer}", optimizer, "bsp", tmp_path)
+    results = train_model.run_workers(cluster.address, f"bsp-{optimizer}", optimizer, "bsp", tmp_path, steps=STEPS)
     expected = train_model.reference(optimizer, STEPS, world_size=2)
     initial = train_model.SmallModel().state_dict()
     for res in results:
@@ -51,7 +27,7 @@ def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer):
 
 def test_asp_converges(cluster, tmp_path):
     steps = 40
-    results = run_workers(cluster.address, "asp-adam", "adam", "asp", tmp_path, steps=steps)
+    results = train_model.run_workers(cluster.address, "asp-adam", "adam", "asp", tmp_path, steps=steps)
     tokens, targets = train_model.batch(10_000, 0, n=300)
     with torch.no_grad():
         initial = train_model.loss_fn(train_model.SmallModel(), tokens, targets).item()

@@ -58,6 +58,31 @@ def reference(optimizer: str, steps: int, world_size: int) -> dict[str, torch.Te
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8):
+    """Run ``world`` worker processes of this script; return each one's saved tensors."""
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    procs, outs = [], []
+    for rank in range(world):
+        out = tmp_path / f"{job}-rank{rank}.safetensors"
+        outs.append(out)
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        for p in procs:
+            output, _ = p.communicate(timeout=120)
+            assert p.returncode == 0, output
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [load_file(str(o)) for o in outs]
+
+
 def main(argv):
     cluster, job, rank, world, optimizer, sync, steps, out = argv
     rank, world, steps = int(rank), int(world), int(steps)

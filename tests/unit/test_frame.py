@@ -51,7 +51,8 @@ def test_large_payload_round_trip(pair):
 
     sender = threading.Thread(target=frame.send_frame, args=(a, _push_header([("w", 0, t)]), [frame.tensor_bytes(t)]))
     sender.start()
-    got = frame.recv_header(b)
+    header = frame.recv_header(b)
+    assert header.payload_bytes == t.numel() * 4
     dest = torch.empty_like(t)
     frame.recv_exactly_into(b, frame.tensor_bytes(dest))
     sender.join(10)
