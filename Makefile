@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PROTOS     := $(wildcard protos/*.proto)
 PB_STAMP   := services/pb/.generated
 
-.PHONY: all venv protos test test-unit test-integration demo bench clean distclean
+.PHONY: all venv protos system-deps test test-unit test-integration demo bench clean distclean
 
 all: protos
 
@@ -31,7 +31,11 @@ $(PB_STAMP): $(PROTOS) $(VENV)/.installed
 
 protos: $(PB_STAMP)
 
-test: protos
+# systemd-analyze and Prometheus (promtool, server) for the operations tests.
+system-deps:
+	scripts/install-system-deps.sh
+
+test: protos system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-unit: protos

@@ -7,6 +7,8 @@ Shardline pull or push. It listens on 127.0.0.1 (port 0), writes ``{"pid", "addr
 
 * ``G`` (get, the pull baseline): each 1-byte request is answered with ``size`` bytes sent by one
   ``sendall`` from a buffer preallocated at hello time.
+* ``C`` (chunked get): as ``G`` but sent as 1 MiB ``sendall`` calls; the baseline is the faster
+  of ``G`` and ``C`` in each repetition, so framing into blocks is not what makes Shardline look good.
 * ``P`` (put, the push baseline): ``size`` bytes are received with ``recv_into`` into a
   preallocated buffer, then a 1-byte ack is sent.
 * ``E`` (echo, the latency baseline): ``size`` bytes are received into a preallocated buffer and
@@ -28,6 +30,7 @@ import sys
 import threading
 
 HELLO = struct.Struct(">cQ")
+CHUNK = 1 << 20  # mode C sends in 1 MiB sendalls, as a PS sends 1 MiB blocks
 MAX_SIZE = 1 << 30
 
 
@@ -54,16 +57,18 @@ def serve(conn: socket.socket) -> None:
     if not recv_exactly_into(conn, memoryview(hello)):
         return
     mode, size = HELLO.unpack(hello)
-    if not 0 < size <= MAX_SIZE or mode not in (b"G", b"P", b"E"):
+    if not 0 < size <= MAX_SIZE or mode not in (b"G", b"C", b"P", b"E"):
         return
     buf = bytearray(size)
     view = memoryview(buf)
-    if mode == b"G":
+    if mode in (b"G", b"C"):
         for i in range(0, size, 4096):  # touch the pages once, outside any timed transfer
             buf[i] = i & 0xFF
         req = bytearray(1)
+        chunks = [view] if mode == b"G" else [view[i:i + CHUNK] for i in range(0, size, CHUNK)]
         while recv_exactly_into(conn, memoryview(req)):
-            conn.sendall(view)
+            for chunk in chunks:
+                conn.sendall(chunk)
     elif mode == b"P":
         while recv_exactly_into(conn, view):
             conn.sendall(b"k")

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# System packages the test suite needs: systemd (systemd-analyze verify of the units) and
+# prometheus (promtool checks and a real Prometheus server in an integration test).
+# Installs only what is missing; needs root (CI and the dev machines run as root).
+set -euo pipefail
+missing=()
+command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
+{ command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+  echo "install-system-deps: need root to install: ${missing[*]} (or install them yourself)" >&2
+  exit 1
+fi
+echo "install-system-deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
