@@ -21,7 +21,7 @@ from services.daemon import (
     parse_host_port,
     setup_logging,
     start_metrics_server,
-    write_ready_file,
+    announce_ready,
 )
 from services.errors import ShardlineConfigError
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         grpc_address = format_host_port(host, port)
         metrics_address = format_host_port(host, metrics_port)
-        write_ready_file(args.ready_file, {"grpc": grpc_address, "metrics": metrics_address})
+        announce_ready(args.ready_file, {"grpc": grpc_address, "metrics": metrics_address})
         log.info("serving gRPC on %s, metrics on %s", grpc_address, metrics_address)
         while not stop.wait(0.5):
             pass

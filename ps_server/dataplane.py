@@ -19,6 +19,9 @@ from services.pb import dataplane_pb2 as dp
 
 log = logging.getLogger("shardline.ps.dataplane")
 
+# Idle connections may wait forever between frames; inside a frame the bytes must keep coming.
+PAYLOAD_TIMEOUT_SECONDS = 60.0
+
 
 def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, metrics=None) -> None:
     buffer = bytearray(0)
@@ -45,13 +48,15 @@ def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, m
         if header.payload_bytes > len(buffer):
             # Grows to the largest frame seen on this connection (bounded by limits), then reused.
             buffer = bytearray(header.payload_bytes)
-        view = memoryview(buffer)[: header.payload_bytes]
         try:
-            frame.recv_exactly_into(sock, view)
-        except ConnectionError:
-            return
-        try:
-            reply, payloads = node.handle(header, view)
+            if header.op == dp.OP_PUSH:
+                reply, payloads = _receive_push(sock, header, node, buffer), []
+            else:
+                view = memoryview(buffer)[: header.payload_bytes]
+                _recv_payload(sock, view)
+                reply, payloads = node.handle(header, view)
+        except (ConnectionError, TimeoutError):
+            return  # the peer vanished or stalled mid-frame: nothing of the frame was kept
         except StoreError as exc:
             _reply_error(sock, header, exc, node, metrics, op)
             continue
@@ -63,6 +68,36 @@ def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, m
         if metrics:
             metrics.request(op, "OK", seconds=time.perf_counter() - started,
                             bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes)
+
+
+def _recv_payload(sock, view: memoryview) -> None:
+    """Receive a payload; a peer that stalls mid-frame for PAYLOAD_TIMEOUT_SECONDS is dropped."""
+    if not len(view):
+        return
+    sock.settimeout(PAYLOAD_TIMEOUT_SECONDS)
+    try:
+        frame.recv_exactly_into(sock, view)
+    finally:
+        sock.settimeout(None)
+
+
+def _receive_push(sock, header, node: PSNode, scratch: bytearray):
+    """Receive a PUSH block by block into the destinations the store picked, checking each block
+    as it lands (the check overlaps the arrival of the next), then make it visible."""
+    try:
+        job, ticket = node.begin_push(header, scratch)
+    except StoreError:
+        frame.skip_bytes(sock, header.payload_bytes, scratch)  # keep the stream on a frame boundary
+        raise
+    try:
+        for i, dest in enumerate(ticket.dests):
+            if dest is not None:
+                _recv_payload(sock, frame.tensor_bytes(dest))
+                job.check_received(ticket, i)
+        return node.finish_push(header, job, ticket)
+    finally:
+        if not ticket.done:
+            job.abort_push(ticket)
 
 
 def _reply_error(sock, header, exc: StoreError, node: PSNode, metrics, op: str) -> None:

@@ -20,7 +20,7 @@ from ps_server.server import create_server
 from services import frame
 from services.config import parse_daemon_args
 from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
-                             setup_logging, start_metrics_server, write_ready_file)
+                             setup_logging, start_metrics_server, announce_ready)
 from services.dispatcher_client import DispatcherClient
 from services.errors import ShardlineConfigError, ShardlineError
 from services.transport import TRANSPORT_NAMES, get_transport
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, stop).start()
     log.info("node %s serving: grpc %s, data %s (%s), rack %s, epoch %d", node_id, registration["grpc_address"],
              listener.address, transport.NAME, args.rack, node.routing.epoch)
-    write_ready_file(args.ready_file, {"grpc": registration["grpc_address"], "metrics": format_host_port(host, metrics_port),
-                                       "data": listener.address, "node_id": node_id})
+    announce_ready(args.ready_file, {"grpc": registration["grpc_address"], "metrics": format_host_port(host, metrics_port),
+                                     "data": listener.address, "node_id": node_id})
     stop.wait()
     started = time.monotonic()
     listener.close()

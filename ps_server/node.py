@@ -11,7 +11,9 @@ import logging
 import threading
 from typing import Callable
 
-from ps_server.store import JobStore, NodeStore, PushItem, StoreError
+import torch
+
+from ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from services import frame
 from services.pb import common_pb2
 from services.pb import dataplane_pb2 as dp
@@ -100,10 +102,24 @@ class PSNode:
         if header.op == dp.OP_PULL and header.payload_bytes:
             raise StoreError("INVALID_ARGUMENT", "a pull request carries no payload")
 
+    def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
+        return frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job, epoch=self._routing.epoch)
+
+    def begin_push(self, header: frame.FrameHeader, scratch: bytearray) -> tuple[JobStore, PushTicket]:
+        """Start a prechecked PUSH: returns where each block's payload goes (see JobStore.begin_push)."""
+        job = self.job(header.job)
+        refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
+                for ref in header.blocks]
+        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch)
+
+    def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
+        reply = self._reply(header)
+        reply.step = job.finish_push(ticket)
+        return reply
+
     def handle(self, header: frame.FrameHeader, payload) -> tuple[frame.FrameHeader, list]:
-        """Run a prechecked request. ``payload`` is a buffer of ``header.payload_bytes`` bytes."""
-        reply = frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job,
-                                  epoch=self._routing.epoch)
+        """Run a prechecked request other than PUSH. ``payload`` holds ``header.payload_bytes`` bytes."""
+        reply = self._reply(header)
         if header.op == dp.OP_PING:
             return reply, []
         job = self.job(header.job)
@@ -114,10 +130,6 @@ class PSNode:
                 raise StoreError("INVALID_ARGUMENT", "initial values cannot be zero flags")
             job.init_blocks(items)
             reply.step = job.step
-            return reply, []
-        if header.op == dp.OP_PUSH:
-            items = [PushItem(ref.tensor, ref.index, t) for ref, t in frame.payload_views(payload, header.blocks)]
-            reply.step = job.push(header.rank, header.step, weight, items)
             return reply, []
         if header.op == dp.OP_COMMIT:
             reply.step = job.commit(header.rank, header.step, weight)

@@ -33,6 +33,11 @@ from services.tensor_checks import all_finite
 from services.pb import common_pb2
 
 
+# How long a push waits for another rank's in-flight push of the same block (only a stalled
+# sender holds one that long; the data plane also times out stalled payloads).
+RESERVATION_TIMEOUT_SECONDS = 60.0
+
+
 class StoreError(ShardlineError):
     """A request the store refuses; ``code`` is a dataplane ErrorCode name."""
 
@@ -50,7 +55,7 @@ class TensorMeta:
     blocks: int
 
 
-@dataclass
+@dataclass(eq=False)
 class Block:
     value: torch.Tensor                      # 1-D fp32 master copy
     state: dict
@@ -59,7 +64,34 @@ class Block:
     # (allocated once, not per step) and holds data only while has_grad is set.
     grad_buf: torch.Tensor | None = None
     has_grad: bool = False
+    receiving: int | None = None   # rank whose push is being received straight into grad_buf
     pushed_by: set = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class PushRef:
+    """One block of a push as its frame header describes it."""
+
+    tensor: str
+    index: int
+    zero: bool
+    numel: int
+    dtype: torch.dtype
+
+
+@dataclass(eq=False)
+class PushTicket:
+    """A push between begin_push and finish_push/abort_push."""
+
+    rank: int
+    step: int
+    weight: float
+    refs: list
+    blocks: list = field(default_factory=list)
+    dests: list = field(default_factory=list)    # tensor to receive each block into (None: zero flag)
+    direct: list = field(default_factory=list)   # True: dest is the block's own gradient buffer
+    error: "StoreError | None" = None
+    done: bool = False
 
 
 @dataclass
@@ -130,56 +162,146 @@ class JobStore:
                 created += 1
         return created
 
-    def push(self, rank: int, step: int, weight: float, items: list[PushItem]) -> int:
-        """Accept gradients. BSP: accumulate for ``step``; ASP: apply now. Returns the job step after."""
+    # --- pushes ---------------------------------------------------------------------------
+    # A push is begun (validated, destinations chosen), its blocks are received one by one and
+    # checked as each arrives (so the check overlaps the rest of the transfer), then finished
+    # (made visible) or aborted. A block's first BSP gradient of a step is received straight into
+    # the block's gradient buffer; later ones (to be added) go to the connection's scratch buffer.
+
+    def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None) -> "PushTicket":
+        """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
+
+        ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
+        into it sit at their payload offsets).
+        """
         if not (math.isfinite(weight) and weight > 0):
             raise StoreError("INVALID_ARGUMENT", f"weight must be a finite number > 0, got {weight!r}")
         if not 0 <= rank < self.world_size:
             raise StoreError("INVALID_ARGUMENT", f"rank {rank} out of range for world_size {self.world_size}")
-        for item in items:
-            numel = self.expected_numel(item.tensor, item.index)
-            if not self.tensors[item.tensor].trainable:
-                raise StoreError("INVALID_ARGUMENT", f"tensor {item.tensor!r} is frozen: it takes no gradients")
-            if item.grad is not None:
-                if item.grad.numel() != numel:
-                    raise StoreError("INVALID_ARGUMENT",
-                                     f"gradient for {item.tensor}[{item.index}] must have {numel} elements, got {item.grad.numel()}")
-                if not self.allow_nonfinite and not all_finite(item.grad):
-                    raise StoreError("NONFINITE", f"gradient for tensor {item.tensor!r} (block {item.index}) contains NaN or Inf")
-        with self.cond:
-            blocks = [self._block(item.tensor, item.index) for item in items]
-            if self.sync == "asp":
-                self._apply_asp(items, blocks)
-                return self.step
-            if step != self.step:
-                raise StoreError("STALE_STEP", f"push for step {step} but job {self.name!r} is collecting step {self.step} on this node")
-            if rank in self.committed:
-                raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
-            if self.push_weight.setdefault(rank, weight) != weight:
+        for ref in refs:
+            numel = self.expected_numel(ref.tensor, ref.index)
+            if not self.tensors[ref.tensor].trainable:
+                raise StoreError("INVALID_ARGUMENT", f"tensor {ref.tensor!r} is frozen: it takes no gradients")
+            if not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
-                                 f"rank {rank} pushed step {step} with weight {weight!r} after weight {self.push_weight[rank]!r}")
-            seen = set()
-            for item, block in zip(items, blocks):
-                key = (item.tensor, item.index)
-                if rank in block.pushed_by or key in seen:
-                    raise StoreError("INVALID_ARGUMENT", f"rank {rank} pushed block {item.tensor}[{item.index}] twice in step {step}")
-                seen.add(key)
-            for item, block in zip(items, blocks):
-                block.pushed_by.add(rank)
-                if item.grad is None:
-                    continue
-                if block.grad_buf is None:
-                    block.grad_buf = torch.empty_like(block.value)
-                if not block.has_grad:
-                    block.grad_buf.copy_(item.grad)  # also converts fp16/bf16 pushes to fp32
-                    if weight != 1.0:
-                        block.grad_buf.mul_(weight)
-                    block.has_grad = True
-                elif weight != 1.0:
-                    block.grad_buf.add_(item.grad.to(torch.float32), alpha=weight)
+                                 f"gradient for {ref.tensor}[{ref.index}] must have {numel} elements, got {ref.numel}")
+        ticket = PushTicket(rank, step, weight, refs)
+        with self.cond:
+            blocks = [self._block(ref.tensor, ref.index) for ref in refs]
+            if self.sync == "bsp":
+                if step != self.step:
+                    raise StoreError("STALE_STEP", f"push for step {step} but job {self.name!r} is collecting step {self.step} on this node")
+                if rank in self.committed:
+                    raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
+                pushed_weight = self.push_weight.get(rank)
+                if pushed_weight is not None and pushed_weight != weight:
+                    raise StoreError("INVALID_ARGUMENT",
+                                     f"rank {rank} pushed step {step} with weight {weight!r} after weight {pushed_weight!r}")
+                seen = set()
+                for ref, block in zip(refs, blocks):
+                    if rank in block.pushed_by or block in seen:
+                        raise StoreError("INVALID_ARGUMENT", f"rank {rank} pushed block {ref.tensor}[{ref.index}] twice in step {step}")
+                    seen.add(block)
+                self.push_weight[rank] = weight
+                for block in blocks:
+                    block.pushed_by.add(rank)  # claimed now; released again by abort_push
+            offset = 0
+            for ref, block in zip(refs, blocks):
+                dest = None
+                if not ref.zero:
+                    if (self.sync == "bsp" and ref.dtype == torch.float32 and not block.has_grad
+                            and block.receiving is None):
+                        if block.grad_buf is None:
+                            block.grad_buf = torch.empty_like(block.value)
+                        block.receiving = rank
+                        dest = block.grad_buf
+                        ticket.direct.append(True)
+                    else:
+                        dest = torch.frombuffer(scratch, dtype=ref.dtype, count=ref.numel, offset=offset)
+                        ticket.direct.append(False)
+                    offset += ref.numel * dest.element_size()
                 else:
-                    block.grad_buf.add_(item.grad.to(torch.float32))
+                    ticket.direct.append(False)
+                ticket.dests.append(dest)
+            ticket.blocks = blocks
+        return ticket
+
+    def check_received(self, ticket: "PushTicket", i: int) -> None:
+        """Check block ``i`` of a push right after its bytes arrived (NaN/Inf, unless allowed)."""
+        dest = ticket.dests[i]
+        if dest is not None and not self.allow_nonfinite and ticket.error is None and not all_finite(dest):
+            ref = ticket.refs[i]
+            ticket.error = StoreError("NONFINITE", f"gradient for tensor {ref.tensor!r} (block {ref.index}) contains NaN or Inf")
+
+    def finish_push(self, ticket: "PushTicket") -> int:
+        """Make a fully received push visible (BSP: accumulate; ASP: apply). Returns the job step."""
+        if ticket.error is not None:
+            self.abort_push(ticket)
+            raise ticket.error
+        with self.cond:
+            if self.sync == "asp":
+                self._apply_asp(ticket)
+                return self.step
+            if ticket.step != self.step:  # only a client that commits on another connection mid-push
+                self._release(ticket)
+                raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
+            w = ticket.weight
+            for block, dest, direct in zip(ticket.blocks, ticket.dests, ticket.direct):
+                if dest is None:
+                    continue
+                if direct:
+                    block.receiving = None
+                    if w != 1.0:
+                        block.grad_buf.mul_(w)
+                    block.has_grad = True
+                    continue
+                # Another rank may still be receiving this block's first gradient into grad_buf.
+                if not self.cond.wait_for(lambda: block.receiving is None, timeout=RESERVATION_TIMEOUT_SECONDS):
+                    self._release(ticket)
+                    raise StoreError("TIMEOUT", f"rank {block.receiving} did not finish sending block gradients "
+                                                f"within {RESERVATION_TIMEOUT_SECONDS:g} s")
+                if block.has_grad:
+                    block.grad_buf.add_(dest.to(torch.float32), alpha=w)
+                else:
+                    if block.grad_buf is None:
+                        block.grad_buf = torch.empty_like(block.value)
+                    block.grad_buf.copy_(dest)  # also converts fp16/bf16 pushes to fp32
+                    if w != 1.0:
+                        block.grad_buf.mul_(w)
+                    block.has_grad = True
+            ticket.done = True
+            self.cond.notify_all()
             return self.step
+
+    def abort_push(self, ticket: "PushTicket") -> None:
+        """Forget a push that failed or whose connection broke: nothing of it stays."""
+        with self.cond:
+            self._release(ticket)
+
+    def _release(self, ticket: "PushTicket") -> None:
+        if ticket.done:
+            return
+        ticket.done = True
+        for block, direct in zip(ticket.blocks, ticket.direct):
+            if direct and block.receiving == ticket.rank:
+                block.receiving = None
+            if self.sync == "bsp":
+                block.pushed_by.discard(ticket.rank)
+        if self.sync == "bsp" and not any(ticket.rank in b.pushed_by for b in self.blocks.values()):
+            self.push_weight.pop(ticket.rank, None)
+        self.cond.notify_all()
+
+    def push(self, rank: int, step: int, weight: float, items: list[PushItem]) -> int:
+        """Push already-received gradients in one call (same path as the data plane). Returns the job step."""
+        refs = [PushRef(i.tensor, i.index, i.grad is None, 0 if i.grad is None else i.grad.numel(),
+                        torch.float32 if i.grad is None else i.grad.dtype) for i in items]
+        scratch = bytearray(sum(0 if i.grad is None else i.grad.numel() * i.grad.element_size() for i in items))
+        ticket = self.begin_push(rank, step, weight, refs, scratch)
+        for n, item in enumerate(items):
+            if item.grad is not None:
+                ticket.dests[n].copy_(item.grad.reshape(-1))
+                self.check_received(ticket, n)
+        return self.finish_push(ticket)
 
     def commit(self, rank: int, step: int, weight: float) -> int:
         """BSP: rank finished step ``step``. Applies the step when all workers committed. Returns the job step."""
@@ -220,13 +342,13 @@ class JobStore:
         self.push_weight = {}
         self.cond.notify_all()
 
-    def _apply_asp(self, items: list[PushItem], blocks: list[Block]) -> None:
+    def _apply_asp(self, ticket: "PushTicket") -> None:
         new_version = self.step + 1
-        for item, block in zip(items, blocks):
-            grad = None if item.grad is None else item.grad.to(torch.float32)
-            self.optimizer.step(block.value, grad, block.state)
+        for block, dest in zip(ticket.blocks, ticket.dests):
+            self.optimizer.step(block.value, None if dest is None else dest.to(torch.float32), block.state)
             block.version = new_version
         self.step = new_version
+        ticket.done = True
         self.cond.notify_all()
 
     def wait_for_step(self, min_step: int, timeout: float) -> int:

@@ -123,9 +123,43 @@ def write_ready_file(path: str | None, info: dict) -> None:
     os.replace(tmp, path)
 
 
+_watchdog = None  # the process's systemd watchdog pinger, started once by announce_ready
+
+
+def announce_ready(path: str | None, info: dict) -> None:
+    """The daemon is serving: write the ready file (if ``path``), then tell systemd.
+
+    Sends ``READY=1`` with a ``STATUS=`` summary of ``info`` to ``$NOTIFY_SOCKET`` and, when the
+    unit has ``WatchdogSec=``, starts the ``WATCHDOG=1`` keep-alive thread. Outside systemd only
+    the file is written. Call it exactly once serving (after binding, registering, joining).
+    """
+    global _watchdog
+    from services import sdnotify
+
+    write_ready_file(path, info)
+    summary = ", ".join(f"{key} {info[key]}" for key in ("node_id", "job", "grpc", "data", "metrics") if info.get(key))
+    sdnotify.ready(status=f"serving: {summary}" if summary else "serving")
+    if _watchdog is None:
+        _watchdog = sdnotify.start_watchdog()
+
+
+class _StopEvent(threading.Event):
+    """A stop event that tells systemd ``STOPPING=1`` the first time it is set, whoever sets it."""
+
+    def set(self) -> None:
+        if not self.is_set():
+            from services import sdnotify
+
+            sdnotify.stopping(status="stopping")
+        super().set()
+
+
 def install_stop_handlers() -> threading.Event:
-    """Return an event set by SIGTERM or SIGINT (clean shutdown, exit code 0)."""
-    stop = threading.Event()
+    """Return an event set by SIGTERM or SIGINT (clean shutdown, exit code 0).
+
+    Setting it (by a signal or by the daemon itself) sends ``STOPPING=1`` to systemd.
+    """
+    stop = _StopEvent()
 
     def _handler(signum, _frame):
         log.info("received %s, shutting down", signal.Signals(signum).name)

@@ -33,7 +33,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from services.config import parse_daemon_args
 from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
-                             setup_logging, start_metrics_server, write_ready_file, create_grpc_server)
+                             setup_logging, start_metrics_server, announce_ready, create_grpc_server)
 from services.errors import ShardlineConfigError, ShardlineError
 
 log = logging.getLogger("shardline.worker")
@@ -274,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         log.info("rank %d/%d joined job %s on %s at version %d: %s parameters (%s trainable), %s, %s, %d steps",
                  rank, world_size, spec.name, args.cluster, opt.version, f"{n_params:,}", f"{n_train:,}",
                  tr.optimizer, tr.sync, tr.steps)
-        write_ready_file(args.ready_file, {"grpc": grpc_address, "metrics": metrics_address, "job": spec.name,
-                                           "rank": rank, "world_size": world_size})
+        announce_ready(args.ready_file, {"grpc": grpc_address, "metrics": metrics_address, "job": spec.name,
+                                         "rank": rank, "world_size": world_size})
         return _StoppableOptimizer(opt, tracker)
 
     def watchdog() -> None:

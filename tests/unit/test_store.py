@@ -160,3 +160,74 @@ def test_waiting_pull_wakes_on_apply_and_times_out():
     assert result["step"] == 1
     step, changed = store.changed_blocks([("a", 0, 0), ("b", 0, 0), ("frozen", 0, None)], copy=False)
     assert step == 1 and [(c[0], c[1]) for c in changed] == [("a", 0), ("frozen", 0)]
+
+
+def _refs(name, grad):
+    from ps_server.store import PushRef
+
+    flat = grad.reshape(-1)
+    return [PushRef(name, s.index, False, s.numel, torch.float32) for s in block_slices(flat.numel(), BLOCK)], flat
+
+
+def _receive(store, ticket, flat):
+    for i, dest in enumerate(ticket.dests):
+        s = block_slices(flat.numel(), BLOCK)[i]
+        dest.copy_(flat[s.start:s.stop])
+        store.check_received(ticket, i)
+
+
+def test_interleaved_pushes_of_two_ranks_sum_correctly():
+    """Rank 0 receives straight into the gradient buffers; rank 1, arriving meanwhile, goes through
+    scratch and waits for rank 0's blocks before adding."""
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    g0, g1 = torch.randn(4, 5), torch.randn(4, 5)
+    refs, flat0 = _refs("a", g0)
+    _, flat1 = _refs("a", g1)
+    t0 = store.begin_push(0, 0, 1.0, refs, bytearray(80))
+    t1 = store.begin_push(1, 0, 3.0, refs, bytearray(80))
+    assert all(t0.direct) and not any(t1.direct)
+    _receive(store, t1, flat1)
+    done = {}
+    finisher = threading.Thread(target=lambda: done.setdefault("step", store.finish_push(t1)))
+    finisher.start()
+    finisher.join(0.2)
+    assert finisher.is_alive(), "rank 1 must wait while rank 0 is still receiving into the buffers"
+    _receive(store, t0, flat0)
+    store.finish_push(t0)
+    finisher.join(10)
+    assert done["step"] == 0
+    store.commit(0, 0, 1.0)
+    store.commit(1, 0, 3.0)
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + 3 * g1) / 4, rtol=0, atol=1e-6)
+
+
+def test_aborted_push_leaves_nothing_and_frees_the_buffers():
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(kind="sgd", lr=1.0, world_size=1))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    refs, flat = _refs("a", torch.full((4, 5), 7.0))
+    ticket = store.begin_push(0, 0, 2.0, refs, bytearray(80))
+    ticket.dests[0].fill_(7.0)  # half-received, then the connection broke
+    store.abort_push(ticket)
+    assert all(b.receiving is None and not b.pushed_by and not b.has_grad for b in store.blocks.values())
+    g = torch.randn(4, 5)
+    store.push(0, 0, 1.0, items_for("a", g))  # the rank may push again, with another weight
+    store.commit(0, 0, 1.0)
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - g, rtol=0, atol=1e-6)
+
+
+def test_stalled_reservation_times_out(monkeypatch):
+    import ps_server.store as store_module
+
+    monkeypatch.setattr(store_module, "RESERVATION_TIMEOUT_SECONDS", 0.1)
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    refs, flat = _refs("a", torch.ones(4, 5))
+    store.begin_push(0, 0, 1.0, refs, bytearray(80))  # never finished
+    t1 = store.begin_push(1, 0, 1.0, refs, bytearray(80))
+    _receive(store, t1, flat)
+    with pytest.raises(StoreError) as e:
+        store.finish_push(t1)
+    assert e.value.code == "TIMEOUT"
