@@ -17,8 +17,8 @@ from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import Counter, Gauge
 
+from dispatcher import metrics as M
 from dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
 from dispatcher.membership import Membership, NodeRecord
 from services.daemon import create_grpc_server
@@ -31,14 +31,6 @@ log = logging.getLogger("shardline.dispatcher")
 EXPIRE_PERIOD_SECONDS = 0.25
 # WaitJobReady re-checks this often whether its caller is still there or the server is stopping.
 WAIT_SLICE_SECONDS = 0.5
-
-RING_EPOCH = Gauge("shardline_ring_epoch", "Epoch of the routing table the dispatcher serves")
-LIVE_NODES = Gauge("shardline_live_nodes", "PS nodes currently alive")
-REQUESTS = Counter(
-    "shardline_dispatcher_requests",
-    "Dispatcher RPCs served, by method and status code",
-    ["method", "code"],
-)
 
 
 def node_info(record: NodeRecord) -> common_pb2.NodeInfo:
@@ -96,9 +88,9 @@ def _rpc(method: Callable) -> Callable:
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", name)
         else:
-            REQUESTS.labels(name, grpc.StatusCode.OK.name).inc()
+            M.request(name, grpc.StatusCode.OK.name)
             return response
-        REQUESTS.labels(name, code.name).inc()
+        M.request(name, code.name)
         context.abort(code, message)
 
     return wrapper
@@ -126,12 +118,13 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         self._publish_gauges()
 
     def _publish_gauges(self) -> None:
-        RING_EPOCH.set(self.membership.epoch)
-        LIVE_NODES.set(self.membership.alive_count)
+        M.publish(self.membership.epoch, self.membership.all_nodes(self._clock()),
+                  heartbeat_timeout=self.membership.heartbeat_timeout, jobs=len(self.jobs.list()))
 
     def expire(self) -> list[str]:
         """Declare silent nodes dead now; returns their ids."""
         expired = self.membership.expire(self._clock())
+        M.nodes_declared_dead(len(expired))
         if expired:
             log.warning("nodes declared dead (no heartbeat for %.3g s): %s", self.membership.heartbeat_timeout, ", ".join(expired))
         self._publish_gauges()

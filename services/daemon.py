@@ -82,9 +82,12 @@ def create_grpc_server(
     ``register`` are callbacks that add servicers (``add_XServicer_to_server``). Returns the server,
     the bound port (useful with port 0) and the health servicer (already SERVING for "").
     """
+    from services.grpc_metrics import MetricsInterceptor
+
     host, port = parse_host_port(address, what="--listen")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        interceptors=[MetricsInterceptor()],  # shardline_grpc_server_* metrics on every daemon
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),

@@ -92,3 +92,31 @@ def test_up_reports_a_failing_worker(tmp_path):
     assert re.search(r"worker-\d \(rank \d\) exited with code 2", res.stderr), res.stderr
     assert "stpes" in res.stderr  # the worker's own error, from its log
     assert processes_mentioning(str(workdir)) == []
+
+
+def test_ctrl_c_mid_training_shuts_everything_down(tmp_path):
+    long_job = tmp_path / "long.yaml"
+    long_job.write_text(DEMO_SHORT.read_text().replace("steps: 12", "steps: 100000"))
+    workdir = tmp_path / "up"
+    proc = subprocess.Popen([*shardline_cmd(), "up", "--workdir", str(workdir), "--ps", "2", "--workers", "2",
+                             "--job", str(long_job), "--timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # wait until rank 0 is training
+            seen.append(line)
+            if re.search(r"step \d+/100000", line):
+                break
+        else:
+            pytest.fail("training never started:\n" + "".join(seen))
+        assert len(processes_mentioning(str(workdir))) >= 5  # dispatcher, 2 PS, 2 workers
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 130, "".join(seen) + rest
+        assert processes_mentioning(str(workdir)) == [], "daemons outlived shardline up after Ctrl-C"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in processes_mentioning(str(workdir)):
+            os.kill(pid, signal.SIGKILL)

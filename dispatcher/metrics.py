@@ -1,0 +1,82 @@
+"""Prometheus metrics of the dispatcher (module-level: one dispatcher per process).
+
+The dispatcher's expiry loop calls :func:`publish` every ``EXPIRE_PERIOD_SECONDS`` (and every
+registration calls it too), so the membership gauges are at most that old when scraped. Per-node
+series carry ``node_id`` and ``rack`` (bounded by the cluster size); a node's series disappear
+only when the dispatcher forgets the node (today: never; dead nodes stay listed with
+``shardline_node_alive 0``). gRPC request counts and latencies of every daemon come from
+:mod:`services.grpc_metrics`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from prometheus_client import Counter, Gauge
+
+RING_EPOCH = Gauge("shardline_ring_epoch", "Epoch of the routing table the dispatcher serves")
+LIVE_NODES = Gauge("shardline_live_nodes", "PS nodes currently alive")
+DEAD_NODES = Gauge("shardline_dead_nodes", "PS nodes declared dead (missed heartbeats past the timeout) and not back")
+NODES_DECLARED_DEAD = Counter("shardline_nodes_declared_dead_total", "Times a PS node was declared dead")
+HEARTBEAT_TIMEOUT = Gauge("shardline_heartbeat_timeout_seconds",
+                          "Heartbeat silence after which the dispatcher declares a PS node dead")
+JOBS = Gauge("shardline_jobs", "Jobs registered with the dispatcher")
+REQUESTS = Counter("shardline_dispatcher_requests", "Dispatcher RPCs served, by method and status code", ["method", "code"])
+
+_NODE_LABELS = ["node_id", "rack"]
+NODE_ALIVE = Gauge("shardline_node_alive", "1 if the dispatcher considers the PS node alive, 0 if dead", _NODE_LABELS)
+NODE_HEARTBEAT_AGE = Gauge("shardline_node_heartbeat_age_seconds", "Seconds since the PS node's last heartbeat",
+                           _NODE_LABELS)
+NODE_BLOCKS = Gauge("shardline_node_blocks", "Blocks the PS node holds, from its last heartbeat", _NODE_LABELS)
+NODE_BYTES = Gauge("shardline_node_parameter_bytes", "Bytes of fp32 parameter values the PS node holds, from its last heartbeat",
+                   _NODE_LABELS)
+NODE_VNODES = Gauge("shardline_node_vnodes", "Virtual nodes of the PS node on the ring (0 when dead)", _NODE_LABELS)
+
+_NODE_GAUGES = (NODE_ALIVE, NODE_HEARTBEAT_AGE, NODE_BLOCKS, NODE_BYTES, NODE_VNODES)
+_lock = threading.Lock()
+_published: set[tuple[str, str]] = set()
+
+
+def publish(epoch: int, nodes: Iterable, *, heartbeat_timeout: float, jobs: int) -> None:
+    """Set the membership gauges from ``nodes`` (``NodeRecord``s with heartbeat ages computed now).
+
+    Series of nodes no longer listed (or listed under another rack) are removed.
+    """
+    alive = dead = 0
+    seen: set[tuple[str, str]] = set()
+    with _lock:
+        for node in nodes:
+            key = (node.node_id, node.rack)
+            seen.add(key)
+            is_alive = node.state == "alive"
+            alive += is_alive
+            dead += not is_alive
+            NODE_ALIVE.labels(*key).set(1 if is_alive else 0)
+            NODE_HEARTBEAT_AGE.labels(*key).set(node.heartbeat_age_seconds)
+            NODE_BLOCKS.labels(*key).set(node.blocks)
+            NODE_BYTES.labels(*key).set(node.bytes)
+            NODE_VNODES.labels(*key).set(node.vnodes)
+        for key in _published - seen:
+            for gauge in _NODE_GAUGES:
+                try:
+                    gauge.remove(*key)
+                except KeyError:
+                    pass
+        _published.clear()
+        _published.update(seen)
+        RING_EPOCH.set(epoch)
+        LIVE_NODES.set(alive)
+        DEAD_NODES.set(dead)
+        HEARTBEAT_TIMEOUT.set(heartbeat_timeout)
+        JOBS.set(jobs)
+
+
+def nodes_declared_dead(count: int) -> None:
+    if count > 0:
+        NODES_DECLARED_DEAD.inc(count)
+
+
+def request(method: str, code: str) -> None:
+    """Count one dispatcher RPC by method and status code name."""
+    REQUESTS.labels(method, code).inc()
