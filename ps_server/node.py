@@ -110,7 +110,8 @@ class PSNode:
         job = self.job(header.job)
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
                 for ref in header.blocks]
-        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch)
+        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch,
+                                   lr=header.lr if header.has_lr else None)
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
         reply = self._reply(header)
@@ -132,7 +133,7 @@ class PSNode:
             reply.step = job.step
             return reply, []
         if header.op == dp.OP_COMMIT:
-            reply.step = job.commit(header.rank, header.step, weight)
+            reply.step = job.commit(header.rank, header.step, weight, lr=header.lr if header.has_lr else None)
             return reply, []
         # OP_PULL
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)

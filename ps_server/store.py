@@ -92,6 +92,7 @@ class PushTicket:
     direct: list = field(default_factory=list)   # True: dest is the block's own gradient buffer
     error: "StoreError | None" = None
     done: bool = False
+    lr: float | None = None    # ASP: lr override for this update
 
 
 @dataclass
@@ -121,6 +122,7 @@ class JobStore:
         self.step = 0                 # BSP: the step being collected == number of applied steps
         self.committed: dict[int, float] = {}
         self.push_weight: dict[int, float] = {}
+        self.step_lr: float | None = None   # lr override named by this step's commits
         self.cond = threading.Condition()
         self.bytes = 0
 
@@ -168,7 +170,8 @@ class JobStore:
     # (made visible) or aborted. A block's first BSP gradient of a step is received straight into
     # the block's gradient buffer; later ones (to be added) go to the connection's scratch buffer.
 
-    def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None) -> "PushTicket":
+    def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None,
+                   lr: float | None = None) -> "PushTicket":
         """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
 
         ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
@@ -185,7 +188,9 @@ class JobStore:
             if not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"gradient for {ref.tensor}[{ref.index}] must have {numel} elements, got {ref.numel}")
-        ticket = PushTicket(rank, step, weight, refs)
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
+        ticket = PushTicket(rank, step, weight, refs, lr=lr)
         with self.cond:
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
             if self.sync == "bsp":
@@ -303,8 +308,13 @@ class JobStore:
                 self.check_received(ticket, n)
         return self.finish_push(ticket)
 
-    def commit(self, rank: int, step: int, weight: float) -> int:
-        """BSP: rank finished step ``step``. Applies the step when all workers committed. Returns the job step."""
+    def commit(self, rank: int, step: int, weight: float, lr: float | None = None) -> int:
+        """BSP: rank finished step ``step``. Applies the step when all workers committed. Returns the job step.
+
+        ``lr`` overrides the job's learning rate for this step (schedules); all ranks must agree.
+        """
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
         if self.sync != "bsp":
             raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP; job {self.name!r} is {self.sync!r}")
         if not (math.isfinite(weight) and weight > 0):
@@ -319,6 +329,10 @@ class JobStore:
             pushed = self.push_weight.get(rank)
             if pushed is not None and pushed != weight:
                 raise StoreError("INVALID_ARGUMENT", f"rank {rank} commits step {step} with weight {weight!r} but pushed with {pushed!r}")
+            if self.committed and lr != self.step_lr:
+                raise StoreError("INVALID_ARGUMENT",
+                                 f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lr!r}")
+            self.step_lr = lr
             self.committed[rank] = weight
             if len(self.committed) == self.world_size:
                 self._apply_bsp()
@@ -333,19 +347,20 @@ class JobStore:
             grad = None
             if block.has_grad:
                 grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
-            self.optimizer.step(block.value, grad, block.state)
+            self.optimizer.step(block.value, grad, block.state, lr=self.step_lr)
             block.version = new_version
             block.has_grad = False
             block.pushed_by = set()
         self.step = new_version
         self.committed = {}
         self.push_weight = {}
+        self.step_lr = None
         self.cond.notify_all()
 
     def _apply_asp(self, ticket: "PushTicket") -> None:
         new_version = self.step + 1
         for block, dest in zip(ticket.blocks, ticket.dests):
-            self.optimizer.step(block.value, None if dest is None else dest.to(torch.float32), block.state)
+            self.optimizer.step(block.value, None if dest is None else dest.to(torch.float32), block.state, lr=ticket.lr)
             block.version = new_version
         self.step = new_version
         ticket.done = True

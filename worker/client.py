@@ -99,6 +99,8 @@ class Client:
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
         self.step: int | None = None
+        # Learning rate sent with each commit (BSP) or push (ASP); None: the job's own lr.
+        self.lr: float | None = None
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -353,6 +355,8 @@ class Client:
     def _exchange(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout)
+        if self.lr is not None and (op == dp.OP_COMMIT or (op == dp.OP_PUSH and self.spec.sync == "asp")):
+            header.has_lr, header.lr = True, self.lr
         payloads = []
         expected: dict[tuple[str, int], object] = {}
         for name, index in keys:

@@ -76,6 +76,9 @@ class PSOptimizer:
                 self._copy_back.append((name, p))
         self.client._pull([n for n, _ in self.params], min_step=0, timeout=None)
         self._sync_copies()
+        # One group, as torch.optim has: schedules set param_groups[0]["lr"] (or call set_lr) and
+        # the next step's commit carries it to the servers.
+        self.param_groups = [{"params": [p for _, p in self.params], "lr": float(spec.optimizer.lr)}]
 
     def _sync_copies(self) -> None:
         with torch.no_grad():
@@ -94,9 +97,20 @@ class PSOptimizer:
         tokens of an imbalanced batch. Returns the new version.
         """
         grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
+        self.client.lr = float(self.param_groups[0]["lr"])
         version = self.client.step_sync(grads, weight=1.0 if weight is None else float(weight))
         self._sync_copies()
         return version
+
+    @property
+    def lr(self) -> float:
+        return self.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        """Learning rate for the following steps (all workers of a BSP job must set the same)."""
+        if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0):
+            raise ShardlineConfigError(f"lr must be a number >= 0, got {lr!r}")
+        self.param_groups[0]["lr"] = float(lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for _, p in self.params:

@@ -8,10 +8,11 @@ import train_model
 STEPS = 8
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer):
-    results = train_model.run_workers(cluster.address, f"bsp-{optimizer}", optimizer, "bsp", tmp_path, steps=STEPS)
-    expected = train_model.reference(optimizer, STEPS, world_size=2)
+@pytest.mark.parametrize("optimizer, schedule", [("adamw", False), ("sgd", False), ("adamw", True)])
+def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer, schedule):
+    job = f"bsp-{optimizer}-{'schedule' if schedule else 'constant'}"
+    results = train_model.run_workers(cluster.address, job, optimizer, "bsp", tmp_path, steps=STEPS, schedule=schedule)
+    expected = train_model.reference(optimizer, STEPS, world_size=2, schedule=schedule)
     initial = train_model.SmallModel().state_dict()
     for res in results:
         assert int(res["_version"]) == STEPS

@@ -1,7 +1,7 @@
 """The small model and data the BSP/ASP integration tests train, shared by the worker script and
 the single-process reference. Run as a script it is one worker process:
 
-    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors
+    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors schedule|constant
 """
 
 from __future__ import annotations
@@ -43,7 +43,12 @@ def loss_fn(model, tokens, targets):
     return nn.functional.cross_entropy(model(tokens), targets)
 
 
-def reference(optimizer: str, steps: int, world_size: int) -> dict[str, torch.Tensor]:
+def scheduled_lr(optimizer: str, step: int) -> float:
+    """A warmup schedule: the lr of step ``step`` (tests that schedules reach the servers)."""
+    return HYPER[optimizer]["lr"] * min(1.0, (step + 1) / 4)
+
+
+def reference(optimizer: str, steps: int, world_size: int, schedule: bool = False) -> dict[str, torch.Tensor]:
     """Single process, torch.optim, each step on the concatenation of all ranks' batches."""
     model = SmallModel()
     cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
@@ -54,11 +59,13 @@ def reference(optimizer: str, steps: int, world_size: int) -> dict[str, torch.Te
         targets = torch.cat([p[1] for p in parts])
         opt.zero_grad()
         loss_fn(model, tokens, targets).backward()
+        if schedule:
+            opt.param_groups[0]["lr"] = scheduled_lr(optimizer, step)
         opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8):
+def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False):
     """Run ``world`` worker processes of this script; return each one's saved tensors."""
     import subprocess
 
@@ -69,7 +76,8 @@ def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8):
         out = tmp_path / f"{job}-rank{rank}.safetensors"
         outs.append(out)
         procs.append(subprocess.Popen(
-            [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out)],
+            [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
+             "schedule" if schedule else "constant"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         for p in procs:
@@ -84,7 +92,7 @@ def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8):
 
 
 def main(argv):
-    cluster, job, rank, world, optimizer, sync, steps, out = argv
+    cluster, job, rank, world, optimizer, sync, steps, out, schedule = argv
     rank, world, steps = int(rank), int(world), int(steps)
     from safetensors.torch import save_file
 
@@ -104,6 +112,8 @@ def main(argv):
         opt.zero_grad()
         loss = loss_fn(model, tokens, targets)
         loss.backward()
+        if schedule == "schedule":
+            opt.set_lr(scheduled_lr(optimizer, step))
         opt.step()
         losses.append(loss.item())
     with torch.no_grad():

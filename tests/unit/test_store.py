@@ -231,3 +231,23 @@ def test_stalled_reservation_times_out(monkeypatch):
     with pytest.raises(StoreError) as e:
         store.finish_push(t1)
     assert e.value.code == "TIMEOUT"
+
+
+def test_commit_lr_overrides_the_job_lr_and_must_agree():
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(lr=0.01))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    ref = a0.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=0.01, foreach=False)
+    for step, lr in enumerate([0.001, 0.005, 0.02]):
+        g = torch.randn(4, 5)
+        store.push(0, step, 1.0, items_for("a", g))
+        store.commit(0, step, 1.0, lr=lr)
+        with pytest.raises(StoreError) as e:
+            store.commit(1, step, 1.0, lr=lr * 2)
+        assert e.value.code == "INVALID_ARGUMENT" and "lr" in str(e.value)
+        store.commit(1, step, 1.0, lr=lr)
+        ref.grad = g / 2
+        opt.param_groups[0]["lr"] = lr
+        opt.step()
+        assert torch.equal(values(store, "a", (4, 5)), ref.detach())
