@@ -13,7 +13,7 @@ import time
 
 from ps_server.node import NotOwner, PSNode
 from ps_server.store import StoreError
-from services import frame
+from services import auth, frame
 from services.errors import FrameError, FrameTooLargeError
 from services.pb import dataplane_pb2 as dp
 
@@ -21,9 +21,20 @@ log = logging.getLogger("shardline.ps.dataplane")
 
 # Idle connections may wait forever between frames; inside a frame the bytes must keep coming.
 PAYLOAD_TIMEOUT_SECONDS = 60.0
+# Before authentication a peer gets little: a small header, no payload, a few seconds.
+AUTH_TIMEOUT_SECONDS = 10.0
+AUTH_LIMITS = frame.FrameLimits(max_header_bytes=1024, max_payload_bytes=0, max_blocks=0)
 
 
-def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, metrics=None) -> None:
+def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, metrics=None,
+                     cluster_token: bytes | None = None) -> None:
+    """Serve one connection until the peer closes it or sends a malformed frame.
+
+    With ``cluster_token`` the peer must first authenticate (services/auth.py); before that, frames
+    are held to a small header and no payload, and anything but the handshake closes the connection.
+    """
+    if cluster_token is not None and not _authenticate(sock, peer, cluster_token, metrics):
+        return
     buffer = bytearray(0)
     while True:
         try:
@@ -39,6 +50,10 @@ def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, m
             return
         started = time.perf_counter()
         op = dp.Op.Name(header.op)
+        if header.op == dp.OP_HELLO:  # no token here: nothing to prove (empty nonce)
+            frame.skip_bytes(sock, header.payload_bytes, buffer)
+            frame.send_frame(sock, frame.FrameHeader(op=dp.OP_HELLO, request_id=header.request_id))
+            continue
         try:
             node.precheck(header)
         except StoreError as exc:
@@ -68,6 +83,32 @@ def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, m
         if metrics:
             metrics.request(op, "OK", seconds=time.perf_counter() - started,
                             bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes)
+
+
+def _authenticate(sock, peer: str, token: bytes, metrics) -> bool:
+    """Run the HELLO challenge; False (after an UNAUTHENTICATED reply) if the peer fails it."""
+    sock.settimeout(AUTH_TIMEOUT_SECONDS)
+    try:
+        hello = frame.recv_header(sock, AUTH_LIMITS)
+        if hello.op == dp.OP_HELLO:
+            nonce = auth.new_nonce()
+            frame.send_frame(sock, frame.FrameHeader(op=dp.OP_HELLO, request_id=hello.request_id, auth=nonce))
+            answer = frame.recv_header(sock, AUTH_LIMITS)
+            if answer.op == dp.OP_HELLO and auth.verify(token, nonce, answer.auth):
+                frame.send_frame(sock, frame.FrameHeader(op=dp.OP_REPLY, request_id=answer.request_id))
+                return True
+            message = "wrong cluster token"
+        else:
+            message = "this node requires authentication: send HELLO with the cluster token first"
+    except (FrameError, ConnectionError, TimeoutError) as exc:
+        message = f"authentication failed: {exc}"
+    finally:
+        sock.settimeout(None)
+    log.warning("refused data-plane connection from %s: %s", peer, message)
+    if metrics:
+        metrics.request("OP_HELLO", "UNAUTHENTICATED")
+    _send_quietly(sock, frame.error_header(0, dp.UNAUTHENTICATED, message))
+    return False
 
 
 def _recv_payload(sock, view: memoryview) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services import frame
+from services import auth, frame
 from services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from services.tensor_checks import all_finite, is_all_zero
 from services.dispatcher_client import DispatcherClient
@@ -65,10 +65,31 @@ class _Immediate:
 class _NodeConnection:
     """One data-plane connection to a PS node; requests on it are serialized."""
 
-    def __init__(self, address: str, transport, connect_timeout: float):
+    def __init__(self, address: str, transport, connect_timeout: float, cluster_token: bytes | None):
         self.address = address
         self.sock = transport.connect(address, connect_timeout)
         self.lock = threading.Lock()
+        try:
+            self._hello(cluster_token, connect_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _hello(self, token: bytes | None, timeout: float) -> None:
+        """Authenticate (services/auth.py): the node answers with a nonce if it wants proof."""
+        self.sock.settimeout(timeout)
+        try:
+            frame.send_frame(self.sock, frame.FrameHeader(op=dp.OP_HELLO))
+            reply = frame.recv_header(self.sock, REPLY_LIMITS)
+            if reply.op == dp.OP_HELLO and reply.auth:
+                if token is None:
+                    raise ShardlineConfigError(f"PS node at {self.address} requires the cluster token; none configured")
+                frame.send_frame(self.sock, frame.FrameHeader(op=dp.OP_HELLO, auth=auth.response(token, reply.auth)))
+                reply = frame.recv_header(self.sock, REPLY_LIMITS)
+            if reply.op == dp.OP_ERROR:
+                raise RemoteError(dp.ErrorCode.Name(reply.code), reply.message)
+        finally:
+            self.sock.settimeout(None)
 
     def close(self) -> None:
         try:
@@ -87,8 +108,9 @@ class Client:
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
-                 max_retries: int = 5):
+                 max_retries: int = 5, cluster_token: bytes | None = None):
         self.job = job
+        self.cluster_token = cluster_token
         self.rank = rank
         self.pull_timeout = pull_timeout
         self.connect_timeout = connect_timeout
@@ -302,7 +324,7 @@ class Client:
         if conn is None or conn.address != address:
             if conn is not None:
                 conn.close()
-            conn = self._conns[node_id] = _NodeConnection(address, self._transport, self.connect_timeout)
+            conn = self._conns[node_id] = _NodeConnection(address, self._transport, self.connect_timeout, self.cluster_token)
         return conn
 
     def refresh_routing(self) -> None:
