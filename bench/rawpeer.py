@@ -83,6 +83,9 @@ def main(argv=None) -> int:
     p.add_argument("--sockbuf", type=int, default=0, help="SO_SNDBUF/SO_RCVBUF bytes (0 = kernel default)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    from services.daemon import arm_parent_death_signal  # noqa: PLC0415 - the project's, not a framing helper
+
+    arm_parent_death_signal()
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     lsock.bind(("127.0.0.1", 0))

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import datetime as _dt
 import itertools
 import json
@@ -40,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from services.daemon import PARENT_PID_ENV
 from services.transport import tcp as tcp_transport
 import torch  # noqa: E402
 
@@ -63,15 +63,6 @@ PY = sys.executable
 # --------------------------------------------------------------------------------------------
 # processes
 # --------------------------------------------------------------------------------------------
-def _pdeathsig():
-    """In the child: get SIGTERM if the benchmark dies, so no daemon outlives it."""
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Processes:
     """Subprocesses of this run; ``stop_all`` terminates exactly these, by pid."""
 
@@ -85,7 +76,7 @@ class Processes:
         log = self.workdir / f"{name}.log"
         with open(log, "wb") as fh:
             p = subprocess.Popen([*argv, "--ready-file", str(ready)], cwd=ROOT, stdin=subprocess.DEVNULL,
-                                 stdout=fh, stderr=subprocess.STDOUT, preexec_fn=_pdeathsig, env=self.env)
+                                 stdout=fh, stderr=subprocess.STDOUT, env=self.env)
         self.procs.append((name, p, log))
         return p, ready
 
@@ -409,10 +400,11 @@ LAT_ROWS = {
 def run(args) -> dict:
     reps, warmup, samples = args.reps, args.warmup, args.samples
     workdir = Path(tempfile.mkdtemp(prefix="shardline-bench-"))
-    env = None
+    # Daemons and the raw peer get SIGTERM if the benchmark dies (services.daemon.arm_parent_death_signal).
+    env = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
     if args.torch_threads:
         # torch reads OMP_NUM_THREADS when it starts; this process sets its own below
-        env = {**os.environ, "OMP_NUM_THREADS": str(args.torch_threads)}
+        env["OMP_NUM_THREADS"] = str(args.torch_threads)
         torch.set_num_threads(args.torch_threads)
     procs = Processes(workdir, env)
     closers = []

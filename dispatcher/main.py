@@ -1,8 +1,8 @@
 """``shardline-dispatcher``: the dispatcher daemon.
 
-Options come from flags and, with ``--config FILE``, from a YAML mapping whose keys are the long
-option names with underscores (``heartbeat_timeout: 2``); flags given on the command line override
-the file. Once serving, the daemon writes the ready file ``{"pid", "grpc", "metrics"}``; SIGTERM or
+Options are declared in the schema of services/config.py (docs/configuration.md): flag >
+``SHARDLINE_*`` environment > ``--config`` file (section ``dispatcher:`` over ``common:``, or a flat
+file) > default. Once serving, the daemon writes the ready file ``{"pid", "grpc", "metrics"}``; SIGTERM or
 SIGINT stop it within the grace period and it exits 0. Configuration errors exit 2.
 """
 
@@ -13,7 +13,7 @@ import logging
 import sys
 
 from dispatcher.server import create_server
-from services.config import parse_daemon_args
+from services.config import log_configuration, parse_daemon_args
 from services.daemon import (
     add_common_args,
     format_host_port,
@@ -28,40 +28,34 @@ from services.errors import ShardlineConfigError
 log = logging.getLogger("shardline.dispatcher")
 
 PROG = "shardline-dispatcher"
-DEFAULT_LISTEN = "0.0.0.0:7000"
 STOP_GRACE_SECONDS = 5.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Shardline dispatcher: membership, routing and jobs")
-    add_common_args(parser, default_listen=DEFAULT_LISTEN)
-    parser.add_argument("--heartbeat-timeout", type=float, default=5.0,
-                        help="seconds without a heartbeat after which a PS node is declared dead")
-    parser.add_argument("--heartbeat-interval", type=float, default=None,
-                        help="seconds between heartbeats that PS nodes are told to use "
-                             "(default: 1, or a third of --heartbeat-timeout if that is less)")
-    parser.add_argument("--vnodes-per-capacity", type=int, default=128,
-                        help="virtual nodes on the ring per unit of node capacity")
+    add_common_args(parser, "dispatcher")
     return parser
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Flags over SHARDLINE_* environment over config file over defaults. Raises ShardlineConfigError."""
     args = parse_daemon_args(build_parser(), argv)
-    if not 0 <= args.metrics_port <= 65535:
-        raise ShardlineConfigError(f"metrics_port must be in 0..65535, got {args.metrics_port!r}")
-    parse_host_port(args.listen, what="listen")
     if args.heartbeat_interval is None:
         # Leave room for two missed heartbeats before a node counts as dead.
         args.heartbeat_interval = min(DEFAULT_HEARTBEAT_INTERVAL, args.heartbeat_timeout / 3)
+    elif args.heartbeat_interval >= args.heartbeat_timeout:
+        raise ShardlineConfigError(
+            f"heartbeat_interval must be below heartbeat_timeout, got interval {args.heartbeat_interval!r} "
+            f"and timeout {args.heartbeat_timeout!r}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
-        setup_logging(args.log_level, "dispatcher")
+        setup_logging(args.log_level, "dispatcher", args.log_format)
+        log_configuration(log, args)
     except ShardlineConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -84,6 +84,28 @@ def _validate_count(value: object, what: str) -> int:
     return value
 
 
+_WILDCARD_HOSTS = {"0.0.0.0", "::", "[::]", ""}
+
+
+def reachable_address(address: str, peer: str) -> str:
+    """The address others should use for a node that registered ``address`` from gRPC ``peer``.
+
+    A node bound to a wildcard host (``0.0.0.0:7200``) cannot name the interface its clients should
+    dial, so the host it registered from takes its place; other addresses are kept as given.
+    ``peer`` is gRPC's form: ``ipv4:10.0.0.7:51234`` or ``ipv6:[fd00::7]:51234``.
+    """
+    host, sep, port = address.rpartition(":")
+    if not sep or host not in _WILDCARD_HOSTS:
+        return address  # malformed addresses are left for validation to reject
+    kind, _, rest = peer.partition(":")
+    peer_host = rest.rpartition(":")[0]
+    if kind == "ipv4" and peer_host:
+        return f"{peer_host}:{port}"
+    if kind == "ipv6" and peer_host:
+        return f"{peer_host if peer_host.startswith('[') else f'[{peer_host}]'}:{port}"
+    return address
+
+
 class Membership:
     """The set of PS nodes known to the dispatcher and the epoch of their routing table."""
 

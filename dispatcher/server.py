@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2
 
 from dispatcher import metrics as M
 from dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
-from dispatcher.membership import Membership, NodeRecord
+from dispatcher.membership import Membership, NodeRecord, reachable_address
 from services.daemon import create_grpc_server
 from services.config import require_positive_number
 from services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
@@ -137,8 +137,10 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     @_rpc
     def RegisterNode(self, request, context):
         before = self.membership.epoch
+        peer = context.peer()
         epoch = self.membership.register(
-            request.node_id, request.rack, request.grpc_address, request.data_address, request.capacity, self._clock()
+            request.node_id, request.rack, reachable_address(request.grpc_address, peer),
+            reachable_address(request.data_address, peer), request.capacity, self._clock()
         )
         if epoch != before:
             log.info(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
 import threading
@@ -18,31 +19,38 @@ from ps_server.dataplane import serve_connection
 from ps_server.node import PSNode
 from ps_server.server import create_server
 from services import frame
-from services.config import parse_daemon_args
+from services.config import log_configuration, parse_daemon_args
 from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
 from services.dispatcher_client import DispatcherClient
 from services.errors import ShardlineConfigError, ShardlineError
-from services.transport import TRANSPORT_NAMES, get_transport
+from services.transport import get_transport
 
 log = logging.getLogger("shardline.ps")
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="shardline-ps", description="Shardline parameter-server node")
-    add_common_args(p, default_listen="0.0.0.0:7100")
-    p.add_argument("--cluster", help="dispatcher address HOST:PORT")
-    p.add_argument("--node-id", default=None, help="node id (default: host name and data port)")
-    p.add_argument("--rack", default="default")
-    p.add_argument("--capacity", type=float, default=1.0, help="relative weight on the ring")
-    p.add_argument("--data-listen", default=None, help="data-plane bind HOST:PORT (default: --listen host, free port)")
-    p.add_argument("--transport", default="auto", choices=TRANSPORT_NAMES)
-    p.add_argument("--max-payload-bytes", type=int, default=frame.DEFAULT_LIMITS.max_payload_bytes)
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="how long to wait for the dispatcher at start")
-    p.add_argument("--rpc-timeout", type=float, default=10.0)
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="intra-op threads for optimizer math (1: a node's connection threads already run in parallel)")
+    add_common_args(p, "ps")  # every option is declared in services/config.py
     return p
+
+
+def _prepare_checkpoint_dir(path: str | None) -> str | None:
+    """Create ``checkpoint_dir`` if missing and check that this node can write there.
+
+    Checkpoints themselves are a later issue: the directory is validated now so that a unit file or
+    config that names an unusable directory fails at deploy time, not at the first checkpoint.
+    """
+    if not path:
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ShardlineConfigError(f"checkpoint_dir {path!r} cannot be created: {exc.strerror or exc}") from None
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ShardlineConfigError(f"checkpoint_dir {path!r} is not a writable directory")
+    return path
 
 
 class HeartbeatLoop(threading.Thread):
@@ -50,14 +58,12 @@ class HeartbeatLoop(threading.Thread):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.node, self.registration = client, node, registration
         self.interval, self.stop = interval, stop
+        M.watch_node(node, registration.get("node_id"), registration.get("rack"))
+        M.heartbeat(ok=True)  # registration just reached the dispatcher
 
     def run(self) -> None:
         while not self.stop.wait(self.interval):
             blocks, nbytes = self.node.store.totals()
-            M.BLOCKS.set(blocks)
-            M.BYTES_HELD.set(nbytes)
-            for job in self.node.store.jobs():
-                M.JOB_STEP.labels(job.name).set(job.step)
             try:
                 resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes, epoch=self.node.routing.epoch)
                 if not resp.registered:
@@ -67,28 +73,22 @@ class HeartbeatLoop(threading.Thread):
                 elif resp.epoch != self.node.routing.epoch:
                     self.node.refresh_routing()
                     log.info("routing updated to epoch %d", self.node.routing.epoch)
-                M.EPOCH.set(self.node.routing.epoch)
+                M.heartbeat(ok=True)
             except ShardlineError as exc:
+                M.heartbeat(ok=False)
                 log.warning("heartbeat failed: %s", exc)
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     try:
-        args = parse_daemon_args(parser, argv)
-        setup_logging(args.log_level, "shardline-ps")
-        if not args.cluster:
-            raise ShardlineConfigError("--cluster HOST:PORT (the dispatcher) is required")
-        parse_host_port(args.cluster, what="--cluster")
-        host, _ = parse_host_port(args.listen, what="--listen")
-        data_host, data_port = parse_host_port(args.data_listen or f"{format_host_port(host, 0)}", what="--data-listen")
-        if not args.capacity > 0:
-            raise ShardlineConfigError(f"--capacity must be > 0, got {args.capacity!r}")
-        if args.max_payload_bytes <= 0:
-            raise ShardlineConfigError(f"--max-payload-bytes must be > 0, got {args.max_payload_bytes!r}")
+        args = parse_daemon_args(parser, argv)  # validates types and bounds; cluster is required
+        setup_logging(args.log_level, "ps", args.log_format)
+        log_configuration(log, args)
+        host, _ = parse_host_port(args.listen, what="listen")
+        data_host, data_port = parse_host_port(args.data_listen or f"{format_host_port(host, 0)}", what="data_listen")
         transport = get_transport(args.transport)
-        if args.torch_threads < 1:
-            raise ShardlineConfigError(f"--torch-threads must be >= 1, got {args.torch_threads!r}")
+        args.checkpoint_dir = _prepare_checkpoint_dir(args.checkpoint_dir)
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
         return 2

@@ -1,27 +1,169 @@
-"""Prometheus metrics of a PS node (module-level: one node per process)."""
+"""Prometheus metrics of a PS node (module-level: one node per process).
+
+Two kinds:
+
+* **Events**, recorded by the data plane through :class:`PSMetrics` (requests, payload bytes,
+  latencies, optimizer apply time, BSP barrier and pull waits).
+* **State**, read from the node when Prometheus scrapes (:func:`watch_node` registers it once):
+  blocks and bytes held, job steps, BSP barrier fill, ring epoch, heartbeat age. Nothing to keep
+  in sync, and always current.
+
+Labels stay bounded: ``op`` (data-plane operations), ``code`` (data-plane error codes),
+``direction`` (received/sent) and ``job_name`` (jobs on the cluster; ``job_name`` because Prometheus
+reserves ``job`` for the scrape job). No per-block or per-tensor labels.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import threading
+import time
+from typing import Callable
 
-REQUESTS = Counter("shardline_ps_requests_total", "Data-plane requests by operation and result code", ["op", "code"])
-REQUEST_SECONDS = Histogram("shardline_ps_request_seconds", "Data-plane request handling time, including pull waits", ["op"],
-                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
-PAYLOAD_BYTES = Counter("shardline_ps_payload_bytes_total", "Tensor payload bytes received and sent", ["direction"])
-BLOCKS = Gauge("shardline_ps_blocks", "Blocks held by this node")
-BYTES_HELD = Gauge("shardline_ps_bytes", "Bytes of fp32 master values held by this node")
-JOB_STEP = Gauge("shardline_ps_job_step", "Job step (applied updates) on this node", ["job"])
-CONNECTIONS = Gauge("shardline_dataplane_connections", "Open data-plane connections")
-EPOCH = Gauge("shardline_ps_ring_epoch", "Ring epoch this node routes with")
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# Data-plane requests: ~150 µs ping-pong on loopback up to pulls that wait for a BSP barrier.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Optimizer application of one step over a node's blocks: sub-millisecond to seconds.
+APPLY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# Waits for other workers: as long as the slowest worker's step.
+WAIT_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Payload of one request: zero-flag pushes and deltas of nothing up to ~1 GiB frames.
+PAYLOAD_BUCKETS = (0, 1024, 16384, 131072, 1048576, 4194304, 16777216, 67108864, 268435456, 1073741824)
+
+REQUESTS = Counter("shardline_ps_requests_total", "Data-plane requests by operation and result code (errors: code != OK)",
+                   ["op", "code"])
+REQUEST_SECONDS = Histogram("shardline_ps_request_seconds",
+                            "Data-plane request handling time in seconds, header received to reply sent, including pull waits",
+                            ["op"], buckets=LATENCY_BUCKETS)
+PAYLOAD_BYTES = Counter("shardline_ps_payload_bytes_total", "Tensor payload bytes received (push, init) and sent (pull)",
+                        ["op", "direction"])
+REQUEST_PAYLOAD_BYTES = Histogram("shardline_ps_request_payload_bytes",
+                                  "Tensor payload bytes moved by one successful request (received plus sent)",
+                                  ["op"], buckets=PAYLOAD_BUCKETS)
+CONNECTIONS = Gauge("shardline_ps_dataplane_connections", "Open data-plane connections")
+APPLY_SECONDS = Histogram("shardline_ps_optimizer_apply_seconds",
+                          "Time to apply one optimizer update on this node (BSP: a whole step; ASP: one push)",
+                          ["job_name"], buckets=APPLY_BUCKETS)
+BARRIER_SECONDS = Histogram("shardline_ps_bsp_barrier_seconds",
+                            "BSP: time from the first commit of a step to its application on this node "
+                            "(how long the fastest worker waited for the slowest)",
+                            ["job_name"], buckets=WAIT_BUCKETS)
+PULL_WAIT_SECONDS = Histogram("shardline_ps_pull_wait_seconds",
+                              "Time a pull waited server-side for the job to reach the step it asked for (0: no wait)",
+                              ["job_name"], buckets=WAIT_BUCKETS)
+HEARTBEAT_FAILURES = Counter("shardline_ps_heartbeat_failures_total", "Heartbeats to the dispatcher that failed")
+INFO = Gauge("shardline_ps_info", "Identity of this PS node (value 1)", ["node_id", "rack"])
 
 
 class PSMetrics:
+    """What the data plane and the node record; one per process (``ps_server.main`` makes it)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._barrier_open: dict[str, tuple[int, float]] = {}  # job -> (step, first commit time)
+
     def request(self, op: str | None, code: str, *, seconds: float | None = None, bytes_in: int = 0, bytes_out: int = 0) -> None:
-        op = op or "UNKNOWN"
+        """One data-plane request finished with ``code`` ("OK" or an ErrorCode name)."""
+        op = op.removeprefix("OP_") if op else "UNKNOWN"  # "PUSH", "PULL", ... (bad frames: UNKNOWN)
         REQUESTS.labels(op, code).inc()
         if seconds is not None:
             REQUEST_SECONDS.labels(op).observe(seconds)
         if bytes_in:
-            PAYLOAD_BYTES.labels("in").inc(bytes_in)
+            PAYLOAD_BYTES.labels(op, "received").inc(bytes_in)
         if bytes_out:
-            PAYLOAD_BYTES.labels("out").inc(bytes_out)
+            PAYLOAD_BYTES.labels(op, "sent").inc(bytes_out)
+        if code == "OK":
+            REQUEST_PAYLOAD_BYTES.labels(op).observe(bytes_in + bytes_out)
+
+    def apply(self, job: str, seconds: float) -> None:
+        """An optimizer update of ``job`` took ``seconds`` on this node."""
+        APPLY_SECONDS.labels(job).observe(seconds)
+
+    def pull_wait(self, job: str, seconds: float) -> None:
+        PULL_WAIT_SECONDS.labels(job).observe(seconds)
+
+    def commit(self, job: str, step: int, applied: bool, now: float | None = None) -> None:
+        """A BSP commit of ``step`` was accepted; ``applied`` if it completed the barrier.
+
+        The barrier time of a step runs from its first accepted commit to its application.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            opened = self._barrier_open.get(job)
+            if opened is None or opened[0] != step:
+                opened = self._barrier_open[job] = (step, now)
+            if applied:
+                del self._barrier_open[job]
+        if applied:
+            BARRIER_SECONDS.labels(job).observe(max(0.0, now - opened[1]))
+
+    def timed_commit(self, job: str, step: int, commit: Callable[[], int]) -> int:
+        """Run ``commit()`` (returns the job step after) and record barrier and apply time."""
+        started = time.perf_counter()
+        after = commit()
+        applied = after > step
+        if applied:
+            self.apply(job, time.perf_counter() - started)
+        self.commit(job, step, applied)
+        return after
+
+
+class NodeCollector(Collector):
+    """Scrape-time state of the node set by :func:`watch_node` (no series until then)."""
+
+    def __init__(self):
+        self.node = None
+        self.last_heartbeat: float | None = None  # time.monotonic() of the last successful heartbeat
+
+    def collect(self):
+        node = self.node
+        blocks = GaugeMetricFamily("shardline_ps_blocks", "Blocks held by this node", labels=["job_name"])
+        nbytes = GaugeMetricFamily("shardline_ps_parameter_bytes", "Bytes of fp32 parameter values held by this node",
+                                   labels=["job_name"])
+        step = GaugeMetricFamily("shardline_ps_job_step", "Job step (version of the newest update) on this node",
+                                 labels=["job_name"])
+        world = GaugeMetricFamily("shardline_ps_job_world_size", "Workers in the job", labels=["job_name"])
+        committed = GaugeMetricFamily("shardline_ps_bsp_committed_workers",
+                                      "BSP: workers that committed the step being collected (world size reached: applied)",
+                                      labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed]
+        if node is not None:
+            for job in node.store.jobs():
+                name = job.name
+                blocks.add_metric([name], len(job.blocks))
+                nbytes.add_metric([name], job.bytes)
+                step.add_metric([name], job.step)
+                world.add_metric([name], job.world_size)
+                committed.add_metric([name], len(getattr(job, "committed", ()) or ()))
+            families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
+                                              value=node.routing.epoch))
+            if self.last_heartbeat is not None:
+                families.append(GaugeMetricFamily(
+                    "shardline_ps_heartbeat_age_seconds",
+                    "Seconds since this node's last successful heartbeat to the dispatcher",
+                    value=max(0.0, time.monotonic() - self.last_heartbeat)))
+        return families
+
+    def describe(self):
+        return []  # state appears once a node is watched; no fixed description needed
+
+
+_COLLECTOR = NodeCollector()
+REGISTRY.register(_COLLECTOR)
+
+
+def watch_node(node, node_id: str | None = None, rack: str | None = None) -> None:
+    """Export ``node``'s state at scrape time (and its identity as ``shardline_ps_info``)."""
+    _COLLECTOR.node = node
+    if node_id is not None:
+        INFO.labels(node_id, rack or "default").set(1)
+
+
+def heartbeat(ok: bool) -> None:
+    """A heartbeat to the dispatcher succeeded (``ok``) or failed."""
+    if ok:
+        _COLLECTOR.last_heartbeat = time.monotonic()
+    else:
+        HEARTBEAT_FAILURES.inc()

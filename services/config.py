@@ -1,20 +1,63 @@
-"""Daemon configuration: command-line flag > ``SHARDLINE_*`` environment variable > YAML file > default.
+"""One configuration schema for the dispatcher, PS and worker daemons.
 
-The YAML file is a mapping whose keys are the daemon's long option names with ``_`` for ``-``
-(``heartbeat_timeout: 5``). Unknown keys and values of the wrong type are errors that name the key
-and quote the value; nothing is silently ignored.
+Every option is declared once, in :data:`OPTIONS`, with its type, bounds, default and help; the
+three ``main`` modules build their command lines from it (:func:`add_options`) and
+:func:`parse_daemon_args` resolves each option, first match wins:
+
+1. the command-line flag (``--heartbeat-timeout 5``),
+2. the environment variable ``SHARDLINE_<KEY>`` (``SHARDLINE_HEARTBEAT_TIMEOUT=5``; empty = unset),
+3. the YAML file given by ``--config FILE`` (or ``SHARDLINE_CONFIG``),
+4. the default.
+
+The file is either *sectioned* -- one file for every host::
+
+    common:     {cluster: 10.0.0.5:7000, log_format: json}   # read by every daemon
+    dispatcher: {heartbeat_timeout: 5}
+    ps:         {listen: 0.0.0.0:7100, checkpoint_dir: /var/lib/shardline/checkpoints}
+    worker:     {block_elements: 262144}
+
+each daemon reads ``common`` and its own section (its own section wins) and *validates* the other
+sections too, so a typo in ``ps:`` fails on the dispatcher host as well -- or *flat*: a mapping of
+one daemon's option keys. Unknown sections and keys, values of the wrong type or out of bounds are
+:class:`ShardlineConfigError` naming the key, where it came from, and quoting the value.
+
+``python -m services.config --markdown`` prints docs/configuration.md;
+``python -m services.config --check FILE`` validates a file for all three daemons.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import logging
 import math
 import os
-from typing import Sequence
+import re
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
 
 import yaml
 
 from services.errors import ShardlineConfigError
+
+__all__ = [
+    "DAEMONS", "COMMON", "SECTIONS", "ENV_PREFIX", "Option", "OPTIONS", "options_for", "add_options",
+    "parse_daemon_args", "load_config_file", "log_configuration", "require_positive_number", "parse_size",
+    "render_markdown", "check_file",
+]
+
+DAEMONS = ("dispatcher", "ps", "worker")
+COMMON = "common"
+SECTIONS = (COMMON, *DAEMONS)
+ENV_PREFIX = "SHARDLINE_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+# Defaults shared with the code that uses them (a unit test keeps them equal).
+DEFAULT_BLOCK_ELEMENTS = 262_144            # services.blocks.DEFAULT_BLOCK_ELEMENTS: 1 MiB of fp32
+MAX_BLOCK_ELEMENTS = 64 * 1024 * 1024       # services.blocks.MAX_BLOCK_ELEMENTS
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 ** 3       # services.frame.DEFAULT_LIMITS.max_payload_bytes
+
 
 def require_positive_number(value, what: str) -> float:
     """Return ``value`` as a float if it is a finite real number > 0 (bools are not numbers)."""
@@ -23,50 +66,284 @@ def require_positive_number(value, what: str) -> float:
     return float(value)
 
 
-# Options that make no sense in a shared config file.
-_NOT_FROM_FILE = {"config", "help"}
+# -- sizes -----------------------------------------------------------------------------------------
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "m": 1024 ** 2, "mib": 1024 ** 2, "g": 1024 ** 3, "gib": 1024 ** 3,
+    "t": 1024 ** 4, "tib": 1024 ** 4,
+    "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "tb": 1000 ** 4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
-    given = set()
-    for action in parser._actions:  # argparse has no public API for "was this flag given"
-        for opt in action.option_strings:
-            if any(tok == opt or tok.startswith(opt + "=") for tok in argv):
-                given.add(action.dest)
-    return given
+def parse_size(value, what: str = "size") -> int:
+    """Bytes from an integer or a string with a unit: ``1048576``, ``"64MiB"``, ``"1G"`` (K/M/G/T and
+    KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            number = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+            if number == int(number):
+                return int(number)
+    raise ShardlineConfigError(f"{what} must be a size in bytes (an integer or a string such as '64MiB'), got {value!r}")
 
 
-_EXPECTED = {int: "an integer", float: "a number", str: "a string"}
+# -- the schema ------------------------------------------------------------------------------------
+
+_KIND_TEXT = {
+    "int": "an integer", "float": "a number", "str": "a string", "path": "a path (a string)",
+    "address": "HOST:PORT", "size": "a size in bytes", "bool": "true or false", "choice": "one of",
+}
+_METAVAR = {"int": "N", "float": "NUMBER", "str": "TEXT", "path": "PATH", "address": "HOST:PORT",
+            "size": "BYTES", "bool": "BOOL"}
 
 
-def _coerce(action: argparse.Action, key: str, value, source: str):
-    """Check a value from the file or the environment; argparse never saw it."""
-    what = f"{key} in {source}"
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-        return _as_bool(what, value)
-    kind = action.type or str
-    if isinstance(value, str) and source == "environment" and kind is not str:
-        try:
-            return kind(value)
-        except ValueError:
-            raise ShardlineConfigError(f"{what} must be {_EXPECTED.get(kind, kind.__name__)}, got {value!r}") from None
-    if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif kind is str:
-        ok = isinstance(value, str)
-    else:
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise ShardlineConfigError(f"{what} has an invalid value {value!r}") from None
-    if not ok:
-        raise ShardlineConfigError(f"{what} must be {_EXPECTED[kind]}, got {value!r}")
-    if action.choices is not None and value not in action.choices:
-        raise ShardlineConfigError(f"{what} must be one of {', '.join(map(str, action.choices))}, got {value!r}")
-    return value
+@dataclass(frozen=True)
+class Option:
+    """One configuration knob.
+
+    ``name`` is the key in files, the argparse dest, ``--name-with-dashes`` on the command line and
+    ``SHARDLINE_NAME`` in the environment. ``common`` options may also be set in the ``common:``
+    section. ``default`` is a value or a ``{daemon: value}`` mapping; ``default_text`` describes a
+    computed default for the docs. ``minimum``/``above``/``maximum`` bound numbers (>=, >, <=).
+    """
+
+    name: str
+    kind: str
+    help: str
+    daemons: tuple[str, ...]
+    default: Any = None
+    common: bool = False
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    above: float | None = None
+    maximum: float | None = None
+    aliases: tuple[str, ...] = ()
+    required: tuple[str, ...] = ()          # daemons that cannot start without it
+    default_text: str | None = None
+    unit: str = ""
+    metavar: str | None = None
+    note: str = ""                          # extra docs text (wiring, caveats)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def default_for(self, daemon: str | None):
+        if isinstance(self.default, Mapping):
+            return self.default.get(daemon)
+        return self.default
+
+    # -- conversion and validation --
+    def convert(self, value, where: str, *, text: bool):
+        """Validate ``value`` (a string from a flag or the environment if ``text``, else a YAML value)."""
+        if value is None:
+            if self.default_for(None) is None and not isinstance(self.default, Mapping):
+                return None
+            raise ShardlineConfigError(f"{where} must be {self._expected()}, got None")
+        kind, raw = self.kind, value
+        if kind == "int":
+            value = self._number(value, where, text, int)
+        elif kind == "float":
+            value = self._number(value, where, text, float)
+        elif kind == "size":
+            if text and isinstance(value, str) and value.strip().isdigit():
+                value = int(value.strip())
+            value = parse_size(value, where)
+        elif kind == "bool":
+            value = _as_bool(where, value)
+        else:  # string kinds
+            if not isinstance(value, str):
+                raise ShardlineConfigError(f"{where} must be {self._expected()}, got {value!r}")
+            if kind == "choice":
+                canon = {c.lower(): c for c in self.choices}
+                if value.strip().lower() not in canon:
+                    raise ShardlineConfigError(f"{where} must be one of {', '.join(self.choices)}, got {value!r}")
+                value = canon[value.strip().lower()]
+            elif kind == "address":
+                from services.daemon import parse_host_port
+
+                parse_host_port(value, what=where)
+            elif kind in ("path", "str") and not value.strip():
+                raise ShardlineConfigError(f"{where} must be a non-empty string, got {value!r}")
+        self._check_bounds(value, where, raw)
+        return value
+
+    def _expected(self) -> str:
+        if self.kind == "choice":
+            return "one of " + ", ".join(self.choices)
+        return _KIND_TEXT[self.kind]
+
+    def _number(self, value, where: str, text: bool, cls):
+        if text and isinstance(value, str):
+            try:
+                value = cls(value.strip())
+            except ValueError:
+                raise ShardlineConfigError(f"{where} must be {_KIND_TEXT[self.kind]}, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (cls is int and not isinstance(value, int)):
+            raise ShardlineConfigError(f"{where} must be {_KIND_TEXT[self.kind]}, got {value!r}")
+        if not math.isfinite(value):
+            raise ShardlineConfigError(f"{where} must be a finite number, got {value!r}")
+        return cls(value)
+
+    def _check_bounds(self, value, where: str, raw) -> None:
+        """Bounds of numbers; the message quotes the value as given (``raw``)."""
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return
+        value_text = repr(raw)
+        if self.minimum is not None and self.maximum is not None and not self.minimum <= value <= self.maximum:
+            raise ShardlineConfigError(f"{where} must be in {_num(self.minimum)}..{_num(self.maximum)}, got {value_text}")
+        if self.minimum is not None and value < self.minimum:
+            raise ShardlineConfigError(f"{where} must be >= {_num(self.minimum)}, got {value_text}")
+        if self.above is not None and value <= self.above:
+            raise ShardlineConfigError(f"{where} must be > {_num(self.above)}, got {value_text}")
+        if self.maximum is not None and value > self.maximum:
+            raise ShardlineConfigError(f"{where} must be <= {_num(self.maximum)}, got {value_text}")
+
+    # -- docs --
+    def type_text(self) -> str:
+        if self.kind == "choice":
+            return " \\| ".join(f"`{c}`" for c in self.choices)
+        base = {"int": "integer", "float": "number", "str": "string", "path": "path", "address": "HOST:PORT",
+                "size": "bytes (`64MiB`, `1G`...)", "bool": "boolean"}[self.kind]
+        bounds = []
+        if self.minimum is not None and self.maximum is not None:
+            bounds.append(f"{_num(self.minimum)}..{_num(self.maximum)}")
+        else:
+            if self.minimum is not None:
+                bounds.append(f">= {_num(self.minimum)}")
+            if self.above is not None:
+                bounds.append(f"> {_num(self.above)}")
+            if self.maximum is not None:
+                bounds.append(f"<= {_num(self.maximum)}")
+        if self.unit == "s":
+            base = "seconds"
+        return base + (f", {', '.join(bounds)}" if bounds else "")
+
+    def default_doc(self, daemon: str | None = None) -> str:
+        if self.default_text is not None:
+            return self.default_text
+        if isinstance(self.default, Mapping):
+            if daemon is not None:
+                return f"`{_show(self.default.get(daemon))}`"
+            return ", ".join(f"{d}: `{_show(v)}`" for d, v in self.default.items())
+        if self.default is None:
+            return "required" if self.required else "unset"
+        if self.kind == "size":
+            return f"`{_show_size(self.default)}`"
+        return f"`{_show(self.default)}`"
+
+
+def _show_size(n: int) -> str:
+    for unit, factor in (("TiB", 1024 ** 4), ("GiB", 1024 ** 3), ("MiB", 1024 ** 2), ("KiB", 1024)):
+        if n and n % factor == 0:
+            return f"{n // factor}{unit}"
+    return str(n)
+
+
+def _num(x) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _show(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
+
+
+_ALL = DAEMONS
+_PS_WORKER = ("ps", "worker")
+
+OPTIONS: tuple[Option, ...] = (
+    # -- common: every daemon, or the PS and the worker alike --
+    Option("cluster", "address", "Cluster address: the dispatcher's HOST:PORT.", _PS_WORKER, common=True,
+           required=_PS_WORKER),
+    Option("log_level", "choice", "Lowest level logged: DEBUG shows per-request events, INFO only "
+           "lifecycle and cluster events.", _ALL, default="INFO", common=True, choices=LOG_LEVELS),
+    Option("log_format", "choice", "Log lines on stdout: `text` (one readable line per event) or `json` "
+           "(one JSON object per line: ts, level, component, logger, msg and event fields).", _ALL,
+           default="text", common=True, choices=("text", "json")),
+    Option("rpc_timeout", "float", "Deadline of one control-plane call to the dispatcher.", _PS_WORKER,
+           default=10.0, common=True, above=0, unit="s"),
+    Option("connect_timeout", "float", "How long to wait at start for the dispatcher (and, for a worker, "
+           "for its job to be created and for data-plane connections).", _PS_WORKER, default=60.0,
+           common=True, above=0, unit="s"),
+    Option("transport", "choice", "Data-plane transport: `auto` uses RDMA when a device is present, else "
+           "TCP; `rdma` fails at start without a device.", _PS_WORKER, default="auto", common=True,
+           choices=("tcp", "rdma", "auto")),
+    Option("torch_threads", "int", "torch intra-op threads (PS: optimizer math, whose connection threads "
+           "already run in parallel; worker: forward/backward).", _PS_WORKER, default=1, common=True,
+           minimum=1, aliases=("--threads",)),
+    # -- per daemon: addresses and files differ between daemons on one host --
+    Option("listen", "address", "gRPC bind address (port 0 picks a free port); metrics bind on its host.",
+           _ALL, default={"dispatcher": "0.0.0.0:7000", "ps": "0.0.0.0:7100", "worker": "127.0.0.1:0"}),
+    Option("metrics_port", "int", "Prometheus metrics port on the --listen host (0 picks a free port).",
+           _ALL, default=0, minimum=0, maximum=65535, metavar="PORT"),
+    Option("ready_file", "path", "Once serving, write a JSON object (pid, grpc, metrics, ...) here.", _ALL),
+    # -- dispatcher --
+    Option("heartbeat_timeout", "float", "Failure timeout: a PS node silent this long is declared dead and "
+           "leaves the ring.", ("dispatcher",), default=5.0, above=0, unit="s"),
+    Option("heartbeat_interval", "float", "Heartbeat interval the dispatcher tells PS nodes to use; must be "
+           "below heartbeat_timeout.", ("dispatcher",), above=0, unit="s",
+           default_text="`1`, or heartbeat_timeout / 3 if that is less"),
+    Option("vnodes_per_capacity", "int", "Virtual nodes on the ring per unit of node capacity.",
+           ("dispatcher",), default=128, minimum=1),
+    # -- PS --
+    Option("node_id", "str", "Node id on the ring (keep it stable across restarts).", ("ps",),
+           default_text="host name and data port"),
+    Option("rack", "str", "Rack of this node (replicas go to distinct racks when possible).", ("ps",),
+           default="default"),
+    Option("capacity", "float", "Relative weight of this node on the ring.", ("ps",), default=1.0, above=0),
+    Option("data_listen", "address", "Data-plane bind address.", ("ps",),
+           default_text="the --listen host, a free port"),
+    Option("max_payload_bytes", "size", "Largest data-plane frame payload the node accepts; bigger frames "
+           "get TOO_LARGE and the connection is closed.", ("ps",), default=DEFAULT_MAX_PAYLOAD_BYTES, above=0),
+    Option("checkpoint_dir", "path", "Directory for checkpoints. Reserved: checkpoints are a later issue; "
+           "today the PS only creates it if missing and checks that it can write there.", ("ps",),
+           note="validated, not yet used"),
+    # -- worker --
+    Option("job", "path", "Job file (YAML) to train.", ("worker",), required=("worker",)),
+    Option("rank", "int", "This worker's rank.", ("worker",), minimum=0, default_text="`$RANK`, else 0"),
+    Option("world_size", "int", "Number of workers of the job.", ("worker",), minimum=1,
+           default_text="`$WORLD_SIZE`, else 1"),
+    Option("steps", "int", "Override train.steps of the job file.", ("worker",), minimum=1,
+           default_text="the job file's"),
+    Option("result_file", "path", "Write the training result here as JSON.", ("worker",)),
+    Option("pull_timeout", "float", "How long one step may wait for the slowest worker (server-side pull "
+           "wait).", ("worker",), default=600.0, above=0, unit="s"),
+    Option("block_elements", "int", "Block size, in fp32 elements, of jobs this worker creates (262144 = "
+           "1 MiB); a job keeps the block size it was created with.", ("worker",),
+           default=DEFAULT_BLOCK_ELEMENTS, minimum=1, maximum=MAX_BLOCK_ELEMENTS),
+    Option("cache_bytes", "size", "Bound on the worker's L1 cache. The client caches every tensor of its "
+           "job in full (fp32; pulls land in the model's parameters), so a job whose tensors need more "
+           "fails at start with exit code 2 instead of running out of memory. 0 = no bound.", ("worker",),
+           default=0, minimum=0),
+    Option("prefetch_window", "int", "Blocks the client may pull ahead of use. Reserved: the client does "
+           "not prefetch yet; a value > 0 is validated and logged as a warning at start.", ("worker",),
+           default=0, minimum=0, note="validated, not yet used"),
+    Option("progress", "choice", "Progress display on stderr: redrawn line (tty), periodic lines (plain), "
+           "none (off), or tty when stderr is a terminal (auto).", ("worker",), default="auto",
+           choices=("auto", "tty", "plain", "off")),
+    Option("summary", "choice", "At the end print the result with sample answers (full) or only the "
+           "`done:` line.", ("worker",), default="full", choices=("full", "line")),
+)
+
+BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def options_for(daemon: str) -> list[Option]:
+    if daemon not in DAEMONS:
+        raise ValueError(f"unknown daemon {daemon!r}")
+    return [o for o in OPTIONS if daemon in o.daemons]
 
 
 def _as_bool(what: str, value) -> bool:
@@ -80,41 +357,395 @@ def _as_bool(what: str, value) -> bool:
     raise ShardlineConfigError(f"{what} must be true or false, got {value!r}")
 
 
-def parse_daemon_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None, *, env_prefix: str = "SHARDLINE_") -> argparse.Namespace:
-    """Parse ``argv`` and fill options not given on the command line from env, then ``--config``."""
-    import sys
+# -- command line ----------------------------------------------------------------------------------
 
+def add_options(parser: argparse.ArgumentParser, daemon: str) -> None:
+    """Declare ``daemon``'s options (and ``--config``) on ``parser`` from the schema.
+
+    Values stay unparsed strings until :func:`parse_daemon_args`, which validates them like values
+    from the environment or a file; absent flags are absent from the namespace (so sources can be told apart).
+    """
+    declared = {}
+    for opt in options_for(daemon):
+        metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.kind == "choice"
+                                  else "SECONDS" if opt.unit == "s" else _METAVAR[opt.kind])
+        if daemon in opt.required:
+            default = "required"
+        elif isinstance(opt.default, Mapping):
+            default = f"default: {opt.default_for(daemon)}"
+        else:
+            default = f"default: {opt.default_doc(daemon)}"
+        help_text = f"{opt.help} ({default}; env {opt.env})".replace("`", "").replace("%", "%%")
+        parser.add_argument(opt.flag, *opt.aliases, dest=opt.name, default=argparse.SUPPRESS, metavar=metavar,
+                            help=help_text)
+        declared[opt.name] = opt
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help=f"YAML config file (env {ENV_PREFIX}CONFIG); see docs/configuration.md")
+    parser._shardline_daemon = daemon  # type: ignore[attr-defined]
+    parser._shardline_options = declared  # type: ignore[attr-defined]
+
+
+# Parser options that never come from the environment or a file.
+_NOT_CONFIGURABLE = {"config", "help"}
+
+
+def _given_on_command_line(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
+    given = set()
+    for action in parser._actions:  # argparse has no public API for "was this flag given"
+        for opt in action.option_strings:
+            if any(tok == opt or tok.startswith(opt + "=") for tok in argv):
+                given.add(action.dest)
+    return given
+
+
+def _option_from_action(action: argparse.Action, daemon: str | None) -> Option:
+    """An Option for a flag a main declared directly on its parser (not in the schema)."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        kind = "bool"
+    else:
+        kind = {int: "int", float: "float", None: "str", str: "str"}.get(action.type, "str")
+    if action.choices is not None and kind == "str":
+        return Option(action.dest, "choice", action.help or "", (daemon,) if daemon else DAEMONS,
+                      default=action.default, choices=tuple(map(str, action.choices)))
+    return Option(action.dest, kind, action.help or "", (daemon,) if daemon else DAEMONS, default=action.default)
+
+
+def parse_daemon_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None, *,
+                      env_prefix: str = ENV_PREFIX, daemon: str | None = None,
+                      environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """Parse ``argv`` and resolve every option: flag > ``SHARDLINE_*`` environment > file > default.
+
+    The namespace also carries ``config`` (the file used, or None), ``config_sources``
+    (``{key: "flag" | "env SHARDLINE_X" | "file common.x" | "default"}``) and ``config_warnings``
+    (messages to log once logging is set up, see :func:`log_configuration`).
+    Raises ShardlineConfigError naming the key and quoting the value.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    environ = os.environ if environ is None else environ
+    daemon = daemon or getattr(parser, "_shardline_daemon", None)
+    schema: dict[str, Option] = dict(getattr(parser, "_shardline_options", {}))
     args = parser.parse_args(argv)
-    given = _given_on_command_line(parser, argv)
-    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest not in _NOT_FROM_FILE}
+    tokens_given = _given_on_command_line(parser, argv)
 
-    file_values = {}
-    if getattr(args, "config", None):
-        try:
-            with open(args.config, encoding="utf-8") as fh:
-                loaded = yaml.safe_load(fh)
-        except OSError as exc:
-            raise ShardlineConfigError(f"cannot read --config {args.config!r}: {exc}") from None
-        except yaml.YAMLError as exc:
-            raise ShardlineConfigError(f"--config {args.config!r} is not valid YAML: {exc}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ShardlineConfigError(f"--config {args.config!r} must hold a mapping of option names, got {type(loaded).__name__}")
-        for key, value in loaded.items():
-            dest = str(key).replace("-", "_")
-            if dest not in actions:
-                known = ", ".join(sorted(actions))
-                raise ShardlineConfigError(f"unknown key {key!r} in --config {args.config!r}; known keys: {known}")
-            file_values[dest] = _coerce(actions[dest], str(key), value, f"--config {args.config!r}")
+    options: dict[str, Option] = {}
+    for action in parser._actions:
+        if action.option_strings and action.dest not in _NOT_CONFIGURABLE and action.dest != argparse.SUPPRESS:
+            options[action.dest] = schema.get(action.dest) or _option_from_action(action, daemon)
 
-    for dest, action in actions.items():
-        if dest in given:
+    sources: dict[str, str] = {}
+    for dest, opt in options.items():
+        if dest in schema:
+            if hasattr(args, dest):  # schema flags default to SUPPRESS: present means given
+                setattr(args, dest, opt.convert(getattr(args, dest), f"{opt.flag} ({dest})", text=True))
+                sources[dest] = "flag"
+        elif dest in tokens_given:
+            sources[dest] = "flag"
+
+    config_path = getattr(args, "config", None) or environ.get(env_prefix + "CONFIG") or None
+    file_values = load_config_file(config_path, daemon, options) if config_path else {}
+
+    for dest, opt in options.items():
+        if dest in sources:
             continue
         env_name = env_prefix + dest.upper()
-        if env_name in os.environ:
-            setattr(args, dest, _coerce(action, env_name, os.environ[env_name], "environment"))
+        raw = environ.get(env_name)
+        if raw not in (None, ""):
+            setattr(args, dest, opt.convert(raw, f"{env_name} in the environment", text=True))
+            sources[dest] = f"env {env_name}"
         elif dest in file_values:
-            setattr(args, dest, file_values[dest])
+            value, where = file_values[dest]
+            setattr(args, dest, value)
+            sources[dest] = where
+        elif dest in schema:
+            setattr(args, dest, opt.default_for(daemon))
+            sources[dest] = "default"
+        else:
+            sources[dest] = "default"  # argparse already set the parser's default
+
+    for dest, opt in schema.items():
+        if daemon in opt.required and getattr(args, dest) is None:
+            raise ShardlineConfigError(
+                f"{dest} is required: give {opt.flag}, set {opt.env} or put {dest} in the config file")
+
+    args.config = config_path
+    args.config_sources = sources
+    args.config_warnings = _unknown_env_warnings(environ, env_prefix)
     return args
+
+
+def _unknown_env_warnings(environ: Mapping[str, str], env_prefix: str) -> list[str]:
+    # PARENT_PID: set by supervisors for services.daemon.arm_parent_death_signal, not an option.
+    known = {env_prefix + o.name.upper() for o in OPTIONS} | {env_prefix + "CONFIG", env_prefix + "PARENT_PID"}
+    warnings = []
+    for name in sorted(environ):
+        if name.startswith(env_prefix) and name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            warnings.append(f"ignoring environment variable {name}: not a Shardline option{hint}")
+    return warnings
+
+
+# -- files -----------------------------------------------------------------------------------------
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate keys instead of keeping the last one."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _value in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", key_node.start_mark)
+            seen.add(key)
+        except TypeError:  # unhashable key: construct_mapping reports it
+            pass
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _read_yaml(path: str):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            loaded = yaml.load(fh, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except OSError as exc:
+        raise ShardlineConfigError(f"cannot read --config {path!r}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        raise ShardlineConfigError(f"--config {path!r} is not valid YAML: {exc}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ShardlineConfigError(f"--config {path!r} must hold a mapping of sections or option keys, "
+                                   f"got {type(loaded).__name__}")
+    return loaded
+
+
+def _unknown_key(key, where: str, allowed: Iterable[str], hint: str = "") -> ShardlineConfigError:
+    allowed = sorted(allowed)
+    close = difflib.get_close_matches(str(key), allowed, n=1)
+    suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+    return ShardlineConfigError(f"unknown key {key!r} in {where}{suggestion}{hint}. Known keys: {', '.join(allowed)}")
+
+
+def _placement_hint(name: str, section: str | None) -> str:
+    """Why a known option is not accepted here, if it is an option somewhere else."""
+    opt = BY_NAME.get(name)
+    if opt is None:
+        return ""
+    homes = [d for d in opt.daemons]
+    if section == COMMON:
+        return f" ({name!r} differs per daemon: put it under {', '.join(h + ':' for h in homes)})"
+    return f" ({name!r} is an option of {', '.join(homes)}{', or of common:' if opt.common else ''})"
+
+
+def load_config_file(path: str, daemon: str | None, own: Mapping[str, Option] | None = None) -> dict[str, tuple[Any, str]]:
+    """Read and validate ``path``; return ``{key: (value, source)}`` for ``daemon``.
+
+    ``own`` are the options of ``daemon`` (default: its schema options); every section is validated,
+    also those of the other daemons.
+    """
+    if own is None:
+        own = {o.name: o for o in options_for(daemon)} if daemon else {}
+    data = _read_yaml(path)
+    where_file = f"--config {path!r}"
+    keys = [str(k) for k in data]
+    if not any(k in SECTIONS for k in keys):  # a flat file of this daemon's keys
+        values = {}
+        for key, value in data.items():
+            name = str(key).replace("-", "_")
+            opt = own.get(name)
+            if opt is None:
+                raise _unknown_key(key, where_file, own, _placement_hint(name, daemon))
+            values[name] = (opt.convert(value, f"{name} in {where_file}", text=False), f"file {name}")
+        return values
+
+    common_values, own_values = {}, {}
+    for key, body in data.items():
+        section = str(key)
+        if section not in SECTIONS:
+            hint = ""
+            if section.replace("-", "_") in BY_NAME:
+                opt = BY_NAME[section.replace("-", "_")]
+                homes = ([COMMON] if opt.common else []) + list(opt.daemons)
+                hint = f" (in a sectioned file put {section!r} under {' or '.join(h + ':' for h in homes)})"
+            raise ShardlineConfigError(f"unknown section {section!r} in {where_file}{hint}; "
+                                       f"sections are {', '.join(SECTIONS)}")
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise ShardlineConfigError(f"section {section!r} in {where_file} must be a mapping of option keys, "
+                                       f"got {body!r}")
+        if section == COMMON:
+            allowed = {o.name: o for o in OPTIONS if o.common}
+        elif section == daemon:
+            allowed = dict(own)
+        else:
+            allowed = {o.name: o for o in options_for(section)}
+        for k, value in body.items():
+            name = str(k).replace("-", "_")
+            opt = allowed.get(name)
+            if opt is None:
+                raise _unknown_key(k, f"section {section!r} of {where_file}", allowed, _placement_hint(name, section))
+            converted = opt.convert(value, f"{section}.{name} in {where_file}", text=False)
+            if section == COMMON and name in own:
+                common_values[name] = (converted, f"file {COMMON}.{name}")
+            elif section == daemon:
+                own_values[name] = (converted, f"file {section}.{name}")
+    return {**common_values, **own_values}
+
+
+def check_file(path: str) -> dict[str, dict[str, Any]]:
+    """Validate ``path`` for every daemon; return ``{daemon: {key: value}}`` of what each would read."""
+    return {d: {k: v for k, (v, _src) in load_config_file(path, d).items()} for d in DAEMONS}
+
+
+# -- reporting -------------------------------------------------------------------------------------
+
+def log_configuration(logger: logging.Logger, args: argparse.Namespace) -> None:
+    """Log the configuration warnings, one INFO line with the values taken from the environment or
+    the file (flags are visible on the command line), and one DEBUG line with every non-default value."""
+    for message in getattr(args, "config_warnings", []):
+        logger.warning(message)
+    sources = getattr(args, "config_sources", {})
+    config_file = getattr(args, "config", None)
+
+    def listing(keys) -> str:
+        return " ".join(f"{k}={getattr(args, k, None)!s} ({sources[k]})" for k in sorted(keys))
+
+    external = [k for k, src in sources.items() if src.startswith(("env ", "file "))]
+    if external or config_file:
+        logger.info("configuration: %s%s", f"file {config_file}, " if config_file else "",
+                    listing(external) or "no values from the file")
+    logger.debug("configuration (every non-default value): %s",
+                 listing(k for k, src in sources.items() if src != "default") or "all defaults")
+
+
+# -- docs ------------------------------------------------------------------------------------------
+
+_DOC_HEAD = """\
+# Configuration
+
+<!-- Generated by `python -m services.config --markdown > docs/configuration.md`; do not edit by hand.
+     tests/unit/test_config.py fails when this page and services/config.py disagree. -->
+
+Every option of the three daemons (`shardline-dispatcher`, `shardline-ps`, `shardline-worker`) is
+declared once, in `services/config.py`, and can be given four ways. The first that is set wins:
+
+1. a command-line flag: `--heartbeat-timeout 5`
+2. an environment variable `SHARDLINE_<KEY>`: `SHARDLINE_HEARTBEAT_TIMEOUT=5` (an empty value counts as
+   unset; this is the form systemd `EnvironmentFile=`s use, see `deploy/env/`)
+3. the YAML file given by `--config FILE` or `SHARDLINE_CONFIG=FILE`
+4. the default listed below.
+
+## The file
+
+One file can configure every daemon, so the same `/etc/shardline/shardline.yaml` can ship to every
+host (example: `deploy/shardline.yaml`):
+
+```yaml
+common:                      # read by every daemon
+  cluster: 10.0.0.5:7000
+  log_format: json
+dispatcher:
+  heartbeat_timeout: 5
+ps:
+  listen: 0.0.0.0:7100
+  checkpoint_dir: /var/lib/shardline/checkpoints
+worker:
+  block_elements: 262144
+```
+
+Each daemon reads `common:` and its own section (its own section wins over `common:`), and validates
+the other sections too: a typo anywhere in the file stops every daemon at start, not only the one it
+concerns. Keys in `common:` that a daemon does not use (`cluster` for the dispatcher) are ignored by
+it. A file without sections is read as a flat mapping of one daemon's keys (`heartbeat_timeout: 5`).
+
+Validation happens before anything starts (cross-checks too: `heartbeat_interval` must be below
+`heartbeat_timeout`, a worker's `rank` below its `world_size`). An unknown section or key, a value of the wrong type or
+out of bounds, or a duplicate key stops the daemon with exit code 2 and a message that names the key,
+where it came from and the bad value, for example:
+
+```
+shardline-ps: error: ps.capacity in --config '/etc/shardline/shardline.yaml' must be > 0, got 0
+shardline-dispatcher: error: unknown key 'heartbeat_timout' in section 'dispatcher' of --config '/etc/shardline/shardline.yaml' (did you mean 'heartbeat_timeout'?). Known keys: ...
+```
+
+`python -m services.config --check FILE` validates a file for all three daemons without starting
+anything and prints what each daemon would read. At start every daemon logs one INFO line with the values it
+took from the environment or the file and where each came from (DEBUG adds the flags), and warns
+about `SHARDLINE_*` variables that are no option. Sizes take an integer number of bytes or a unit: `K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`
+are powers of 1024, `KB`/`MB`/`GB`/`TB` powers of 1000. Durations are seconds (fractions allowed).
+Keys may use `-` or `_`.
+
+The worker's `--rank` and `--world-size` fall back to `RANK`/`WORLD_SIZE` (as torchrun sets them) when
+neither flag, `SHARDLINE_RANK`/`SHARDLINE_WORLD_SIZE` nor the file sets them.
+"""
+
+
+def _table(options: list[Option], *, used_by: bool, daemon: str | None = None) -> list[str]:
+    head = "| Key | Flag | Environment | Type | Default | " + ("Used by | " if used_by else "") + "Description |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for o in options:
+        flags = " ".join(f"`{f}`" for f in (o.flag, *o.aliases))
+        desc = o.help + (f" **({o.note}.)**" if o.note else "")
+        cells = [f"`{o.name}`", flags, f"`{o.env}`", o.type_text(), o.default_doc(daemon)]
+        if used_by:
+            cells.append(", ".join(o.daemons))
+        cells.append(desc)
+        lines.append("| " + " | ".join(c.replace("\n", " ") for c in cells) + " |")
+    return lines
+
+
+def render_markdown() -> str:
+    out = [_DOC_HEAD]
+    out.append("## `common:` — options every daemon, or the PS and the worker alike, read\n")
+    out.append("These may be set in `common:` or in a daemon's own section.\n")
+    out += _table([o for o in OPTIONS if o.common], used_by=True)
+    titles = {"dispatcher": "`dispatcher:` — `shardline-dispatcher`", "ps": "`ps:` — `shardline-ps`",
+              "worker": "`worker:` — `shardline-worker`"}
+    for daemon in DAEMONS:
+        own = [o for o in options_for(daemon) if not o.common]
+        common = [o.name for o in options_for(daemon) if o.common]
+        out.append(f"\n## {titles[daemon]}\n")
+        out.append(f"Also reads from `common:` (or its own section): {', '.join(f'`{n}`' for n in common)}.\n")
+        out += _table(own, used_by=False, daemon=daemon)
+    out.append("\n`--config FILE` (`SHARDLINE_CONFIG`) names the file; it cannot be set inside a file.\n")
+    out.append("\n## Logs\n")
+    out.append(
+        "Every daemon writes one line per event to stdout (journald-friendly; under systemd, lines carry a\n"
+        "`<N>` syslog priority prefix that journald turns into the entry's priority, and no timestamp,\n"
+        "which journald adds). `text`: `TIME LEVEL COMPONENT[PID] LOGGER: message key=value ...`;\n"
+        "`json`: one object per line with `ts` (RFC 3339, UTC), `level`, `component`, `logger`, `msg`,\n"
+        "`pid`, the event's fields and `exc` for a traceback. Newlines inside a message are escaped, so a\n"
+        "traceback stays one line. At INFO a daemon logs lifecycle and cluster events (serving, node\n"
+        "registered or declared dead, job created, routing changed, stopping), never one line per request;\n"
+        "per-request failures are DEBUG.\n")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m services.config", description="Shardline configuration schema")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--markdown", action="store_true", help="print docs/configuration.md")
+    g.add_argument("--check", metavar="FILE", help="validate FILE for every daemon and print what each reads")
+    args = p.parse_args(argv)
+    if args.markdown:
+        sys.stdout.write(render_markdown())
+        return 0
+    try:
+        per_daemon = check_file(args.check)
+    except ShardlineConfigError as exc:
+        print(f"{p.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    for daemon, values in per_daemon.items():
+        shown = ", ".join(f"{k}={_show(v)}" for k, v in sorted(values.items())) or "(defaults only)"
+        print(f"{daemon}: {shown}")
+    print(f"{args.check}: OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

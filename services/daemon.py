@@ -52,23 +52,114 @@ def format_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def add_common_args(parser: argparse.ArgumentParser, *, default_listen: str) -> None:
-    parser.add_argument("--listen", default=default_listen, help="gRPC bind address HOST:PORT (port 0 = any free port)")
-    parser.add_argument("--metrics-port", type=int, default=0, help="Prometheus metrics port on the --listen host (0 = any free port)")
-    parser.add_argument("--config", default=None, help="YAML config file")
-    parser.add_argument("--ready-file", default=None, help="write a JSON object here once serving")
-    parser.add_argument("--log-level", default=os.environ.get("SHARDLINE_LOG_LEVEL", "INFO"), help="DEBUG, INFO, WARNING or ERROR")
+def add_common_args(parser: argparse.ArgumentParser, daemon: str) -> None:
+    """Declare every option of ``daemon`` ("dispatcher", "ps" or "worker") from the schema in
+    services/config.py: --listen, --metrics-port, --ready-file, --log-level, --log-format, --config
+    and the daemon's own knobs. Parse with ``services.config.parse_daemon_args``."""
+    from services.config import add_options
+
+    add_options(parser, daemon)
 
 
-def setup_logging(level: str, component: str) -> None:
+# LogRecord attributes that are not event fields.
+_RECORD_ATTRS = frozenset(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime", "taskName"}
+# syslog priorities journald reads from a "<N>" line prefix (SyslogLevelPrefix=, on by default).
+_SYSLOG_PRIORITY = {"CRITICAL": 2, "ERROR": 3, "WARNING": 4, "INFO": 6, "DEBUG": 7}
+
+
+def _event_fields(record: logging.LogRecord) -> dict:
+    return {k: v for k, v in vars(record).items() if k not in _RECORD_ATTRS and not k.startswith("_")}
+
+
+def _one_line(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\r", "\\r").replace("\n", "\\n")
+
+
+class LogFormatter(logging.Formatter):
+    """One line per event, ``text`` or ``json``.
+
+    text: ``2025-01-02T03:04:05.678Z INFO ps[123] shardline.ps: message key=value ...``
+    json: ``{"ts": ..., "level": ..., "component": ..., "logger": ..., "msg": ..., "pid": ..., <fields>}``
+    Fields are the ``extra={...}`` of the call; a traceback goes to ``exc``. Newlines are escaped, so an
+    event is always exactly one line. ``journald``: prefix ``<priority>`` and leave the time to journald.
+    """
+
+    def __init__(self, component: str, fmt: str = "text", *, journald: bool = False):
+        super().__init__()
+        if fmt not in ("text", "json"):
+            raise ShardlineConfigError(f"log_format must be text or json, got {fmt!r}")
+        self.component, self.fmt, self.journald = component, fmt, journald
+
+    @staticmethod
+    def timestamp(record: logging.LogRecord) -> str:
+        import datetime
+
+        ts = datetime.datetime.fromtimestamp(record.created, datetime.timezone.utc)
+        return ts.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        exc = None
+        if record.exc_info:
+            exc = self.formatException(record.exc_info)
+        elif record.exc_text:
+            exc = record.exc_text
+        if record.stack_info:
+            exc = (exc + "\n" if exc else "") + self.formatStack(record.stack_info)
+        fields = _event_fields(record)
+        if self.fmt == "json":
+            obj = {"ts": self.timestamp(record), "level": record.levelname, "component": self.component,
+                   "logger": record.name, "msg": msg, "pid": record.process, "thread": record.threadName}
+            for key, value in fields.items():
+                obj.setdefault(key, value)
+            if exc:
+                obj["exc"] = exc
+            line = json.dumps(obj, default=str, ensure_ascii=False)
+        else:
+            parts = [] if self.journald else [self.timestamp(record)]
+            parts += [record.levelname, f"{self.component}[{record.process}]", f"{record.name}:", msg]
+            parts += [f"{k}={json.dumps(v, default=str) if not isinstance(v, str) or ' ' in v else v}"
+                      for k, v in fields.items()]
+            if exc:
+                parts.append(f"exc={exc}")
+            line = _one_line(" ".join(parts))
+        if self.journald:
+            line = f"<{_SYSLOG_PRIORITY.get(record.levelname, 6)}>{line}"
+        return line
+
+
+def _stream_is_journal(stream) -> bool:
+    """True when ``stream`` is the journald stream systemd connected (``$JOURNAL_STREAM`` = dev:inode)."""
+    value = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        dev, ino = (int(x) for x in value.split(":"))
+        st = os.fstat(stream.fileno())
+    except (ValueError, OSError, AttributeError):
+        return False
+    return st.st_dev == dev and st.st_ino == ino
+
+
+def setup_logging(level: str, component: str, fmt: str = "text", *, stream=None) -> logging.Handler:
+    """Log one line per event to ``stream`` (stdout) at ``level`` and above, as ``text`` or ``json``.
+
+    Calling it again replaces the handler the previous call installed. Routes ``warnings`` through
+    logging and returns the handler. Raises ShardlineConfigError for a bad level or format.
+    """
     numeric = logging.getLevelName(str(level).upper())
     if not isinstance(numeric, int):
-        raise ShardlineConfigError(f"--log-level must be DEBUG, INFO, WARNING or ERROR, got {level!r}")
-    logging.basicConfig(
-        level=numeric,
-        stream=sys.stdout,
-        format=f"%(asctime)s %(levelname)s {component}[%(process)d] %(name)s: %(message)s",
-    )
+        raise ShardlineConfigError(f"log_level must be DEBUG, INFO, WARNING, ERROR or CRITICAL, got {level!r}")
+    stream = sys.stdout if stream is None else stream
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(LogFormatter(component, fmt, journald=_stream_is_journal(stream)))
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        if getattr(old, "_shardline", False):
+            root.removeHandler(old)
+    handler._shardline = True  # type: ignore[attr-defined]
+    root.addHandler(handler)
+    root.setLevel(numeric)
+    logging.captureWarnings(True)
+    return handler
 
 
 def create_grpc_server(
@@ -157,10 +248,33 @@ class _StopEvent(threading.Event):
         super().set()
 
 
+# Set by a supervising process (LocalCluster, `shardline up`, the benchmark) to its pid: the daemon
+# asks the kernel for SIGTERM when that process dies, so an interrupted supervisor leaves no
+# orphans. Done by the daemon itself, not in a preexec_fn: running Python between fork and exec
+# in a process with gRPC threads can crash the child.
+PARENT_PID_ENV = "SHARDLINE_PARENT_PID"
+
+
+def arm_parent_death_signal() -> None:
+    value = os.environ.get(PARENT_PID_ENV)
+    if not value or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError, ValueError):
+        return
+    if str(os.getppid()) != value.strip():  # the supervisor died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def install_stop_handlers() -> threading.Event:
     """Return an event set by SIGTERM or SIGINT (clean shutdown, exit code 0).
 
-    Setting it (by a signal or by the daemon itself) sends ``STOPPING=1`` to systemd.
+    Setting it (by a signal or by the daemon itself) sends ``STOPPING=1`` to systemd. Also arms
+    the parent-death signal when a supervisor asked for it (``SHARDLINE_PARENT_PID``).
     """
     stop = _StopEvent()
 
@@ -170,6 +284,7 @@ def install_stop_handlers() -> threading.Event:
 
     signal.signal(signal.SIGTERM, _handler)
     signal.signal(signal.SIGINT, _handler)
+    arm_parent_death_signal()
     return stop
 
 

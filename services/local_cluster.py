@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from services.daemon import PARENT_PID_ENV
+
 __all__ = ["DaemonHandle", "DaemonStartError", "LocalCluster", "flags_to_argv", "log_tail"]
 
 _PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -146,27 +148,6 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
     return argv
 
 
-def _pdeathsig_preexec() -> Callable[[], None] | None:
-    """A preexec_fn asking the kernel to SIGTERM the child when its parent thread dies (Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    pr_set_pdeathsig = 1
-    sigterm = int(signal.SIGTERM)
-
-    def preexec() -> None:  # runs in the child between fork and exec: keep it minimal
-        prctl(pr_set_pdeathsig, sigterm, 0, 0, 0)
-
-    return preexec
-
-
-_PREEXEC = _pdeathsig_preexec()
-
 # Clusters not yet shut down; shut down at interpreter exit. Strong references on purpose: a
 # cluster object nobody holds any more still has processes to reap.
 _LIVE: "set[LocalCluster]" = set()
@@ -233,6 +214,7 @@ class LocalCluster:
         env = dict(os.environ)
         env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
+        env[PARENT_PID_ENV] = str(os.getpid())  # daemons die with us (services.daemon.arm_parent_death_signal)
         path = env.get("PYTHONPATH", "")
         if _PROJECT_ROOT not in path.split(os.pathsep):
             env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + path if path else "")
@@ -272,7 +254,7 @@ class LocalCluster:
             log.flush()
             handle.proc = subprocess.Popen(
                 handle.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_PREEXEC, close_fds=True,
+                start_new_session=True, close_fds=True,
             )
         handle.starts += 1
 

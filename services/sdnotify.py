@@ -18,11 +18,11 @@ import logging
 import os
 import socket
 import threading
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 __all__ = [
-    "notify", "format_message", "socket_address", "ready", "stopping", "status", "watchdog",
-    "watchdog_period", "WatchdogPinger", "start_watchdog",
+    "WatchdogPinger", "format_message", "notify", "ready", "socket_address", "start_watchdog", "status",
+    "stopping", "watchdog", "watchdog_period",
 ]
 
 log = logging.getLogger("shardline.sdnotify")

@@ -29,12 +29,11 @@ import threading
 import time
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram
-
-from services.config import parse_daemon_args
+from services.config import log_configuration, parse_daemon_args
 from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready, create_grpc_server)
 from services.errors import ShardlineConfigError, ShardlineError
+from worker.metrics import WorkerMetrics
 
 log = logging.getLogger("shardline.worker")
 
@@ -42,14 +41,6 @@ PROG = "shardline-worker"
 # After SIGTERM, how long a step may take to reach its boundary before the worker exits anyway
 # (the whole shutdown must stay within the 10 s the daemons promise).
 STOP_GRACE_SECONDS = 6.0
-
-STEPS = Counter("shardline_worker_steps_total", "Training steps this worker completed")
-STEP_SECONDS = Histogram("shardline_worker_step_seconds", "Wall time of one training step (forward, backward, push, pull)",
-                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-LOSS = Gauge("shardline_worker_loss", "Training loss of the last step")
-TOKENS = Counter("shardline_worker_tokens_total", "Non-padding input tokens trained on")
-VERSION = Gauge("shardline_worker_version", "Job step (version) of the parameters this worker holds")
-
 
 class StopTraining(Exception):
     """Raised at a step boundary once SIGTERM/SIGINT was received."""
@@ -67,49 +58,46 @@ def _env_int(name: str, default: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description="Shardline training worker: runs a job file against a cluster")
-    add_common_args(p, default_listen="127.0.0.1:0")
-    p.add_argument("--cluster", help="dispatcher address HOST:PORT")
-    p.add_argument("--job", help="job file (YAML)")
-    p.add_argument("--rank", type=int, default=None, help="this worker's rank (default: $RANK, else 0)")
-    p.add_argument("--world-size", type=int, default=None, help="number of workers (default: $WORLD_SIZE, else 1)")
-    p.add_argument("--result-file", default=None, help="write the training result here as JSON")
-    p.add_argument("--steps", type=int, default=None, help="override train.steps of the job file")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
-    p.add_argument("--transport", default="auto", help="data-plane transport: tcp, rdma or auto")
-    p.add_argument("--connect-timeout", type=float, default=60.0, help="seconds to wait for the cluster and the job")
-    p.add_argument("--pull-timeout", type=float, default=600.0, help="seconds a step may wait for the other workers")
-    p.add_argument("--progress", default="auto", choices=("auto", "tty", "plain", "off"),
-                   help="progress display on stderr: redrawn line (tty), periodic lines (plain), or none")
-    p.add_argument("--summary", default="full", choices=("full", "line"),
-                   help="at the end print the result with sample answers (full) or only the 'done:' line")
+    add_common_args(p, "worker")  # every option is declared in services/config.py
     return p
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if not args.cluster:
-        raise ShardlineConfigError("--cluster HOST:PORT (the dispatcher) is required")
-    parse_host_port(args.cluster, what="--cluster")
-    parse_host_port(args.listen, what="--listen")
-    if not args.job:
-        raise ShardlineConfigError("--job FILE is required")
+    """Cross-option checks; types and bounds were checked by parse_daemon_args."""
     if args.rank is None:
         args.rank = _env_int("RANK", 0)
     if args.world_size is None:
         args.world_size = _env_int("WORLD_SIZE", 1)
     if args.world_size < 1:
-        raise ShardlineConfigError(f"--world-size must be >= 1, got {args.world_size!r}")
+        raise ShardlineConfigError(f"world_size must be >= 1, got {args.world_size!r}")
     if not 0 <= args.rank < args.world_size:
-        raise ShardlineConfigError(f"--rank must be in [0, {args.world_size}), got {args.rank!r}")
-    if args.steps is not None and args.steps < 1:
-        raise ShardlineConfigError(f"--steps must be >= 1, got {args.steps!r}")
-    if args.threads < 1:
-        raise ShardlineConfigError(f"--threads must be >= 1, got {args.threads!r}")
-    if not 0 <= args.metrics_port <= 65535:
-        raise ShardlineConfigError(f"--metrics-port must be in 0..65535, got {args.metrics_port!r}")
-    for name in ("connect_timeout", "pull_timeout"):
-        value = getattr(args, name)
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ShardlineConfigError(f"--{name.replace('_', '-')} must be a number of seconds > 0, got {value!r}")
+        raise ShardlineConfigError(f"rank must be in [0, {args.world_size}), got {args.rank!r}")
+
+
+def _check_cache_bound(named_parameters, cache_bytes: int) -> None:
+    """The client's L1 cache holds every tensor of the job in fp32: refuse a job that exceeds the bound."""
+    if not cache_bytes:
+        return
+    need = 4 * sum(p.numel() for _, p in named_parameters)
+    if need > cache_bytes:
+        raise ShardlineConfigError(
+            f"the job's tensors need {need:,} bytes of L1 cache (fp32), more than cache_bytes={cache_bytes:,}; "
+            f"raise cache_bytes (0 = no bound) or train a smaller model")
+
+
+def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
+    """PSOptimizer with the worker's data-plane and control-plane knobs."""
+    import inspect
+
+    _check_cache_bound(named_parameters, args.cache_bytes)
+    takes_rpc_timeout = "rpc_timeout" in inspect.signature(PSOptimizer).parameters
+    if takes_rpc_timeout:
+        kwargs["rpc_timeout"] = args.rpc_timeout
+    opt = PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
+                      connect_timeout=args.connect_timeout, block_elements=args.block_elements, **kwargs)
+    if not takes_rpc_timeout:  # control-plane calls after joining use the configured deadline
+        opt.client.dispatcher.rpc_timeout = args.rpc_timeout
+    return opt
 
 
 class _Tracker:
@@ -130,6 +118,7 @@ class _Tracker:
         self.version = 0
         self._step_started: float | None = None
         self._task = spec.sft_task()
+        self.metrics = WorkerMetrics(spec.name, rank)
 
     # -- the progress protocol of run_training --
     def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None,
@@ -139,18 +128,18 @@ class _Tracker:
         self.steps_done = step
         if loss is not None:
             self.losses.append(loss)
-            LOSS.set(loss)
+            self.metrics.loss.set(loss)
         if tokens_per_s is not None:
             self.tokens_per_s = tokens_per_s
         if version is not None:
             self.version = version
-            VERSION.set(version)
+            self.metrics.version.set(version)
         tr = self.spec.train
         # The batch is a pure function of (seed, step, rank): recount its tokens for the counter.
         batch = make_batch(self._task.seed, step - 1, self.rank, self.world_size, tr.batch_size, self._task)
         n = int((batch.input_ids != PAD).sum())
         self.tokens += n
-        TOKENS.inc(n)
+        self.metrics.tokens.inc(n)
         if self.display is not None:
             self.display.update(step, loss=loss, tokens_per_s=tokens_per_s, version=version)
         if self.stop.is_set() and step < tr.steps:
@@ -184,10 +173,10 @@ class _StoppableOptimizer:
 
     def step(self, weight: float | None = None) -> int:
         version = self.opt.step(weight=weight)
-        STEPS.inc()
+        self.tracker.metrics.steps.inc()
         if self._t0 is not None:
-            STEP_SECONDS.observe(time.perf_counter() - self._t0)
-        VERSION.set(version)
+            self.tracker.metrics.step_seconds.observe(time.perf_counter() - self._t0)
+        self.tracker.metrics.version.set(version)
         return version
 
 
@@ -215,9 +204,12 @@ def _transfer(opt) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        args = parse_daemon_args(parser, argv)
-        setup_logging(args.log_level, PROG)
+        args = parse_daemon_args(parser, argv)  # validates types and bounds; cluster and job are required
+        setup_logging(args.log_level, "worker", args.log_format)
+        log_configuration(log, args)
         _validate(args)
+        if args.prefetch_window:
+            log.warning("prefetch_window=%d is reserved: the client does not prefetch yet", args.prefetch_window)
         from worker.job import load_job
 
         spec = load_job(args.job)
@@ -233,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker.optim import PSOptimizer
     from worker.progress import Progress
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.torch_threads)
     stop = install_stop_handlers()
     done = threading.Event()
     started = time.monotonic()
@@ -245,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "pid": os.getpid(),
     }
 
-    host, _ = parse_host_port(args.listen, what="--listen")
+    host, _ = parse_host_port(args.listen, what="listen")
     try:
         server, grpc_port, _health = create_grpc_server(args.listen, [])
         metrics_server, metrics_port = start_metrics_server(host, args.metrics_port)
@@ -265,13 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     holder: dict[str, Any] = {}
 
     def make_optimizer(named_parameters):
-        opt = PSOptimizer(named_parameters, cluster=args.cluster, job=spec.name, sync=tr.sync,
-                          world_size=world_size, rank=rank, transport=args.transport,
-                          pull_timeout=args.pull_timeout, connect_timeout=args.connect_timeout,
-                          **tr.optimizer_kwargs())
+        opt = _make_ps_optimizer(PSOptimizer, args, named_parameters, cluster=args.cluster, job=spec.name,
+                                 sync=tr.sync, world_size=world_size, rank=rank, **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version
-        VERSION.set(opt.version)
+        tracker.metrics.version.set(opt.version)
         n_params = sum(p.numel() for _, p in named_parameters)
         n_train = sum(p.numel() for _, p in named_parameters if p.requires_grad)
         log.info("rank %d/%d joined job %s on %s at version %d: %s parameters (%s trainable), %s, %s, %d steps",

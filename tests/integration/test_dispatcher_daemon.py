@@ -270,6 +270,25 @@ def test_config_file_with_flag_override(tmp_path):
         d.close()
 
 
+def test_shared_sectioned_config_with_env_override(tmp_path, monkeypatch):
+    """One file for every daemon: the dispatcher reads common: and dispatcher:, validates ps:/worker:."""
+    config = tmp_path / "shardline.yaml"
+    config.write_text("common:\n  cluster: 127.0.0.1:7000\n  log_format: json\n"
+                      "dispatcher:\n  heartbeat_timeout: 3\n  vnodes_per_capacity: 16\n"
+                      "ps:\n  rack: a\nworker:\n  cache_bytes: 1GiB\n")
+    monkeypatch.setenv("SHARDLINE_VNODES_PER_CAPACITY", "8")  # the environment beats the file
+    d = Daemon(tmp_path, "--config", str(config))
+    try:
+        reply = register(d.stub, "shared-1", 9500)
+        assert reply.heartbeat_interval_seconds == pytest.approx(1.0)  # min(1, 3 / 3)
+        routing = d.stub.GetRouting(dispatcher_pb2.GetRoutingRequest(), timeout=RPC_TIMEOUT)
+        assert [n.vnodes for n in routing.nodes] == [8]
+        first = d.output().splitlines()[0]
+        assert json.loads(first)["component"] == "dispatcher"  # log_format from common:
+    finally:
+        d.close()
+
+
 @pytest.mark.parametrize(
     "config_text, args, fragment",
     [
@@ -280,6 +299,9 @@ def test_config_file_with_flag_override(tmp_path):
         ("", ("--heartbeat-interval", "2", "--heartbeat-timeout", "1"), "heartbeat_interval"),
         ("", ("--heartbeat-timeout", "-1"), "heartbeat_timeout"),
         ("", ("--listen", "127.0.0.1"), "'127.0.0.1'"),
+        ("dispatcher:\n  heartbeat_timeout: 3\nps:\n  capcity: 2\n", (), "'capcity'"),
+        ("common:\n  log_format: xml\n", (), "common.log_format"),
+        ("dispatcher:\n  metrics_port: 99999\n", (), "99999"),
     ],
 )
 def test_bad_configuration_exits_2_naming_the_problem(tmp_path, config_text, args, fragment):

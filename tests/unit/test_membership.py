@@ -180,3 +180,14 @@ def test_concurrent_registration_counts_every_change_once(m):
         t.join(timeout=10)
     assert m.epoch == 1 + 8
     assert m.alive_count == 8
+
+
+def test_wildcard_registrations_take_the_peer_host():
+    from dispatcher.membership import reachable_address
+
+    assert reachable_address("0.0.0.0:7200", "ipv4:10.1.2.3:51234") == "10.1.2.3:7200"
+    assert reachable_address("[::]:7200", "ipv6:[fd00::7]:51234") == "[fd00::7]:7200"
+    assert reachable_address(":7200", "ipv4:127.0.0.1:1") == "127.0.0.1:7200"
+    assert reachable_address("10.9.9.9:7200", "ipv4:10.1.2.3:51234") == "10.9.9.9:7200"
+    assert reachable_address("ps-a1.example:7200", "ipv4:10.1.2.3:51234") == "ps-a1.example:7200"
+    assert reachable_address("0.0.0.0:7200", "unix:/run/x.sock") == "0.0.0.0:7200"

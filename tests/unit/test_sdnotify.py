@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -31,7 +33,7 @@ class Receiver:
         self.sock.settimeout(seconds)
         try:
             self.sock.recv(4096)
-        except socket.timeout:
+        except TimeoutError:
             return True
         return False
 
@@ -40,11 +42,14 @@ class Receiver:
 
 
 @pytest.fixture
-def path_receiver(tmp_path):
-    path = str(tmp_path / "notify.sock")
+def path_receiver():
+    # A short directory: AF_UNIX paths are limited to 107 bytes, pytest's tmp_path can be longer.
+    directory = tempfile.mkdtemp(prefix="sdn-")
+    path = os.path.join(directory, "notify.sock")
     r = Receiver(path)
     yield path, r
     r.close()
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
@@ -204,3 +209,44 @@ def test_watchdog_check_that_raises_skips_the_ping():
 def test_watchdog_rejects_bad_interval():
     with pytest.raises(ValueError):
         sdnotify.WatchdogPinger(0)
+
+
+# -- the daemon hooks (services.daemon) ------------------------------------------------------
+
+def test_announce_ready_writes_the_file_then_notifies(monkeypatch, path_receiver, tmp_path):
+    import json
+
+    from services import daemon
+
+    path, r = path_receiver
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    monkeypatch.delenv("WATCHDOG_USEC", raising=False)
+    monkeypatch.setattr(daemon, "_watchdog", None)
+    ready_file = tmp_path / "ready.json"
+    daemon.announce_ready(str(ready_file), {"grpc": "127.0.0.1:1", "metrics": "127.0.0.1:2", "node_id": "n1"})
+    assert r.recv() == "READY=1\nSTATUS=serving: node_id n1, grpc 127.0.0.1:1, metrics 127.0.0.1:2"
+    assert json.loads(ready_file.read_text())["pid"] == os.getpid()
+    assert daemon._watchdog is None  # no WatchdogSec, no pinger
+    daemon.announce_ready(None, {"grpc": "127.0.0.1:1"})  # under systemd there is often no ready file
+    assert r.recv() == "READY=1\nSTATUS=serving: grpc 127.0.0.1:1"
+
+
+def test_stop_event_sends_stopping_once(monkeypatch, path_receiver):
+    import signal
+
+    from services import daemon
+
+    path, r = path_receiver
+    monkeypatch.setenv("NOTIFY_SOCKET", path)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        stop = daemon.install_stop_handlers()
+        assert r.nothing_within(0.1)
+        stop.set()
+        assert stop.is_set()
+        assert r.recv() == "STOPPING=1\nSTATUS=stopping"
+        stop.set()
+        assert r.nothing_within(0.2)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
