@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -115,7 +116,10 @@ class PSNode:
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
         reply = self._reply(header)
+        started = time.perf_counter()
         reply.step = job.finish_push(ticket)
+        if self.metrics is not None and job.sync == "asp":  # ASP applies the push here
+            self.metrics.apply(job.name, time.perf_counter() - started)
         return reply
 
     def handle(self, header: frame.FrameHeader, payload) -> tuple[frame.FrameHeader, list]:
@@ -133,12 +137,22 @@ class PSNode:
             reply.step = job.step
             return reply, []
         if header.op == dp.OP_COMMIT:
-            reply.step = job.commit(header.rank, header.step, weight, lr=header.lr if header.has_lr else None)
+            lr = header.lr if header.has_lr else None
+            if self.metrics is None:
+                reply.step = job.commit(header.rank, header.step, weight, lr=lr)
+            else:  # barrier and optimizer apply time (the last commit of a step applies it)
+                reply.step = self.metrics.timed_commit(job.name, header.step,
+                                                       lambda: job.commit(header.rank, header.step, weight, lr=lr))
             return reply, []
         # OP_PULL
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
-        if header.min_step > job.step:
-            job.wait_for_step(header.min_step, timeout)
+        started = time.perf_counter()
+        try:
+            if header.min_step > job.step:
+                job.wait_for_step(header.min_step, timeout)
+        finally:
+            if self.metrics is not None:
+                self.metrics.pull_wait(job.name, time.perf_counter() - started)
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp")
         reply.step = step
