@@ -22,7 +22,6 @@ NODES_DECLARED_DEAD = Counter("shardline_nodes_declared_dead_total", "Times a PS
 HEARTBEAT_TIMEOUT = Gauge("shardline_heartbeat_timeout_seconds",
                           "Heartbeat silence after which the dispatcher declares a PS node dead")
 JOBS = Gauge("shardline_jobs", "Jobs registered with the dispatcher")
-REQUESTS = Counter("shardline_dispatcher_requests", "Dispatcher RPCs served, by method and status code", ["method", "code"])
 
 _NODE_LABELS = ["node_id", "rack"]
 NODE_ALIVE = Gauge("shardline_node_alive", "1 if the dispatcher considers the PS node alive, 0 if dead", _NODE_LABELS)
@@ -76,7 +75,3 @@ def nodes_declared_dead(count: int) -> None:
     if count > 0:
         NODES_DECLARED_DEAD.inc(count)
 
-
-def request(method: str, code: str) -> None:
-    """Count one dispatcher RPC by method and status code name."""
-    REQUESTS.labels(method, code).inc()

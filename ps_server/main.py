@@ -18,7 +18,7 @@ from ps_server import metrics as M
 from ps_server.dataplane import serve_connection
 from ps_server.node import PSNode
 from ps_server.server import create_server
-from services import frame
+from services import auth, frame
 from services.config import log_configuration, parse_daemon_args
 from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
         data_host, data_port = parse_host_port(args.data_listen or f"{format_host_port(host, 0)}", what="data_listen")
         transport = get_transport(args.transport)
         args.checkpoint_dir = _prepare_checkpoint_dir(args.checkpoint_dir)
+        cluster_token = auth.load_token(args.cluster_token_file)
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
         return 2
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     def on_connection(sock, peer):
         M.CONNECTIONS.inc()
         try:
-            serve_connection(sock, peer, node_holder["node"], limits, ps_metrics)
+            serve_connection(sock, peer, node_holder["node"], limits, ps_metrics, cluster_token)
         finally:
             M.CONNECTIONS.dec()
 

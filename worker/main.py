@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any
 
+from services import auth
 from services.config import log_configuration, parse_daemon_args
 from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready, create_grpc_server)
@@ -94,7 +95,8 @@ def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
     if takes_rpc_timeout:
         kwargs["rpc_timeout"] = args.rpc_timeout
     opt = PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
-                      connect_timeout=args.connect_timeout, block_elements=args.block_elements, **kwargs)
+                      connect_timeout=args.connect_timeout, block_elements=args.block_elements,
+                      cluster_token=auth.load_token(args.cluster_token_file), **kwargs)
     if not takes_rpc_timeout:  # control-plane calls after joining use the configured deadline
         opt.client.dispatcher.rpc_timeout = args.rpc_timeout
     return opt

@@ -42,7 +42,8 @@ class PSOptimizer:
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], cluster: str, job: str, *,
                  optimizer: str = "adamw", sync: str = "bsp", world_size: int | None = None, rank: int | None = None,
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
-                 connect_timeout: float = 60.0, allow_nonfinite: bool = False, **optimizer_kwargs):
+                 connect_timeout: float = 60.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
+                 **optimizer_kwargs):
         self.params = list(named_parameters)
         if not self.params:
             raise ShardlineConfigError("PSOptimizer got no parameters")
@@ -54,7 +55,7 @@ class PSOptimizer:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
-                             connect_timeout=connect_timeout)
+                             connect_timeout=connect_timeout, cluster_token=cluster_token)
         created = False
         if self.rank == 0:
             created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,

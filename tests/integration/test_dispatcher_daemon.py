@@ -254,7 +254,8 @@ def test_metrics_endpoint(daemon):
     }
     assert values["shardline_ring_epoch"] >= epoch
     assert "shardline_live_nodes" in values
-    assert 'shardline_dispatcher_requests_total{code="OK",method="GetRouting"}' in values
+    assert ('shardline_grpc_server_requests_total{code="OK",method="GetRouting",service="shardline.v1.Dispatcher"}'
+            in values), sorted(values)
 
 
 def test_config_file_with_flag_override(tmp_path):

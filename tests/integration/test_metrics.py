@@ -186,7 +186,6 @@ def test_values_reflect_the_traffic(scrapes):
     assert value(d, "shardline_jobs") == 2
     # The failing GetJob, seen by the gRPC interceptor and by the dispatcher's own counter.
     assert value(d, "shardline_grpc_server_requests_total", method="GetJob", code="NOT_FOUND") >= 1
-    assert value(d, "shardline_dispatcher_requests_total", method="GetJob", code="NOT_FOUND") >= 1
     assert value(d, "shardline_grpc_server_request_seconds_count", method="RegisterNode") >= 2
 
     ps = [scrapes["ps-0"], scrapes["ps-1"]]
