@@ -70,8 +70,34 @@ def format_table(headers: list[str], rows: list[list[Any]], right: set[int] | No
 
 # -- status ---------------------------------------------------------------------------------------
 
-def status_dict(status, cluster: str) -> dict:
-    """A JSON-ready view of a ClusterStatus (protobuf)."""
+def node_progress(status, timeout: float) -> dict[str, dict[str, int]]:
+    """Ask every alive PS node for its job steps: {node_id: {job: step}} (unreachable nodes left out).
+
+    The dispatcher does not see training progress; the nodes that apply the steps do.
+    """
+    from services.daemon import grpc_channel
+    from services.pb import ps_pb2, ps_pb2_grpc
+
+    progress = {}
+    for n in status.all_nodes:
+        if n.state != "alive":
+            continue
+        try:
+            with grpc_channel(n.grpc_address) as channel:
+                reply = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(ps_pb2.GetNodeStatusRequest(), timeout=timeout)
+        except Exception:  # noqa: BLE001 - a node that cannot answer is shown without progress
+            continue
+        progress[n.node_id] = {j.job: int(j.step) for j in reply.jobs}
+    return progress
+
+
+def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None = None) -> dict:
+    """A JSON-ready view of a ClusterStatus (protobuf) and the nodes' job steps (``node_progress``).
+
+    A job's ``step`` is the lowest step over the nodes that hold it (BSP nodes agree; under ASP
+    each node counts its own updates, see ``steps_by_node``).
+    """
+    progress = progress or {}
     from services.ring import HashRing
 
     vnodes = {n.node_id: int(n.vnodes) for n in status.routing.nodes if n.vnodes > 0}
@@ -92,8 +118,11 @@ def status_dict(status, cluster: str) -> dict:
             for d in t.shape:
                 numel *= int(d)
             params += numel
+        steps = {node: jobs_on_node[j.spec.name] for node, jobs_on_node in sorted(progress.items())
+                 if j.spec.name in jobs_on_node}
         jobs.append({
             "name": j.spec.name, "sync": j.spec.sync, "world_size": int(j.spec.world_size),
+            "step": min(steps.values()) if steps else None, "steps_by_node": steps,
             "optimizer": j.spec.optimizer.kind, "tensors": len(j.spec.tensors), "parameters": params,
             "ready": bool(j.ready), "created_unix_ms": int(j.created_unix_ms),
         })
@@ -117,10 +146,10 @@ def render_status(data: dict) -> str:
     else:
         lines += ["", "nodes: none registered"]
     if data["jobs"]:
-        rows = [[j["name"], j["sync"], j["optimizer"], j["world_size"], j["tensors"], f"{j['parameters']:,}",
-                 "yes" if j["ready"] else "no"] for j in data["jobs"]]
-        lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "TENSORS", "PARAMS", "READY"],
-                                            rows, right={3, 4, 5})]
+        rows = [[j["name"], j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
+                 j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
+        lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "TENSORS", "PARAMS", "READY"],
+                                            rows, right={3, 4, 5, 6})]
     else:
         lines += ["", "jobs: none"]
     return "\n".join(lines)
@@ -148,7 +177,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         client.close()
-    data = status_dict(status, cluster)
+    data = status_dict(status, cluster, node_progress(status, args.timeout))
     if args.json:
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,11 +111,28 @@ def test_status_kill_restart_and_clean_sigterm(two_node_cluster):
     assert sum(n["key_share"] for n in data["nodes"]) == pytest.approx(1.0)
     epoch = data["epoch"]
 
+    # Jobs show the step their PS nodes applied (BSP: every node at the same step).
+    import torch
+
+    from worker import connect
+
+    client = connect(cluster.address, job="status-job")
+    client.init({"w": torch.zeros(1000)}, optimizer="sgd", lr=0.1, block_elements=100)
+    for _ in range(3):
+        client.push({"w": torch.ones(1000)})
+    client.pull()
+    client.close()
+    data = status_json(cluster.address)
+    job = next(j for j in data["jobs"] if j["name"] == "status-job")
+    assert job["step"] == 3 and job["sync"] == "bsp" and job["world_size"] == 1
+    assert set(job["steps_by_node"]) == {"ps-0", "ps-1"} and set(job["steps_by_node"].values()) == {3}
+
     # The table form carries the same facts.
     table = subprocess.run([*shardline_cmd(), "status", "--cluster", cluster.address],
                            capture_output=True, text=True, timeout=30)
     assert table.returncode == 0, table.stderr
     assert "ps-0" in table.stdout and "ps-1" in table.stdout and f"ring epoch {epoch}" in table.stdout
+    assert re.search(r"^status-job\s+bsp\s+sgd\s+1\s+3\s", table.stdout, re.M), table.stdout
 
     # SIGKILL a PS: the dispatcher declares it dead after the heartbeat timeout.
     killed_pid = ps0.pid
