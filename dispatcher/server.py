@@ -8,6 +8,7 @@ status message says what is wrong. A background thread expires silent nodes ever
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -34,18 +35,8 @@ WAIT_SLICE_SECONDS = 0.5
 
 
 def node_info(record: NodeRecord) -> common_pb2.NodeInfo:
-    return common_pb2.NodeInfo(
-        node_id=record.node_id,
-        rack=record.rack,
-        grpc_address=record.grpc_address,
-        data_address=record.data_address,
-        capacity=record.capacity,
-        state=record.state,
-        vnodes=record.vnodes,
-        heartbeat_age_seconds=record.heartbeat_age_seconds,
-        blocks=record.blocks,
-        bytes=record.bytes,
-    )
+    # NodeRecord's fields are NodeInfo's, by construction.
+    return common_pb2.NodeInfo(**dataclasses.asdict(record))
 
 
 def job_info(record: JobRecord) -> dispatcher_pb2.JobInfo:

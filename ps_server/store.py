@@ -164,6 +164,24 @@ class JobStore:
                 created += 1
         return created
 
+    def _check_rank_and_weight(self, rank: int, weight: float) -> None:
+        if not (math.isfinite(weight) and weight > 0):
+            raise StoreError("INVALID_ARGUMENT", f"weight must be a finite number > 0, got {weight!r}")
+        if not 0 <= rank < self.world_size:
+            raise StoreError("INVALID_ARGUMENT", f"rank {rank} out of range for world_size {self.world_size}")
+
+    def _check_bsp_contribution(self, what: str, rank: int, step: int, weight: float) -> None:
+        """A rank's push or commit must be for the step being collected, before its commit, and
+        with the weight of its earlier pushes of the step. Call with the lock held."""
+        if step != self.step:
+            raise StoreError("STALE_STEP", f"{what} for step {step} but job {self.name!r} is collecting step {self.step} on this node")
+        if rank in self.committed:
+            raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
+        pushed = self.push_weight.get(rank)
+        if pushed is not None and pushed != weight:
+            raise StoreError("INVALID_ARGUMENT",
+                             f"rank {rank}'s {what} for step {step} has weight {weight!r}, its pushes had {pushed!r}")
+
     # --- pushes ---------------------------------------------------------------------------
     # A push is begun (validated, destinations chosen), its blocks are received one by one and
     # checked as each arrives (so the check overlaps the rest of the transfer), then finished
@@ -177,10 +195,7 @@ class JobStore:
         ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
         into it sit at their payload offsets).
         """
-        if not (math.isfinite(weight) and weight > 0):
-            raise StoreError("INVALID_ARGUMENT", f"weight must be a finite number > 0, got {weight!r}")
-        if not 0 <= rank < self.world_size:
-            raise StoreError("INVALID_ARGUMENT", f"rank {rank} out of range for world_size {self.world_size}")
+        self._check_rank_and_weight(rank, weight)
         for ref in refs:
             numel = self.expected_numel(ref.tensor, ref.index)
             if not self.tensors[ref.tensor].trainable:
@@ -194,14 +209,7 @@ class JobStore:
         with self.cond:
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
             if self.sync == "bsp":
-                if step != self.step:
-                    raise StoreError("STALE_STEP", f"push for step {step} but job {self.name!r} is collecting step {self.step} on this node")
-                if rank in self.committed:
-                    raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
-                pushed_weight = self.push_weight.get(rank)
-                if pushed_weight is not None and pushed_weight != weight:
-                    raise StoreError("INVALID_ARGUMENT",
-                                     f"rank {rank} pushed step {step} with weight {weight!r} after weight {pushed_weight!r}")
+                self._check_bsp_contribution("push", rank, step, weight)
                 seen = set()
                 for ref, block in zip(refs, blocks):
                     if rank in block.pushed_by or block in seen:
@@ -317,18 +325,9 @@ class JobStore:
             raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
         if self.sync != "bsp":
             raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP; job {self.name!r} is {self.sync!r}")
-        if not (math.isfinite(weight) and weight > 0):
-            raise StoreError("INVALID_ARGUMENT", f"weight must be a finite number > 0, got {weight!r}")
-        if not 0 <= rank < self.world_size:
-            raise StoreError("INVALID_ARGUMENT", f"rank {rank} out of range for world_size {self.world_size}")
+        self._check_rank_and_weight(rank, weight)
         with self.cond:
-            if step != self.step:
-                raise StoreError("STALE_STEP", f"commit for step {step} but job {self.name!r} is collecting step {self.step} on this node")
-            if rank in self.committed:
-                raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
-            pushed = self.push_weight.get(rank)
-            if pushed is not None and pushed != weight:
-                raise StoreError("INVALID_ARGUMENT", f"rank {rank} commits step {step} with weight {weight!r} but pushed with {pushed!r}")
+            self._check_bsp_contribution("commit", rank, step, weight)
             if self.committed and lr != self.step_lr:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lr!r}")
