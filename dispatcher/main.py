@@ -13,6 +13,7 @@ import logging
 import sys
 
 from dispatcher.server import create_server
+from services import auth
 from services.config import log_configuration, parse_daemon_args
 from services.daemon import (
     add_common_args,
@@ -66,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             heartbeat_interval=args.heartbeat_interval,
             vnodes_per_capacity=args.vnodes_per_capacity,
+            cluster_token=auth.load_token(args.cluster_token_file),
         )
     except ShardlineConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

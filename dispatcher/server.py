@@ -251,6 +251,7 @@ def create_server(
     heartbeat_interval: float = 1.0,
     vnodes_per_capacity: int = 128,
     max_workers: int = 64,
+    cluster_token: bytes | None = None,
 ) -> tuple[DispatcherServer, int, DispatcherServicer]:
     """Start a dispatcher on ``address`` (port 0: any free port). Returns (server, bound port, servicer).
 
@@ -271,5 +272,6 @@ def create_server(
         address,
         [lambda s: dispatcher_pb2_grpc.add_DispatcherServicer_to_server(servicer, s)],
         max_workers=max_workers,
+        cluster_token=cluster_token,
     )
     return DispatcherServer(grpc_server, servicer, health_servicer), port, servicer

@@ -98,7 +98,7 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.torch_threads)
     stop = install_stop_handlers()
-    client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout)
+    client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout, cluster_token=cluster_token)
 
     def fetch_job(name):
         info = client.get_job(name)
@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     listener = transport.listen(data_host, data_port, on_connection)
     node_id = args.node_id or f"{socket.gethostname()}-{listener.port}"
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
-    server, grpc_port, health = create_server(args.listen, node)
+    server, grpc_port, health = create_server(args.listen, node, cluster_token=cluster_token)
     _, metrics_port = start_metrics_server(host, args.metrics_port)
 
     registration = dict(node_id=node_id, rack=args.rack, grpc_address=format_host_port(host, grpc_port),

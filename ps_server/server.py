@@ -19,7 +19,8 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return status
 
 
-def create_server(address: str, node: PSNode):
+def create_server(address: str, node: PSNode, *, cluster_token: bytes | None = None):
     """Start the PS gRPC server on ``address``. Returns (server, port, health servicer)."""
     servicer = ParameterServerServicer(node)
-    return create_grpc_server(address, [lambda s: ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, s)])
+    return create_grpc_server(address, [lambda s: ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, s)],
+                              cluster_token=cluster_token)

@@ -70,7 +70,7 @@ def format_table(headers: list[str], rows: list[list[Any]], right: set[int] | No
 
 # -- status ---------------------------------------------------------------------------------------
 
-def node_progress(status, timeout: float) -> dict[str, dict[str, int]]:
+def node_progress(status, timeout: float, cluster_token: bytes | None = None) -> dict[str, dict[str, int]]:
     """Ask every alive PS node for its job steps: {node_id: {job: step}} (unreachable nodes left out).
 
     The dispatcher does not see training progress; the nodes that apply the steps do.
@@ -83,7 +83,7 @@ def node_progress(status, timeout: float) -> dict[str, dict[str, int]]:
         if n.state != "alive":
             continue
         try:
-            with grpc_channel(n.grpc_address) as channel:
+            with grpc_channel(n.grpc_address, cluster_token) as channel:
                 reply = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(ps_pb2.GetNodeStatusRequest(), timeout=timeout)
         except Exception:  # noqa: BLE001 - a node that cannot answer is shown without progress
             continue
@@ -156,6 +156,7 @@ def render_status(data: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from services.auth import load_token
     from services.daemon import parse_host_port
     from services.dispatcher_client import DispatcherClient
 
@@ -168,7 +169,12 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ShardlineConfigError as exc:
         print(f"{PROG} status: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    client = DispatcherClient(cluster, rpc_timeout=args.timeout)
+    try:
+        token = load_token(args.cluster_token_file)
+    except ShardlineConfigError as exc:
+        print(f"{PROG} status: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    client = DispatcherClient(cluster, rpc_timeout=args.timeout, cluster_token=token)
     try:
         client.wait_until_reachable(args.timeout)
         status = client.cluster_status()
@@ -177,7 +183,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         client.close()
-    data = status_dict(status, cluster, node_progress(status, args.timeout))
+    data = status_dict(status, cluster, node_progress(status, args.timeout, token))
     if args.json:
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -485,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--cluster", default=None, help="dispatcher HOST:PORT (default $SHARDLINE_CLUSTER)")
     st.add_argument("--json", action="store_true", help="print JSON instead of tables")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the dispatcher")
+    st.add_argument("--cluster-token-file", default=os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"),
+                    help="the cluster token, if the cluster has one (default $SHARDLINE_CLUSTER_TOKEN_FILE)")
     st.set_defaults(func=cmd_status)
     return parser
 

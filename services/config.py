@@ -267,10 +267,10 @@ OPTIONS: tuple[Option, ...] = (
     # -- common: every daemon, or the PS and the worker alike --
     Option("cluster", "address", "Cluster address: the dispatcher's HOST:PORT.", _PS_WORKER, common=True,
            required=_PS_WORKER),
-    Option("cluster_token_file", "path", "File holding the shared cluster token (at least 16 bytes). A PS "
+    Option("cluster_token_file", "path", "File holding the shared cluster token (at least 16 printable bytes). A PS "
            "with a token admits only data-plane clients that prove they hold it (HMAC challenge); workers "
-           "answer the challenge with it. Unset: no authentication.", _PS_WORKER, common=True,
-           note="gRPC calls are not authenticated yet"),
+           "answer the challenge with it; every daemon's gRPC calls (but the health service) must carry it "
+           "as `authorization: Bearer` metadata. Unset: no authentication.", _ALL, common=True),
     Option("log_level", "choice", "Lowest level logged: DEBUG shows per-request events, INFO only "
            "lifecycle and cluster events.", _ALL, default="INFO", common=True, choices=LOG_LEVELS),
     Option("log_format", "choice", "Log lines on stdout: `text` (one readable line per event) or `json` "

@@ -167,18 +167,26 @@ def create_grpc_server(
     register: Iterable[Callable[[grpc.Server], None]],
     *,
     max_workers: int = 16,
+    cluster_token: bytes | None = None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Create and start a gRPC server on ``address`` with the standard health service.
 
-    ``register`` are callbacks that add servicers (``add_XServicer_to_server``). Returns the server,
-    the bound port (useful with port 0) and the health servicer (already SERVING for "").
+    ``register`` are callbacks that add servicers (``add_XServicer_to_server``). With
+    ``cluster_token`` every call but the health service must carry it (services/auth.py). Returns
+    the server, the bound port (useful with port 0) and the health servicer (already SERVING for "").
     """
+    from services.auth import BearerTokenServerInterceptor
     from services.grpc_metrics import MetricsInterceptor
+
+    # Metrics first, so refused calls are counted (code UNAUTHENTICATED).
+    interceptors = [MetricsInterceptor()]
+    if cluster_token is not None:
+        interceptors.append(BearerTokenServerInterceptor(cluster_token))
 
     host, port = parse_host_port(address, what="--listen")
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        interceptors=[MetricsInterceptor()],  # shardline_grpc_server_* metrics on every daemon
+        interceptors=interceptors,
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
@@ -288,12 +296,18 @@ def install_stop_handlers() -> threading.Event:
     return stop
 
 
-def grpc_channel(address: str) -> grpc.Channel:
-    """An insecure channel to a Shardline daemon with the cluster's message bounds."""
-    return grpc.insecure_channel(
+def grpc_channel(address: str, cluster_token: bytes | None = None) -> grpc.Channel:
+    """An insecure channel to a Shardline daemon with the cluster's message bounds; with
+    ``cluster_token`` every unary call carries it."""
+    channel = grpc.insecure_channel(
         address,
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
         ],
     )
+    if cluster_token is None:
+        return channel
+    from services.auth import BearerTokenClientInterceptor
+
+    return grpc.intercept_channel(channel, BearerTokenClientInterceptor(cluster_token))

@@ -27,6 +27,7 @@ _ERRORS = {
     grpc.StatusCode.ALREADY_EXISTS: ShardlineStateError,
     grpc.StatusCode.DEADLINE_EXCEEDED: ShardlineTimeoutError,
     grpc.StatusCode.UNAVAILABLE: ShardlineConnectionError,
+    grpc.StatusCode.UNAUTHENTICATED: ShardlineConfigError,  # a token is missing or wrong
 }
 
 
@@ -36,10 +37,10 @@ def _translate(exc: grpc.RpcError, what: str) -> ShardlineError:
 
 
 class DispatcherClient:
-    def __init__(self, address: str, *, rpc_timeout: float = 10.0):
+    def __init__(self, address: str, *, rpc_timeout: float = 10.0, cluster_token: bytes | None = None):
         self.address = address
         self.rpc_timeout = rpc_timeout
-        self._channel = grpc_channel(address)
+        self._channel = grpc_channel(address, cluster_token)
         self._stub = dispatcher_pb2_grpc.DispatcherStub(self._channel)
 
     def close(self) -> None:

@@ -173,13 +173,15 @@ class LocalCluster:
     """
 
     def __init__(self, workdir: str | os.PathLike, *, python: str = sys.executable, env: dict[str, str] | None = None,
-                 start_timeout: float = 60.0, host: str = "127.0.0.1"):
+                 start_timeout: float = 60.0, host: str = "127.0.0.1", cluster_token_file: str | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python
         self.env = dict(env or {})
         self.start_timeout = start_timeout
         self.host = host
+        # Every daemon gets the token file; this harness's own control-plane calls carry the token.
+        self.cluster_token_file = cluster_token_file
         self.dispatcher: DaemonHandle | None = None
         self.handles: dict[str, DaemonHandle] = {}
         self._next_ps = 0
@@ -228,7 +230,7 @@ class LocalCluster:
             raise ValueError(f"a daemon named {name!r} already exists")
         ready_file = self.workdir / f"{name}.json"
         log_path = self.workdir / f"{name}.log"
-        base = {"listen": f"{self.host}:0", "metrics_port": 0}
+        base = {"listen": f"{self.host}:0", "metrics_port": 0, "cluster_token_file": self.cluster_token_file}
         base.update(flags)
         base["ready_file"] = str(ready_file)
         argv = [self.python, "-m", _MODULES[kind], *extra_argv, *flags_to_argv(base)]
@@ -442,7 +444,10 @@ class LocalCluster:
         """A DispatcherClient of this cluster (close it when done)."""
         from services.dispatcher_client import DispatcherClient
 
-        return DispatcherClient(self.address, rpc_timeout=rpc_timeout)
+        from services.auth import load_token
+
+        return DispatcherClient(self.address, rpc_timeout=rpc_timeout,
+                                cluster_token=load_token(self.cluster_token_file))
 
     def cluster_status(self):
         """The dispatcher's ClusterStatus (protobuf)."""

@@ -116,7 +116,7 @@ class Client:
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
         self._transport = get_transport(transport)
-        self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout)
+        self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=cluster_token)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None

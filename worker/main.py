@@ -96,7 +96,7 @@ def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
         kwargs["rpc_timeout"] = args.rpc_timeout
     opt = PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
                       connect_timeout=args.connect_timeout, block_elements=args.block_elements,
-                      cluster_token=auth.load_token(args.cluster_token_file), **kwargs)
+                      **kwargs)
     if not takes_rpc_timeout:  # control-plane calls after joining use the configured deadline
         opt.client.dispatcher.rpc_timeout = args.rpc_timeout
     return opt
@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level, "worker", args.log_format)
         log_configuration(log, args)
         _validate(args)
+        cluster_token = auth.load_token(args.cluster_token_file)
         if args.prefetch_window:
             log.warning("prefetch_window=%d is reserved: the client does not prefetch yet", args.prefetch_window)
         from worker.job import load_job
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
     host, _ = parse_host_port(args.listen, what="listen")
     try:
-        server, grpc_port, _health = create_grpc_server(args.listen, [])
+        server, grpc_port, _health = create_grpc_server(args.listen, [], cluster_token=cluster_token)
         metrics_server, metrics_port = start_metrics_server(host, args.metrics_port)
     except (ShardlineConfigError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -260,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def make_optimizer(named_parameters):
         opt = _make_ps_optimizer(PSOptimizer, args, named_parameters, cluster=args.cluster, job=spec.name,
-                                 sync=tr.sync, world_size=world_size, rank=rank, **tr.optimizer_kwargs())
+                                 sync=tr.sync, world_size=world_size, rank=rank, cluster_token=cluster_token,
+                                 **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version
         tracker.metrics.version.set(opt.version)
