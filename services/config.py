@@ -331,9 +331,11 @@ OPTIONS: tuple[Option, ...] = (
            "job in full (fp32; pulls land in the model's parameters), so a job whose tensors need more "
            "fails at start with exit code 2 instead of running out of memory. 0 = no bound.", ("worker",),
            default=0, minimum=0),
-    Option("prefetch_window", "int", "Blocks the client may pull ahead of use. Reserved: the client does "
-           "not prefetch yet; a value > 0 is validated and logged as a warning at start.", ("worker",),
-           default=0, minimum=0, note="validated, not yet used"),
+    Option("prefetch_window", "int", "Steps the parameter pull may run behind `step()`: 0, `step()` "
+           "returns with the new version; 1, it returns after the commit and the pull overlaps the "
+           "preparation of the next batch until the next forward pass needs the parameters (a fast BSP "
+           "worker stops waiting idle for the slowest). BSP allows no more.", ("worker",),
+           default=0, minimum=0, maximum=1),
     Option("progress", "choice", "Progress display on stderr: redrawn line (tty), periodic lines (plain), "
            "none (off), or tty when stderr is a terminal (auto).", ("worker",), default="auto",
            choices=("auto", "tty", "plain", "off")),

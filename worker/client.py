@@ -258,11 +258,13 @@ class Client:
 
     def step_sync(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, pull_names=None) -> int:
         """One training step: push, commit (BSP), then pull what changed. Returns the new step."""
-        self._push(grads, weight)
-        if self.sync == "bsp":
-            self._commit(weight)
-        self._pull(self._names(pull_names), min_step=None, timeout=None)
+        self.push(grads, weight=weight)
+        self.pull_changed(pull_names)
         return self.step
+
+    def pull_changed(self, names=None) -> None:
+        """Bring the cache (and bound tensors) to the client's step: the second half of step_sync."""
+        self._pull(self._names(names), min_step=None, timeout=None)
 
     def _names(self, names) -> list[str]:
         self._require_spec()

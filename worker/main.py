@@ -88,18 +88,10 @@ def _check_cache_bound(named_parameters, cache_bytes: int) -> None:
 
 def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
     """PSOptimizer with the worker's data-plane and control-plane knobs."""
-    import inspect
-
     _check_cache_bound(named_parameters, args.cache_bytes)
-    takes_rpc_timeout = "rpc_timeout" in inspect.signature(PSOptimizer).parameters
-    if takes_rpc_timeout:
-        kwargs["rpc_timeout"] = args.rpc_timeout
-    opt = PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
-                      connect_timeout=args.connect_timeout, block_elements=args.block_elements,
-                      **kwargs)
-    if not takes_rpc_timeout:  # control-plane calls after joining use the configured deadline
-        opt.client.dispatcher.rpc_timeout = args.rpc_timeout
-    return opt
+    return PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
+                       connect_timeout=args.connect_timeout, rpc_timeout=args.rpc_timeout,
+                       block_elements=args.block_elements, prefetch_window=args.prefetch_window, **kwargs)
 
 
 class _Tracker:
@@ -211,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
         log_configuration(log, args)
         _validate(args)
         cluster_token = auth.load_token(args.cluster_token_file)
-        if args.prefetch_window:
-            log.warning("prefetch_window=%d is reserved: the client does not prefetch yet", args.prefetch_window)
         from worker.job import load_job
 
         spec = load_job(args.job)

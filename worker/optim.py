@@ -8,6 +8,8 @@ changed straight into the parameters. The optimizer math runs on the PS nodes.
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
 import torch
@@ -36,14 +38,29 @@ class PSOptimizer:
     Rank 0 creates the job from its parameters if the cluster lacks it; every other rank (and every
     rank of a resumed job) starts from the values the cluster holds.
     ``world_size``/``rank`` default to ``WORLD_SIZE``/``RANK`` (as torchrun sets them), else 1/0.
+
+    ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
+    ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker
+    prepares its next batch while the slowest finishes) until the parameters are next used: any
+    ``nn.Module`` forward, ``zero_grad()``, ``step()`` or ``wait()`` first waits for it. Code that
+    reads the parameters outside a module's forward must call ``wait()``. ``close()`` when done.
     Remaining keyword arguments are the optimizer's hyperparameters with torch.optim's names.
     """
 
     def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], cluster: str, job: str, *,
                  optimizer: str = "adamw", sync: str = "bsp", world_size: int | None = None, rank: int | None = None,
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
-                 connect_timeout: float = 60.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
-                 **optimizer_kwargs):
+                 connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
+                 prefetch_window: int = 0, **optimizer_kwargs):
+        if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
+            raise ShardlineConfigError(
+                f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
+                f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
+        self.prefetch_window = prefetch_window
+        self._pending = None        # background pull of the last step (prefetch_window 1)
+        self._pending_lock = threading.Lock()
+        self._hook = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-prefetch")
         self.params = list(named_parameters)
         if not self.params:
             raise ShardlineConfigError("PSOptimizer got no parameters")
@@ -55,7 +72,7 @@ class PSOptimizer:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
-                             connect_timeout=connect_timeout, cluster_token=cluster_token)
+                             connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token)
         created = False
         if self.rank == 0:
             created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,
@@ -88,7 +105,7 @@ class PSOptimizer:
 
     @property
     def version(self) -> int:
-        """The job step whose parameters the model now holds."""
+        """The job step whose parameters the model holds (with a pull pending: once ``wait()`` returns)."""
         return self.client.step or 0
 
     def step(self, weight: float | None = None) -> int:
@@ -97,11 +114,37 @@ class PSOptimizer:
         ``weight`` is this worker's weight in the mean over workers (default 1); pass the number of
         tokens of an imbalanced batch. Returns the new version.
         """
+        self.wait()
         grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
         self.client.lr = float(self.param_groups[0]["lr"])
-        version = self.client.step_sync(grads, weight=1.0 if weight is None else float(weight))
+        self.client.push(grads, weight=1.0 if weight is None else float(weight))
+        if self.prefetch_window == 0:
+            self._pull()
+            return self.version
+        # The pull of the new version runs while the caller prepares the next batch; whatever reads
+        # the parameters next (a module's forward, zero_grad, step, wait) waits for it first.
+        with self._pending_lock:
+            self._pending = self._executor.submit(self._pull)
+        if self._hook is None:
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _a: self.wait())
+        return self.version
+
+    def _pull(self) -> None:
+        self.client.pull_changed()
         self._sync_copies()
-        return version
+
+    @property
+    def pending(self) -> bool:
+        """True while the pull of the last step is still running (prefetch_window 1)."""
+        with self._pending_lock:
+            return self._pending is not None and not self._pending.done()
+
+    def wait(self) -> None:
+        """Block until the parameters hold the last step's result (a no-op without prefetch)."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()  # re-raises the pull's error in the training thread
 
     @property
     def lr(self) -> float:
@@ -114,6 +157,7 @@ class PSOptimizer:
         self.param_groups[0]["lr"] = float(lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.wait()
         for _, p in self.params:
             if p.grad is None:
                 continue
@@ -123,7 +167,14 @@ class PSOptimizer:
                 p.grad.zero_()
 
     def close(self) -> None:
-        self.client.close()
+        try:
+            self.wait()
+        finally:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            self._executor.shutdown(wait=True)
+            self.client.close()
 
     def __enter__(self):
         return self

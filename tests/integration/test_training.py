@@ -8,10 +8,12 @@ import train_model
 STEPS = 8
 
 
-@pytest.mark.parametrize("optimizer, schedule", [("adamw", False), ("sgd", False), ("adamw", True)])
-def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer, schedule):
-    job = f"bsp-{optimizer}-{'schedule' if schedule else 'constant'}"
-    results = train_model.run_workers(cluster.address, job, optimizer, "bsp", tmp_path, steps=STEPS, schedule=schedule)
+@pytest.mark.parametrize("optimizer, schedule, prefetch", [
+    ("adamw", False, 0), ("sgd", False, 0), ("adamw", True, 0), ("adamw", True, 1)])
+def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer, schedule, prefetch):
+    job = f"bsp-{optimizer}-{'schedule' if schedule else 'constant'}-prefetch{prefetch}"
+    results = train_model.run_workers(cluster.address, job, optimizer, "bsp", tmp_path, steps=STEPS, schedule=schedule,
+                                      prefetch=prefetch)
     expected = train_model.reference(optimizer, STEPS, world_size=2, schedule=schedule)
     initial = train_model.SmallModel().state_dict()
     for res in results:
@@ -37,3 +39,39 @@ def test_asp_converges(cluster, tmp_path):
         last = res["_eval"][1].item()
         # single-process Adam on the same 80 batches goes 1.077 -> 0.810
         assert last < 0.85 * initial, f"held-out loss {initial:.3f} -> {last:.3f}"
+
+
+def test_prefetch_lets_a_fast_worker_return_before_the_slow_one_commits(cluster):
+    """prefetch_window 1: step() returns after the commit; the parameters are brought up to date
+    before the next forward pass. prefetch_window 0: step() waits for the slowest worker."""
+    import threading
+    import time
+
+    from worker import PSOptimizer
+
+    fast_model, slow_model = train_model.SmallModel(), train_model.SmallModel()
+    kwargs = dict(cluster=cluster.address, job="prefetch", optimizer="adamw", world_size=2, block_elements=16,
+                  connect_timeout=30, pull_timeout=60, **train_model.HYPER["adamw"])
+    fast = PSOptimizer(fast_model.named_parameters(), rank=0, prefetch_window=1, **kwargs)
+    slow = PSOptimizer(slow_model.named_parameters(), rank=1, **kwargs)
+    try:
+        for opt, model, rank in ((fast, fast_model, 0), (slow, slow_model, 1)):
+            tokens, targets = train_model.batch(0, rank)
+            opt.zero_grad()
+            train_model.loss_fn(model, tokens, targets).backward()
+        started = time.monotonic()
+        assert fast.step() == 1
+        assert time.monotonic() - started < 10 and fast.pending, "fast worker should not wait for rank 1"
+        before = fast_model.proj.weight.detach().clone()
+        done = threading.Event()
+        threading.Thread(target=lambda: (slow.step(), done.set()), daemon=True).start()
+        assert done.wait(30)
+        tokens, _ = train_model.batch(1, 0)
+        fast_model(tokens)  # the forward pre-hook waits for the pull
+        assert not fast.pending
+        assert not torch.equal(fast_model.proj.weight, before)
+        for (name, a), (_, b) in zip(fast_model.named_parameters(), slow_model.named_parameters()):
+            assert torch.equal(a, b), name
+    finally:
+        fast.close()
+        slow.close()

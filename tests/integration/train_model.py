@@ -1,7 +1,7 @@
 """The small model and data the BSP/ASP integration tests train, shared by the worker script and
 the single-process reference. Run as a script it is one worker process:
 
-    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors schedule|constant
+    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors schedule|constant PREFETCH
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False):
+def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0):
     """Run ``world`` worker processes of this script; return each one's saved tensors."""
     import subprocess
 
@@ -77,7 +77,7 @@ def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, 
         outs.append(out)
         procs.append(subprocess.Popen(
             [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
-             "schedule" if schedule else "constant"],
+             "schedule" if schedule else "constant", str(prefetch)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     try:
         for p in procs:
@@ -92,7 +92,7 @@ def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, 
 
 
 def main(argv):
-    cluster, job, rank, world, optimizer, sync, steps, out, schedule = argv
+    cluster, job, rank, world, optimizer, sync, steps, out, schedule, prefetch = argv
     rank, world, steps = int(rank), int(world), int(steps)
     from safetensors.torch import save_file
 
@@ -102,6 +102,7 @@ def main(argv):
     model = SmallModel()
     opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
                       world_size=world, rank=rank, block_elements=16, connect_timeout=60, pull_timeout=120,
+                      prefetch_window=int(prefetch),
                       **HYPER[optimizer])
     eval_tokens, eval_targets = batch(10_000, 0, n=300)
     with torch.no_grad():

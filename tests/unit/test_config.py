@@ -206,7 +206,8 @@ def test_flat_file_key_of_another_daemon(tmp_path):
     ("ps", "ps:\n  rack: 3\n", ["ps.rack", "a string", "got 3"]),
     ("ps", "ps:\n  max_payload_bytes: huge\n", ["ps.max_payload_bytes", "'huge'"]),
     ("worker", "worker:\n  block_elements: 0\n", ["worker.block_elements", "0"]),
-    ("worker", "worker:\n  prefetch_window: -1\n", ["worker.prefetch_window", ">= 0", "-1"]),
+    ("worker", "worker:\n  prefetch_window: -1\n", ["worker.prefetch_window", "0..1", "-1"]),
+    ("worker", "worker:\n  prefetch_window: 2\n", ["worker.prefetch_window", "0..1", "2"]),
     ("worker", "common:\n  log_format: xml\n", ["common.log_format", "'xml'"]),
     ("ps", "ps: [1, 2]\n", ["section 'ps'", "mapping"]),
     ("ps", "- a\n- b\n", ["mapping"]),
@@ -356,7 +357,7 @@ def test_worker_passes_its_knobs_to_the_client():
     opt = _make_ps_optimizer(FakePSOptimizer, args, _params(1000), cluster=args.cluster, job="j")
     assert opt.kwargs["block_elements"] == 1024 and opt.kwargs["transport"] == "tcp"
     assert opt.kwargs["pull_timeout"] == 30.0 and opt.kwargs["connect_timeout"] == 5.0
-    assert opt.client.dispatcher.rpc_timeout == 2.5
+    assert opt.kwargs["rpc_timeout"] == 2.5 and opt.kwargs["prefetch_window"] == 0
 
 
 def test_worker_cache_bound_refuses_a_job_that_does_not_fit():
