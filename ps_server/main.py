@@ -62,6 +62,7 @@ class HeartbeatLoop(threading.Thread):
         M.heartbeat(ok=True)  # registration just reached the dispatcher
 
     def run(self) -> None:
+        failing = False  # log outages once, not once per heartbeat (journald floods otherwise)
         while not self.stop.wait(self.interval):
             blocks, nbytes = self.node.store.totals()
             try:
@@ -74,9 +75,13 @@ class HeartbeatLoop(threading.Thread):
                     self.node.refresh_routing()
                     log.info("routing updated to epoch %d", self.node.routing.epoch)
                 M.heartbeat(ok=True)
+                if failing:
+                    log.info("heartbeats reach the dispatcher again")
+                    failing = False
             except ShardlineError as exc:
                 M.heartbeat(ok=False)
-                log.warning("heartbeat failed: %s", exc)
+                (log.debug if failing else log.warning)("heartbeat failed: %s", exc)
+                failing = True
 
 
 def main(argv=None) -> int:

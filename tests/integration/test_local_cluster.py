@@ -222,3 +222,14 @@ def test_safety_nets_when_the_owner_dies(tmp_path, how):
             owner.kill()
             owner.wait()
         kill_leftovers(str(workdir))
+
+
+def test_dispatcher_outage_is_logged_once_per_node(tmp_path):
+    with LocalCluster(tmp_path / "c") as cluster:
+        cluster.start_dispatcher(heartbeat_timeout=1.5)
+        node = cluster.add_node(node_id="ps-0")
+        cluster.wait_for_nodes(1, timeout=20)
+        cluster.kill(cluster.dispatcher)
+        time.sleep(3.5)  # several heartbeat intervals (0.5 s) without a dispatcher
+        failures = [line for line in node.log_path.read_text().splitlines() if "heartbeat failed" in line]
+        assert len(failures) == 1, failures
