@@ -92,7 +92,7 @@ class PSOptimizer:
                 self.client.bind(name, p.data, same_contents=created)
             else:
                 self._copy_back.append((name, p))
-        self.client._pull([n for n, _ in self.params], min_step=0, timeout=None)
+        self.client.pull([n for n, _ in self.params], min_step=0, copy=False)
         self._sync_copies()
         # One group, as torch.optim has: schedules set param_groups[0]["lr"] (or call set_lr) and
         # the next step's commit carries it to the servers.
