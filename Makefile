@@ -14,19 +14,19 @@ PB_STAMP   := services/pb/.generated
 
 all: protos
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON_SYS) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]" --config-settings editable_mode=compat
+	$(PIP) install -q -e ".[test]"
 	touch $@
 
 venv: $(VENV)/.installed
 
-# Generated modules land in services/pb/ and import each other as services.pb.*
-$(PB_STAMP): $(PROTOS) $(VENV)/.installed
-	$(PY) -m grpc_tools.protoc -Iservices/pb=protos --python_out=. --pyi_out=. --grpc_python_out=. \
-		$(patsubst protos/%,services/pb/%,$(PROTOS))
+# The install already generated them (setup.py runs protos/generate.py); this regenerates after
+# a .proto changes. Modules land in services/pb/ and import each other as shardline.services.pb.*
+$(PB_STAMP): $(PROTOS) protos/generate.py $(VENV)/.installed
+	$(PY) protos/generate.py
 	touch $@
 
 protos: $(PB_STAMP)
@@ -54,4 +54,4 @@ clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache
 
 distclean: clean
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) *.egg-info build dist

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--sockbuf", type=int, default=0, help="SO_SNDBUF/SO_RCVBUF bytes (0 = kernel default)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    from services.daemon import arm_parent_death_signal  # noqa: PLC0415 - the project's, not a framing helper
+    from shardline.services.daemon import arm_parent_death_signal  # noqa: PLC0415 - the project's, not a framing helper
 
     arm_parent_death_signal()
     lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

@@ -9,8 +9,8 @@ measurement is taken next to a raw-TCP measurement of the same transfer, alterna
 (the order of the groups rotates every repetition), and reported as a ratio. See bench/README.md
 for what each row measures.
 
-The script starts its own daemons as subprocesses (``python -m dispatcher.main`` and
-``python -m ps_server.main`` with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file F``) plus the
+The script starts its own daemons as subprocesses (``python -m shardline.dispatcher.main`` and
+``python -m shardline.ps_server.main`` with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file F``) plus the
 raw-TCP peer (``bench/rawpeer.py``), and always stops them (SIGTERM, then SIGKILL after 10 s), also
 when interrupted; children also get PR_SET_PDEATHSIG so a killed benchmark leaves nothing behind.
 """
@@ -36,18 +36,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
-from services.daemon import PARENT_PID_ENV
-from services.transport import tcp as tcp_transport
-import torch  # noqa: E402
+from shardline.services.daemon import PARENT_PID_ENV
+from shardline.services.transport import tcp as tcp_transport
+import torch
 
-from services import frame  # noqa: E402
-from services.dispatcher_client import DispatcherClient  # noqa: E402
-from services.pb import dataplane_pb2 as dp  # noqa: E402
-from services.transport import tcp  # noqa: E402
-from worker.client import connect  # noqa: E402
+from shardline.services import frame
+from shardline.services.dispatcher_client import DispatcherClient
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.transport import tcp
+from shardline.worker.client import connect
 
 BIG_ELEMENTS = 16 * 1024 * 1024          # 64 MiB of fp32
 BIG_BYTES = BIG_ELEMENTS * 4
@@ -127,9 +125,9 @@ class Cluster:
 def start_clusters(procs: Processes, layout: dict[str, int]) -> dict[str, Cluster]:
     """Start one dispatcher + N PS nodes per entry of ``layout`` (name -> N), in parallel."""
     common = ["--listen", "127.0.0.1:0", "--metrics-port", "0", "--log-level", "WARNING"]
-    dispatchers = {name: procs.spawn(f"{name}-dispatcher", [PY, "-m", "dispatcher.main", *common]) for name in layout}
+    dispatchers = {name: procs.spawn(f"{name}-dispatcher", [PY, "-m", "shardline.dispatcher.main", *common]) for name in layout}
     addrs = {name: procs.wait_ready(f"{name}-dispatcher", *dispatchers[name])["grpc"] for name in layout}
-    ps = {name: [procs.spawn(f"{name}-ps{i}", [PY, "-m", "ps_server.main", *common, "--cluster", addrs[name],
+    ps = {name: [procs.spawn(f"{name}-ps{i}", [PY, "-m", "shardline.ps_server.main", *common, "--cluster", addrs[name],
                                                 "--node-id", f"{name}-ps{i}", "--transport", "tcp"])
                  for i in range(n)] for name, n in layout.items()}
     clusters = {}

@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
-from services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
-from services.pb import common_pb2
+from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from shardline.services.pb import common_pb2
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 TENSOR_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")

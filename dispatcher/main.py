@@ -12,10 +12,10 @@ import argparse
 import logging
 import sys
 
-from dispatcher.server import create_server
-from services import auth
-from services.config import log_configuration, parse_daemon_args
-from services.daemon import (
+from shardline.dispatcher.server import create_server
+from shardline.services import auth
+from shardline.services.config import log_configuration, parse_daemon_args
+from shardline.services.daemon import (
     add_common_args,
     format_host_port,
     install_stop_handlers,
@@ -24,7 +24,7 @@ from services.daemon import (
     start_metrics_server,
     announce_ready,
 )
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 log = logging.getLogger("shardline.dispatcher")
 

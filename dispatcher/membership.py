@@ -17,10 +17,10 @@ import re
 import threading
 from dataclasses import dataclass
 
-from services.daemon import parse_host_port
-from services.config import require_positive_number
-from services.errors import ShardlineConfigError
-from services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
+from shardline.services.daemon import parse_host_port
+from shardline.services.config import require_positive_number
+from shardline.services.errors import ShardlineConfigError
+from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
 
 ALIVE = "alive"
 DEAD = "dead"

@@ -19,13 +19,13 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from dispatcher import metrics as M
-from dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
-from dispatcher.membership import Membership, NodeRecord, reachable_address
-from services.daemon import create_grpc_server
-from services.config import require_positive_number
-from services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
-from services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.dispatcher import metrics as M
+from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
+from shardline.dispatcher.membership import Membership, NodeRecord, reachable_address
+from shardline.services.daemon import create_grpc_server
+from shardline.services.config import require_positive_number
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 log = logging.getLogger("shardline.dispatcher")
 
@@ -161,6 +161,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if created:
             log.info("job %s created (%d tensors, %s, world size %d)", record.name, len(record.spec.tensors),
                      record.spec.sync, record.spec.world_size)
+            self._publish_gauges()  # the job count is current at once, not at the next expiry pass
         return dispatcher_pb2.CreateJobResponse(job=job_info(record), created=created)
 
     @_rpc

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from services.errors import ShardlineConfigError  # noqa: E402
-from worker.job import load_job, run_local  # noqa: E402
-from worker.progress import Progress  # noqa: E402
+from shardline.services.errors import ShardlineConfigError
+from shardline.worker.job import load_job, run_local
+from shardline.worker.progress import Progress
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 
-from ps_server.node import NotOwner, PSNode
-from ps_server.store import StoreError
-from services import auth, frame
-from services.errors import FrameError, FrameTooLargeError
-from services.pb import dataplane_pb2 as dp
+from shardline.ps_server.node import NotOwner, PSNode
+from shardline.ps_server.store import StoreError
+from shardline.services import auth, frame
+from shardline.services.errors import FrameError, FrameTooLargeError
+from shardline.services.pb import dataplane_pb2 as dp
 
 log = logging.getLogger("shardline.ps.dataplane")
 

@@ -14,17 +14,17 @@ import sys
 import threading
 import time
 
-from ps_server import metrics as M
-from ps_server.dataplane import serve_connection
-from ps_server.node import PSNode
-from ps_server.server import create_server
-from services import auth, frame
-from services.config import log_configuration, parse_daemon_args
-from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
+from shardline.ps_server import metrics as M
+from shardline.ps_server.dataplane import serve_connection
+from shardline.ps_server.node import PSNode
+from shardline.ps_server.server import create_server
+from shardline.services import auth, frame
+from shardline.services.config import log_configuration, parse_daemon_args
+from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
-from services.dispatcher_client import DispatcherClient
-from services.errors import ShardlineConfigError, ShardlineError
-from services.transport import get_transport
+from shardline.services.dispatcher_client import DispatcherClient
+from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.transport import get_transport
 
 log = logging.getLogger("shardline.ps")
 

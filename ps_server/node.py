@@ -14,11 +14,11 @@ from typing import Callable
 
 import torch
 
-from ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
-from services import frame
-from services.pb import common_pb2
-from services.pb import dataplane_pb2 as dp
-from services.routing import RoutingView
+from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
+from shardline.services import frame
+from shardline.services.pb import common_pb2
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.routing import RoutingView
 
 log = logging.getLogger("shardline.ps")
 

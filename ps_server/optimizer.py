@@ -38,7 +38,7 @@ from typing import Any
 import numpy
 import torch
 
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 __all__ = [
     "KINDS",
@@ -238,7 +238,7 @@ class OptimizerConfig:
 
     def to_proto(self) -> Any:
         """This config as a ``shardline.v1.OptimizerSpec`` (every field set)."""
-        from services.pb import common_pb2
+        from shardline.services.pb import common_pb2
 
         return common_pb2.OptimizerSpec(
             kind=self.kind,

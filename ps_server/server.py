@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from ps_server.node import PSNode
-from services.daemon import create_grpc_server
-from services.pb import ps_pb2, ps_pb2_grpc
+from shardline.ps_server.node import PSNode
+from shardline.services.daemon import create_grpc_server
+from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):

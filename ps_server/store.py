@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ps_server.optimizer import OptimizerConfig, make_optimizer
-from services.blocks import block_slice, num_blocks
-from services.errors import ShardlineError
-from services.tensor_checks import all_finite
-from services.pb import common_pb2
+from shardline.ps_server.optimizer import OptimizerConfig, make_optimizer
+from shardline.services.blocks import block_slice, num_blocks
+from shardline.services.errors import ShardlineError
+from shardline.services.tensor_checks import all_finite
+from shardline.services.pb import common_pb2
 
 
 # How long a push waits for another rank's in-flight push of the same block (only a stalled

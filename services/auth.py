@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import os
 
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 NONCE_BYTES = 32
 _CONTEXT = b"shardline-dataplane-v1"

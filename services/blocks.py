@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import cityhash
 
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 DEFAULT_BLOCK_ELEMENTS = 262_144  # 1 MiB of fp32
 MAX_BLOCK_ELEMENTS = 64 * 1024 * 1024

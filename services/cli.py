@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.errors import ShardlineConfigError, ShardlineError
 
 PROG = "shardline"
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
@@ -75,8 +75,8 @@ def node_progress(status, timeout: float, cluster_token: bytes | None = None) ->
 
     The dispatcher does not see training progress; the nodes that apply the steps do.
     """
-    from services.daemon import grpc_channel
-    from services.pb import ps_pb2, ps_pb2_grpc
+    from shardline.services.daemon import grpc_channel
+    from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
     progress = {}
     for n in status.all_nodes:
@@ -98,7 +98,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
     each node counts its own updates, see ``steps_by_node``).
     """
     progress = progress or {}
-    from services.ring import HashRing
+    from shardline.services.ring import HashRing
 
     vnodes = {n.node_id: int(n.vnodes) for n in status.routing.nodes if n.vnodes > 0}
     share = HashRing(vnodes).share() if vnodes else {}
@@ -156,9 +156,9 @@ def render_status(data: dict) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from services.auth import load_token
-    from services.daemon import parse_host_port
-    from services.dispatcher_client import DispatcherClient
+    from shardline.services.auth import load_token
+    from shardline.services.daemon import parse_host_port
+    from shardline.services.dispatcher_client import DispatcherClient
 
     cluster = args.cluster or os.environ.get("SHARDLINE_CLUSTER")
     if not cluster:
@@ -343,7 +343,7 @@ def _wait_fresh_heartbeats(cluster, since: float, timeout: float) -> dict | None
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.local_cluster import DaemonStartError, LocalCluster, read_json_object
+    from shardline.services.local_cluster import DaemonStartError, LocalCluster, read_json_object
 
     out = sys.stdout
     try:

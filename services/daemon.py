@@ -22,7 +22,7 @@ from typing import Callable, Iterable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 log = logging.getLogger("shardline")
 
@@ -56,7 +56,7 @@ def add_common_args(parser: argparse.ArgumentParser, daemon: str) -> None:
     """Declare every option of ``daemon`` ("dispatcher", "ps" or "worker") from the schema in
     services/config.py: --listen, --metrics-port, --ready-file, --log-level, --log-format, --config
     and the daemon's own knobs. Parse with ``services.config.parse_daemon_args``."""
-    from services.config import add_options
+    from shardline.services.config import add_options
 
     add_options(parser, daemon)
 
@@ -175,8 +175,8 @@ def create_grpc_server(
     ``cluster_token`` every call but the health service must carry it (services/auth.py). Returns
     the server, the bound port (useful with port 0) and the health servicer (already SERVING for "").
     """
-    from services.auth import BearerTokenServerInterceptor
-    from services.grpc_metrics import MetricsInterceptor
+    from shardline.services.auth import BearerTokenServerInterceptor
+    from shardline.services.grpc_metrics import MetricsInterceptor
 
     # Metrics first, so refused calls are counted (code UNAUTHENTICATED).
     interceptors = [MetricsInterceptor()]
@@ -236,7 +236,7 @@ def announce_ready(path: str | None, info: dict) -> None:
     the file is written. Call it exactly once serving (after binding, registering, joining).
     """
     global _watchdog
-    from services import sdnotify
+    from shardline.services import sdnotify
 
     write_ready_file(path, info)
     summary = ", ".join(f"{key} {info[key]}" for key in ("node_id", "job", "grpc", "data", "metrics") if info.get(key))
@@ -250,7 +250,7 @@ class _StopEvent(threading.Event):
 
     def set(self) -> None:
         if not self.is_set():
-            from services import sdnotify
+            from shardline.services import sdnotify
 
             sdnotify.stopping(status="stopping")
         super().set()
@@ -308,6 +308,6 @@ def grpc_channel(address: str, cluster_token: bytes | None = None) -> grpc.Chann
     )
     if cluster_token is None:
         return channel
-    from services.auth import BearerTokenClientInterceptor
+    from shardline.services.auth import BearerTokenClientInterceptor
 
     return grpc.intercept_channel(channel, BearerTokenClientInterceptor(cluster_token))

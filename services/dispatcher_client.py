@@ -11,15 +11,15 @@ import time
 
 import grpc
 
-from services.daemon import grpc_channel
-from services.errors import (
+from shardline.services.daemon import grpc_channel
+from shardline.services.errors import (
     ShardlineConfigError,
     ShardlineConnectionError,
     ShardlineError,
     ShardlineStateError,
     ShardlineTimeoutError,
 )
-from services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ShardlineConfigError,

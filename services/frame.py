@@ -20,8 +20,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from services.errors import FrameError, FrameTooLargeError
-from services.pb import dataplane_pb2 as dp
+from shardline.services.errors import FrameError, FrameTooLargeError
+from shardline.services.pb import dataplane_pb2 as dp
 
 PREFIX = struct.Struct(">2sBBI")
 MAGIC = b"SL"

@@ -10,8 +10,8 @@ In the style of Ray's ``cluster_utils.Cluster``::
         cluster.kill(a)                           # SIGKILL
         cluster.restart(a)                        # same name, node id and flags; new pid and ports
 
-Every daemon is a real subprocess (``python -m dispatcher.main`` / ``ps_server.main`` /
-``worker.main``) started with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file
+Every daemon is a real subprocess (``python -m shardline.dispatcher.main`` / ``shardline.ps_server.main`` /
+``shardline.worker.main`` of the installed package) started with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file
 <workdir>/<name>.json``, in its own session and process group, with stdout and stderr appended to
 ``<workdir>/<name>.log``. Starting waits for the ready file; if the process dies first (or the
 timeout passes) a :class:`DaemonStartError` carries the exit code and the tail of the log.
@@ -41,14 +41,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from services.daemon import PARENT_PID_ENV
+from shardline.services.daemon import PARENT_PID_ENV
 
 __all__ = ["DaemonHandle", "DaemonStartError", "LocalCluster", "flags_to_argv", "log_tail"]
 
-_PROJECT_ROOT = str(Path(__file__).resolve().parent.parent)
 STOP_TIMEOUT = 10.0
 
-_MODULES = {"dispatcher": "dispatcher.main", "ps": "ps_server.main", "worker": "worker.main"}
+_MODULES = {"dispatcher": "shardline.dispatcher.main", "ps": "shardline.ps_server.main", "worker": "shardline.worker.main"}
 
 
 class DaemonStartError(RuntimeError):
@@ -217,9 +216,6 @@ class LocalCluster:
         env.update(self.env)
         env["PYTHONUNBUFFERED"] = "1"
         env[PARENT_PID_ENV] = str(os.getpid())  # daemons die with us (services.daemon.arm_parent_death_signal)
-        path = env.get("PYTHONPATH", "")
-        if _PROJECT_ROOT not in path.split(os.pathsep):
-            env["PYTHONPATH"] = _PROJECT_ROOT + (os.pathsep + path if path else "")
         return env
 
     def _make_handle(self, name: str, kind: str, extra_argv: list[str], flags: dict[str, Any],
@@ -442,9 +438,9 @@ class LocalCluster:
 
     def client(self, rpc_timeout: float = 5.0):
         """A DispatcherClient of this cluster (close it when done)."""
-        from services.dispatcher_client import DispatcherClient
+        from shardline.services.dispatcher_client import DispatcherClient
 
-        from services.auth import load_token
+        from shardline.services.auth import load_token
 
         return DispatcherClient(self.address, rpc_timeout=rpc_timeout,
                                 cluster_token=load_token(self.cluster_token_file))
@@ -461,7 +457,7 @@ class LocalCluster:
                    interval: float = 0.1):
         """Poll GetClusterStatus until ``predicate(status)`` is true; returns that status.
         Raises TimeoutError naming ``what`` and the last status seen."""
-        from services.errors import ShardlineError
+        from shardline.services.errors import ShardlineError
 
         deadline = time.monotonic() + timeout
         client = self.client()

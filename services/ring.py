@@ -18,7 +18,7 @@ from typing import Mapping
 
 import cityhash
 
-from services.errors import ShardlineConfigError, ShardlineStateError
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 
 HASH_SPACE = 1 << 64
 DEFAULT_VNODES_PER_CAPACITY = 128

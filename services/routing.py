@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.blocks import block_hash
-from services.pb import common_pb2
-from services.ring import HashRing
+from shardline.services.blocks import block_hash
+from shardline.services.pb import common_pb2
+from shardline.services.ring import HashRing
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class RoutingView:
 
     def owner(self, job: str, tensor: str, index: int) -> str:
         if self.ring is None:
-            from services.errors import ShardlineStateError
+            from shardline.services.errors import ShardlineStateError
 
             raise ShardlineStateError(f"routing table at epoch {self.epoch} has no alive PS nodes")
         return self.ring.owner(block_hash(job, tensor, index))

@@ -22,16 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from services import auth, frame
-from services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
-from services.tensor_checks import all_finite, is_all_zero
-from services.dispatcher_client import DispatcherClient
-from services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
+from shardline.services import auth, frame
+from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
+from shardline.services.tensor_checks import all_finite, is_all_zero
+from shardline.services.dispatcher_client import DispatcherClient
+from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
                              ShardlineStateError, ShardlineTimeoutError)
-from services.pb import common_pb2
-from services.pb import dataplane_pb2 as dp
-from services.routing import RoutingView
-from services.transport import get_transport
+from shardline.services.pb import common_pb2
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.routing import RoutingView
+from shardline.services.transport import get_transport
 
 log = logging.getLogger("shardline.worker")
 
@@ -163,7 +163,7 @@ class Client:
         Returns True if this call created the job (and so wrote the initial values). A job that
         exists must have the same tensors (names and shapes), or ShardlineStateError is raised.
         """
-        from ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+        from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
 
         opt = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         trainable = trainable or {}

@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from services.errors import ShardlineConfigError
-from worker.model import LORA_EXTRA_GROUPS, TinyGPT, count_parameters, mark_only_lora_trainable
-from worker.tasks import (
+from shardline.services.errors import ShardlineConfigError
+from shardline.worker.model import LORA_EXTRA_GROUPS, TinyGPT, count_parameters, mark_only_lora_trainable
+from shardline.worker.tasks import (
     PAD, TASK_KINDS, TOKENIZER, SFTTask, evaluate, format_samples, make_batch, sample_answers,
     sample_prompts,
 )

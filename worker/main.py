@@ -29,12 +29,12 @@ import threading
 import time
 from typing import Any
 
-from services import auth
-from services.config import log_configuration, parse_daemon_args
-from services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
+from shardline.services import auth
+from shardline.services.config import log_configuration, parse_daemon_args
+from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready, create_grpc_server)
-from services.errors import ShardlineConfigError, ShardlineError
-from worker.metrics import WorkerMetrics
+from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("shardline.worker")
 
@@ -117,7 +117,7 @@ class _Tracker:
     # -- the progress protocol of run_training --
     def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None,
                version: int | None = None) -> None:
-        from worker.tasks import PAD, make_batch
+        from shardline.worker.tasks import PAD, make_batch
 
         self.steps_done = step
         if loss is not None:
@@ -175,7 +175,7 @@ class _StoppableOptimizer:
 
 
 def _samples_table(before, after) -> str:
-    from worker.tasks import format_samples
+    from shardline.worker.tasks import format_samples
 
     return format_samples(before, after)
 
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         log_configuration(log, args)
         _validate(args)
         cluster_token = auth.load_token(args.cluster_token_file)
-        from worker.job import load_job
+        from shardline.worker.job import load_job
 
         spec = load_job(args.job)
         if args.steps is not None:
@@ -214,9 +214,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from worker.job import run_training
-    from worker.optim import PSOptimizer
-    from worker.progress import Progress
+    from shardline.worker.job import run_training
+    from shardline.worker.optim import PSOptimizer
+    from shardline.worker.progress import Progress
 
     torch.set_num_threads(args.torch_threads)
     stop = install_stop_handlers()

@@ -14,8 +14,8 @@ from typing import Iterable
 
 import torch
 
-from services.errors import ShardlineConfigError
-from worker.client import Client
+from shardline.services.errors import ShardlineConfigError
+from shardline.worker.client import Client
 
 
 def _env_int(name: str, default: int) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 log = logging.getLogger("shardline.transport")
 
@@ -21,7 +21,7 @@ def get_transport(name: str):
     """Return the transport module for ``name``. Raises ShardlineConfigError for unusable choices."""
     if name not in TRANSPORT_NAMES:
         raise ShardlineConfigError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {name!r}")
-    from services.transport import rdma, tcp
+    from shardline.services.transport import rdma, tcp
 
     if name == "tcp":
         return tcp

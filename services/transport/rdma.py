@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError
 
 NAME = "rdma"
 # Flipped once the verbs data path lands; until then `auto` uses TCP even where a device exists.

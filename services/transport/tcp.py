@@ -11,8 +11,8 @@ import socket
 import threading
 from typing import Callable
 
-from services.daemon import format_host_port, parse_host_port
-from services.errors import ShardlineConnectionError
+from shardline.services.daemon import format_host_port, parse_host_port
+from shardline.services.errors import ShardlineConnectionError
 
 log = logging.getLogger("shardline.transport.tcp")
 

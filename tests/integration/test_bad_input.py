@@ -7,11 +7,11 @@ import grpc
 import pytest
 import torch
 
-from services import frame
-from services.daemon import grpc_channel, parse_host_port
-from services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
-from services.pb import dataplane_pb2 as dp
-from worker import connect
+from shardline.services import frame
+from shardline.services.daemon import grpc_channel, parse_host_port
+from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline import connect
 
 BLOCK = 16
 

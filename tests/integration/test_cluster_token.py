@@ -11,19 +11,19 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.daemon import grpc_channel
-from services.dispatcher_client import DispatcherClient
-from services.errors import RemoteError, ShardlineConfigError
-from services.local_cluster import LocalCluster
-from services.pb import ps_pb2, ps_pb2_grpc
-from worker import connect
+from shardline.services.daemon import grpc_channel
+from shardline.services.dispatcher_client import DispatcherClient
+from shardline.services.errors import RemoteError, ShardlineConfigError
+from shardline.services.local_cluster import LocalCluster
+from shardline.services.pb import ps_pb2, ps_pb2_grpc
+from shardline import connect
 
 TOKEN = b"integration-token-0123456789"
 
 
 def shardline_cmd():
     script = Path(sys.executable).parent / "shardline"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "services.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shardline.services.cli"]
 
 
 def test_token_protected_cluster(tmp_path):

@@ -3,7 +3,7 @@
 import torch
 
 import train_model
-from worker import connect
+from shardline import connect
 
 
 def test_frozen_tensor_is_transferred_once(cluster, tmp_path):
@@ -55,8 +55,8 @@ def wait_nodes_at_epoch(cluster, epoch, timeout=15.0):
     import time
 
 
-    from services.daemon import grpc_channel
-    from services.pb import ps_pb2, ps_pb2_grpc
+    from shardline.services.daemon import grpc_channel
+    from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
     deadline = time.monotonic() + timeout
     for node in cluster.nodes:

@@ -16,8 +16,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.daemon import grpc_channel
-from services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.daemon import grpc_channel
+from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -34,7 +34,7 @@ class Daemon:
         self.log_path = workdir / "dispatcher.log"
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dispatcher.main", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                [sys.executable, "-m", "shardline.dispatcher.main", "--listen", "127.0.0.1:0", "--metrics-port", "0",
                  "--ready-file", str(self.ready_file), *args],
                 cwd=REPO,
                 stdout=log,
@@ -309,7 +309,7 @@ def test_bad_configuration_exits_2_naming_the_problem(tmp_path, config_text, arg
     config = tmp_path / "bad.yaml"
     config.write_text(config_text)
     result = subprocess.run(
-        [sys.executable, "-m", "dispatcher.main", "--listen", "127.0.0.1:0", "--config", str(config), *args],
+        [sys.executable, "-m", "shardline.dispatcher.main", "--listen", "127.0.0.1:0", "--config", str(config), *args],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )
     assert result.returncode == 2, result.stderr

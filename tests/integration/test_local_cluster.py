@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.local_cluster import DaemonStartError, LocalCluster
+from shardline.services.local_cluster import DaemonStartError, LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -23,7 +23,7 @@ HEARTBEAT = {"heartbeat_timeout": 1, "heartbeat_interval": 0.2}
 
 def shardline_cmd() -> list[str]:
     script = Path(sys.executable).parent / "shardline"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "services.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shardline.services.cli"]
 
 
 def _state(pid: int) -> str | None:
@@ -114,7 +114,7 @@ def test_status_kill_restart_and_clean_sigterm(two_node_cluster):
     # Jobs show the step their PS nodes applied (BSP: every node at the same step).
     import torch
 
-    from worker import connect
+    from shardline import connect
 
     client = connect(cluster.address, job="status-job")
     client.init({"w": torch.zeros(1000)}, optimizer="sgd", lr=0.1, block_elements=100)
@@ -200,7 +200,7 @@ def test_safety_nets_when_the_owner_dies(tmp_path, how):
     end = 'raise SystemExit("boom")' if how == "exception" else "os.kill(os.getpid(), signal.SIGKILL)"
     script = textwrap.dedent(f"""
         import json, os, signal
-        from services.local_cluster import LocalCluster
+        from shardline.services.local_cluster import LocalCluster
         c = LocalCluster({str(workdir)!r})
         c.start_dispatcher()
         json.dump(c.pids(), open({str(pid_file)!r}, "w"))

@@ -25,12 +25,12 @@ import grpc
 import pytest
 import torch
 
-from services import frame
-from services.daemon import grpc_channel, parse_host_port
-from services.local_cluster import LocalCluster
-from services.pb import dispatcher_pb2, dispatcher_pb2_grpc
-from services.pb import dataplane_pb2 as dp
-from worker import connect
+from shardline.services import frame
+from shardline.services.daemon import grpc_channel, parse_host_port
+from shardline.services.local_cluster import LocalCluster
+from shardline.services.pb import dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline import connect
 
 pytestmark = pytest.mark.timeout(120)
 

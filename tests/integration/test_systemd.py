@@ -33,9 +33,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.daemon import grpc_channel
-from services.local_cluster import read_json_object
-from services.pb import dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.daemon import grpc_channel
+from shardline.services.local_cluster import read_json_object
+from shardline.services.pb import dispatcher_pb2, dispatcher_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -123,9 +123,9 @@ def test_units_match_daemons_and_example_environment_files():
     """Flags in ExecStart= exist in that daemon; the units leave SHARDLINE_* to the environment files
     (a unit's Environment= would silently beat the operator's config file); every EnvironmentFile=
     has an example under deploy/env/ for the instances the docs use."""
-    from dispatcher.main import build_parser as dispatcher_parser
-    from ps_server.main import build_parser as ps_parser
-    from worker.main import build_parser as worker_parser
+    from shardline.dispatcher.main import build_parser as dispatcher_parser
+    from shardline.ps_server.main import build_parser as ps_parser
+    from shardline.worker.main import build_parser as worker_parser
 
     parsers = {"shardline-dispatcher": dispatcher_parser(), "shardline-ps": ps_parser(),
                "shardline-worker": worker_parser()}

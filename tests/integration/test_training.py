@@ -47,7 +47,7 @@ def test_prefetch_lets_a_fast_worker_return_before_the_slow_one_commits(cluster)
     import threading
     import time
 
-    from worker import PSOptimizer
+    from shardline import PSOptimizer
 
     fast_model, slow_model = train_model.SmallModel(), train_model.SmallModel()
     kwargs = dict(cluster=cluster.address, job="prefetch", optimizer="adamw", world_size=2, block_elements=16,

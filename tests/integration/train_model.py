@@ -96,7 +96,7 @@ def main(argv):
     rank, world, steps = int(rank), int(world), int(steps)
     from safetensors.torch import save_file
 
-    from worker import PSOptimizer
+    from shardline import PSOptimizer
 
     torch.set_num_threads(1)
     model = SmallModel()

@@ -5,13 +5,13 @@ import threading
 
 import pytest
 
-from ps_server.dataplane import serve_connection
-from ps_server.node import PSNode
-from services import auth, frame
-from services.errors import RemoteError, ShardlineConfigError
-from services.pb import common_pb2
-from services.pb import dataplane_pb2 as dp
-from worker.client import _NodeConnection
+from shardline.ps_server.dataplane import serve_connection
+from shardline.ps_server.node import PSNode
+from shardline.services import auth, frame
+from shardline.services.errors import RemoteError, ShardlineConfigError
+from shardline.services.pb import common_pb2
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline.worker.client import _NodeConnection
 
 TOKEN = b"s3cret-token-0123456789"
 

@@ -1,7 +1,7 @@
 import pytest
 
-from services import blocks
-from services.errors import ShardlineConfigError
+from shardline.services import blocks
+from shardline.services.errors import ShardlineConfigError
 
 
 @pytest.mark.parametrize("numel, size", [(0, 4), (1, 4), (4, 4), (5, 4), (1000, 300), (262144 * 3 + 1, 262144)])

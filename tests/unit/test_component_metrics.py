@@ -6,10 +6,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import REGISTRY
 
-from dispatcher import metrics as DM
-from dispatcher.membership import NodeRecord
-from ps_server import metrics as PM
-from worker.metrics import WorkerMetrics
+from shardline.dispatcher import metrics as DM
+from shardline.dispatcher.membership import NodeRecord
+from shardline.ps_server import metrics as PM
+from shardline.worker.metrics import WorkerMetrics
 
 
 def sample(name, **labels):
@@ -129,9 +129,9 @@ def test_dispatcher_publish_sets_and_removes_node_series():
 
 
 def test_dispatcher_servicer_publishes_membership():
-    from dispatcher.jobs import JobRegistry
-    from dispatcher.membership import Membership
-    from dispatcher.server import DispatcherServicer
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.dispatcher.membership import Membership
+    from shardline.dispatcher.server import DispatcherServicer
 
     now = [1000.0]
     servicer = DispatcherServicer(Membership(heartbeat_timeout=2.0), JobRegistry(), heartbeat_interval=0.5,

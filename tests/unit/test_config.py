@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from services import config
-from services.config import OPTIONS, parse_daemon_args, parse_size
-from services.errors import ShardlineConfigError
+from shardline.services import config
+from shardline.services.config import OPTIONS, parse_daemon_args, parse_size
+from shardline.services.errors import ShardlineConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "shardline.yaml"
@@ -24,11 +24,11 @@ REQUIRED_ARGS = {"dispatcher": [], "ps": ["--cluster", "127.0.0.1:7000"],
 def daemon_parser(daemon: str) -> argparse.ArgumentParser:
     """The parser the daemon's main builds."""
     if daemon == "dispatcher":
-        from dispatcher.main import build_parser
+        from shardline.dispatcher.main import build_parser
     elif daemon == "ps":
-        from ps_server.main import build_parser
+        from shardline.ps_server.main import build_parser
     else:
-        from worker.main import build_parser
+        from shardline.worker.main import build_parser
     return build_parser()
 
 
@@ -65,12 +65,12 @@ def test_schema_is_consistent():
 
 
 def test_defaults_match_the_code_that_uses_them():
-    from services import blocks, frame
+    from shardline.services import blocks, frame
 
     assert config.DEFAULT_BLOCK_ELEMENTS == blocks.DEFAULT_BLOCK_ELEMENTS
     assert config.MAX_BLOCK_ELEMENTS == blocks.MAX_BLOCK_ELEMENTS
     assert config.DEFAULT_MAX_PAYLOAD_BYTES == frame.DEFAULT_LIMITS.max_payload_bytes
-    from services.transport import TRANSPORT_NAMES
+    from shardline.services.transport import TRANSPORT_NAMES
 
     assert set(config.BY_NAME["transport"].choices) == set(TRANSPORT_NAMES)
 
@@ -253,7 +253,7 @@ def test_unknown_shardline_environment_variables_are_reported():
 
 
 def test_dispatcher_cross_check():
-    from dispatcher.main import parse_args
+    from shardline.dispatcher.main import parse_args
 
     with pytest.raises(ShardlineConfigError, match="heartbeat_interval"):
         parse_args(["--heartbeat-interval", "2", "--heartbeat-timeout", "1"])
@@ -295,13 +295,13 @@ def test_env_examples_use_known_variables():
 
 
 def test_check_command(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "services.config", "--check", str(EXAMPLE)],
+    out = subprocess.run([sys.executable, "-m", "shardline.services.config", "--check", str(EXAMPLE)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "ps: " in out.stdout and "OK" in out.stdout
     bad = tmp_path / "bad.yaml"
     bad.write_text("worker:\n  pull_timeout: soon\n")
-    out = subprocess.run([sys.executable, "-m", "services.config", "--check", str(bad)],
+    out = subprocess.run([sys.executable, "-m", "shardline.services.config", "--check", str(bad)],
                          cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "worker.pull_timeout" in out.stderr and "'soon'" in out.stderr
 
@@ -311,7 +311,7 @@ def test_check_command(tmp_path):
 def test_configuration_page_is_up_to_date():
     page = (REPO / "docs" / "configuration.md").read_text()
     assert page == config.render_markdown(), (
-        "docs/configuration.md is stale: run `python -m services.config --markdown > docs/configuration.md`")
+        "docs/configuration.md is stale: run `python -m shardline.services.config --markdown > docs/configuration.md`")
 
 
 def test_configuration_page_documents_every_option_with_its_default():
@@ -350,7 +350,7 @@ def _params(numel: int):
 
 
 def test_worker_passes_its_knobs_to_the_client():
-    from worker.main import _make_ps_optimizer
+    from shardline.worker.main import _make_ps_optimizer
 
     args = parse("worker", ["--block-elements", "1024", "--transport", "tcp", "--pull-timeout", "30",
                             "--connect-timeout", "5", "--rpc-timeout", "2.5", "--cache-bytes", "1MiB"])
@@ -361,7 +361,7 @@ def test_worker_passes_its_knobs_to_the_client():
 
 
 def test_worker_cache_bound_refuses_a_job_that_does_not_fit():
-    from worker.main import _make_ps_optimizer
+    from shardline.worker.main import _make_ps_optimizer
 
     args = parse("worker", ["--cache-bytes", "4KiB"])
     _make_ps_optimizer(FakePSOptimizer, args, _params(1024), cluster=args.cluster, job="j")  # exactly 4 KiB
@@ -372,7 +372,7 @@ def test_worker_cache_bound_refuses_a_job_that_does_not_fit():
 
 
 def test_ps_checkpoint_dir_is_created_and_must_be_writable(tmp_path):
-    from ps_server.main import _prepare_checkpoint_dir
+    from shardline.ps_server.main import _prepare_checkpoint_dir
 
     assert _prepare_checkpoint_dir(None) is None
     target = tmp_path / "ckpt" / "nested"

@@ -11,13 +11,13 @@ import threading
 import pytest
 import torch
 
-from services.errors import ShardlineConfigError
-from worker.job import (
+from shardline.services.errors import ShardlineConfigError
+from shardline.worker.job import (
     LocalOptimizer, TrainSpec, load_job, make_local_optimizer, parse_job, run_local, run_training,
 )
-from worker.model import LoRALinear, TinyGPT, mark_only_lora_trainable
-from worker.progress import Progress, format_rate
-from worker.tasks import (
+from shardline.worker.model import LoRALinear, TinyGPT, mark_only_lora_trainable
+from shardline.worker.progress import Progress, format_rate
+from shardline.worker.tasks import (
     BOS, EOS, PAD, TOKENIZER, SFTTask, evaluate, generate, is_heldout, make_batch, masked_lm_loss,
     sample_answers,
 )

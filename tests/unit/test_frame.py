@@ -6,9 +6,9 @@ import struct
 import pytest
 import torch
 
-from services import frame
-from services.errors import FrameError, FrameTooLargeError
-from services.pb import dataplane_pb2 as dp
+from shardline.services import frame
+from shardline.services.errors import FrameError, FrameTooLargeError
+from shardline.services.pb import dataplane_pb2 as dp
 
 
 @pytest.fixture

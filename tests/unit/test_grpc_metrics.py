@@ -4,8 +4,8 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from services.daemon import create_grpc_server, grpc_channel
-from services.grpc_metrics import split_method
+from shardline.services.daemon import create_grpc_server, grpc_channel
+from shardline.services.grpc_metrics import split_method
 
 pytestmark = pytest.mark.timeout(60)
 

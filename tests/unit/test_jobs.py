@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from dispatcher.jobs import JobRegistry, UnknownJobError
-from services.blocks import DEFAULT_BLOCK_ELEMENTS
-from services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
-from services.pb import common_pb2
+from shardline.dispatcher.jobs import JobRegistry, UnknownJobError
+from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from shardline.services.pb import common_pb2
 
 
 def make_spec(name: str = "sft-1", **overrides) -> common_pb2.JobSpec:

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from services.daemon import LogFormatter, setup_logging
-from services.errors import ShardlineConfigError
+from shardline.services.daemon import LogFormatter, setup_logging
+from shardline.services.errors import ShardlineConfigError
 
 REPO = Path(__file__).resolve().parents[2]
 REQUIRED = {"ts", "level", "component", "logger", "msg", "pid"}
@@ -178,14 +178,14 @@ def _start(module: str, workdir: Path, name: str, *args: str) -> tuple[subproces
 def test_daemons_log_json_events_and_no_line_per_request(tmp_path):
     import torch
 
-    from services.errors import ShardlineError
-    from worker import connect
+    from shardline.services.errors import ShardlineError
+    from shardline import connect
 
     procs = []
     try:
-        disp, dinfo, dout = _start("dispatcher.main", tmp_path, "dispatcher", "--heartbeat-timeout", "3")
+        disp, dinfo, dout = _start("shardline.dispatcher.main", tmp_path, "dispatcher", "--heartbeat-timeout", "3")
         procs.append(disp)
-        ps, _pinfo, pout = _start("ps_server.main", tmp_path, "ps", "--cluster", dinfo["grpc"], "--node-id", "log-1",
+        ps, _pinfo, pout = _start("shardline.ps_server.main", tmp_path, "ps", "--cluster", dinfo["grpc"], "--node-id", "log-1",
                                   "--transport", "tcp")
         procs.append(ps)
         time.sleep(0.5)

@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-from dispatcher.membership import ALIVE, DEAD, Membership
-from services.errors import ShardlineConfigError
-from services.ring import HashRing
+from shardline.dispatcher.membership import ALIVE, DEAD, Membership
+from shardline.services.errors import ShardlineConfigError
+from shardline.services.ring import HashRing
 
 
 def register(m: Membership, node_id: str, now: float, *, rack="r1", port=9000, capacity=1.0) -> int:
@@ -183,7 +183,7 @@ def test_concurrent_registration_counts_every_change_once(m):
 
 
 def test_wildcard_registrations_take_the_peer_host():
-    from dispatcher.membership import reachable_address
+    from shardline.dispatcher.membership import reachable_address
 
     assert reachable_address("0.0.0.0:7200", "ipv4:10.1.2.3:51234") == "10.1.2.3:7200"
     assert reachable_address("[::]:7200", "ipv6:[fd00::7]:51234") == "[fd00::7]:7200"

@@ -12,14 +12,14 @@ import zlib
 import pytest
 import torch
 
-from ps_server.optimizer import (
+from shardline.ps_server.optimizer import (
     AdamBlockOptimizer,
     OptimizerConfig,
     SGDBlockOptimizer,
     make_optimizer,
 )
-from services.errors import ShardlineConfigError
-from services.pb import common_pb2
+from shardline.services.errors import ShardlineConfigError
+from shardline.services.pb import common_pb2
 
 NUMEL = 1000
 SPLITS = {

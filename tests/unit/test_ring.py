@@ -15,8 +15,8 @@ from collections import Counter
 import cityhash
 import pytest
 
-from services.errors import ShardlineConfigError, ShardlineStateError
-from services.ring import HASH_SPACE, HashRing, load_adjusted_vnodes, vnode_counts
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
+from shardline.services.ring import HASH_SPACE, HashRing, load_adjusted_vnodes, vnode_counts
 
 N_KEYS = 100_000
 

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from services import sdnotify
+from shardline.services import sdnotify
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -216,7 +216,7 @@ def test_watchdog_rejects_bad_interval():
 def test_announce_ready_writes_the_file_then_notifies(monkeypatch, path_receiver, tmp_path):
     import json
 
-    from services import daemon
+    from shardline.services import daemon
 
     path, r = path_receiver
     monkeypatch.setenv("NOTIFY_SOCKET", path)
@@ -234,7 +234,7 @@ def test_announce_ready_writes_the_file_then_notifies(monkeypatch, path_receiver
 def test_stop_event_sends_stopping_once(monkeypatch, path_receiver):
     import signal
 
-    from services import daemon
+    from shardline.services import daemon
 
     path, r = path_receiver
     monkeypatch.setenv("NOTIFY_SOCKET", path)

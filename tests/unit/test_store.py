@@ -5,10 +5,10 @@ import threading
 import pytest
 import torch
 
-from ps_server.optimizer import OptimizerConfig
-from ps_server.store import JobStore, PushItem, StoreError
-from services.blocks import block_slices
-from services.pb import common_pb2
+from shardline.ps_server.optimizer import OptimizerConfig
+from shardline.ps_server.store import JobStore, PushItem, StoreError
+from shardline.services.blocks import block_slices
+from shardline.services.pb import common_pb2
 
 BLOCK = 7
 
@@ -163,7 +163,7 @@ def test_waiting_pull_wakes_on_apply_and_times_out():
 
 
 def _refs(name, grad):
-    from ps_server.store import PushRef
+    from shardline.ps_server.store import PushRef
 
     flat = grad.reshape(-1)
     return [PushRef(name, s.index, False, s.numel, torch.float32) for s in block_slices(flat.numel(), BLOCK)], flat
@@ -219,7 +219,7 @@ def test_aborted_push_leaves_nothing_and_frees_the_buffers():
 
 
 def test_stalled_reservation_times_out(monkeypatch):
-    import ps_server.store as store_module
+    import shardline.ps_server.store as store_module
 
     monkeypatch.setattr(store_module, "RESERVATION_TIMEOUT_SECONDS", 0.1)
     store = JobStore(make_job(kind="sgd", lr=1.0))

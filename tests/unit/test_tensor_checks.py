@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from services.tensor_checks import all_finite, is_all_zero
+from shardline.services.tensor_checks import all_finite, is_all_zero
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

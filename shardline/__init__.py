@@ -1,0 +1,39 @@
+"""Shardline: a parameter-server cluster for LLM post-training.
+
+For training scripts::
+
+    from shardline import PSOptimizer, connect
+
+The wheel installs this one top-level package; the source folders of the tree map under it
+(``services/`` is ``shardline.services``, ``ps_server/`` is ``shardline.ps_server``,
+``dispatcher/`` is ``shardline.dispatcher``, ``worker/`` is ``shardline.worker``).
+The training API is imported on first use, so the dispatcher daemon never imports torch.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "PSOptimizer": "shardline.worker.optim",
+    "Client": "shardline.worker.client",
+    "connect": "shardline.worker.client",
+}
+
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardline' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
