@@ -301,6 +301,9 @@ OPTIONS: tuple[Option, ...] = (
            default_text="`1`, or heartbeat_timeout / 3 if that is less"),
     Option("vnodes_per_capacity", "int", "Virtual nodes on the ring per unit of node capacity.",
            ("dispatcher",), default=128, minimum=1),
+    Option("state_dir", "path", "Directory of the dispatcher's durable state (jobs, node registrations, "
+           "the ring epoch; SQLite in WAL mode). Created if missing. Unset: state lives in memory only and a "
+           "restart forgets every job (a WARNING says so at start).", ("dispatcher",)),
     # -- PS --
     Option("node_id", "str", "Node id on the ring (keep it stable across restarts).", ("ps",),
            default_text="host name and data port"),
@@ -311,9 +314,19 @@ OPTIONS: tuple[Option, ...] = (
            default_text="the --listen host, a free port"),
     Option("max_payload_bytes", "size", "Largest data-plane frame payload the node accepts; bigger frames "
            "get TOO_LARGE and the connection is closed.", ("ps",), default=DEFAULT_MAX_PAYLOAD_BYTES, above=0),
-    Option("checkpoint_dir", "path", "Directory for checkpoints. Reserved: checkpoints are a later issue; "
-           "today the PS only creates it if missing and checks that it can write there.", ("ps",),
-           note="validated, not yet used"),
+    Option("checkpoint_dir", "path", "Directory of this node's checkpoints (safetensors + JSON manifests, "
+           "one folder per job). Created if missing and checked writable at start; the node restores every "
+           "job found there before it serves. Unset: no checkpoints, a restart loses the node's blocks.",
+           ("ps",)),
+    Option("checkpoint_every_steps", "int", "Checkpoint each job every N applied steps (a job may set its "
+           "own at creation); 0 = only on demand (`shardline checkpoint`) and at a graceful stop.", ("ps",),
+           default=0, minimum=0),
+    Option("checkpoint_full_every", "int", "Write a full checkpoint after this many incremental ones "
+           "(incrementals hold only the blocks changed since the previous checkpoint); bounds the chain a "
+           "restore replays.", ("ps",), default=10, minimum=0),
+    Option("checkpoint_keep", "int", "Keep the newest N full checkpoint chains of each job (older ones "
+           "are deleted, except what the cluster's consistent step still needs).", ("ps",),
+           default=2, minimum=1),
     # -- worker --
     Option("job", "path", "Job file (YAML) to train.", ("worker",), required=("worker",)),
     Option("rank", "int", "This worker's rank.", ("worker",), minimum=0, default_text="`$RANK`, else 0"),
