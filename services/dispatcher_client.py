@@ -90,3 +90,15 @@ class DispatcherClient:
 
     def cluster_status(self) -> dispatcher_pb2.ClusterStatus:
         return self._call("GetClusterStatus", dispatcher_pb2.GetClusterStatusRequest())
+
+    def delete_job(self, name: str) -> dispatcher_pb2.DeleteJobResponse | None:
+        """Delete a job; None if there is no such job."""
+        return self._call("DeleteJob", dispatcher_pb2.DeleteJobRequest(name=name), not_found_none=True)
+
+    def checkpoint_job(self, name: str, timeout: float) -> dispatcher_pb2.CheckpointJobResponse:
+        """Returns once every node holding the job has one same step durable (the response's step)."""
+        return self._call("CheckpointJob", dispatcher_pb2.CheckpointJobRequest(name=name, timeout_seconds=timeout),
+                          timeout=timeout + self.rpc_timeout)
+
+    def restore_job(self, spec: common_pb2.JobSpec, uid: str, node_id: str) -> dispatcher_pb2.JobInfo:
+        return self._call("RestoreJob", dispatcher_pb2.RestoreJobRequest(spec=spec, uid=uid, node_id=node_id))
