@@ -9,23 +9,43 @@ conflict (two different models under one job name), reported with the first diff
 Specs are normalized before comparison and storage: ``block_elements`` 0 becomes
 ``DEFAULT_BLOCK_ELEMENTS`` and an empty tensor dtype becomes ``"float32"``. Tensors are compared by
 name, so the order in which workers list them does not matter. Pure and thread-safe.
+
+Incarnations and checkpoints. Each created job gets a random ``uid``; a job deleted and created
+again under its name gets a new one, and the deleted uid is kept as a tombstone, so PS nodes can
+tell data of a deleted incarnation from data of the current one. From heartbeats the registry keeps
+the job's ``holders``: node id -> its latest durable (checkpointed) step, or None while it has none.
+``checkpoint_step`` is the minimum over the holders: the step a whole-cluster restart resumes at.
+
+Durability. Jobs (spec, readiness, uid, holders) and tombstones are written to the state store
+(``job/<name>``, ``tombstone/<uid>``) before a change becomes visible, and only when something
+changed. A registry built over a store with state has them back. A failed write raises
+StateStoreError and changes nothing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+import secrets
 import threading
 import time
+import types
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Mapping
 
+from google.protobuf import json_format
+
+from shardline.dispatcher.membership import validate_name
+from shardline.dispatcher.state_memory import MemoryStateStore
+from shardline.dispatcher.state_store import JOB_PREFIX, TOMBSTONE_PREFIX, StateStore, StateStoreError, with_prefix
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
 from shardline.services.pb import common_pb2
 
 JOB_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 TENSOR_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
+UID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 SYNC_MODES = ("bsp", "asp")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 DTYPES = ("float32",)
@@ -41,15 +61,67 @@ class UnknownJobError(ShardlineStateError, LookupError):
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A snapshot of a registered job. ``spec`` is a private copy; mutating it changes nothing."""
+    """A snapshot of a registered job. ``spec`` is a private copy; mutating it changes nothing.
+
+    ``holders``: node id -> latest durable step (None: no checkpoint yet) of every node whose last
+    heartbeat listed this incarnation (read-only).
+    """
 
     spec: common_pb2.JobSpec
     ready: bool
     created_unix_ms: int
+    uid: str
+    holders: Mapping[str, int | None]
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def has_checkpoint(self) -> bool:
+        """Some node holds the job and every holder has a checkpoint of it."""
+        return bool(self.holders) and all(step is not None for step in self.holders.values())
+
+    @property
+    def checkpoint_step(self) -> int:
+        """The latest step every holder has durable (0 without ``has_checkpoint``)."""
+        return min(self.holders.values()) if self.has_checkpoint else 0
+
+    @property
+    def durable_steps(self) -> dict[str, int]:
+        """Node id -> latest durable step, for the holders that have one."""
+        return {node: step for node, step in self.holders.items() if step is not None}
+
+
+@dataclass
+class _Job:
+    spec: common_pb2.JobSpec
+    ready: bool
+    created_ms: int
+    uid: str
+    holders: dict[str, int | None]
+
+    def persisted(self) -> dict:
+        """The value of key ``job/<name>``."""
+        return {
+            "spec": json_format.MessageToDict(self.spec, preserving_proto_field_name=True),
+            "ready": self.ready,
+            "created_unix_ms": self.created_ms,
+            "uid": self.uid,
+            "holders": dict(self.holders),
+        }
+
+    def record(self) -> JobRecord:
+        spec = common_pb2.JobSpec()
+        spec.CopyFrom(self.spec)
+        return JobRecord(spec=spec, ready=self.ready, created_unix_ms=self.created_ms, uid=self.uid,
+                         holders=types.MappingProxyType(dict(self.holders)))
+
+
+def validate_uid(uid: object) -> str:
+    if not isinstance(uid, str) or not UID_RE.fullmatch(uid):
+        raise ShardlineConfigError(f"job uid must be 1..64 characters of [A-Za-z0-9._-], got {uid!r}")
+    return uid
 
 
 def validate_job_name(name: object) -> str:
@@ -155,23 +227,59 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
 
 
 class JobRegistry:
-    """Registered jobs by name. ``clock`` gives wall-clock seconds for ``created_unix_ms``."""
+    """Registered jobs by name and tombstones of deleted ones (module docstring: durability).
 
-    def __init__(self, clock: Callable[[], float] = time.time):
+    ``clock`` gives wall-clock seconds for ``created_unix_ms``; ``store`` keeps the jobs across
+    restarts (default: memory, i.e. not kept). Raises StateStoreError naming the store if a stored
+    record cannot be read.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time, store: StateStore | None = None):
         self._clock = clock
+        self.store = store if store is not None else MemoryStateStore()
         self._cond = threading.Condition()
-        self._specs: dict[str, common_pb2.JobSpec] = {}
-        self._ready: dict[str, bool] = {}
-        self._created_ms: dict[str, int] = {}
+        state = self.store.load()
+        self._jobs: dict[str, _Job] = {
+            name: self._decode_job(name, value) for name, value in with_prefix(state, JOB_PREFIX).items()
+        }
+        self._tombstones: dict[str, dict] = with_prefix(state, TOMBSTONE_PREFIX)
 
-    def _record(self, name: str) -> JobRecord:
-        spec = common_pb2.JobSpec()
-        spec.CopyFrom(self._specs[name])
-        return JobRecord(spec=spec, ready=self._ready[name], created_unix_ms=self._created_ms[name])
+    def _decode_job(self, name: str, value: dict) -> _Job:
+        try:
+            spec = json_format.ParseDict(value["spec"], common_pb2.JobSpec())
+            if spec.name != name:
+                raise ValueError(f"the spec is named {spec.name!r}")
+            holders = {}
+            for node, step in dict(value["holders"]).items():
+                if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+                    raise ValueError(f"holder {node!r} has step {step!r}")
+                holders[validate_name(node, "holder node_id")] = step
+            ready, created_ms = value["ready"], value["created_unix_ms"]
+            if not isinstance(ready, bool) or not isinstance(created_ms, int):
+                raise ValueError(f"ready {ready!r} / created_unix_ms {created_ms!r}")
+            return _Job(spec=normalize_spec(spec), ready=ready, created_ms=created_ms,
+                        uid=validate_uid(value["uid"]), holders=holders)
+        except (KeyError, TypeError, ValueError, json_format.ParseError) as exc:
+            raise StateStoreError(
+                f"state store {self.store.location}: key {JOB_PREFIX + name!r} holds a bad job record: {exc}"
+            ) from None
 
-    def _require(self, name: str) -> None:
-        if name not in self._specs:
+    def _require(self, name: str) -> _Job:
+        job = self._jobs.get(name)
+        if job is None:
             raise UnknownJobError(f"no job named {name!r}")
+        return job
+
+    def _new_uid(self) -> str:
+        while True:  # a repeat is astronomically unlikely, but would confuse incarnations
+            uid = secrets.token_hex(8)
+            if uid not in self._tombstones and all(job.uid != uid for job in self._jobs.values()):
+                return uid
+
+    def _put(self, job: _Job) -> None:
+        """Persist ``job``, then make it visible. Caller holds the lock."""
+        self.store.apply({JOB_PREFIX + job.spec.name: job.persisted()})
+        self._jobs[job.spec.name] = job
 
     def create(self, spec: common_pb2.JobSpec) -> tuple[JobRecord, bool]:
         """Register ``spec``; ``(record, True)`` for the creating call, ``(record, False)`` if it existed.
@@ -181,48 +289,139 @@ class JobRegistry:
         """
         spec = normalize_spec(spec)
         with self._cond:
-            existing = self._specs.get(spec.name)
+            existing = self._jobs.get(spec.name)
             if existing is not None:
-                difference = spec_difference(existing, spec)
+                difference = spec_difference(existing.spec, spec)
                 if difference:
                     raise ShardlineStateError(f"job {spec.name!r} already exists with a different spec: {difference}")
-                return self._record(spec.name), False
-            self._specs[spec.name] = spec
-            self._ready[spec.name] = False
-            self._created_ms[spec.name] = int(self._clock() * 1000)
-            return self._record(spec.name), True
+                return existing.record(), False
+            job = _Job(spec=spec, ready=False, created_ms=int(self._clock() * 1000), uid=self._new_uid(), holders={})
+            self._put(job)
+            return job.record(), True
+
+    def restore(self, spec: common_pb2.JobSpec, uid: str, node_id: str) -> tuple[JobRecord, bool]:
+        """A PS node restoring incarnation ``uid`` of a job from its checkpoint asks for it.
+
+        ``(existing record, False)`` if a job of that name exists, whatever its uid (the node
+        compares uids). Raises ShardlineStateError if ``uid`` was deleted. Otherwise registers the
+        normalized spec under ``uid``, ready (its tensors exist: in the checkpoint), and returns
+        ``(record, True)``. Raises ShardlineConfigError for a bad spec, uid or node id.
+        """
+        spec = normalize_spec(spec)
+        validate_uid(uid)
+        validate_name(node_id, "node_id")
+        with self._cond:
+            existing = self._jobs.get(spec.name)
+            if existing is not None:
+                return existing.record(), False
+            if uid in self._tombstones:
+                raise ShardlineStateError(
+                    f"job {spec.name!r} (uid {uid}) was deleted; node {node_id} must drop its checkpoint, not restore it"
+                )
+            job = _Job(spec=spec, ready=True, created_ms=int(self._clock() * 1000), uid=uid, holders={})
+            self._put(job)
+            return job.record(), True
+
+    def delete(self, name: str) -> JobRecord:
+        """Remove the job and keep its uid as a tombstone; returns the removed record.
+
+        Raises UnknownJobError if there is no such job. Its waiters fail with UnknownJobError.
+        """
+        validate_job_name(name)
+        with self._cond:
+            job = self._require(name)
+            tombstone = {"job": name, "deleted_unix_ms": int(self._clock() * 1000)}
+            self.store.apply({TOMBSTONE_PREFIX + job.uid: tombstone}, deletes=[JOB_PREFIX + name])
+            del self._jobs[name]
+            self._tombstones[job.uid] = tombstone
+            self._cond.notify_all()
+            return job.record()
+
+    def report_held(self, node_id: str, held: Iterable, *, record: bool) -> tuple[list[str], dict[str, int]]:
+        """Process the jobs a node's heartbeat says it holds; returns ``(drop_jobs, checkpoint_steps)``.
+
+        ``held`` are ``HeldJob`` messages (or anything with ``job``, ``uid``, ``has_durable`` and
+        ``durable_step``), the node's complete list. ``drop_jobs``: names of held jobs whose uid was
+        deleted, or whose name now has another uid. A held job the registry knows neither by name nor
+        by uid (its state was lost) is kept, and so is one with an empty uid (incarnation unknown).
+        ``checkpoint_steps``: job name -> ``checkpoint_step`` for held current jobs that have one.
+
+        With ``record`` (the node is registered), the node becomes a holder of each current job it
+        lists, with its durable step (None without ``has_durable``), and stops being a holder of the
+        jobs it no longer lists; changes are persisted (StateStoreError: nothing changes).
+        """
+        drop: list[str] = []
+        listed: dict[str, int | None] = {}
+        with self._cond:
+            for item in held:
+                job = self._jobs.get(item.job)
+                if not item.uid:
+                    continue
+                if item.uid in self._tombstones or (job is not None and job.uid != item.uid):
+                    drop.append(item.job)
+                elif job is not None:
+                    listed[item.job] = int(item.durable_step) if item.has_durable else None
+            changed: list[_Job] = []
+            if record:
+                for name, job in self._jobs.items():
+                    holders = dict(job.holders)
+                    if name in listed:
+                        holders[node_id] = listed[name]
+                    else:
+                        holders.pop(node_id, None)
+                    if holders != job.holders:
+                        changed.append(dataclasses.replace(job, holders=holders))
+            if changed:
+                self.store.apply({JOB_PREFIX + job.spec.name: job.persisted() for job in changed})
+                for job in changed:
+                    self._jobs[job.spec.name] = job
+            steps = {}
+            for name in listed:
+                current = self._jobs[name].record()
+                if current.has_checkpoint:
+                    steps[name] = current.checkpoint_step
+            return sorted(set(drop)), steps
 
     def get(self, name: str) -> JobRecord:
         """The job named ``name``; raises UnknownJobError if there is none."""
         validate_job_name(name)
         with self._cond:
-            self._require(name)
-            return self._record(name)
+            return self._require(name).record()
 
     def mark_ready(self, name: str) -> JobRecord:
-        """Mark the job's tensors initialized and wake its waiters. Idempotent."""
+        """Mark the job's tensors initialized and wake its waiters. Idempotent (writes only once)."""
         validate_job_name(name)
         with self._cond:
-            self._require(name)
-            self._ready[name] = True
-            self._cond.notify_all()
-            return self._record(name)
+            job = self._require(name)
+            if not job.ready:
+                self._put(dataclasses.replace(job, ready=True))
+                self._cond.notify_all()
+            return self._jobs[name].record()
 
     def wait_ready(self, name: str, timeout: float) -> JobRecord:
         """Block until the job is ready, at most ``timeout`` seconds (0: just check).
 
-        Raises UnknownJobError if there is no such job and ShardlineTimeoutError if it is not ready in time.
+        Raises UnknownJobError if there is no such job (or it is deleted meanwhile) and
+        ShardlineTimeoutError if it is not ready in time.
         """
         validate_job_name(name)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout < 0:
             raise ShardlineConfigError(f"timeout must be a finite number of seconds >= 0, got {timeout!r}")
         with self._cond:
-            self._require(name)
-            if not self._cond.wait_for(lambda: self._ready[name], timeout=timeout):
+            uid = self._require(name).uid
+
+            def settled() -> bool:
+                job = self._jobs.get(name)
+                return job is None or job.uid != uid or job.ready
+
+            if not self._cond.wait_for(settled, timeout=timeout):
                 raise ShardlineTimeoutError(f"job {name!r} was not marked ready within {timeout:g} s")
-            return self._record(name)
+            job = self._jobs.get(name)
+            if job is None or job.uid != uid:
+                raise UnknownJobError(f"job {name!r} was deleted while waiting for it to be ready")
+            return job.record()
 
     def list(self) -> list[JobRecord]:
         """All jobs, sorted by name."""
         with self._cond:
-            return [self._record(name) for name in sorted(self._specs)]
+            return [self._jobs[name].record() for name in sorted(self._jobs)]

@@ -3,7 +3,8 @@
 Options are declared in the schema of services/config.py (docs/configuration.md): flag >
 ``SHARDLINE_*`` environment > ``--config`` file (section ``dispatcher:`` over ``common:``, or a flat
 file) > default. Once serving, the daemon writes the ready file ``{"pid", "grpc", "metrics"}``; SIGTERM or
-SIGINT stop it within the grace period and it exits 0. Configuration errors exit 2.
+SIGINT stop it within the grace period and it exits 0. Configuration errors, and a ``--state-dir``
+that cannot be used (not writable, damaged, held by another dispatcher), exit 2.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import sys
 
 from shardline.dispatcher.server import create_server
+from shardline.dispatcher.state_store import StateStoreError
 from shardline.services import auth
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (
@@ -68,8 +70,9 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_interval=args.heartbeat_interval,
             vnodes_per_capacity=args.vnodes_per_capacity,
             cluster_token=auth.load_token(args.cluster_token_file),
+            state_dir=args.state_dir,
         )
-    except ShardlineConfigError as exc:
+    except (ShardlineConfigError, StateStoreError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     host, _ = parse_host_port(args.listen, what="listen")
@@ -88,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
     finally:
         server.stop(STOP_GRACE_SECONDS).wait(STOP_GRACE_SECONDS + 1)
+        server.close()
         if metrics_server is not None:
             metrics_server.shutdown()
             metrics_server.server_close()

@@ -8,15 +8,29 @@ seconds old when ``expire(now)`` runs; it is then ``dead`` and stays listed (for
 registers again. A dead or unknown node's heartbeat returns False: it must register again.
 
 The epoch starts at 1 and increases by one on every change of what the routing table publishes:
-the alive set, or an alive node's rack, addresses, capacity or virtual-node count.
+the alive set, or an alive node's rack, addresses, capacity or virtual-node count. It never goes
+backwards, across restarts included:
+
+- Every epoch bump and registration change is written to the state store (keys ``epoch`` and
+  ``node/<id>``) *before* it becomes visible, so no caller ever saw an epoch the store lacks. A
+  store failure raises StateStoreError and leaves the membership unchanged. Heartbeats write nothing
+  (storage reports are not persisted: the next heartbeat brings them again).
+- Built over a store that holds state, the epoch is the stored one plus one (the restart is a
+  routing change) and the stored nodes come back: alive ones with ``last_heartbeat = now``, i.e.
+  one ``heartbeat_timeout`` of grace before silent ones expire; dead ones stay dead.
+- A heartbeat reporting an epoch E above the dispatcher's (a dispatcher that lost its state meets
+  nodes that routed with a later one) moves the epoch to E + 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import threading
 from dataclasses import dataclass
 
+from shardline.dispatcher.state_memory import MemoryStateStore
+from shardline.dispatcher.state_store import EPOCH_KEY, NODE_PREFIX, StateStore, StateStoreError, with_prefix
 from shardline.services.daemon import parse_host_port
 from shardline.services.config import require_positive_number
 from shardline.services.errors import ShardlineConfigError
@@ -24,6 +38,8 @@ from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
 
 ALIVE = "alive"
 DEAD = "dead"
+# Epochs travel as uint64; a node may report at most this, so E + 1 and a restart's + 1 stay in range.
+MAX_EPOCH = 2**63 - 1
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
@@ -59,6 +75,11 @@ class _Node:
     def published(self) -> tuple:
         """The fields whose change alters the routing table."""
         return (self.state, self.rack, self.grpc_address, self.data_address, self.capacity, self.vnodes)
+
+    def persisted(self) -> dict:
+        """The value of key ``node/<id>``: the registration and its state, nothing per heartbeat."""
+        return {"rack": self.rack, "grpc_address": self.grpc_address, "data_address": self.data_address,
+                "capacity": self.capacity, "state": self.state}
 
 
 def validate_name(value: object, what: str) -> str:
@@ -107,15 +128,79 @@ def reachable_address(address: str, peer: str) -> str:
 
 
 class Membership:
-    """The set of PS nodes known to the dispatcher and the epoch of their routing table."""
+    """The set of PS nodes known to the dispatcher and the epoch of their routing table.
 
-    def __init__(self, heartbeat_timeout: float, vnodes_per_capacity: int = DEFAULT_VNODES_PER_CAPACITY):
+    ``store`` keeps them across restarts (default: memory, i.e. not kept); ``now`` is the start
+    time on the caller's clock, from which restored alive nodes get their heartbeat grace. Raises
+    StateStoreError naming the store if its state cannot be read or written.
+    """
+
+    def __init__(
+        self,
+        heartbeat_timeout: float,
+        vnodes_per_capacity: int = DEFAULT_VNODES_PER_CAPACITY,
+        *,
+        store: StateStore | None = None,
+        now: float = 0.0,
+    ):
         self.heartbeat_timeout = require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
         vnode_counts({}, vnodes_per_capacity)  # validates the density
         self.vnodes_per_capacity = vnodes_per_capacity
+        self.store = store if store is not None else MemoryStateStore()
         self._lock = threading.Lock()
-        self._nodes: dict[str, _Node] = {}
-        self._epoch = 1
+        state = self.store.load()
+        # The epoch stored by the previous run, None on a fresh store (for the start-up log).
+        self.recovered_epoch: int | None = None
+        if EPOCH_KEY in state:
+            self.recovered_epoch = self._decode_epoch(state[EPOCH_KEY])
+        self._nodes: dict[str, _Node] = {
+            node_id: self._decode_node(node_id, value, now) for node_id, value in with_prefix(state, NODE_PREFIX).items()
+        }
+        epoch = 1 if self.recovered_epoch is None else self.recovered_epoch + 1
+        self.store.apply({EPOCH_KEY: {"epoch": epoch}})
+        self._epoch = epoch
+
+    def _decode_epoch(self, value: dict) -> int:
+        epoch = value.get("epoch")
+        if not isinstance(epoch, int) or isinstance(epoch, bool) or not 1 <= epoch <= MAX_EPOCH:
+            raise StateStoreError(f"state store {self.store.location}: key {EPOCH_KEY!r} holds a bad epoch {value!r}")
+        return epoch
+
+    def _decode_node(self, node_id: str, value: dict, now: float) -> _Node:
+        try:
+            validate_name(node_id, "node_id")
+            capacity = value["capacity"]
+            state = value["state"]
+            if state not in (ALIVE, DEAD):
+                raise ShardlineConfigError(f"state must be {ALIVE} or {DEAD}, got {state!r}")
+            return _Node(
+                node_id=node_id,
+                rack=validate_name(value["rack"], "rack"),
+                grpc_address=validate_address(value["grpc_address"], "grpc_address"),
+                data_address=validate_address(value["data_address"], "data_address"),
+                capacity=float(capacity),
+                vnodes=vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id],
+                state=state,
+                last_heartbeat=now,
+            )
+        except (KeyError, TypeError, ValueError) as exc:  # ShardlineConfigError is a ValueError
+            raise StateStoreError(
+                f"state store {self.store.location}: key {NODE_PREFIX + node_id!r} holds a bad node record: {exc}"
+            ) from None
+
+    def _bump(self, changed: list[_Node], epoch: int | None = None) -> None:
+        """Persist ``epoch`` (default: the current one + 1) with the new records of ``changed``,
+        then publish them. Caller holds the lock.
+
+        Write-ahead: if the store fails, it raises and nothing in memory has changed.
+        """
+        epoch = self._epoch + 1 if epoch is None else epoch
+        puts = {NODE_PREFIX + node.node_id: node.persisted() for node in changed}
+        puts[EPOCH_KEY] = {"epoch": epoch}
+        self.store.apply(puts)
+        for node in changed:
+            self._nodes[node.node_id] = node
+        self._epoch = epoch
 
     @property
     def epoch(self) -> int:
@@ -139,8 +224,9 @@ class Membership:
         """Add a node, revive a dead one, or refresh/update a known one. Returns the epoch after.
 
         Re-registering an alive node with the same rack, addresses and capacity only refreshes its
-        heartbeat (a node retrying registration must not churn the ring). Any other change, including
-        a node coming back from dead, bumps the epoch. Raises ShardlineConfigError on a bad field.
+        heartbeat (a node retrying registration must not churn the ring, nor write to the store).
+        Any other change, including a node coming back from dead, bumps the epoch. Raises
+        ShardlineConfigError on a bad field and StateStoreError if the change cannot be persisted.
         """
         validate_name(node_id, "node_id")
         validate_name(rack, "rack")
@@ -162,16 +248,27 @@ class Membership:
             if before is not None:
                 # Keep the last storage report until the node sends a fresh one.
                 node.blocks, node.bytes = before.blocks, before.bytes
-            self._nodes[node_id] = node
             if before is None or before.published() != node.published():
-                self._epoch += 1
+                self._bump([node])
+            else:
+                self._nodes[node_id] = node
             return self._epoch
 
-    def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0) -> bool:
-        """Record a heartbeat with the node's storage report. False: unknown or dead, register again."""
+    def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0, epoch: int = 0) -> bool:
+        """Record a heartbeat with the node's storage report. False: unknown or dead, register again.
+
+        ``epoch`` is the one the node routes with (0: not reported). One above the dispatcher's
+        moves the dispatcher's to ``epoch + 1`` (persisted; StateStoreError if that fails), whether
+        or not the node is registered.
+        """
         _validate_count(blocks, "blocks")
         _validate_count(bytes, "bytes")
+        _validate_count(epoch, "epoch")
+        if epoch >= MAX_EPOCH:
+            raise ShardlineConfigError(f"epoch must be below {MAX_EPOCH}, got {epoch!r}")
         with self._lock:
+            if epoch > self._epoch:
+                self._bump([], epoch=epoch + 1)
             node = self._nodes.get(node_id)
             if node is None or node.state != ALIVE:
                 return False
@@ -180,17 +277,18 @@ class Membership:
             return True
 
     def expire(self, now: float) -> list[str]:
-        """Declare dead every alive node silent for more than ``heartbeat_timeout``. Returns their ids."""
+        """Declare dead every alive node silent for more than ``heartbeat_timeout``. Returns their ids.
+
+        Raises StateStoreError (and declares none dead) if the change cannot be persisted.
+        """
         with self._lock:
             expired = sorted(
                 node.node_id
                 for node in self._nodes.values()
                 if node.state == ALIVE and now - node.last_heartbeat > self.heartbeat_timeout
             )
-            for node_id in expired:
-                self._nodes[node_id].state = DEAD
             if expired:
-                self._epoch += 1
+                self._bump([dataclasses.replace(self._nodes[node_id], state=DEAD) for node_id in expired])
             return expired
 
     def routing_table(self, now: float | None = None) -> tuple[int, list[NodeRecord]]:

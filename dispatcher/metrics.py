@@ -4,14 +4,15 @@ The dispatcher's expiry loop calls :func:`publish` every ``EXPIRE_PERIOD_SECONDS
 registration calls it too), so the membership gauges are at most that old when scraped. Per-node
 series carry ``node_id`` and ``rack`` (bounded by the cluster size); a node's series disappear
 only when the dispatcher forgets the node (today: never; dead nodes stay listed with
-``shardline_node_alive 0``). gRPC request counts and latencies of every daemon come from
+``shardline_node_alive 0``). Per-job series carry ``job_name`` (bounded by the jobs) and
+disappear when the job is deleted. gRPC request counts and latencies of every daemon come from
 :mod:`services.grpc_metrics`.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from prometheus_client import Counter, Gauge
 
@@ -22,6 +23,11 @@ NODES_DECLARED_DEAD = Counter("shardline_nodes_declared_dead_total", "Times a PS
 HEARTBEAT_TIMEOUT = Gauge("shardline_heartbeat_timeout_seconds",
                           "Heartbeat silence after which the dispatcher declares a PS node dead")
 JOBS = Gauge("shardline_jobs", "Jobs registered with the dispatcher")
+JOB_CHECKPOINT_STEP = Gauge("shardline_job_checkpoint_step",
+                            "Latest step every PS node holding the job has durable (absent while one has none)",
+                            ["job_name"])
+STATE_STORE_WRITE_FAILURES = Counter("shardline_state_store_write_failures_total",
+                                     "Changes of dispatcher state refused because the state store could not write them")
 
 _NODE_LABELS = ["node_id", "rack"]
 NODE_ALIVE = Gauge("shardline_node_alive", "1 if the dispatcher considers the PS node alive, 0 if dead", _NODE_LABELS)
@@ -35,6 +41,7 @@ NODE_VNODES = Gauge("shardline_node_vnodes", "Virtual nodes of the PS node on th
 _NODE_GAUGES = (NODE_ALIVE, NODE_HEARTBEAT_AGE, NODE_BLOCKS, NODE_BYTES, NODE_VNODES)
 _lock = threading.Lock()
 _published: set[tuple[str, str]] = set()
+_published_jobs: set[str] = set()
 
 
 def publish(epoch: int, nodes: Iterable, *, heartbeat_timeout: float, jobs: int) -> None:
@@ -75,3 +82,21 @@ def nodes_declared_dead(count: int) -> None:
     if count > 0:
         NODES_DECLARED_DEAD.inc(count)
 
+
+
+def publish_checkpoints(steps: Mapping[str, int]) -> None:
+    """Set the checkpoint step of each job in ``steps`` (jobs with a checkpoint); remove the others' series."""
+    with _lock:
+        for job, step in steps.items():
+            JOB_CHECKPOINT_STEP.labels(job).set(step)
+        for job in _published_jobs - steps.keys():
+            try:
+                JOB_CHECKPOINT_STEP.remove(job)
+            except KeyError:
+                pass
+        _published_jobs.clear()
+        _published_jobs.update(steps)
+
+
+def state_store_write_failed() -> None:
+    STATE_STORE_WRITE_FAILURES.inc()

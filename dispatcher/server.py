@@ -1,9 +1,11 @@
-"""gRPC glue for the dispatcher: the Dispatcher service over Membership and JobRegistry.
+"""gRPC glue for the dispatcher: the Dispatcher service over Membership, JobRegistry and fanout.
 
 Errors map to status codes: ShardlineConfigError -> INVALID_ARGUMENT, UnknownJobError -> NOT_FOUND,
-ShardlineStateError -> FAILED_PRECONDITION, ShardlineTimeoutError -> DEADLINE_EXCEEDED; the
-status message says what is wrong. A background thread expires silent nodes every
-``EXPIRE_PERIOD_SECONDS`` and stops with the server.
+StateStoreError (the state could not be persisted; the message names the path) and
+ShardlineConnectionError -> UNAVAILABLE, ShardlineStateError -> FAILED_PRECONDITION,
+ShardlineTimeoutError -> DEADLINE_EXCEEDED; the status message says what is wrong. A background
+thread expires silent nodes every ``EXPIRE_PERIOD_SECONDS`` and stops with the server. Calls to PS
+nodes (DeleteJob, CheckpointJob) run on a thread pool of the servicer, outside every lock.
 """
 
 from __future__ import annotations
@@ -14,17 +16,33 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2
 
 from shardline.dispatcher import metrics as M
+from shardline.dispatcher.fanout import (
+    DEFAULT_DROP_TIMEOUT,
+    DEFAULT_STATUS_TIMEOUT,
+    GrpcNodeCaller,
+    NodeCaller,
+    Target,
+    coordinate_checkpoint,
+    drop_everywhere,
+)
 from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
-from shardline.dispatcher.membership import Membership, NodeRecord, reachable_address
+from shardline.dispatcher.membership import ALIVE, Membership, NodeRecord, reachable_address
+from shardline.dispatcher.state_store import StateStoreError, open_state_store
 from shardline.services.daemon import create_grpc_server
 from shardline.services.config import require_positive_number
-from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from shardline.services.errors import (
+    ShardlineConfigError,
+    ShardlineConnectionError,
+    ShardlineStateError,
+    ShardlineTimeoutError,
+)
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 log = logging.getLogger("shardline.dispatcher")
@@ -40,7 +58,11 @@ def node_info(record: NodeRecord) -> common_pb2.NodeInfo:
 
 
 def job_info(record: JobRecord) -> dispatcher_pb2.JobInfo:
-    return dispatcher_pb2.JobInfo(spec=record.spec, ready=record.ready, created_unix_ms=record.created_unix_ms)
+    return dispatcher_pb2.JobInfo(
+        spec=record.spec, ready=record.ready, created_unix_ms=record.created_unix_ms, uid=record.uid,
+        has_checkpoint=record.has_checkpoint, checkpoint_step=record.checkpoint_step,
+        durable_steps=record.durable_steps,
+    )
 
 
 class _Abort(Exception):
@@ -56,6 +78,8 @@ def _status_of(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, UnknownJobError):
         return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, (StateStoreError, ShardlineConnectionError)):  # before its base, ShardlineStateError
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, ShardlineStateError):
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, ShardlineTimeoutError):
@@ -79,6 +103,9 @@ def _rpc(method: Callable) -> Callable:
             message = str(exc) if code != grpc.StatusCode.INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", name)
+            elif isinstance(exc, StateStoreError):  # the change was refused, loudly: the disk needs attention
+                M.state_store_write_failed()
+                log.error("%s failed: %s", name, exc)
         else:
             return response
         context.abort(code, message)
@@ -87,7 +114,12 @@ def _rpc(method: Callable) -> Callable:
 
 
 class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
-    """Implements protos/dispatcher.proto. ``clock`` is monotonic seconds (heartbeat ages)."""
+    """Implements protos/dispatcher.proto. ``clock`` is monotonic seconds (heartbeat ages).
+
+    ``node_caller`` makes the calls to PS nodes (default: gRPC without a token), at most
+    ``fanout_workers`` at once; ``drop_timeout`` and ``status_timeout`` bound each DropJob and
+    GetNodeStatus call. ``close`` releases the pool and the state store.
+    """
 
     def __init__(
         self,
@@ -97,6 +129,10 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         heartbeat_interval: float,
         clock: Callable[[], float] = time.monotonic,
         max_waiters: int = 32,
+        node_caller: NodeCaller | None = None,
+        fanout_workers: int = 16,
+        drop_timeout: float = DEFAULT_DROP_TIMEOUT,
+        status_timeout: float = DEFAULT_STATUS_TIMEOUT,
     ):
         self.membership = membership
         self.jobs = jobs
@@ -105,15 +141,25 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         # Waiters hold a server thread each; the cap keeps threads free for heartbeats.
         self._waiters = threading.BoundedSemaphore(max_waiters)
         self._stopping = threading.Event()
+        self._caller = node_caller if node_caller is not None else GrpcNodeCaller()
+        self._fanout = ThreadPoolExecutor(max_workers=fanout_workers, thread_name_prefix="dispatcher-fanout")
+        self.drop_timeout = require_positive_number(drop_timeout, "drop_timeout (seconds)")
+        self.status_timeout = require_positive_number(status_timeout, "status_timeout (seconds)")
         self._publish_gauges()
 
     def _publish_gauges(self) -> None:
+        jobs = self.jobs.list()
         M.publish(self.membership.epoch, self.membership.all_nodes(self._clock()),
-                  heartbeat_timeout=self.membership.heartbeat_timeout, jobs=len(self.jobs.list()))
+                  heartbeat_timeout=self.membership.heartbeat_timeout, jobs=len(jobs))
+        M.publish_checkpoints({job.name: job.checkpoint_step for job in jobs if job.has_checkpoint})
 
     def expire(self) -> list[str]:
-        """Declare silent nodes dead now; returns their ids."""
-        expired = self.membership.expire(self._clock())
+        """Declare silent nodes dead now; returns their ids. StateStoreError: none was declared dead."""
+        try:
+            expired = self.membership.expire(self._clock())
+        except StateStoreError:
+            M.state_store_write_failed()
+            raise
         M.nodes_declared_dead(len(expired))
         if expired:
             log.warning("nodes declared dead (no heartbeat for %.3g s): %s", self.membership.heartbeat_timeout, ", ".join(expired))
@@ -123,6 +169,13 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     def stop(self) -> None:
         """Release WaitJobReady callers so the server can drain."""
         self._stopping.set()
+
+    def close(self) -> None:
+        """After the server stopped: end the fan-out pool and close the state store."""
+        self._fanout.shutdown(wait=False, cancel_futures=True)
+        self.membership.store.close()
+        if self.jobs.store is not self.membership.store:
+            self.jobs.store.close()
 
     @_rpc
     def RegisterNode(self, request, context):
@@ -142,8 +195,21 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
 
     @_rpc
     def Heartbeat(self, request, context):
-        registered = self.membership.heartbeat(request.node_id, self._clock(), request.blocks, request.bytes)
-        return dispatcher_pb2.HeartbeatResponse(epoch=self.membership.epoch, registered=registered)
+        before = self.membership.epoch
+        registered = self.membership.heartbeat(request.node_id, self._clock(), request.blocks, request.bytes,
+                                               request.epoch)
+        epoch = self.membership.epoch
+        if request.epoch > before:
+            log.warning("node %s routes with epoch %d, above the dispatcher's %d: the dispatcher moved to epoch %d",
+                        request.node_id, request.epoch, before, epoch)
+        # Only a registered node's report counts for holders; any node is told what to drop.
+        drop, steps = self.jobs.report_held(request.node_id, request.jobs, record=registered)
+        if drop:
+            log.info("node %s holds deleted or replaced jobs, told to drop them: %s", request.node_id, ", ".join(drop))
+        return dispatcher_pb2.HeartbeatResponse(
+            epoch=epoch, registered=registered, drop_jobs=drop,
+            checkpoint_steps=[dispatcher_pb2.JobCheckpointStep(job=job, step=step) for job, step in sorted(steps.items())],
+        )
 
     def _routing(self) -> common_pb2.RoutingTable:
         epoch, nodes = self.membership.routing_table(self._clock())
@@ -202,6 +268,44 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         return job_info(record)
 
     @_rpc
+    def DeleteJob(self, request, context):
+        record = self.jobs.delete(request.name)  # tombstoned and durable before any node is told
+        nodes = self.membership.all_nodes(self._clock())
+        alive = [Target(n.node_id, n.grpc_address) for n in nodes if n.state == ALIVE]
+        dead = [n.node_id for n in nodes if n.state != ALIVE]
+        dropped, pending = drop_everywhere(self._caller, self._fanout, alive, dead, record.name, record.uid,
+                                           drop_timeout=self.drop_timeout)
+        log.info("job %s (uid %s) deleted; dropped on [%s], pending on [%s]", record.name, record.uid,
+                 ", ".join(dropped), ", ".join(pending))
+        self._publish_gauges()
+        return dispatcher_pb2.DeleteJobResponse(uid=record.uid, dropped_on=dropped, pending_on=pending)
+
+    @_rpc
+    def CheckpointJob(self, request, context):
+        timeout = request.timeout_seconds
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ShardlineConfigError(f"timeout_seconds must be a finite number > 0, got {timeout!r}")
+        record = self.jobs.get(request.name)
+        _epoch, alive = self.membership.routing_table()
+        result = coordinate_checkpoint(
+            self._caller, self._fanout, [Target(n.node_id, n.grpc_address) for n in alive], record.name, record.uid,
+            asp=record.spec.sync == "asp", timeout=timeout, status_timeout=self.status_timeout,
+        )
+        log.info("job %s checkpointed at step %d on %s", record.name, result.step, ", ".join(result.nodes))
+        return dispatcher_pb2.CheckpointJobResponse(step=result.step, nodes=result.nodes)
+
+    @_rpc
+    def RestoreJob(self, request, context):
+        if not request.HasField("spec"):
+            raise ShardlineConfigError("RestoreJob needs a spec")
+        record, restored = self.jobs.restore(request.spec, request.uid, request.node_id)
+        if restored:
+            log.warning("job %s (uid %s) was re-registered from node %s's checkpoint (the dispatcher did not know it)",
+                        record.name, record.uid, request.node_id)
+            self._publish_gauges()
+        return job_info(record)
+
+    @_rpc
     def GetClusterStatus(self, request, context):
         now = self._clock()
         return dispatcher_pb2.ClusterStatus(
@@ -209,6 +313,21 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             all_nodes=[node_info(n) for n in self.membership.all_nodes(now)],
             jobs=[job_info(j) for j in self.jobs.list()],
         )
+
+
+def _log_recovery(state_dir: str | None, membership: Membership, jobs: JobRegistry) -> None:
+    if not state_dir:
+        log.warning("no state_dir: the dispatcher's state (jobs, node registrations, ring epoch) lives in memory "
+                    "only; a restart forgets every job")
+        return
+    where = membership.store.location
+    if membership.recovered_epoch is None:
+        log.info("no previous state in %s: starting at epoch %d", where, membership.epoch)
+        return
+    nodes = membership.all_nodes(time.monotonic())
+    log.info("recovered state from %s: epoch=%d (stored %d) nodes=%d (alive %d, each has one heartbeat timeout "
+             "to heartbeat) jobs=%d", where, membership.epoch, membership.recovered_epoch, len(nodes),
+             sum(1 for n in nodes if n.state == ALIVE), len(jobs.list()))
 
 
 class DispatcherServer:
@@ -229,6 +348,8 @@ class DispatcherServer:
         while not self._stop.wait(EXPIRE_PERIOD_SECONDS):
             try:
                 self._servicer.expire()
+            except StateStoreError as exc:  # retried next pass; nothing was declared dead
+                log.error("node expiry failed: %s", exc)
             except Exception:  # keep detecting failures whatever one pass hit
                 log.exception("node expiry failed")
 
@@ -240,6 +361,10 @@ class DispatcherServer:
         done = self._server.stop(grace)
         self._thread.join(timeout=EXPIRE_PERIOD_SECONDS * 4)
         return done
+
+    def close(self) -> None:
+        """Once ``stop``'s event is set: release the fan-out pool and close the state store."""
+        self._servicer.close()
 
     def __getattr__(self, name: str):
         return getattr(self._server, name)
@@ -253,26 +378,44 @@ def create_server(
     vnodes_per_capacity: int = 128,
     max_workers: int = 64,
     cluster_token: bytes | None = None,
+    state_dir: str | None = None,
 ) -> tuple[DispatcherServer, int, DispatcherServicer]:
     """Start a dispatcher on ``address`` (port 0: any free port). Returns (server, bound port, servicer).
 
     ``heartbeat_interval`` is what nodes are told to use; it must be below ``heartbeat_timeout`` or
-    healthy nodes would be declared dead between heartbeats.
+    healthy nodes would be declared dead between heartbeats. ``state_dir``: where the state is kept
+    across restarts (None: memory only, with a WARNING); what was recovered is logged. Raises
+    ShardlineConfigError for bad arguments and StateStoreError if the state cannot be opened.
+    Calls to PS nodes carry ``cluster_token``.
     """
-    membership = Membership(heartbeat_timeout, vnodes_per_capacity)  # validates both
+    # Arguments first: a bad one must not touch the state (opening it persists a new epoch).
+    require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
     require_positive_number(heartbeat_interval, "heartbeat_interval (seconds)")
     if heartbeat_interval >= heartbeat_timeout:
         raise ShardlineConfigError(
             f"heartbeat_interval must be below heartbeat_timeout, got interval {heartbeat_interval!r} "
             f"and timeout {heartbeat_timeout!r}"
         )
+    store = open_state_store(state_dir)
+    try:
+        membership = Membership(heartbeat_timeout, vnodes_per_capacity, store=store, now=time.monotonic())
+        jobs = JobRegistry(store=store)
+    except BaseException:
+        store.close()
+        raise
+    _log_recovery(state_dir, membership, jobs)
     servicer = DispatcherServicer(
-        membership, JobRegistry(), heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2)
+        membership, jobs, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
+        node_caller=GrpcNodeCaller(cluster_token),
     )
-    grpc_server, port, health_servicer = create_grpc_server(
-        address,
-        [lambda s: dispatcher_pb2_grpc.add_DispatcherServicer_to_server(servicer, s)],
-        max_workers=max_workers,
-        cluster_token=cluster_token,
-    )
+    try:
+        grpc_server, port, health_servicer = create_grpc_server(
+            address,
+            [lambda s: dispatcher_pb2_grpc.add_DispatcherServicer_to_server(servicer, s)],
+            max_workers=max_workers,
+            cluster_token=cluster_token,
+        )
+    except BaseException:
+        servicer.close()  # releases the state store's lock for the next attempt
+        raise
     return DispatcherServer(grpc_server, servicer, health_servicer), port, servicer

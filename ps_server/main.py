@@ -1,7 +1,10 @@
 """``shardline-ps``: a PS node daemon.
 
-Starts the data plane and gRPC, registers with the dispatcher (``--cluster``), heartbeats, keeps
-its routing table at the dispatcher's epoch, writes the ready file, and serves until SIGTERM.
+Starts the data plane (frames get UNAVAILABLE until the node is ready), restores every job of its
+``checkpoint_dir`` (ps_server/restore.py), starts gRPC, registers with the dispatcher
+(``--cluster``), heartbeats, keeps its routing table at the dispatcher's epoch, writes the ready
+file, and serves until SIGTERM; then it freezes its jobs, writes a final checkpoint of what changed
+and reports it before exiting.
 """
 
 from __future__ import annotations
@@ -13,10 +16,14 @@ import socket
 import sys
 import threading
 import time
+from typing import Callable
 
 from shardline.ps_server import metrics as M
+from shardline.ps_server.checkpoint import CheckpointDir, CheckpointError
+from shardline.ps_server.checkpointer import Checkpointer
 from shardline.ps_server.dataplane import serve_connection
 from shardline.ps_server.node import PSNode
+from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
 from shardline.services import auth, frame
 from shardline.services.config import log_configuration, parse_daemon_args
@@ -35,45 +42,68 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _prepare_checkpoint_dir(path: str | None) -> str | None:
-    """Create ``checkpoint_dir`` if missing and check that this node can write there.
+# A graceful stop writes what changed since the last checkpoint; the unit's TimeoutStopSec allows it.
+STOP_CHECKPOINT_TIMEOUT_SECONDS = 240.0
+# How long a stopping node tries to tell the dispatcher its final durable steps.
+FINAL_REPORT_TIMEOUT_SECONDS = 3.0
+PEER_STATUS_TIMEOUT_SECONDS = 2.0
 
-    Checkpoints themselves are a later issue: the directory is validated now so that a unit file or
-    config that names an unusable directory fails at deploy time, not at the first checkpoint.
-    """
+
+def open_checkpoint_dir(path: str | None, node_id: str) -> CheckpointDir | None:
+    """The node's CheckpointDir (created if missing, checked writable and not another node's)."""
     if not path:
         return None
-    path = os.path.abspath(os.path.expanduser(path))
     try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise ShardlineConfigError(f"checkpoint_dir {path!r} cannot be created: {exc.strerror or exc}") from None
-    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
-        raise ShardlineConfigError(f"checkpoint_dir {path!r} is not a writable directory")
-    return path
+        return CheckpointDir(os.path.abspath(os.path.expanduser(path)), node_id)
+    except CheckpointError as exc:
+        raise ShardlineConfigError(f"checkpoint_dir: {exc}") from None
 
 
 class HeartbeatLoop(threading.Thread):
+    """Heartbeats carry the node's storage and its held jobs (steps, durable checkpoints); replies
+    tell it which jobs to drop and which checkpoint steps the cluster still needs. ``wake()`` sends
+    one at once (a checkpoint just became durable)."""
+
     def __init__(self, client: DispatcherClient, node: PSNode, registration: dict, interval: float, stop: threading.Event):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.node, self.registration = client, node, registration
         self.interval, self.stop = interval, stop
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # one heartbeat at a time (loop, wake-ups, the final report)
         M.watch_node(node, registration.get("node_id"), registration.get("rack"))
         M.heartbeat(ok=True)  # registration just reached the dispatcher
 
+    def wake(self) -> None:
+        self._wake.set()
+
+    def beat(self, timeout: float | None = None) -> None:
+        """One heartbeat and what its reply asks for. Raises ShardlineError."""
+        with self._lock:
+            blocks, nbytes = self.node.store.totals()
+            resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
+                                         epoch=self.node.routing.epoch, jobs=self.node.held_jobs(), timeout=timeout)
+            if not resp.registered:
+                log.warning("dispatcher does not know this node; registering again")
+                self.client.register_node(**self.registration)
+                self.node.refresh_routing()
+            elif resp.epoch != self.node.routing.epoch:
+                self.node.refresh_routing()
+                log.info("routing updated to epoch %d", self.node.routing.epoch)
+        for job in resp.drop_jobs:
+            self.node.drop_job(job)
+        if self.node.checkpointer is not None:
+            for entry in resp.checkpoint_steps:
+                self.node.checkpointer.protect(entry.job, entry.step)
+
     def run(self) -> None:
         failing = False  # log outages once, not once per heartbeat (journald floods otherwise)
-        while not self.stop.wait(self.interval):
-            blocks, nbytes = self.node.store.totals()
+        while not self.stop.is_set():
+            self._wake.wait(self.interval)
+            self._wake.clear()
+            if self.stop.is_set():
+                return
             try:
-                resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes, epoch=self.node.routing.epoch)
-                if not resp.registered:
-                    log.warning("dispatcher does not know this node; registering again")
-                    self.client.register_node(**self.registration)
-                    self.node.refresh_routing()
-                elif resp.epoch != self.node.routing.epoch:
-                    self.node.refresh_routing()
-                    log.info("routing updated to epoch %d", self.node.routing.epoch)
+                self.beat()
                 M.heartbeat(ok=True)
                 if failing:
                     log.info("heartbeats reach the dispatcher again")
@@ -82,6 +112,53 @@ class HeartbeatLoop(threading.Thread):
                 M.heartbeat(ok=False)
                 (log.debug if failing else log.warning)("heartbeat failed: %s", exc)
                 failing = True
+
+
+def peer_job_steps(node: PSNode, token: bytes | None) -> Callable[[str], int | None]:
+    """``step(job)``: the highest step other alive nodes hold the job at (None: nobody holds it)."""
+    from shardline.services.daemon import grpc_channel
+    from shardline.services.pb import ps_pb2, ps_pb2_grpc
+
+    cache: dict[str, dict[str, int]] = {}
+
+    def status_of(info) -> dict[str, int]:
+        if info.node_id not in cache:
+            try:
+                with grpc_channel(info.grpc_address, token) as channel:
+                    reply = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(
+                        ps_pb2.GetNodeStatusRequest(), timeout=PEER_STATUS_TIMEOUT_SECONDS)
+                # an address may outlive its node (a stale registration): trust only the node itself
+                cache[info.node_id] = {j.job: int(j.step) for j in reply.jobs} if reply.node_id == info.node_id else {}
+            except Exception:  # noqa: BLE001 - a peer that cannot answer (down, restoring) holds nothing live
+                cache[info.node_id] = {}
+        return cache[info.node_id]
+
+    def step(job: str) -> int | None:
+        steps = [status_of(info).get(job) for node_id, info in node.routing.nodes.items() if node_id != node.node_id]
+        steps = [s for s in steps if s is not None]
+        return max(steps) if steps else None
+
+    return step
+
+
+def graceful_stop(node: PSNode, heartbeats: HeartbeatLoop | None) -> None:
+    """Freeze every job, write what changed since the last checkpoint, report the durable steps."""
+    node.freeze("the node is stopping")
+    if node.checkpointer is None:
+        return
+    for job in node.store.jobs():
+        try:
+            step = node.checkpointer.checkpoint_now(job.name, STOP_CHECKPOINT_TIMEOUT_SECONDS)
+            if step is not None:
+                log.info("job %s: durable at step %d before stopping", job.name, step)
+        except ShardlineError as exc:
+            log.error("job %s: final checkpoint failed: %s", job.name, exc)
+    node.checkpointer.close()
+    if heartbeats is not None:
+        try:
+            heartbeats.beat(timeout=FINAL_REPORT_TIMEOUT_SECONDS)
+        except ShardlineError as exc:
+            log.warning("could not report the final checkpoints to the dispatcher: %s", exc)
 
 
 def main(argv=None) -> int:
@@ -93,7 +170,9 @@ def main(argv=None) -> int:
         host, _ = parse_host_port(args.listen, what="listen")
         data_host, data_port = parse_host_port(args.data_listen or f"{format_host_port(host, 0)}", what="data_listen")
         transport = get_transport(args.transport)
-        args.checkpoint_dir = _prepare_checkpoint_dir(args.checkpoint_dir)
+        if args.checkpoint_dir and not args.node_id and data_port == 0:
+            raise ShardlineConfigError("checkpoint_dir needs a stable node id: set node_id (the default, host name and "
+                                       "data port, changes from run to run when the data port is 0)")
         cluster_token = auth.load_token(args.cluster_token_file)
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
@@ -106,8 +185,7 @@ def main(argv=None) -> int:
     client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout, cluster_token=cluster_token)
 
     def fetch_job(name):
-        info = client.get_job(name)
-        return None if info is None else info.spec
+        return client.get_job(name)
 
     limits = frame.FrameLimits(max_payload_bytes=args.max_payload_bytes)
     node_holder: dict = {}
@@ -122,14 +200,39 @@ def main(argv=None) -> int:
 
     listener = transport.listen(data_host, data_port, on_connection)
     node_id = args.node_id or f"{socket.gethostname()}-{listener.port}"
+    try:
+        ckdir = open_checkpoint_dir(args.checkpoint_dir, node_id)
+    except ShardlineConfigError as exc:
+        print(f"shardline-ps: error: {exc}", file=sys.stderr)
+        listener.close()
+        return 2
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
+    node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
+    heartbeats: HeartbeatLoop | None = None
+    if ckdir is not None:
+        node.checkpointer = Checkpointer(ckdir, node_id, every_steps=args.checkpoint_every_steps,
+                                         full_every=args.checkpoint_full_every, keep=args.checkpoint_keep,
+                                         epoch=lambda: node.routing.epoch, metrics=ps_metrics,
+                                         on_durable=lambda: heartbeats.wake() if heartbeats is not None else None)
+    # gRPC answers at once (health, status: jobs appear as they are restored, each at its final step)
     server, grpc_port, health = create_server(args.listen, node, cluster_token=cluster_token)
     _, metrics_port = start_metrics_server(host, args.metrics_port)
+    try:
+        client.wait_until_reachable(args.connect_timeout)
+        node.refresh_routing()
+        if ckdir is not None:
+            restore_all(ckdir, node_id=node_id, get_job=client.get_job, restore_job_rpc=client.restore_job,
+                        live_step=peer_job_steps(node, cluster_token), add_job=node.add_job, metrics=ps_metrics)
+    except ShardlineError as exc:
+        log.error("cannot join cluster %s: %s", args.cluster, exc)
+        listener.close()
+        server.stop(0)
+        return 1
+    node.serving.set()
 
     registration = dict(node_id=node_id, rack=args.rack, grpc_address=format_host_port(host, grpc_port),
                         data_address=listener.address, capacity=args.capacity)
     try:
-        client.wait_until_reachable(args.connect_timeout)
         resp = client.register_node(**registration)
         node.refresh_routing()
     except ShardlineError as exc:
@@ -137,13 +240,15 @@ def main(argv=None) -> int:
         listener.close()
         server.stop(0)
         return 1
-    HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, stop).start()
+    heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, stop)
+    heartbeats.start()
     log.info("node %s serving: grpc %s, data %s (%s), rack %s, epoch %d", node_id, registration["grpc_address"],
              listener.address, transport.NAME, args.rack, node.routing.epoch)
     announce_ready(args.ready_file, {"grpc": registration["grpc_address"], "metrics": format_host_port(host, metrics_port),
                                      "data": listener.address, "node_id": node_id})
     stop.wait()
     started = time.monotonic()
+    graceful_stop(node, heartbeats)
     listener.close()
     server.stop(grace=2).wait(5)
     client.close()

@@ -54,6 +54,26 @@ PULL_WAIT_SECONDS = Histogram("shardline_ps_pull_wait_seconds",
                               "Time a pull waited server-side for the job to reach the step it asked for (0: no wait)",
                               ["job_name"], buckets=WAIT_BUCKETS)
 HEARTBEAT_FAILURES = Counter("shardline_ps_heartbeat_failures_total", "Heartbeats to the dispatcher that failed")
+# Checkpoints: a few ms for a LoRA delta up to minutes for a full multi-GB node.
+CHECKPOINT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+CHECKPOINTS = Counter("shardline_ps_checkpoints_total", "Checkpoints written by this node, by kind (full, incremental)",
+                      ["job_name", "kind"])
+CHECKPOINT_FAILURES = Counter("shardline_ps_checkpoint_failures_total",
+                              "Checkpoints that failed to write (disk full, I/O error); training goes on", ["job_name"])
+CHECKPOINTS_SKIPPED = Counter("shardline_ps_checkpoints_skipped_total",
+                              "Periodic checkpoints skipped because the writer was stalled (a disk that stopped responding)", ["job_name"])
+CHECKPOINT_BYTES = Counter("shardline_ps_checkpoint_bytes_total", "Bytes written by checkpoints (files and manifests)",
+                           ["job_name"])
+CHECKPOINT_SECONDS = Histogram("shardline_ps_checkpoint_write_seconds",
+                               "Time to write one checkpoint (background thread, off the training path)",
+                               ["job_name"], buckets=CHECKPOINT_BUCKETS)
+CHECKPOINT_SNAPSHOT_SECONDS = Histogram("shardline_ps_checkpoint_snapshot_seconds",
+                                        "Time the job lock was held to copy the blocks of one checkpoint",
+                                        ["job_name"], buckets=CHECKPOINT_BUCKETS)
+CHECKPOINT_STEP = Gauge("shardline_ps_checkpoint_step", "Step of the newest durable checkpoint on this node",
+                        ["job_name"])
+RESTORE_SECONDS = Gauge("shardline_ps_restore_seconds", "Time the node took to restore a job from its checkpoint at start",
+                        ["job_name"])
 INFO = Gauge("shardline_ps_info", "Identity of this PS node (value 1)", ["node_id", "rack"])
 
 
@@ -98,6 +118,25 @@ class PSMetrics:
                 del self._barrier_open[job]
         if applied:
             BARRIER_SECONDS.labels(job).observe(max(0.0, now - opened[1]))
+
+    def checkpoint_written(self, job: str, step: int, nbytes: int, seconds: float, full: bool) -> None:
+        CHECKPOINTS.labels(job, "full" if full else "incremental").inc()
+        CHECKPOINT_BYTES.labels(job).inc(nbytes)
+        CHECKPOINT_SECONDS.labels(job).observe(seconds)
+        CHECKPOINT_STEP.labels(job).set(step)
+
+    def checkpoint_failed(self, job: str) -> None:
+        CHECKPOINT_FAILURES.labels(job).inc()
+
+    def checkpoint_skipped(self, job: str) -> None:
+        CHECKPOINTS_SKIPPED.labels(job).inc()
+
+    def checkpoint_snapshot(self, job: str, seconds: float) -> None:
+        CHECKPOINT_SNAPSHOT_SECONDS.labels(job).observe(seconds)
+
+    def restored(self, job: str, step: int, seconds: float) -> None:
+        RESTORE_SECONDS.labels(job).set(seconds)
+        CHECKPOINT_STEP.labels(job).set(step)
 
     def timed_commit(self, job: str, step: int, commit: Callable[[], int]) -> int:
         """Run ``commit()`` (returns the job step after) and record barrier and apply time."""

@@ -16,7 +16,7 @@ import torch
 
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
-from shardline.services.pb import common_pb2
+from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
 
@@ -35,13 +35,14 @@ class NotOwner(StoreError):
 class PSNode:
     """A PS node's data-plane logic.
 
-    ``fetch_job(name)`` returns the job's ``JobSpec`` from the dispatcher or None if unknown;
-    ``fetch_routing()`` returns the current ``RoutingTable``. Both are injected so unit tests run
-    without a dispatcher.
+    ``fetch_job(name)`` returns the job's ``JobInfo`` (spec and uid) from the dispatcher or None if
+    unknown; ``fetch_routing()`` returns the current ``RoutingTable``. Both are injected so unit
+    tests run without a dispatcher. ``checkpointer`` (ps_server/checkpointer.py), when the node has
+    a checkpoint directory, is attached to every job the node holds.
     """
 
-    def __init__(self, node_id: str, fetch_job: Callable[[str], common_pb2.JobSpec | None],
-                 fetch_routing: Callable[[], common_pb2.RoutingTable], *, metrics=None):
+    def __init__(self, node_id: str, fetch_job: Callable[[str], "dispatcher_pb2.JobInfo | None"],
+                 fetch_routing: Callable[[], common_pb2.RoutingTable], *, metrics=None, checkpointer=None):
         self.node_id = node_id
         self.store = NodeStore()
         self._fetch_job = fetch_job
@@ -49,6 +50,10 @@ class PSNode:
         self._routing = RoutingView.empty()
         self._routing_lock = threading.Lock()
         self.metrics = metrics
+        self.checkpointer = checkpointer
+        # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
+        self.serving = threading.Event()
+        self.serving.set()
 
     # --- routing ----------------------------------------------------------------------------
     @property
@@ -72,10 +77,49 @@ class PSNode:
             return job
         if not name:
             raise StoreError("UNKNOWN_JOB", "frame names no job")
-        spec = self._fetch_job(name)
-        if spec is None:
+        info = self._fetch_job(name)
+        if info is None:
             raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
-        return self.store.add(spec)
+        return self.add_job(info.spec, info.uid)
+
+    def add_job(self, spec: common_pb2.JobSpec, uid: str, restored=None) -> JobStore:
+        """Hold a job (``restored``: the LoadedCheckpoint its blocks come from)."""
+        def setup(job: JobStore) -> None:
+            if restored is not None:
+                job.restore(restored.step, restored.blocks)
+            if self.checkpointer is not None:
+                self.checkpointer.attach(job, spec, restored)
+
+        return self.store.add(spec, uid, on_create=setup)
+
+    def drop_job(self, name: str, uid: str = "") -> bool:
+        """Forget a job (its blocks, and its checkpoints); ``uid`` set: only that incarnation."""
+        job = self.store.get(name)
+        if job is None or (uid and job.uid != uid):
+            if job is None and self.checkpointer is not None and name in self.checkpointer.ckdir.jobs():
+                self.checkpointer.ckdir.delete_job(name)
+                return True
+            return False
+        job.freeze("the job was deleted")
+        self.store.remove(name)
+        if self.checkpointer is not None:
+            self.checkpointer.drop(name)
+        log.info("job %s (uid %s) dropped", name, job.uid or "-")
+        return True
+
+    def held_jobs(self) -> list[dispatcher_pb2.HeldJob]:
+        """What heartbeats report: every job held, its step and latest durable checkpoint."""
+        held = []
+        for job in self.store.jobs():
+            durable = None if self.checkpointer is None else self.checkpointer.durable_step(job.name)
+            held.append(dispatcher_pb2.HeldJob(job=job.name, uid=job.uid, step=job.step, has_durable=durable is not None,
+                                               durable_step=durable or 0))
+        return held
+
+    def freeze(self, reason: str) -> None:
+        """A stopping node: every job refuses further pushes and commits (UNAVAILABLE)."""
+        for job in self.store.jobs():
+            job.freeze(reason)
 
     # --- frames -----------------------------------------------------------------------------
     def precheck(self, header: frame.FrameHeader) -> None:
@@ -84,6 +128,8 @@ class PSNode:
             return
         if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL):
             raise StoreError("INVALID_ARGUMENT", f"op {dp.Op.Name(header.op)} is not a request")
+        if not self.serving.is_set():
+            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
         job = self.job(header.job)
         routing = self._routing
         if header.epoch > routing.epoch:
@@ -102,6 +148,8 @@ class PSNode:
                 raise StoreError("INVALID_ARGUMENT", f"initial values of {ref.tensor!r} must be float32")
         if header.op == dp.OP_PULL and header.payload_bytes:
             raise StoreError("INVALID_ARGUMENT", "a pull request carries no payload")
+        if self.checkpointer is not None and header.op != dp.OP_INIT:
+            self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
     def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
         return frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job, epoch=self._routing.epoch)

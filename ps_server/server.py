@@ -1,10 +1,24 @@
-"""gRPC glue of a PS node: node status for operators and the CLI."""
+"""gRPC glue of a PS node: node status, on-demand checkpoints and job removal."""
 
 from __future__ import annotations
 
+import math
+
+import grpc
+
 from shardline.ps_server.node import PSNode
+from shardline.ps_server.store import StoreError
 from shardline.services.daemon import create_grpc_server
 from shardline.services.pb import ps_pb2, ps_pb2_grpc
+
+# StoreError codes -> gRPC status codes (anything else is INTERNAL)
+_STATUS = {
+    "UNKNOWN_JOB": grpc.StatusCode.NOT_FOUND,
+    "TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+}
+MAX_CHECKPOINT_WAIT_SECONDS = 3600.0
 
 
 class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
@@ -12,11 +26,31 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         self._node = node
 
     def GetNodeStatus(self, request, context):
-        blocks, nbytes = self._node.store.totals()
-        status = ps_pb2.NodeStatus(node_id=self._node.node_id, epoch=self._node.routing.epoch, blocks=blocks, bytes=nbytes)
-        for job in self._node.store.jobs():
-            status.jobs.add(job=job.name, step=job.step, blocks=len(job.blocks), bytes=job.bytes)
+        node = self._node
+        blocks, nbytes = node.store.totals()
+        status = ps_pb2.NodeStatus(node_id=node.node_id, epoch=node.routing.epoch, blocks=blocks, bytes=nbytes)
+        for held, job in zip(node.held_jobs(), node.store.jobs()):
+            status.jobs.add(job=held.job, step=held.step, blocks=len(job.blocks), bytes=job.bytes, uid=held.uid,
+                            has_durable=held.has_durable, durable_step=held.durable_step)
         return status
+
+    def Checkpoint(self, request, context):
+        checkpointer = self._node.checkpointer
+        if checkpointer is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"node {self._node.node_id!r} has no checkpoint_dir: it cannot checkpoint")
+        timeout = request.timeout_seconds or 60.0
+        if not math.isfinite(timeout) or timeout <= 0:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds must be a finite number > 0, got {timeout!r}")
+        try:
+            result = checkpointer.request(request.job, int(request.step), min(timeout, MAX_CHECKPOINT_WAIT_SECONDS))
+        except StoreError as exc:
+            context.abort(_STATUS.get(exc.code, grpc.StatusCode.INTERNAL), f"node {self._node.node_id!r}: {exc}")
+        return ps_pb2.CheckpointReply(job=request.job, step=result.step, past=result.past,
+                                      bytes_written=result.bytes_written)
+
+    def DropJob(self, request, context):
+        return ps_pb2.DropJobReply(dropped=self._node.drop_job(request.job, request.uid))
 
 
 def create_server(address: str, node: PSNode, *, cluster_token: bytes | None = None):

@@ -16,6 +16,15 @@ Sync modes (SPEC "Training semantics"):
 
 Every mutating call validates the whole request before changing anything, so a rejected frame
 leaves no partial update behind.
+
+Retries are idempotent within a step: a rank's push of a block it already pushed in the step is
+received and ignored (a client resending after a lost reply or a node restart), and a rank's
+repeated commit of a step it committed (or of a step already applied) is acknowledged again.
+
+Checkpoints: ``boundary_hooks`` run under the job lock right after a step is applied (the only
+moments when no gradient of the next step has arrived yet), ``snapshot`` copies blocks there, and
+``restore`` loads a checkpoint into a fresh job. ``freeze`` makes a stopping node refuse further
+pushes and commits (``UNAVAILABLE``) so that its last checkpoint holds its last step.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -90,6 +100,7 @@ class PushTicket:
     blocks: list = field(default_factory=list)
     dests: list = field(default_factory=list)    # tensor to receive each block into (None: zero flag)
     direct: list = field(default_factory=list)   # True: dest is the block's own gradient buffer
+    resent: list = field(default_factory=list)   # True: the rank already pushed this block this step (ignored)
     error: "StoreError | None" = None
     done: bool = False
     lr: float | None = None    # ASP: lr override for this update
@@ -106,6 +117,8 @@ class JobStore:
     """Blocks and sync state of one job on this node. Thread-safe; pulls wait on ``cond``."""
 
     def __init__(self, spec: common_pb2.JobSpec, *, allow_nonfinite: bool | None = None):
+        self.spec = common_pb2.JobSpec()
+        self.spec.CopyFrom(spec)
         self.name = spec.name
         self.sync = spec.sync
         self.world_size = int(spec.world_size)
@@ -123,8 +136,12 @@ class JobStore:
         self.committed: dict[int, float] = {}
         self.push_weight: dict[int, float] = {}
         self.step_lr: float | None = None   # lr override named by this step's commits
-        self.cond = threading.Condition()
+        self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
+        self.uid = ""                       # the job incarnation (dispatcher JobInfo.uid)
+        self.frozen: str | None = None      # why pushes and commits are refused (node stopping)
+        # Called as hook(job, step) under the lock after every applied step (checkpoint triggers).
+        self.boundary_hooks: list[Callable[["JobStore", int], None]] = []
 
     # --- validation -------------------------------------------------------------------------
     def expected_numel(self, tensor: str, index: int) -> int:
@@ -173,6 +190,8 @@ class JobStore:
     def _check_bsp_contribution(self, what: str, rank: int, step: int, weight: float) -> None:
         """A rank's push or commit must be for the step being collected, before its commit, and
         with the weight of its earlier pushes of the step. Call with the lock held."""
+        if self.frozen is not None:
+            raise StoreError("UNAVAILABLE", f"job {self.name!r} on this node takes no more {what}es: {self.frozen}")
         if step != self.step:
             raise StoreError("STALE_STEP", f"{what} for step {step} but job {self.name!r} is collecting step {self.step} on this node")
         if rank in self.committed:
@@ -212,18 +231,23 @@ class JobStore:
                 self._check_bsp_contribution("push", rank, step, weight)
                 seen = set()
                 for ref, block in zip(refs, blocks):
-                    if rank in block.pushed_by or block in seen:
-                        raise StoreError("INVALID_ARGUMENT", f"rank {rank} pushed block {ref.tensor}[{ref.index}] twice in step {step}")
+                    if block in seen:
+                        raise StoreError("INVALID_ARGUMENT", f"rank {rank} pushed block {ref.tensor}[{ref.index}] twice in one frame")
                     seen.add(block)
+                    # Pushed in an earlier frame of this step: a resend, received and ignored.
+                    ticket.resent.append(rank in block.pushed_by)
                 self.push_weight[rank] = weight
-                for block in blocks:
-                    block.pushed_by.add(rank)  # claimed now; released again by abort_push
+                for block, resent in zip(blocks, ticket.resent):
+                    if not resent:
+                        block.pushed_by.add(rank)  # claimed now; released again by abort_push
+            else:
+                ticket.resent = [False] * len(refs)
             offset = 0
-            for ref, block in zip(refs, blocks):
+            for ref, block, resent in zip(refs, blocks, ticket.resent):
                 dest = None
                 if not ref.zero:
                     if (self.sync == "bsp" and ref.dtype == torch.float32 and not block.has_grad
-                            and block.receiving is None):
+                            and block.receiving is None and not resent):
                         if block.grad_buf is None:
                             block.grad_buf = torch.empty_like(block.value)
                         block.receiving = rank
@@ -252,6 +276,9 @@ class JobStore:
             self.abort_push(ticket)
             raise ticket.error
         with self.cond:
+            if self.frozen is not None:
+                self._release(ticket)
+                raise StoreError("UNAVAILABLE", f"job {self.name!r} on this node takes no more pushes: {self.frozen}")
             if self.sync == "asp":
                 self._apply_asp(ticket)
                 return self.step
@@ -259,8 +286,8 @@ class JobStore:
                 self._release(ticket)
                 raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
             w = ticket.weight
-            for block, dest, direct in zip(ticket.blocks, ticket.dests, ticket.direct):
-                if dest is None:
+            for block, dest, direct, resent in zip(ticket.blocks, ticket.dests, ticket.direct, ticket.resent):
+                if dest is None or resent:
                     continue
                 if direct:
                     block.receiving = None
@@ -295,10 +322,10 @@ class JobStore:
         if ticket.done:
             return
         ticket.done = True
-        for block, direct in zip(ticket.blocks, ticket.direct):
+        for block, direct, resent in zip(ticket.blocks, ticket.direct, ticket.resent or [False] * len(ticket.blocks)):
             if direct and block.receiving == ticket.rank:
                 block.receiving = None
-            if self.sync == "bsp":
+            if self.sync == "bsp" and not resent:
                 block.pushed_by.discard(ticket.rank)
         if self.sync == "bsp" and not any(ticket.rank in b.pushed_by for b in self.blocks.values()):
             self.push_weight.pop(ticket.rank, None)
@@ -327,6 +354,10 @@ class JobStore:
             raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP; job {self.name!r} is {self.sync!r}")
         self._check_rank_and_weight(rank, weight)
         with self.cond:
+            if self.frozen is None and (step < self.step or (step == self.step and self.committed.get(rank) == weight)):
+                # A resent commit (its reply was lost, or the step was applied meanwhile): a step
+                # is applied only once every rank committed it, so this rank's commit is in.
+                return self.step
             self._check_bsp_contribution("commit", rank, step, weight)
             if self.committed and lr != self.step_lr:
                 raise StoreError("INVALID_ARGUMENT",
@@ -354,6 +385,7 @@ class JobStore:
         self.committed = {}
         self.push_weight = {}
         self.step_lr = None
+        self._run_boundary_hooks()
         self.cond.notify_all()
 
     def _apply_asp(self, ticket: "PushTicket") -> None:
@@ -363,7 +395,55 @@ class JobStore:
             block.version = new_version
         self.step = new_version
         ticket.done = True
+        self._run_boundary_hooks()
         self.cond.notify_all()
+
+    def _run_boundary_hooks(self) -> None:
+        for hook in self.boundary_hooks:
+            hook(self, self.step)
+
+    # --- checkpoints ------------------------------------------------------------------------
+    def snapshot(self, since: dict[tuple[str, int], int] | None = None):
+        """Copy, under the lock, the blocks whose version differs from ``since`` (all with None).
+
+        Returns ``(step, held, copies)``: ``held`` maps every block to its version, ``copies`` is a
+        list of ``(tensor, index, version, value, state)`` private copies. Call at a step boundary
+        (a boundary hook, or a node that is stopping) so no gradient of the next step is included.
+        """
+        with self.cond:
+            held = {key: block.version for key, block in self.blocks.items()}
+            copies = []
+            for (tensor, index), block in self.blocks.items():
+                if since is not None and since.get((tensor, index)) == block.version:
+                    continue
+                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}
+                copies.append((tensor, index, block.version, block.value.clone(), state))
+            return self.step, held, copies
+
+    def restore(self, step: int, blocks: dict) -> None:
+        """Load a checkpoint into this (fresh) job: ``blocks`` maps (tensor, index) to (version,
+        value, state). Validated like initial values; the job then continues from ``step``."""
+        items = [(tensor, index, value) for (tensor, index), (_v, value, _s) in blocks.items()]
+        with self.cond:
+            if self.blocks:
+                raise StoreError("INVALID_ARGUMENT", f"job {self.name!r} already holds blocks; restore needs a fresh job")
+            self.init_blocks(items)
+            for key, (version, _value, state) in blocks.items():
+                block = self.blocks[key]
+                template = block.state
+                if set(state) != set(template):
+                    raise StoreError("INVALID_ARGUMENT", f"checkpointed optimizer state of {key[0]}[{key[1]}] has "
+                                                         f"{sorted(state)}, the job's optimizer keeps {sorted(template)}")
+                block.state = {k: (v.clone() if isinstance(v, torch.Tensor) else int(v)) for k, v in state.items()}
+                block.version = int(version)
+            self.step = int(step)
+            self.cond.notify_all()
+
+    def freeze(self, reason: str) -> None:
+        """Refuse further pushes and commits (the node is stopping); pulls are still served."""
+        with self.cond:
+            self.frozen = reason
+            self.cond.notify_all()
 
     def wait_for_step(self, min_step: int, timeout: float) -> int:
         """Block until the job step is >= ``min_step``; raises StoreError(TIMEOUT). No busy polling."""
@@ -399,16 +479,27 @@ class NodeStore:
     def get(self, name: str) -> JobStore | None:
         return self._jobs.get(name)
 
-    def add(self, spec: common_pb2.JobSpec) -> JobStore:
+    def add(self, spec: common_pb2.JobSpec, uid: str = "",
+            on_create: "Callable[[JobStore], None] | None" = None) -> JobStore:
+        """The job named by ``spec``, created if missing (then ``on_create(job)`` runs first, so
+        no other thread sees the job before it is set up)."""
         with self._lock:
             job = self._jobs.get(spec.name)
             if job is None:
-                job = self._jobs[spec.name] = JobStore(spec)
+                job = JobStore(spec)
+                job.uid = uid
+                if on_create is not None:
+                    on_create(job)
+                self._jobs[spec.name] = job
             return job
 
     def jobs(self) -> list[JobStore]:
         with self._lock:
             return list(self._jobs.values())
+
+    def remove(self, name: str) -> JobStore | None:
+        with self._lock:
+            return self._jobs.pop(name, None)
 
     def totals(self) -> tuple[int, int]:
         jobs = self.jobs()

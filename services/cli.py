@@ -2,6 +2,9 @@
 
     shardline up [--ps 2] [--workers 2] [--job examples/demo_job.yaml] [--workdir DIR] [--keep-logs]
     shardline status --cluster HOST:PORT [--json]
+    shardline checkpoint --cluster HOST:PORT --job NAME
+    shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --out FILE [--dtype bf16]
+    shardline job delete --cluster HOST:PORT NAME
 
 ``up`` runs a whole cluster on this machine (127.0.0.1): one dispatcher, ``--ps`` PS nodes and
 ``--workers`` workers training the job file, as real daemons under a :class:`LocalCluster`. It
@@ -24,7 +27,6 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, TextIO
@@ -123,6 +125,8 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
         jobs.append({
             "name": j.spec.name, "sync": j.spec.sync, "world_size": int(j.spec.world_size),
             "step": min(steps.values()) if steps else None, "steps_by_node": steps,
+            "uid": j.uid, "checkpoint_step": int(j.checkpoint_step) if j.has_checkpoint else None,
+            "durable_steps": {node: int(step) for node, step in sorted(j.durable_steps.items())},
             "optimizer": j.spec.optimizer.kind, "tensors": len(j.spec.tensors), "parameters": params,
             "ready": bool(j.ready), "created_unix_ms": int(j.created_unix_ms),
         })
@@ -147,49 +151,157 @@ def render_status(data: dict) -> str:
         lines += ["", "nodes: none registered"]
     if data["jobs"]:
         rows = [[j["name"], j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
+                 "-" if j.get("checkpoint_step") is None else j["checkpoint_step"],
                  j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
-        lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "TENSORS", "PARAMS", "READY"],
-                                            rows, right={3, 4, 5, 6})]
+        lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "CHECKPOINT", "TENSORS",
+                                             "PARAMS", "READY"], rows, right={3, 4, 5, 6, 7})]
     else:
         lines += ["", "jobs: none"]
     return "\n".join(lines)
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+class _UsageError(Exception):
+    """Bad command-line input: the message is printed and the exit code is 2."""
+
+
+def _connect_dispatcher(args: argparse.Namespace):
+    """A reachable DispatcherClient for ``--cluster`` (or $SHARDLINE_CLUSTER) with the cluster token.
+    Raises _UsageError (bad input) or ShardlineError (unreachable)."""
     from shardline.services.auth import load_token
     from shardline.services.daemon import parse_host_port
     from shardline.services.dispatcher_client import DispatcherClient
 
     cluster = args.cluster or os.environ.get("SHARDLINE_CLUSTER")
     if not cluster:
-        print(f"{PROG} status: error: --cluster HOST:PORT (the dispatcher) is required", file=sys.stderr)
-        return EXIT_USAGE
+        raise _UsageError("--cluster HOST:PORT (the dispatcher) is required")
     try:
         parse_host_port(cluster, what="--cluster")
-    except ShardlineConfigError as exc:
-        print(f"{PROG} status: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
         token = load_token(args.cluster_token_file)
     except ShardlineConfigError as exc:
-        print(f"{PROG} status: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise _UsageError(str(exc)) from None
     client = DispatcherClient(cluster, rpc_timeout=args.timeout, cluster_token=token)
     try:
         client.wait_until_reachable(args.timeout)
-        status = client.cluster_status()
+    except ShardlineError:
+        client.close()
+        raise
+    args.cluster, args.token = cluster, token
+    return client
+
+
+def _run_command(name: str, body, args: argparse.Namespace) -> int:
+    """Run ``body(args)`` with the CLI's error conventions: usage errors exit 2, Shardline errors 1."""
+    try:
+        return body(args)
+    except _UsageError as exc:
+        print(f"{PROG} {name}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except ShardlineError as exc:
-        print(f"{PROG} status: error: {exc}", file=sys.stderr)
+        print(f"{PROG} {name}: error: {exc}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def _status(args: argparse.Namespace) -> int:
+    client = _connect_dispatcher(args)
+    try:
+        status = client.cluster_status()
     finally:
         client.close()
-    data = status_dict(status, cluster, node_progress(status, args.timeout, token))
+    data = status_dict(status, args.cluster, node_progress(status, args.timeout, args.token))
     if args.json:
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         print(render_status(data))
     return EXIT_OK
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    return _run_command("status", _status, args)
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    client = _connect_dispatcher(args)
+    try:
+        started = time.monotonic()
+        reply = client.checkpoint_job(args.job, args.wait)
+    finally:
+        client.close()
+    print(f"job {args.job}: step {reply.step} durable on {len(reply.nodes)} node(s) ({', '.join(reply.nodes)}) "
+          f"in {time.monotonic() - started:.2f} s")
+    return EXIT_OK
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    return _run_command("checkpoint", _checkpoint, args)
+
+
+def _job_delete(args: argparse.Namespace) -> int:
+    client = _connect_dispatcher(args)
+    try:
+        reply = client.delete_job(args.name)
+    finally:
+        client.close()
+    if reply is None:
+        raise ShardlineError(f"no job named {args.name!r}")
+    pending = f"; pending on {', '.join(reply.pending_on)} (dropped when they next heartbeat)" if reply.pending_on else ""
+    print(f"job {args.name} (uid {reply.uid}) deleted: blocks and checkpoints dropped on "
+          f"{', '.join(reply.dropped_on) or 'no node'}{pending}")
+    return EXIT_OK
+
+
+def cmd_job_delete(args: argparse.Namespace) -> int:
+    return _run_command("job delete", _job_delete, args)
+
+
+EXPORT_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                 "fp16": "float16", "float16": "float16"}
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, EXPORT_DTYPES[args.dtype])
+    if args.checkpoint_dir and args.cluster:
+        raise _UsageError("give either --cluster (a running cluster) or --checkpoint-dir (offline), not both")
+    started = time.monotonic()
+    if args.checkpoint_dir:
+        from shardline.ps_server.checkpoint import CheckpointError, read_job_tensors
+
+        try:
+            step, _spec, tensors = read_job_tensors(args.checkpoint_dir, args.job, step=args.step)
+        except CheckpointError as exc:
+            raise ShardlineError(str(exc)) from None
+        source = f"{len(args.checkpoint_dir)} checkpoint dir(s)"
+    else:
+        if args.step is not None:
+            raise _UsageError("--step applies to --checkpoint-dir exports (a running cluster exports its current step)")
+        from shardline.worker.client import connect
+
+        dispatcher = _connect_dispatcher(args)
+        dispatcher.close()
+        client = connect(args.cluster, job=args.job, cluster_token=args.token, connect_timeout=args.timeout)
+        try:
+            client.wait_ready(args.timeout)
+            step, tensors = client.consistent_pull()
+        finally:
+            client.close()
+        source = f"cluster {args.cluster}"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + f".tmp.{os.getpid()}")
+    tensors = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
+    save_file(tensors, str(tmp), metadata={"shardline_job": args.job, "shardline_step": str(step)})
+    os.replace(tmp, out)
+    total = sum(t.numel() for t in tensors.values())
+    print(f"job {args.job} at step {step} from {source}: {len(tensors)} tensors, {total:,} parameters "
+          f"({EXPORT_DTYPES[args.dtype]}) -> {out} in {time.monotonic() - started:.2f} s")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    return _run_command("export", _export, args)
 
 
 # -- up -------------------------------------------------------------------------------------------
@@ -201,10 +313,11 @@ class LogFollower:
     """Echo the lines a daemon appends to its log file. On a terminal, progress lines are redrawn
     in place instead of scrolling."""
 
-    def __init__(self, path: Path, out: TextIO, tty: bool):
+    def __init__(self, path: Path, out: TextIO, tty: bool, start: int = 0):
         self.path = path
         self.out = out
         self.tty = tty
+        self.start = start      # byte offset to follow from (the log may hold earlier runs)
         self._fh = None
         self._partial = ""
         self._progress_shown = False
@@ -213,6 +326,7 @@ class LogFollower:
         if self._fh is None:
             try:
                 self._fh = open(self.path, encoding="utf-8", errors="replace")
+                self._fh.seek(self.start)
             except OSError:
                 return
         chunk = self._fh.read()
@@ -342,6 +456,44 @@ def _wait_fresh_heartbeats(cluster, since: float, timeout: float) -> dict | None
     return status_dict(status, cluster.address)
 
 
+UP_SHAPE_FILE = "up.json"
+
+
+def default_up_dir(job_name: str) -> Path:
+    """Where ``shardline up`` keeps a job's cluster state between runs (``$SHARDLINE_UP_DIR``, else
+    ``$XDG_STATE_HOME/shardline/up/<job>``, else ``~/.local/state/shardline/up/<job>``)."""
+    base = os.environ.get("SHARDLINE_UP_DIR")
+    if base:
+        return Path(base).resolve() / job_name
+    state = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(state) / "shardline" / "up" / job_name
+
+
+def prepare_up_dir(workdir: Path, shape: dict, *, fresh: bool) -> bool:
+    """Create ``workdir`` for a run of ``shape`` (job, ps, workers). True if it holds the state of an
+    earlier run of the same shape (the run resumes it); a different shape is refused (its nodes own
+    other blocks), unless ``fresh`` discards the old state first."""
+    marker = workdir / UP_SHAPE_FILE
+    if fresh and workdir.exists():
+        for child in workdir.iterdir():
+            if child.is_dir() and (child.name == "dispatcher-state" or child.name.endswith("-checkpoints")):
+                shutil.rmtree(child)
+        marker.unlink(missing_ok=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    previous = None
+    if marker.exists():
+        try:
+            previous = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            previous = None
+    if previous is not None and previous != shape:
+        raise ShardlineConfigError(
+            f"{workdir} holds a run of job {previous.get('job')!r} with --ps {previous.get('ps')} --workers "
+            f"{previous.get('workers')}; use the same, or --fresh to discard it")
+    marker.write_text(json.dumps(shape) + "\n", encoding="utf-8")
+    return previous is not None and (workdir / "dispatcher-state").exists()
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from shardline.services.local_cluster import DaemonStartError, LocalCluster, read_json_object
 
@@ -362,11 +514,18 @@ def cmd_up(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     own_workdir = args.workdir is None
-    workdir = Path(tempfile.mkdtemp(prefix="shardline-up-")) if own_workdir else Path(args.workdir).resolve()
-    workdir.mkdir(parents=True, exist_ok=True)
+    workdir = default_up_dir(job["name"]) if own_workdir else Path(args.workdir).resolve()
+    try:
+        resumed = prepare_up_dir(workdir, {"job": job["name"], "ps": args.ps, "workers": args.workers}, fresh=args.fresh)
+    except ShardlineConfigError as exc:
+        print(f"{PROG} up: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     tty = out.isatty()
     print(f"shardline up: 1 dispatcher, {args.ps} PS node(s), {args.workers} worker(s); job {job['name']} "
-          f"({job_path}), {job['steps']} steps; logs in {workdir}", file=out, flush=True)
+          f"({job_path}), {job['steps']} steps; state and logs in {workdir}", file=out, flush=True)
+    if resumed:
+        print(f"resuming job {job['name']} from the state of an earlier run in {workdir} (--fresh starts over)",
+              file=out, flush=True)
 
     old_handlers = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     cluster = LocalCluster(workdir, start_timeout=args.start_timeout)
@@ -375,8 +534,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     follower: LogFollower | None = None
     started = time.monotonic()
     try:
-        cluster.start_dispatcher()
-        nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
+        # Durable state in the workdir: an interrupted run resumes where it stopped.
+        cluster.start_dispatcher(state_dir=str(workdir / "dispatcher-state"))
+        nodes = [cluster.add_node(node_id=f"ps-{i}", wait=False, checkpoint_dir=str(workdir / f"ps-{i}-checkpoints"),
+                                  checkpoint_every_steps=args.checkpoint_every) for i in range(args.ps)]
         for h in nodes:
             cluster.wait_ready(h)
         cluster.wait_for_nodes(args.ps, timeout=args.start_timeout)
@@ -389,9 +550,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         result_files = [workdir / f"worker-{r}.result.json" for r in range(args.workers)]
         for f in result_files:
             f.unlink(missing_ok=True)
+        lead_log = workdir / "worker-0.log"
+        follow_from = lead_log.stat().st_size if lead_log.exists() else 0  # earlier runs' lines stay unshown
         workers = [cluster.add_worker(job_path, r, args.workers, wait=False, result_file=str(result_files[r]),
                                       **worker_flags) for r in range(args.workers)]
-        follower = LogFollower(workers[0].log_path, out, tty)
+        follower = LogFollower(workers[0].log_path, out, tty, start=follow_from)
         deadline = None if not args.timeout else started + args.timeout
         failure = None
         while True:
@@ -458,10 +621,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         print(f"{PROG} up: killed after the grace period: {', '.join(stuck)}", file=sys.stderr)
     if unclean and not failed:
         print(f"{PROG} up: warning: unclean exit of {', '.join(unclean)}", file=sys.stderr)
-    if own_workdir and not args.keep_logs and not failed:
-        shutil.rmtree(workdir, ignore_errors=True)
+    if code == EXIT_OK and own_workdir and not args.keep_logs:
+        shutil.rmtree(workdir, ignore_errors=True)  # the job is complete: nothing to resume
+    elif code == EXIT_OK:
+        print(f"state and logs kept in {workdir}", file=out, flush=True)
     else:
-        print(f"logs kept in {workdir}", file=out if not failed else sys.stderr, flush=True)
+        again = "the same command" if own_workdir else f"it again with --workdir {workdir}"
+        print(f"state and logs kept in {workdir}: run {again} to resume the job, or add --fresh to start over",
+              file=sys.stderr, flush=True)
     print(f"cluster shut down ({time.monotonic() - started:.1f} s)", file=out, flush=True)
     return code
 
@@ -479,21 +646,59 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ps", type=int, default=2, help="number of PS nodes (default 2)")
     up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--job", default=None, help=f"job file (default {DEFAULT_JOB})")
-    up.add_argument("--workdir", default=None, help="directory for logs, ready and result files (default: a temporary one)")
-    up.add_argument("--keep-logs", action="store_true", help="keep the temporary workdir after a successful run")
+    up.add_argument("--workdir", default=None,
+                    help="directory for the cluster's state, logs, ready and result files; an interrupted run "
+                         "resumes from it (default: ~/.local/state/shardline/up/<job>, removed after a completed run)")
+    up.add_argument("--keep-logs", action="store_true", help="keep the default workdir after a completed run")
+    up.add_argument("--fresh", action="store_true", help="discard the saved state of an earlier run and start over")
+    up.add_argument("--checkpoint-every", type=int, default=50,
+                    help="PS checkpoint period in steps (a Ctrl-C always checkpoints; default 50)")
     up.add_argument("--steps", type=int, default=None, help="override train.steps of the job file")
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     up.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (default: none)")
     up.add_argument("--start-timeout", type=float, default=90.0, help="seconds each daemon may take to start")
     up.set_defaults(func=cmd_up)
 
+    def cluster_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--cluster", default=None, help="dispatcher HOST:PORT (default $SHARDLINE_CLUSTER)")
+        p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the dispatcher")
+        p.add_argument("--cluster-token-file", default=os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"),
+                       help="the cluster token, if the cluster has one (default $SHARDLINE_CLUSTER_TOKEN_FILE)")
+
     st = sub.add_parser("status", help="show nodes, ring and jobs of a running cluster")
-    st.add_argument("--cluster", default=None, help="dispatcher HOST:PORT (default $SHARDLINE_CLUSTER)")
+    cluster_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    st.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the dispatcher")
-    st.add_argument("--cluster-token-file", default=os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"),
-                    help="the cluster token, if the cluster has one (default $SHARDLINE_CLUSTER_TOKEN_FILE)")
     st.set_defaults(func=cmd_status)
+
+    ck = sub.add_parser("checkpoint", help="checkpoint a job now, on every node at one same step",
+                        description="Returns once every PS node holding the job has one same step durable, "
+                                    "and prints that step.")
+    cluster_args(ck)
+    ck.add_argument("--job", required=True, help="job name")
+    ck.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the checkpoint (default 300)")
+    ck.set_defaults(func=cmd_checkpoint)
+
+    ex = sub.add_parser("export", help="write a job's full tensors to one safetensors file",
+                        description="From a running cluster (--cluster) or offline from the PS nodes' checkpoint "
+                                    "directories (--checkpoint-dir, once per node). The file loads with "
+                                    "safetensors.torch.load_file and model.load_state_dict.")
+    cluster_args(ex)
+    ex.add_argument("--checkpoint-dir", action="append", default=[], metavar="DIR",
+                    help="a PS node's checkpoint directory (repeat for every node of the cluster)")
+    ex.add_argument("--job", required=True, help="job name")
+    ex.add_argument("--out", required=True, help="output .safetensors file")
+    ex.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32", help="tensor dtype in the file (default fp32)")
+    ex.add_argument("--step", type=int, default=None, help="offline: this checkpointed step (default: the latest "
+                                                            "every directory holds)")
+    ex.set_defaults(func=cmd_export)
+
+    jb = sub.add_parser("job", help="manage jobs")
+    jsub = jb.add_subparsers(dest="job_command", metavar="ACTION")
+    jsub.required = True
+    jd = jsub.add_parser("delete", help="delete a job, its blocks and its checkpoints on every node")
+    cluster_args(jd)
+    jd.add_argument("name", help="job name")
+    jd.set_defaults(func=cmd_job_delete)
     return parser
 
 

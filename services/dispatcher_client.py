@@ -69,8 +69,8 @@ class DispatcherClient:
     def register_node(self, **fields) -> dispatcher_pb2.RegisterNodeResponse:
         return self._call("RegisterNode", dispatcher_pb2.RegisterNodeRequest(**fields))
 
-    def heartbeat(self, **fields) -> dispatcher_pb2.HeartbeatResponse:
-        return self._call("Heartbeat", dispatcher_pb2.HeartbeatRequest(**fields))
+    def heartbeat(self, *, timeout: float | None = None, **fields) -> dispatcher_pb2.HeartbeatResponse:
+        return self._call("Heartbeat", dispatcher_pb2.HeartbeatRequest(**fields), timeout=timeout)
 
     def get_routing(self) -> common_pb2.RoutingTable:
         return self._call("GetRouting", dispatcher_pb2.GetRoutingRequest())

@@ -396,27 +396,31 @@ class LocalCluster:
         return self._start(handle, wait)
 
     def shutdown(self, timeout: float = STOP_TIMEOUT) -> dict[str, int | None]:
-        """SIGTERM every daemon (workers, then PS nodes, then the dispatcher, without waiting in
-        between), SIGKILL what is left after ``timeout`` s, and reap all. Returns exit codes by name
-        (None: had to be killed). Safe to call twice."""
+        """Stop every daemon with SIGTERM in stages — workers, then PS nodes, then the dispatcher —
+        so PS nodes can report their final checkpoints to a dispatcher that is still up; SIGKILL
+        what is left when ``timeout`` s have passed in all, and reap all. Returns exit codes by
+        name (None: had to be killed). Safe to call twice."""
         with self._lock:
-            handles = sorted(self.handles.values(), key=lambda h: {"worker": 0, "ps": 1, "dispatcher": 2}[h.kind])
+            handles = list(self.handles.values())
             self._closed = True
         running = [h for h in handles if h.alive()]
-        for h in running:
-            try:
-                h.proc.send_signal(signal.SIGTERM)
-            except ProcessLookupError:
-                pass
         deadline = time.monotonic() + timeout
         codes: dict[str, int | None] = {}
+        for kind in ("worker", "ps", "dispatcher"):
+            stage = [h for h in running if h.kind == kind]
+            for h in stage:
+                try:
+                    h.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+            for h in stage:
+                try:
+                    codes[h.name] = h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    codes[h.name] = None
         for h in handles:
-            if h.proc is None:
-                continue
-            try:
-                codes[h.name] = h.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                codes[h.name] = None
+            if h.proc is not None and h.name not in codes:
+                codes[h.name] = h.proc.poll()
         # Anything left in the process group of a daemon that ran until now: stragglers, or
         # children of the daemon. (Groups of daemons reaped earlier are left alone: their ids may
         # have been reused.)

@@ -103,13 +103,25 @@ class Client:
 
     Timeouts: ``rpc_timeout`` for control-plane calls, ``pull_timeout`` for a waiting pull (how long
     a worker waits for the slowest worker of a BSP step), ``connect_timeout`` for data-plane
-    connections and for waiting on the job creator.
+    connections and for waiting on the job creator, ``recovery_timeout`` for a PS node that went
+    away (restart, graceful stop) to come back.
+
+    Node restarts: until a BSP step is applied the client keeps what it sent for it (its gradient
+    blocks, weight, whether it committed). When a node drops the connection or answers
+    ``UNAVAILABLE``, the client waits for the node to be back (refreshing routing: a restarted node
+    registers new addresses), asks it its job step and, if the node is still collecting the step in
+    flight (it restored the checkpoint of that step and lost what was sent since), sends it this
+    worker's part of the step again; pushes and commits are idempotent on the node, so resending
+    what the node kept is harmless. Then the interrupted request is retried.
     """
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
-                 max_retries: int = 5, cluster_token: bytes | None = None):
+                 max_retries: int = 5, cluster_token: bytes | None = None, recovery_timeout: float = 120.0):
         self.job = job
+        self.recovery_timeout = recovery_timeout
+        # The BSP step in flight: what this worker sent for it, kept until the next step begins.
+        self._inflight: dict | None = None
         self.cluster_token = cluster_token
         self.rank = rank
         self.pull_timeout = pull_timeout
@@ -306,18 +318,44 @@ class Client:
                 part = flat[s.start:s.stop]
                 payload[(name, s.index)] = None if is_all_zero(part) else part
         step = self._current_step()
+        if spec.sync == "bsp":
+            if self._inflight is None or self._inflight["step"] != step:
+                self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}
+            self._inflight["grads"].update(payload)
         self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
 
     def _commit(self, weight: float) -> None:
         step = self._current_step()
+        if self._inflight is None or self._inflight["step"] != step:
+            self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}
+        self._inflight["committed"] = True
         self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
         self.step = step + 1
 
-    def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> None:
+    def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> dict[str, int]:
         if min_step is None:
             min_step = self.step if (self.step is not None and self.sync == "bsp") else 0
         keys = [(n, s.index) for n in names for s in self._slices[n]]
-        self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=timeout or self.pull_timeout, all_nodes=not keys)
+        # A BSP pull of a new step asks every node, also those owning none of these blocks, so every
+        # worker sees every node reach the step (and notices a node that restarted behind it).
+        every_node = not keys or (self.sync == "bsp" and min_step > 0)
+        return self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=timeout or self.pull_timeout,
+                             all_nodes=every_node)
+
+    def consistent_pull(self, names=None, *, attempts: int = 50) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(step, tensors)``: every tensor as of one same step, also while a BSP job trains (a node
+        that applied a step the others have not yet, or a block newer than the step, means the
+        pull straddled a step boundary: pull what changed again). Copies, shaped like the job's."""
+        names = self._names(names)
+        for _ in range(attempts):
+            node_steps = self._pull(names, min_step=0, timeout=None)
+            step = min(node_steps.values())
+            newest = max((self._versions.get((n, s.index), 0) for n in names for s in self._slices[n]), default=0)
+            if max(node_steps.values()) == step and newest <= step:
+                return step, {n: self._values[n].view(self._shapes[n]).clone() for n in names}
+            time.sleep(0.05)
+        raise ShardlineStateError(f"job {self.job!r} kept moving: no pull of one consistent step in {attempts} attempts "
+                                  f"(checkpoint it and export from the checkpoint directories instead)")
 
     # --- scatter/gather over nodes ------------------------------------------------------------
     def _conn(self, node_id: str) -> _NodeConnection:
@@ -333,11 +371,14 @@ class Client:
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
 
     def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
-                 min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False) -> None:
-        """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those."""
+                 min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False) -> dict[str, int]:
+        """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those.
+        Returns the job step each node that answered reported."""
         pending = list(keys)
         done_nodes: set[str] = set()
-        for attempt in range(self.max_retries + 1):
+        node_steps: dict[str, int] = {}
+        refreshes = 0
+        while True:
             groups: dict[str, list] = {}
             for key in pending:
                 groups.setdefault(self.routing.owner(self.job, *key), []).append(key)
@@ -352,29 +393,83 @@ class Client:
             else:
                 futures = {node_id: self._pool.submit(self._exchange, node_id, blocks, *args)
                            for node_id, blocks in groups.items()}
-            retry, errors, steps, refused = [], [], [], False
+            retry, lost, steps, refused = [], [], [], False
             for node_id, fut in futures.items():
                 try:
                     steps.append(fut.result())
+                    node_steps[node_id] = steps[-1]
                     done_nodes.add(node_id)
                 except NotOwnerError:
                     refused = True
                     retry.extend(groups[node_id])
-                except (RemoteError, ShardlineConnectionError, ConnectionError, OSError) as exc:
-                    errors.append((node_id, exc))
-            if errors:
-                node_id, exc = errors[0]
-                if isinstance(exc, RemoteError):
-                    raise exc
-                raise ShardlineConnectionError(f"data plane to node {node_id!r} failed: {exc}") from exc
+                except RemoteError as exc:
+                    if exc.code != "UNAVAILABLE":
+                        raise
+                    lost.append((node_id, exc))
+                except (ShardlineConnectionError, ConnectionError, OSError) as exc:
+                    lost.append((node_id, exc))
+            for node_id, exc in lost:
+                node_step = self._recover(node_id, exc)
+                if op == dp.OP_PULL:
+                    retry.extend(groups[node_id])  # the replay re-sent pushes and commits; pulls run again
+                else:
+                    done_nodes.add(node_id)
+                    steps.append(node_step)
+                    node_steps[node_id] = node_step
             if steps and self.step is None:
                 self.step = max(steps)
-            if not refused:
-                return
-            log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", len(retry))
-            self.refresh_routing()
+            if not refused and not (lost and op == dp.OP_PULL):
+                return node_steps
+            if refused:
+                refreshes += 1
+                if refreshes > self.max_retries:
+                    raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
+                                              f"routing refreshes (epoch {self.routing.epoch})")
+                log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", len(retry))
+                self.refresh_routing()
             pending = retry
-        raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} routing refreshes")
+
+    def _recover(self, node_id: str, cause: Exception) -> int:
+        """A node dropped out (``cause``): wait until it answers again, then replay this worker's
+        part of the BSP step in flight on it. Returns the node's job step afterwards."""
+        deadline = time.monotonic() + self.recovery_timeout
+        log.warning("PS node %r failed (%s); waiting up to %g s for it to come back", node_id, cause, self.recovery_timeout)
+        delay, last = 0.1, cause
+        while True:
+            try:
+                self.refresh_routing()
+                if node_id not in self.routing.nodes:
+                    raise ShardlineConnectionError(f"node {node_id!r} is not in the routing table (epoch {self.routing.epoch})")
+                node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
+                break
+            except RemoteError as exc:
+                if exc.code != "UNAVAILABLE":
+                    raise
+                last = exc
+            except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
+                last = exc
+            if time.monotonic() + delay > deadline:
+                raise ShardlineConnectionError(f"PS node {node_id!r} did not come back within {self.recovery_timeout:g} s "
+                                               f"(recovery_timeout); last error: {last}") from cause
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+        inflight = self._inflight if self.spec is not None and self.spec.sync == "bsp" else None
+        if inflight is None or node_step > inflight["step"]:
+            log.info("PS node %r is back at step %d", node_id, node_step)
+            return node_step
+        step = inflight["step"]
+        if node_step < step:
+            raise ShardlineStateError(
+                f"PS node {node_id!r} came back at step {node_step}, behind the job's step {step}: its updates of steps "
+                f"{node_step}..{step - 1} are lost (it restored an older checkpoint and no replica holds them)")
+        keys = [key for key in inflight["grads"] if self.routing.owner(self.job, *key) == node_id]
+        if keys:
+            node_step = self._exchange(node_id, keys, dp.OP_PUSH, step, inflight["weight"], inflight["grads"], 0, 0.0)
+        if inflight["committed"]:
+            node_step = self._exchange(node_id, [], dp.OP_COMMIT, step, inflight["weight"], None, 0, 0.0)
+        log.info("PS node %r is back at step %d; resent %d block(s)%s of step %d", node_id, node_step, len(keys),
+                 " and the commit" if inflight["committed"] else "", step)
+        return node_step
 
     def _exchange(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,

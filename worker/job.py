@@ -22,6 +22,7 @@ a parameter-server ``PSOptimizer``.
 from __future__ import annotations
 
 import difflib
+import logging
 import math
 import os
 import re
@@ -50,6 +51,7 @@ __all__ = [
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SYNC_MODES = ("bsp", "asp", "ssp")
 LR_SCHEDULES = ("constant", "cosine", "linear")
+log = logging.getLogger("shardline.worker")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -460,6 +462,7 @@ class TrainResult:
     after_samples: list[dict] | None = None
     accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
     eval_seconds: float = 0.0
+    start_step: int = 0                    # > 0: a resumed job (the steps before ran earlier)
     model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -565,8 +568,15 @@ def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, pro
     result.eval_seconds += time.perf_counter() - t_eval
     model.train()
     train_seconds = 0.0
+    # A resumed job continues where the cluster stopped: its step is the number of steps applied,
+    # and step k trains on the same batches and lr as in an uninterrupted run.
+    start = getattr(opt, "version", 0)
+    start = start if isinstance(start, int) and start > 0 else 0
+    result.start_step = min(start, tr.steps)
+    if start:
+        log.info("resuming job %s at step %d of %d", spec.name, min(start, tr.steps), tr.steps)
     try:
-        for step in range(tr.steps):
+        for step in range(result.start_step, tr.steps):
             t0 = time.perf_counter()
             if tr.has_schedule:
                 set_lr(tr.lr_at(step))
@@ -596,7 +606,7 @@ def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, pro
 
     result.train_seconds = train_seconds
     result.tokens_per_s = result.tokens / max(train_seconds, 1e-9)
-    result.final_loss = result.losses[-1]
+    result.final_loss = result.losses[-1] if result.losses else float("nan")
     if lead:
         t_eval = time.perf_counter()
         result.after_samples = sample_answers(model, prompts, task) if prompts else []

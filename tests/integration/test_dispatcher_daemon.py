@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -29,12 +30,14 @@ HEARTBEAT_TIMEOUT = 0.5
 class Daemon:
     """A dispatcher subprocess; ``close`` always leaves no process behind."""
 
-    def __init__(self, workdir: Path, *args: str):
+    def __init__(self, workdir: Path, *args: str, listen: str = "127.0.0.1:0"):
+        workdir.mkdir(parents=True, exist_ok=True)
         self.ready_file = workdir / "ready.json"
+        self.ready_file.unlink(missing_ok=True)  # a previous run's file would look ready at once
         self.log_path = workdir / "dispatcher.log"
         with open(self.log_path, "wb") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "shardline.dispatcher.main", "--listen", "127.0.0.1:0", "--metrics-port", "0",
+                [sys.executable, "-m", "shardline.dispatcher.main", "--listen", listen, "--metrics-port", "0",
                  "--ready-file", str(self.ready_file), *args],
                 cwd=REPO,
                 stdout=log,
@@ -60,6 +63,7 @@ class Daemon:
         pytest.fail(f"dispatcher not ready within {timeout} s:\n{self.output()}")
 
     def close(self) -> None:
+        """Close the channel and SIGKILL the daemon if it still runs (no clean shutdown)."""
         if getattr(self, "channel", None) is not None:
             self.channel.close()
         if self.proc.poll() is None:
@@ -349,3 +353,77 @@ def test_sigterm_stops_cleanly_even_with_a_blocked_waiter(tmp_path):
         assert "stopped" in d.output()
     finally:
         d.close()
+
+
+def test_without_state_dir_a_warning_says_state_is_in_memory_only(daemon):
+    lines = [line for line in daemon.output().splitlines() if " WARNING " in line and "memory only" in line]
+    assert lines and "restart forgets every job" in lines[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_state_survives_kill_9_and_a_restart_on_the_same_port(tmp_path):
+    state_dir = tmp_path / "state"
+    listen = f"127.0.0.1:{free_port()}"
+    first = Daemon(tmp_path / "run1", "--state-dir", str(state_dir), listen=listen)
+    try:
+        assert "no previous state in" in first.output()
+        stub = first.stub
+        register(stub, "ps-keep", 9600, rack="r2", capacity=2.0)
+        ready = stub.CreateJob(dispatcher_pb2.CreateJobRequest(spec=job_spec("kept-ready")), timeout=RPC_TIMEOUT).job
+        stub.MarkJobReady(dispatcher_pb2.MarkJobReadyRequest(name="kept-ready"), timeout=RPC_TIMEOUT)
+        waiting = stub.CreateJob(dispatcher_pb2.CreateJobRequest(spec=job_spec("kept-waiting", sync="asp")),
+                                 timeout=RPC_TIMEOUT).job
+        deleted = stub.CreateJob(dispatcher_pb2.CreateJobRequest(spec=job_spec("deleted")), timeout=RPC_TIMEOUT).job
+        stub.DeleteJob(dispatcher_pb2.DeleteJobRequest(name="deleted"), timeout=RPC_TIMEOUT)
+        stub.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id="ps-keep", jobs=[
+            dispatcher_pb2.HeldJob(job="kept-ready", uid=ready.uid, step=9, has_durable=True, durable_step=8)]),
+            timeout=RPC_TIMEOUT)
+        before = stub.GetRouting(dispatcher_pb2.GetRoutingRequest(), timeout=RPC_TIMEOUT)
+        assert [n.node_id for n in before.nodes] == ["ps-keep"]
+    finally:
+        first.close()  # SIGKILL: no clean shutdown
+    assert first.proc.returncode == -signal.SIGKILL
+
+    second = Daemon(tmp_path / "run2", "--state-dir", str(state_dir), listen=listen)
+    try:
+        assert second.info["grpc"] == listen
+        recovered = [line for line in second.output().splitlines() if "recovered state from" in line]
+        assert recovered and str(state_dir) in recovered[0] and "nodes=1" in recovered[0] and "jobs=2" in recovered[0]
+        stub = second.stub
+        routing = stub.GetRouting(dispatcher_pb2.GetRoutingRequest(), timeout=RPC_TIMEOUT)
+        assert routing.epoch > before.epoch
+        assert [(n.node_id, n.rack, n.vnodes, n.grpc_address, n.state) for n in routing.nodes] == [
+            ("ps-keep", "r2", 256, "127.0.0.1:9600", "alive")]
+        beat = stub.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id="ps-keep", jobs=[
+            dispatcher_pb2.HeldJob(job="kept-ready", uid=ready.uid, step=9, has_durable=True, durable_step=8),
+            dispatcher_pb2.HeldJob(job="deleted", uid=deleted.uid)]), timeout=RPC_TIMEOUT)
+        assert beat.registered is True and beat.epoch == routing.epoch
+        assert list(beat.drop_jobs) == ["deleted"]  # the tombstone survived
+        got = stub.GetJob(dispatcher_pb2.GetJobRequest(name="kept-ready"), timeout=RPC_TIMEOUT)
+        assert (got.spec, got.ready, got.uid, got.created_unix_ms) == (ready.spec, True, ready.uid, ready.created_unix_ms)
+        assert (got.has_checkpoint, got.checkpoint_step) == (True, 8)
+        got = stub.GetJob(dispatcher_pb2.GetJobRequest(name="kept-waiting"), timeout=RPC_TIMEOUT)
+        assert (got.spec, got.ready, got.uid) == (waiting.spec, False, waiting.uid)
+        # The same CreateJob a worker retries after the restart finds the job, not a new one.
+        again = stub.CreateJob(dispatcher_pb2.CreateJobRequest(spec=job_spec("kept-waiting", sync="asp")),
+                               timeout=RPC_TIMEOUT)
+        assert again.created is False and again.job.uid == waiting.uid
+        assert rpc_error(stub.GetJob, dispatcher_pb2.GetJobRequest(name="deleted")).code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        second.close()
+
+
+def test_an_unusable_state_dir_exits_2_naming_it(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    result = subprocess.run(
+        [sys.executable, "-m", "shardline.dispatcher.main", "--listen", "127.0.0.1:0", "--state-dir", str(blocker)],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )
+    assert result.returncode == 2, result.stderr
+    assert str(blocker) in result.stderr

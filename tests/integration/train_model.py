@@ -1,12 +1,18 @@
 """The small model and data the BSP/ASP integration tests train, shared by the worker script and
 the single-process reference. Run as a script it is one worker process:
 
-    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors schedule|constant PREFETCH
+    python train_model.py CLUSTER JOB RANK WORLD_SIZE OPTIMIZER SYNC STEPS OUT.safetensors schedule|constant PREFETCH \
+        [PROGRESS_FILE STEP_SLEEP_SECONDS]
+
+It resumes a job the cluster already holds (``range(opt.version, steps)``); with PROGRESS_FILE it
+writes the number of steps done there after each step (fault tests kill it at a chosen step).
 """
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import torch
 from torch import nn
@@ -65,35 +71,58 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0):
-    """Run ``world`` worker processes of this script; return each one's saved tensors."""
+def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0,
+                  step_sleep=0.0):
+    """Start ``world`` worker processes of this script; returns [(process, out path, progress path)]."""
     import subprocess
 
-    from safetensors.torch import load_file
-
-    procs, outs = [], []
+    started = []
     for rank in range(world):
         out = tmp_path / f"{job}-rank{rank}.safetensors"
-        outs.append(out)
-        procs.append(subprocess.Popen(
+        progress = tmp_path / f"{job}-rank{rank}.progress"
+        started.append((subprocess.Popen(
             [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
-             "schedule" if schedule else "constant", str(prefetch)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             "schedule" if schedule else "constant", str(prefetch), str(progress), str(step_sleep)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out, progress))
+    return started
+
+
+def finish_workers(started, timeout=120):
+    """Wait for workers from ``start_workers``; return each one's saved tensors."""
+    from safetensors.torch import load_file
+
     try:
-        for p in procs:
-            output, _ = p.communicate(timeout=120)
+        for p, _, _ in started:
+            output, _ = p.communicate(timeout=timeout)
             assert p.returncode == 0, output
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [load_file(str(o)) for o in outs]
+        kill_workers(started)
+    return [load_file(str(out)) for _, out, _ in started]
+
+
+def kill_workers(started):
+    for p, _, _ in started:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def steps_done(progress_path) -> int:
+    try:
+        return int(progress_path.read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0):
+    """Run ``world`` worker processes of this script; return each one's saved tensors."""
+    return finish_workers(start_workers(cluster_addr, job, optimizer, sync, tmp_path, world, steps, schedule, prefetch))
 
 
 def main(argv):
-    cluster, job, rank, world, optimizer, sync, steps, out, schedule, prefetch = argv
+    cluster, job, rank, world, optimizer, sync, steps, out, schedule, prefetch, *rest = argv
     rank, world, steps = int(rank), int(world), int(steps)
+    progress_file, step_sleep = (rest[0], float(rest[1])) if rest else (None, 0.0)
     from safetensors.torch import save_file
 
     from shardline import PSOptimizer
@@ -108,7 +137,8 @@ def main(argv):
     with torch.no_grad():
         eval_first = loss_fn(model, eval_tokens, eval_targets).item()
     losses = []
-    for step in range(steps):
+    start_version = opt.version
+    for step in range(start_version, steps):
         tokens, targets = batch(step, rank)
         opt.zero_grad()
         loss = loss_fn(model, tokens, targets)
@@ -117,6 +147,12 @@ def main(argv):
             opt.set_lr(scheduled_lr(optimizer, step))
         opt.step()
         losses.append(loss.item())
+        if progress_file:
+            with open(progress_file + ".tmp", "w") as fh:
+                fh.write(str(step + 1))
+            os.replace(progress_file + ".tmp", progress_file)
+        if step_sleep:
+            time.sleep(step_sleep)
     with torch.no_grad():
         eval_last = loss_fn(model, eval_tokens, eval_targets).item()
     stats = opt.client.stats
@@ -125,6 +161,7 @@ def main(argv):
     state["_eval"] = torch.tensor([eval_first, eval_last])
     state["_pulled_blocks"] = torch.tensor([stats.pulled_blocks])
     state["_version"] = torch.tensor([opt.version])
+    state["_start_version"] = torch.tensor([start_version])
     save_file(state, out)
     opt.close()
 

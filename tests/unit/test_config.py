@@ -372,15 +372,19 @@ def test_worker_cache_bound_refuses_a_job_that_does_not_fit():
 
 
 def test_ps_checkpoint_dir_is_created_and_must_be_writable(tmp_path):
-    from shardline.ps_server.main import _prepare_checkpoint_dir
+    from shardline.ps_server.main import open_checkpoint_dir
 
-    assert _prepare_checkpoint_dir(None) is None
+    assert open_checkpoint_dir(None, "n1") is None
     target = tmp_path / "ckpt" / "nested"
-    assert _prepare_checkpoint_dir(str(target)) == str(target) and target.is_dir()
+    assert open_checkpoint_dir(str(target), "n1") is not None and target.is_dir()
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    with pytest.raises(ShardlineConfigError, match="checkpoint_dir"):
-        _prepare_checkpoint_dir(str(blocker / "sub"))
+    with pytest.raises(ShardlineConfigError, match="checkpoint_dir") as err:
+        open_checkpoint_dir(str(blocker / "sub"), "n1")
+    assert str(blocker) in str(err.value)
+    with pytest.raises(ShardlineConfigError, match="n1") as err:  # another node's directory
+        open_checkpoint_dir(str(target), "n2")
+    assert str(target) in str(err.value)
 
 
 def test_log_configuration_reports_sources_and_env_typos(tmp_path, caplog):

@@ -1,16 +1,19 @@
-"""JobRegistry: validation, normalization, idempotent creation, conflicts and readiness."""
+"""JobRegistry: validation, normalization, idempotent creation, conflicts, readiness, incarnations,
+holders, tombstones and restarts over a state store."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
 import pytest
 
 from shardline.dispatcher.jobs import JobRegistry, UnknownJobError
+from shardline.dispatcher.state_store import StateStoreError
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
-from shardline.services.pb import common_pb2
+from shardline.services.pb import common_pb2, dispatcher_pb2
 
 
 def make_spec(name: str = "sft-1", **overrides) -> common_pb2.JobSpec:
@@ -244,3 +247,183 @@ def test_concurrent_creates_have_exactly_one_creator(jobs):
     for t in threads:
         t.join(timeout=10)
     assert sorted(created) == [False] * 7 + [True]
+
+
+# --- incarnations, holders, tombstones and restarts -----------------------------------------------
+
+def held(job: str, uid: str, durable: int | None = None) -> dispatcher_pb2.HeldJob:
+    return dispatcher_pb2.HeldJob(job=job, uid=uid, step=(durable or 0) + 1, has_durable=durable is not None,
+                                  durable_step=durable or 0)
+
+
+def test_each_incarnation_gets_its_own_uid(jobs):
+    first, _ = jobs.create(make_spec())
+    assert re.fullmatch(r"[0-9a-f]{16}", first.uid)
+    assert jobs.create(make_spec())[0].uid == first.uid  # the same incarnation
+    assert jobs.delete("sft-1").uid == first.uid
+    with pytest.raises(UnknownJobError):
+        jobs.get("sft-1")
+    with pytest.raises(UnknownJobError, match="'sft-1'"):
+        jobs.delete("sft-1")
+    second, created = jobs.create(make_spec())
+    assert created and second.uid != first.uid and second.ready is False
+
+
+def test_checkpoint_step_is_the_least_durable_step_of_the_holders(jobs):
+    uid = jobs.create(make_spec())[0].uid
+    record = jobs.get("sft-1")
+    assert (record.has_checkpoint, record.checkpoint_step, record.durable_steps) == (False, 0, {})  # no holder
+    jobs.report_held("ps-0", [held("sft-1", uid, 7)], record=True)
+    jobs.report_held("ps-1", [held("sft-1", uid)], record=True)
+    record = jobs.get("sft-1")
+    assert dict(record.holders) == {"ps-0": 7, "ps-1": None}
+    assert (record.has_checkpoint, record.checkpoint_step, record.durable_steps) == (False, 0, {"ps-0": 7})
+    jobs.report_held("ps-1", [held("sft-1", uid, 5)], record=True)
+    record = jobs.get("sft-1")
+    assert (record.has_checkpoint, record.checkpoint_step, record.durable_steps) == (True, 5, {"ps-0": 7, "ps-1": 5})
+    with pytest.raises(TypeError):
+        record.holders["ps-9"] = 1  # type: ignore[index]  # read-only snapshot
+
+
+def test_heartbeat_reports_set_holders_and_checkpoint_steps(recording_store):
+    jobs = JobRegistry(clock=FakeClock(), store=recording_store)
+    a = jobs.create(make_spec("a"))[0].uid
+    b = jobs.create(make_spec("b"))[0].uid
+    assert jobs.report_held("ps-0", [held("a", a, 3), held("b", b)], record=True) == ([], {"a": 3})
+    writes = len(recording_store.applies)
+    assert jobs.report_held("ps-0", [held("a", a, 3), held("b", b)], record=True) == ([], {"a": 3})
+    assert len(recording_store.applies) == writes  # nothing changed: nothing written
+    # A node that no longer lists a job stops being its holder; an unregistered node changes nothing.
+    assert jobs.report_held("ps-0", [held("a", a, 4)], record=True) == ([], {"a": 4})
+    assert dict(jobs.get("b").holders) == {}
+    assert jobs.report_held("ps-1", [held("a", a)], record=False) == ([], {"a": 4})
+    assert dict(jobs.get("a").holders) == {"ps-0": 4}
+    assert len(recording_store.applies) == writes + 1  # one write for both jobs' changes
+
+
+def test_drop_decisions(jobs):
+    old = jobs.create(make_spec("re"))[0].uid
+    jobs.delete("re")
+    new = jobs.create(make_spec("re"))[0].uid
+    gone = jobs.create(make_spec("gone"))[0].uid
+    jobs.delete("gone")
+    live = jobs.create(make_spec("live"))[0].uid
+    cases = [
+        (held("re", old, 2), ["re"], {}),                 # a replaced incarnation
+        (held("re", new, 2), [], {"re": 2}),              # the current one under that name
+        (held("gone", gone, 1), ["gone"], {}),            # deleted
+        (held("live", "f" * 16, 1), ["live"], {}),        # the name now has another uid
+        (held("live", live, 1), [], {"live": 1}),
+        (held("lost", "0123456789abcdef", 9), [], {}),    # name and uid unknown (state lost): keep
+        (held("live", "", 1), [], {}),                    # incarnation unknown: never dropped
+    ]
+    for item, drop, steps in cases:
+        assert jobs.report_held("ps-0", [item], record=True) == (drop, steps), item
+
+
+def test_restart_brings_back_jobs_holders_and_tombstones(recording_store):
+    clock = FakeClock()
+    jobs = JobRegistry(clock=clock, store=recording_store)
+    spec = make_spec("a", checkpoint_every_steps=0)  # an explicit 0 (never) differs from unset
+    a, _ = jobs.create(spec)
+    jobs.mark_ready("a")
+    b, _ = jobs.create(make_spec("b", sync="asp"))
+    jobs.report_held("ps-0", [held("a", a.uid, 6), held("b", b.uid)], record=True)
+    deleted = jobs.create(make_spec("c"))[0].uid
+    jobs.delete("c")
+
+    again = JobRegistry(clock=clock, store=recording_store)
+    assert [(r.name, r.ready, r.uid, r.created_unix_ms, dict(r.holders)) for r in again.list()] == [
+        ("a", True, a.uid, a.created_unix_ms, {"ps-0": 6}),
+        ("b", False, b.uid, b.created_unix_ms, {"ps-0": None}),
+    ]
+    assert again.get("a").spec == a.spec and again.get("a").spec.HasField("checkpoint_every_steps")
+    assert again.get("b").spec == b.spec
+    assert again.create(make_spec("a", checkpoint_every_steps=0))[1] is False
+    assert again.report_held("ps-1", [held("c", deleted)], record=True)[0] == ["c"]
+    with pytest.raises(ShardlineStateError, match="deleted"):
+        again.restore(make_spec("c"), deleted, "ps-1")
+
+
+def test_restore_rules(jobs):
+    existing, _ = jobs.create(make_spec("have"))
+    record, restored = jobs.restore(make_spec("have"), "1111111111111111", "ps-0")
+    assert restored is False and record.uid == existing.uid  # the node compares uids itself
+    gone = jobs.create(make_spec("gone"))[0].uid
+    jobs.delete("gone")
+    with pytest.raises(ShardlineStateError) as err:
+        jobs.restore(make_spec("gone"), gone, "ps-0")
+    assert "'gone'" in str(err.value) and "deleted" in str(err.value) and not isinstance(err.value, UnknownJobError)
+    spec = make_spec("lost", block_elements=0)
+    record, restored = jobs.restore(spec, "abcdef0123456789", "ps-0")
+    assert restored is True and record.uid == "abcdef0123456789" and record.ready is True
+    assert record.spec.block_elements == DEFAULT_BLOCK_ELEMENTS  # normalized
+    assert jobs.wait_ready("lost", 0.0).ready is True
+
+
+@pytest.mark.parametrize("uid, node_id, fragment", [("", "ps-0", "uid"), ("a b", "ps-0", "'a b'"),
+                                                    ("abc", "bad node", "'bad node'")])
+def test_restore_rejects_bad_arguments(jobs, uid, node_id, fragment):
+    with pytest.raises(ShardlineConfigError, match=fragment):
+        jobs.restore(make_spec(), uid, node_id)
+    assert jobs.list() == []
+
+
+def test_deleting_a_job_fails_its_waiters(jobs):
+    jobs.create(make_spec())
+    errors: list = []
+
+    def wait() -> None:
+        try:
+            jobs.wait_ready("sft-1", 10.0)
+        except UnknownJobError as exc:
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    jobs.delete("sft-1")
+    jobs.create(make_spec())  # a new incarnation does not satisfy a waiter of the old one
+    waiter.join(timeout=5)
+    assert errors and "deleted" in str(errors[0])
+
+
+def test_failed_writes_change_nothing(recording_store):
+    jobs = JobRegistry(clock=FakeClock(), store=recording_store)
+    uid = jobs.create(make_spec("a"))[0].uid
+    recording_store.failing = True
+    with pytest.raises(StateStoreError, match="/state/dispatcher.db"):
+        jobs.create(make_spec("b"))
+    with pytest.raises(StateStoreError):
+        jobs.mark_ready("a")
+    with pytest.raises(StateStoreError):
+        jobs.report_held("ps-0", [held("a", uid, 1)], record=True)
+    with pytest.raises(StateStoreError):
+        jobs.delete("a")
+    with pytest.raises(StateStoreError):
+        jobs.restore(make_spec("c"), "abcdef0123456789", "ps-0")
+    assert [(r.name, r.ready, dict(r.holders)) for r in jobs.list()] == [("a", False, {})]
+    jobs.report_held("ps-0", [], record=True)  # no change, no write: still fine
+    recording_store.failing = False
+    assert JobRegistry(store=recording_store).get("a").uid == uid
+
+
+@pytest.mark.parametrize(
+    "mutate, fragment",
+    [
+        (lambda v: v.pop("uid"), "'uid'"),
+        (lambda v: v.update(uid="no spaces allowed"), "'no spaces allowed'"),
+        (lambda v: v["spec"].update(sync="gossip"), "'gossip'"),
+        (lambda v: v["spec"].update(name="other"), "'other'"),
+        (lambda v: v.update(holders={"ps-0": -1}), "-1"),
+        (lambda v: v.update(ready="yes"), "'yes'"),
+    ],
+)
+def test_a_bad_stored_job_is_named(recording_store, mutate, fragment):
+    JobRegistry(store=recording_store).create(make_spec("a"))
+    value = recording_store.load()["job/a"]
+    mutate(value)
+    recording_store.apply({"job/a": value})
+    with pytest.raises(StateStoreError) as err:
+        JobRegistry(store=recording_store)
+    assert "'job/a'" in str(err.value) and fragment in str(err.value)

@@ -1,4 +1,4 @@
-"""Membership driven with a fake clock: registration, heartbeats, expiry and epoch bumps."""
+"""Membership driven with a fake clock: registration, heartbeats, expiry, epoch bumps and restarts."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from shardline.dispatcher.membership import ALIVE, DEAD, Membership
+from shardline.dispatcher.state_store import StateStoreError
 from shardline.services.errors import ShardlineConfigError
 from shardline.services.ring import HashRing
 
@@ -191,3 +192,133 @@ def test_wildcard_registrations_take_the_peer_host():
     assert reachable_address("10.9.9.9:7200", "ipv4:10.1.2.3:51234") == "10.9.9.9:7200"
     assert reachable_address("ps-a1.example:7200", "ipv4:10.1.2.3:51234") == "ps-a1.example:7200"
     assert reachable_address("0.0.0.0:7200", "unix:/run/x.sock") == "0.0.0.0:7200"
+
+
+# --- durable state: restarts over the same store ------------------------------------------------
+
+def restart(store, now: float = 100.0) -> Membership:
+    return Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, store=store, now=now)
+
+
+def test_restart_raises_the_epoch_and_brings_the_nodes_back(recording_store):
+    m = restart(recording_store, now=0.0)
+    assert m.recovered_epoch is None and m.epoch == 1
+    register(m, "ps-0", 0.0, rack="r1")
+    register(m, "ps-1", 0.0, port=9100, rack="r2", capacity=2.0)
+    register(m, "ps-2", 0.0, port=9200)
+    m.heartbeat("ps-0", 4.0)
+    m.heartbeat("ps-1", 4.0)
+    assert m.expire(5.5) == ["ps-2"]
+    before = m.epoch
+
+    again = restart(recording_store, now=100.0)
+    assert again.recovered_epoch == before and again.epoch == before + 1
+    assert [(n.node_id, n.rack, n.state, n.vnodes, n.grpc_address, n.capacity) for n in again.all_nodes(100.0)] == [
+        ("ps-0", "r1", ALIVE, 128, "127.0.0.1:9000", 1.0),
+        ("ps-1", "r2", ALIVE, 256, "127.0.0.1:9100", 2.0),
+        ("ps-2", "r1", DEAD, 0, "127.0.0.1:9200", 1.0),  # dead stays dead
+    ]
+    # Alive nodes get one heartbeat timeout of grace from the restart, then expire as usual.
+    assert again.heartbeat("ps-0", 104.0) is True
+    assert again.expire(105.0) == []
+    assert again.expire(105.5) == ["ps-1"]
+    assert again.heartbeat("ps-2", 105.5) is False  # the dead node must register again
+    assert restart(recording_store).epoch > again.epoch  # every restart, every bump: never backwards
+
+
+def test_a_restart_with_another_vnode_density_recomputes_the_ring(recording_store):
+    register(restart(recording_store, now=0.0), "ps-0", 0.0, capacity=2.0)
+    again = Membership(heartbeat_timeout=5.0, vnodes_per_capacity=16, store=recording_store, now=0.0)
+    assert [n.vnodes for n in again.routing_table()[1]] == [32]
+
+
+def test_only_routing_changes_are_written(recording_store):
+    m = restart(recording_store, now=0.0)
+    assert recording_store.applies == [({"epoch": {"epoch": 1}}, [])]  # durable before serving
+    register(m, "ps-0", 0.0)
+    assert recording_store.applies[-1][0] == {
+        "epoch": {"epoch": 2},
+        "node/ps-0": {"rack": "r1", "grpc_address": "127.0.0.1:9000", "data_address": "127.0.0.1:9001",
+                      "capacity": 1.0, "state": ALIVE},
+    }
+    writes = len(recording_store.applies)
+    register(m, "ps-0", 1.0)              # refresh only
+    for t in (2.0, 3.0, 4.0):
+        m.heartbeat("ps-0", t, blocks=5, bytes=50, epoch=2)
+    m.expire(4.5)                         # nobody expires
+    assert len(recording_store.applies) == writes
+    m.expire(20.0)
+    dead = {**recording_store.load()["node/ps-0"], "state": DEAD}
+    assert recording_store.applies[-1][0] == {"epoch": {"epoch": 3}, "node/ps-0": dead}
+
+
+def test_a_failed_write_changes_nothing(recording_store):
+    m = restart(recording_store, now=0.0)
+    register(m, "ps-0", 0.0)
+    recording_store.failing = True
+    with pytest.raises(StateStoreError, match="/state/dispatcher.db"):
+        register(m, "ps-1", 0.0, port=9100)
+    with pytest.raises(StateStoreError):
+        m.expire(10.0)
+    with pytest.raises(StateStoreError):
+        m.heartbeat("ps-0", 1.0, epoch=50)
+    assert m.epoch == 2
+    assert [(n.node_id, n.state) for n in m.all_nodes(10.0)] == [("ps-0", ALIVE)]
+    recording_store.failing = False
+    assert m.expire(10.0) == ["ps-0"] and m.epoch == 3
+
+
+def test_a_heartbeat_with_a_higher_epoch_moves_the_epoch_past_it(recording_store):
+    m = restart(recording_store, now=0.0)            # a dispatcher that lost its state starts at 1 ...
+    register(m, "ps-0", 0.0)
+    assert m.heartbeat("ps-0", 1.0, epoch=2) is True and m.epoch == 2   # equal: nothing to do
+    assert m.heartbeat("ps-0", 1.0, epoch=1) is True and m.epoch == 2   # lower: the node catches up
+    # ... and meets nodes that routed with epoch 40 under its predecessor, registered or not.
+    assert m.heartbeat("ghost", 2.0, epoch=40) is False
+    assert m.epoch == 41 and m.routing_table()[0] == 41
+    assert recording_store.load()["epoch"] == {"epoch": 41}
+    assert restart(recording_store).epoch == 42
+
+
+@pytest.mark.parametrize("epoch, fragment", [(-1, "-1"), (2**63, str(2**63)), (True, "True")])
+def test_heartbeat_rejects_bad_epochs(m, epoch, fragment):
+    with pytest.raises(ShardlineConfigError, match="epoch") as err:
+        m.heartbeat("ps-0", 0.0, epoch=epoch)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "key, value, fragment",
+    [
+        ("epoch", {"epoch": 0}, "'epoch'"),
+        ("epoch", {"epoch": "7"}, "'epoch'"),
+        ("node/ps-0", {"rack": "r1"}, "'node/ps-0'"),
+        ("node/ps-0", {"rack": "r1", "grpc_address": "nowhere", "data_address": "h:2", "capacity": 1.0,
+                       "state": ALIVE}, "'nowhere'"),
+        ("node/ps 0", {"rack": "r1", "grpc_address": "h:1", "data_address": "h:2", "capacity": 1.0,
+                       "state": ALIVE}, "'node/ps 0'"),
+        ("node/ps-0", {"rack": "r1", "grpc_address": "h:1", "data_address": "h:2", "capacity": 1.0,
+                       "state": "zombie"}, "'zombie'"),
+    ],
+)
+def test_a_bad_stored_record_is_named(recording_store, key, value, fragment):
+    recording_store.apply({key: value})
+    with pytest.raises(StateStoreError) as err:
+        restart(recording_store)
+    assert fragment in str(err.value) and "memory" in str(err.value)
+
+
+def test_restart_over_sqlite(tmp_path):
+    from shardline.dispatcher.state_sqlite import SqliteStateStore
+
+    store = SqliteStateStore(str(tmp_path))
+    m = restart(store, now=0.0)
+    register(m, "ps-0", 0.0)
+    epoch = m.epoch
+    store.close()
+    store = SqliteStateStore(str(tmp_path))
+    try:
+        again = restart(store)
+        assert again.epoch == epoch + 1 and [n.node_id for n in again.routing_table()[1]] == ["ps-0"]
+    finally:
+        store.close()

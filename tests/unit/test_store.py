@@ -124,13 +124,39 @@ def test_rejections_leave_no_partial_update():
         store.push(5, 0, 1.0, items_for("a", torch.ones(4, 5)))
     assert e.value.code == "INVALID_ARGUMENT"
     store.push(0, 0, 1.0, items_for("a", torch.ones(4, 5)))
-    with pytest.raises(StoreError, match="twice"):
-        store.push(0, 0, 1.0, items_for("a", torch.ones(4, 5)))
+    with pytest.raises(StoreError, match="twice in one frame"):
+        store.push(0, 0, 1.0, [PushItem("b", 0, torch.ones(3)), PushItem("b", 0, torch.ones(3))])
+    with pytest.raises(StoreError) as e:  # a resend must keep the weight of the step
+        store.push(0, 0, 2.0, items_for("a", torch.ones(4, 5)))
+    assert e.value.code == "INVALID_ARGUMENT"
     store.commit(0, 0, 1.0)
+    assert store.commit(0, 0, 1.0) == 0  # a resent commit is acknowledged again
     with pytest.raises(StoreError) as e:
-        store.commit(0, 0, 1.0)
+        store.commit(0, 0, 3.0)
     assert e.value.code == "STALE_STEP"
     assert torch.equal(values(store, "a", (4, 5)), torch.zeros(4, 5))  # nothing applied yet
+
+
+def test_resent_push_and_commit_are_ignored():
+    """A client that resends its push and commit of a step (lost reply, node restart) changes
+    nothing: the result equals a run without the resend, against torch.optim."""
+    torch.manual_seed(1)
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(kind="sgd", lr=0.1, momentum=0.9))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    ref = a0.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, foreach=False)
+    for step in range(3):
+        g0, g1 = torch.randn(4, 5), torch.randn(4, 5)
+        store.push(0, step, 1.0, items_for("a", g0))
+        store.push(0, step, 1.0, items_for("a", torch.full((4, 5), 99.0)))  # resend: ignored
+        store.commit(0, step, 1.0)
+        store.commit(0, step, 1.0)
+        store.push(1, step, 1.0, items_for("a", g1))
+        assert store.commit(1, step, 1.0) == step + 1
+        ref.grad = (g0 + g1) / 2
+        opt.step()
+    torch.testing.assert_close(values(store, "a", (4, 5)), ref.detach(), rtol=0, atol=0)
 
 
 def test_asp_applies_on_arrival():
