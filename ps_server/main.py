@@ -25,7 +25,7 @@ from shardline.ps_server.dataplane import serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
-from shardline.services import auth, frame
+from shardline.services import auth, frame, sdnotify
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
@@ -141,12 +141,20 @@ def peer_job_steps(node: PSNode, token: bytes | None) -> Callable[[str], int | N
     return step
 
 
+def _extend_systemd_timeout(what: str) -> None:
+    """Under systemd, say what the node is doing and push its start/stop timeout out (one job's
+    restore or final checkpoint may take long on a large node)."""
+    sdnotify.notify(sdnotify.format_message(f"EXTEND_TIMEOUT_USEC={int(STOP_CHECKPOINT_TIMEOUT_SECONDS * 1e6)}",
+                                            STATUS=what))
+
+
 def graceful_stop(node: PSNode, heartbeats: HeartbeatLoop | None) -> None:
     """Freeze every job, write what changed since the last checkpoint, report the durable steps."""
     node.freeze("the node is stopping")
     if node.checkpointer is None:
         return
     for job in node.store.jobs():
+        _extend_systemd_timeout(f"writing the final checkpoint of job {job.name}")
         try:
             step = node.checkpointer.checkpoint_now(job.name, STOP_CHECKPOINT_TIMEOUT_SECONDS)
             if step is not None:
@@ -222,7 +230,8 @@ def main(argv=None) -> int:
         node.refresh_routing()
         if ckdir is not None:
             restore_all(ckdir, node_id=node_id, get_job=client.get_job, restore_job_rpc=client.restore_job,
-                        live_step=peer_job_steps(node, cluster_token), add_job=node.add_job, metrics=ps_metrics)
+                        live_step=peer_job_steps(node, cluster_token), add_job=node.add_job, metrics=ps_metrics,
+                        before_job=lambda job: _extend_systemd_timeout(f"restoring job {job}"))
     except ShardlineError as exc:
         log.error("cannot join cluster %s: %s", args.cluster, exc)
         listener.close()

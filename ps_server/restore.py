@@ -112,10 +112,13 @@ def restore_job(ckdir: CheckpointDir, job: str, *, node_id: str, get_job: Callab
     return report
 
 
-def restore_all(ckdir: CheckpointDir, **kwargs) -> list[RestoreReport]:
-    """Restore every job of the checkpoint directory; a job that fails is reported, not fatal."""
+def restore_all(ckdir: CheckpointDir, *, before_job: Callable[[str], None] | None = None, **kwargs) -> list[RestoreReport]:
+    """Restore every job of the checkpoint directory; a job that fails is reported, not fatal.
+    ``before_job(name)`` runs before each (the daemon tells systemd it is still starting)."""
     reports = []
     for job in ckdir.jobs():
+        if before_job is not None:
+            before_job(job)
         try:
             report = restore_job(ckdir, job, **kwargs)
         except (CheckpointError, ShardlineError, OSError) as exc:

@@ -120,3 +120,57 @@ def test_ctrl_c_mid_training_shuts_everything_down(tmp_path):
             proc.wait()
         for pid in processes_mentioning(str(workdir)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_interrupted_up_resumes_and_reaches_the_same_result(tmp_path):
+    """Ctrl-C in the middle of `shardline up`, then the same command again: it resumes the job where
+    it stopped (same data order, lr schedule at the right step) and ends where an uninterrupted run
+    ends, against the single-process reference."""
+    from shardline.worker.job import load_job, run_local
+
+    job_file = tmp_path / "resume.yaml"
+    job_file.write_text(DEMO_SHORT.read_text().replace("name: demo-short", "name: demo-resume")
+                        .replace("steps: 12", "steps: 60\n  lr_schedule: cosine\n  warmup_steps: 5"))
+    workdir = tmp_path / "up"
+    args = [*shardline_cmd(), "up", "--workdir", str(workdir), "--ps", "2", "--workers", "2", "--job", str(job_file),
+            "--timeout", "120", "--checkpoint-every", "7"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            m = re.search(r"step (\d+)/60", line)
+            if m and int(m.group(1)) >= 20:
+                break
+        else:
+            pytest.fail("training never got going:\n" + "".join(seen))
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 130, "".join(seen) + rest
+        assert "to resume the job" in rest, rest
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert processes_mentioning(str(workdir)) == []
+    res = run_up(workdir, "--ps", "2", "--workers", "2", "--job", str(job_file), "--timeout", "120",
+                 "--checkpoint-every", "7")
+    assert res.returncode == 0, f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert "resuming job demo-resume from the state of an earlier run" in res.stdout
+    m = re.search(r"resuming job demo-resume at step (\d+) of 60", res.stdout)
+    assert m and int(m.group(1)) >= 20, res.stdout
+    results = [json.loads((workdir / f"worker-{r}.result.json").read_text()) for r in (0, 1)]
+    assert [r["status"] for r in results] == ["completed", "completed"]
+    assert [r["version"] for r in results] == [60, 60]
+    reference = run_local(load_job(job_file), world_size=2)
+    assert results[0]["after_accuracy"] == reference.after_accuracy
+    # The nodes' final checkpoints (kept in the workdir) hold the parameters of the reference.
+    from shardline.ps_server.checkpoint import read_job_tensors
+
+    step, _spec, tensors = read_job_tensors([workdir / "ps-0-checkpoints", workdir / "ps-1-checkpoints"], "demo-resume")
+    assert step == 60
+    expected = dict(reference.model.named_parameters())
+    assert set(tensors) == set(expected)
+    for name, value in tensors.items():
+        diff = (value - expected[name].detach()).abs().max().item()
+        assert diff <= 1e-5, f"{name}: max abs diff {diff}"
