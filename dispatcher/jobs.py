@@ -382,6 +382,13 @@ class JobRegistry:
                     steps[name] = current.checkpoint_step
             return sorted(set(drop)), steps
 
+    def unknown_held(self, held: Iterable) -> list[str]:
+        """Held jobs (``HeldJob``) the registry knows neither by name nor as deleted: a registry that
+        lost its state. The node that holds one registers it again (``restore``)."""
+        with self._cond:
+            return sorted({item.job for item in held
+                           if item.uid and item.job not in self._jobs and item.uid not in self._tombstones})
+
     def get(self, name: str) -> JobRecord:
         """The job named ``name``; raises UnknownJobError if there is none."""
         validate_job_name(name)

@@ -209,6 +209,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         return dispatcher_pb2.HeartbeatResponse(
             epoch=epoch, registered=registered, drop_jobs=drop,
             checkpoint_steps=[dispatcher_pb2.JobCheckpointStep(job=job, step=step) for job, step in sorted(steps.items())],
+            unknown_jobs=self.jobs.unknown_held(request.jobs),
         )
 
     def _routing(self) -> common_pb2.RoutingTable:

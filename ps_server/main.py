@@ -91,6 +91,11 @@ class HeartbeatLoop(threading.Thread):
                 log.info("routing updated to epoch %d", self.node.routing.epoch)
         for job in resp.drop_jobs:
             self.node.drop_job(job)
+        for name in resp.unknown_jobs:  # the dispatcher lost its state: it learns the job back from us
+            job = self.node.store.get(name)
+            if job is not None:
+                self.client.restore_job(job.spec, job.uid, self.node.node_id)
+                log.warning("job %s was unknown to the dispatcher; registered it again from this node", name)
         if self.node.checkpointer is not None:
             for entry in resp.checkpoint_steps:
                 self.node.checkpointer.protect(entry.job, entry.step)

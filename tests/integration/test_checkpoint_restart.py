@@ -205,3 +205,53 @@ def test_job_delete_removes_blocks_and_checkpoints(tmp_path):
         again = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
                                 cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
         assert again.returncode == 1 and "no job named 'doomed'" in again.stderr
+
+
+def test_dispatcher_without_state_dir_learns_back_from_the_nodes(tmp_path):
+    """The issue's reproduction: a dispatcher restarted WITHOUT its state forgot every job and came
+    back at a lower epoch than the nodes. Now the nodes' heartbeats move its epoch above theirs and
+    register the jobs they hold again, so a resumed worker continues the job and new jobs work."""
+    from shardline import connect
+
+    port = free_port()
+    with LocalCluster(tmp_path / "c") as cluster:
+        cluster.start_dispatcher(listen=f"127.0.0.1:{port}", heartbeat_timeout=3)
+        for i in range(2):
+            cluster.add_node(node_id=f"ps{i}")
+        cluster.wait_for_nodes(2, timeout=30)
+        (before,) = train_model.finish_workers(
+            train_model.start_workers(cluster.address, "amnesia", "adamw", "bsp", tmp_path, world=1, steps=4))
+        epoch_before = cluster.cluster_status().routing.epoch
+        cluster.kill(cluster.dispatcher)
+        cluster.restart(cluster.dispatcher)
+        status = cluster.wait_until(lambda s: any(j.spec.name == "amnesia" for j in s.jobs), 15,
+                                    "job amnesia registered again by its nodes")
+        assert status.routing.epoch > epoch_before
+        (after,) = train_model.finish_workers(
+            train_model.start_workers(cluster.address, "amnesia", "adamw", "bsp", tmp_path, world=1, steps=7))
+        assert int(after["_start_version"]) == 4
+        expected = train_model.reference("adamw", 7, world_size=1)
+        for name, want in expected.items():
+            assert (after[name] - want).abs().max().item() <= 1e-6, name
+        client = connect(cluster.address, job="fresh-after-restart")
+        client.init({"w": torch.ones(8)}, optimizer="sgd", lr=1.0)
+        client.push({"w": torch.ones(8)})
+        assert torch.equal(client.pull(["w"])["w"], torch.zeros(8))
+        client.close()
+
+
+def test_reusing_a_job_name_with_another_model_names_the_tensor(tmp_path):
+    from shardline import PSOptimizer
+    from shardline.services.errors import ShardlineStateError
+
+    with LocalCluster(tmp_path / "c") as cluster:
+        cluster.start_dispatcher()
+        cluster.add_node()
+        cluster.wait_for_nodes(1, timeout=30)
+        first = torch.nn.Linear(4, 3)
+        opt = PSOptimizer(first.named_parameters(), cluster=cluster.address, job="taken", world_size=1, rank=0)
+        opt.close()
+        with pytest.raises(ShardlineStateError) as err:
+            PSOptimizer(torch.nn.Linear(5, 3).named_parameters(), cluster=cluster.address, job="taken",
+                        world_size=1, rank=0)
+        assert "'weight'" in str(err.value) and "[3, 4]" in str(err.value) and "[3, 5]" in str(err.value)
