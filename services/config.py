@@ -59,6 +59,22 @@ MAX_BLOCK_ELEMENTS = 64 * 1024 * 1024       # services.blocks.MAX_BLOCK_ELEMENTS
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 ** 3       # services.frame.DEFAULT_LIMITS.max_payload_bytes
 
 
+def parse_address_list(value: str, *, what: str = "cluster") -> list[str]:
+    """``"a:7000,b:7000"`` -> ``["a:7000", "b:7000"]``; each must be HOST:PORT; no empty entries."""
+    from shardline.services.daemon import parse_host_port
+
+    if not isinstance(value, str) or not value.strip():
+        raise ShardlineConfigError(f"{what} must be HOST:PORT[,HOST:PORT...], got {value!r}")
+    parts = [p.strip() for p in value.split(",")]
+    if any(not p for p in parts):
+        raise ShardlineConfigError(f"{what} has an empty entry: {value!r}")
+    for part in parts:
+        parse_host_port(part, what=what)
+    if len(set(parts)) != len(parts):
+        raise ShardlineConfigError(f"{what} lists an address twice: {value!r}")
+    return parts
+
+
 def require_positive_number(value, what: str) -> float:
     """Return ``value`` as a float if it is a finite real number > 0 (bools are not numbers)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
@@ -95,9 +111,11 @@ def parse_size(value, what: str = "size") -> int:
 
 _KIND_TEXT = {
     "int": "an integer", "float": "a number", "str": "a string", "path": "a path (a string)",
-    "address": "HOST:PORT", "size": "a size in bytes", "bool": "true or false", "choice": "one of",
+    "address": "HOST:PORT", "addresses": "HOST:PORT[,HOST:PORT...]", "size": "a size in bytes",
+    "bool": "true or false", "choice": "one of",
 }
 _METAVAR = {"int": "N", "float": "NUMBER", "str": "TEXT", "path": "PATH", "address": "HOST:PORT",
+            "addresses": "HOST:PORT[,...]",
             "size": "BYTES", "bool": "BOOL"}
 
 
@@ -171,6 +189,8 @@ class Option:
                 from shardline.services.daemon import parse_host_port
 
                 parse_host_port(value, what=where)
+            elif kind == "addresses":
+                value = ",".join(parse_address_list(value, what=where))
             elif kind in ("path", "str") and not value.strip():
                 raise ShardlineConfigError(f"{where} must be a non-empty string, got {value!r}")
         self._check_bounds(value, where, raw)
@@ -212,6 +232,7 @@ class Option:
         if self.kind == "choice":
             return " \\| ".join(f"`{c}`" for c in self.choices)
         base = {"int": "integer", "float": "number", "str": "string", "path": "path", "address": "HOST:PORT",
+                "addresses": "HOST:PORT[,HOST:PORT...]",
                 "size": "bytes (`64MiB`, `1G`...)", "bool": "boolean"}[self.kind]
         bounds = []
         if self.minimum is not None and self.maximum is not None:
@@ -265,8 +286,9 @@ _PS_WORKER = ("ps", "worker")
 
 OPTIONS: tuple[Option, ...] = (
     # -- common: every daemon, or the PS and the worker alike --
-    Option("cluster", "address", "Cluster address: the dispatcher's HOST:PORT.", _PS_WORKER, common=True,
-           required=_PS_WORKER),
+    Option("cluster", "addresses", "Cluster address: the dispatcher's HOST:PORT, or several dispatchers' "
+           "separated by commas (they share an etcd state store; clients follow the leader).", _PS_WORKER,
+           common=True, required=_PS_WORKER),
     Option("cluster_token_file", "path", "File holding the shared cluster token (at least 16 printable bytes). A PS "
            "with a token admits only data-plane clients that prove they hold it (HMAC challenge); workers "
            "answer the challenge with it; every daemon's gRPC calls (but the health service) must carry it "
@@ -302,8 +324,20 @@ OPTIONS: tuple[Option, ...] = (
     Option("vnodes_per_capacity", "int", "Virtual nodes on the ring per unit of node capacity.",
            ("dispatcher",), default=128, minimum=1),
     Option("state_dir", "path", "Directory of the dispatcher's durable state (jobs, node registrations, "
-           "the ring epoch; SQLite in WAL mode). Created if missing. Unset: state lives in memory only and a "
-           "restart forgets every job (a WARNING says so at start).", ("dispatcher",)),
+           "the ring epoch; SQLite in WAL mode). Created if missing. Unset (and no state_store): state lives in "
+           "memory only and a restart forgets every job (a WARNING says so at start).", ("dispatcher",)),
+    Option("state_store", "str", "A replicated state store instead of state_dir: `etcd://HOST:PORT[,HOST:PORT...]`. "
+           "Several dispatchers on one store elect a leader through an etcd lease; the others redirect "
+           "clients to it.", ("dispatcher",)),
+    Option("state_prefix", "str", "Key prefix of this cluster in the state store (several clusters may share "
+           "one etcd).", ("dispatcher",), default="/shardline"),
+    Option("leader_lease_timeout", "float", "With state_store: a leader that cannot renew its etcd lease for "
+           "this long loses leadership, and another dispatcher takes over.", ("dispatcher",), default=3.0,
+           above=0, unit="s"),
+    Option("advertise_address", "address", "The gRPC address other dispatchers send clients to when this one "
+           "leads.", ("dispatcher",), default_text="the --listen address (its bound port)"),
+    Option("replication", "int", "Copies of every block for jobs that do not choose (capped at the number of "
+           "live PS nodes).", ("dispatcher",), default=2, minimum=1),
     # -- PS --
     Option("node_id", "str", "Node id on the ring (keep it stable across restarts).", ("ps",),
            default_text="host name and data port"),
@@ -337,6 +371,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("result_file", "path", "Write the training result here as JSON.", ("worker",)),
     Option("pull_timeout", "float", "How long one step may wait for the slowest worker (server-side pull "
            "wait).", ("worker",), default=600.0, above=0, unit="s"),
+    Option("recovery_timeout", "float", "How long a worker waits for a PS node that failed (restart, failover "
+           "to a replica) before it gives up.", ("worker",), default=120.0, above=0, unit="s"),
     Option("block_elements", "int", "Block size, in fp32 elements, of jobs this worker creates (262144 = "
            "1 MiB); a job keeps the block size it was created with.", ("worker",),
            default=DEFAULT_BLOCK_ELEMENTS, minimum=1, maximum=MAX_BLOCK_ELEMENTS),
