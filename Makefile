@@ -49,6 +49,7 @@ demo: protos
 
 bench: protos
 	$(PY) bench/run.py --out bench/results/latest.json
+	$(PY) bench/checkpoint.py --out bench/results/checkpoint.json
 
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache

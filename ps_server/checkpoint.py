@@ -1,6 +1,7 @@
 """Crash-safe checkpoints of one PS node's blocks: safetensors data plus JSON manifests.
 
-Pure module: no sockets, no threads. A background writer takes :class:`JobSnapshot` copies at
+No sockets; the only threads are short-lived helpers that hash large files while
+:meth:`CheckpointDir.write` writes them. A background writer takes :class:`JobSnapshot` copies at
 step boundaries and hands them to :meth:`CheckpointDir.write`; a restarting node calls
 :meth:`CheckpointDir.load`; :func:`read_job_tensors` assembles full tensors offline from the
 directories of every node of a cluster. Nothing here unpickles or evaluates anything.
@@ -21,6 +22,9 @@ knows the exact block set.
 
 Crash safety: each file goes to a temporary ``.<name>.tmp-<hex>`` in the same folder, is
 fsync'ed and renamed into place; the folder is fsync'ed before and after the manifest's rename.
+The sha256 of a data file is computed from the buffers being written, by helper threads while the
+calling thread writes and fsyncs (hashlib releases the GIL on large buffers), so hashing overlaps
+the I/O; the manifest, which holds the digests, is written only once every hash is done.
 A kill at any moment leaves every earlier checkpoint loadable; temporaries and data files
 without a manifest are invisible to readers and removed by the next write or retention. A failed
 write (disk full, I/O error) removes what it made and raises :class:`CheckpointError`. Deletions
@@ -43,6 +47,7 @@ import secrets
 import shutil
 import struct
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from collections.abc import Callable, Iterable
@@ -72,7 +77,7 @@ NODE_FILE = "NODE.json"
 # Stages a write passes, in order; ``failpoint(stage)`` is called right after each (tests use it
 # to capture what a crash at that moment leaves on disk).
 WRITE_STAGES = (
-    "values.tmp",        # values temporary written and fsync'ed
+    "values.tmp",        # values temporary written and fsync'ed (the state temporary is written too)
     "values.renamed",
     "state.tmp",
     "state.renamed",
@@ -88,6 +93,11 @@ _TMP_MARK = ".tmp-"
 _DELETED_PREFIX = ".deleted."
 _MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 _COPY_CHUNK = 8 << 20
+# Files at least this big are hashed by a helper thread while they are written; smaller ones
+# (manifests, NODE.json, small checkpoints) inline, where a thread would cost more than it saves.
+_HASH_THREAD_MIN_BYTES = 4 << 20
+# The helper hashes at most this much per call, so a cancelled hash stops soon.
+_HASH_CHUNK = 8 << 20
 # A single write(2) on Linux moves at most 0x7ffff000 bytes.
 _MAX_WRITE = 1 << 30
 
@@ -716,16 +726,34 @@ class CheckpointDir:
         ]
         temps: list[str] = []
         placed: list[str] = []       # final names this call renamed into place, manifest last
+        files = [(values_name, _safetensors_parts(values_items), "values"),
+                 (state_name, _safetensors_parts(state_items), "state")]
+        hashing: dict[str, _Sha256] = {}
+        opened: list[_TempFile] = []
         try:
-            digests = {}
-            for name, items, stage in ((values_name, values_items, "values"), (state_name, state_items, "state")):
-                tmp, digests[name] = _write_temp(jobdir, name, _safetensors_parts(items), temps)
+            # Hashing overlaps the I/O (all of it only reads the snapshot's buffers): the largest
+            # file's hash starts now, in a helper thread, and runs while this thread writes both
+            # files; the other file's hash starts once the writes are done and runs while this thread
+            # waits in fsync. The manifest waits for the digests.
+            largest = max(files, key=lambda f: sum(len(p) for p in f[1]))
+            hashing[largest[0]] = _Sha256(largest[1])
+            for name, parts, _ in files:
+                opened.append(_TempFile(jobdir, name, temps))
+                opened[-1].write(parts)
+            for name, parts, _ in files:
+                if name not in hashing:
+                    hashing[name] = _Sha256(parts)
+            for f, (name, _, stage) in zip(opened, files):
+                f.sync_and_close()
                 self._stage(f"{stage}.tmp")
-                _rename(tmp, os.path.join(jobdir, name), temps, placed)
+                _rename(f.path, os.path.join(jobdir, name), temps, placed)
                 self._stage(f"{stage}.renamed")
             # The data files' names must be durable before a manifest can point at them.
             _fsync_dir(jobdir)
             self._stage("data.synced")
+            digests = {}
+            for f, (name, _, _) in zip(opened, files):
+                digests[name] = hashing.pop(name).result(f.size)
             manifest["files"] = {n: {"sha256": d.sha256, "bytes": d.bytes} for n, d in digests.items()}
             manifest["values_bytes"] = digests[values_name].bytes
             manifest["state_bytes"] = digests[state_name].bytes
@@ -739,6 +767,10 @@ class CheckpointDir:
             _fsync_dir(jobdir)
             self._stage("synced")
         except BaseException:
+            for pending in hashing.values():
+                pending.cancel()
+            for f in opened:
+                f.close()
             # Manifest first: a half-removed checkpoint must never look complete.
             for path in [*reversed(placed), *temps]:
                 _unlink_quietly(path)
@@ -879,30 +911,116 @@ def _mkstemp(dirpath: str, name: str) -> tuple[int, str]:
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644), path
 
 
-def _write_temp(dirpath: str, name: str, parts: list, temps: list | None = None) -> tuple[str, _Digest]:
-    """Write ``parts`` to a new temporary for ``name`` in ``dirpath``, hashing as it goes, and fsync it."""
-    try:
-        fd, tmp = _mkstemp(dirpath, name)
-    except OSError as exc:
-        raise _os_error("create a temporary file in", dirpath, exc) from None
-    if temps is not None:
-        temps.append(tmp)
-    h = hashlib.sha256()
-    size = 0
-    try:
+class _Sha256:
+    """sha256 and byte count of ``parts`` (bytes-like objects, in order), for a file being written.
+
+    At least :data:`_HASH_THREAD_MIN_BYTES` in all: computed by a helper thread from the moment
+    this is created, so the hashing runs alongside the caller's write(2) and fsync(2) calls
+    (hashlib and os.write both release the GIL on large buffers); less: inline, on creation. The
+    buffers must stay unchanged until :meth:`result` or :meth:`cancel` returns (snapshots are
+    private copies nobody mutates). Always end a threaded one with ``result`` or ``cancel``.
+    """
+
+    def __init__(self, parts: list):
+        self._views = [memoryview(p).cast("B") for p in parts]
+        self._size = sum(len(v) for v in self._views)
+        self._h = hashlib.sha256()
+        self._error: BaseException | None = None
+        self._cancelled = False
+        self._thread = None
+        if self._size < _HASH_THREAD_MIN_BYTES:
+            self._run()
+        else:
+            self._thread = threading.Thread(target=self._run, name="checkpoint-sha256", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for view in self._views:
+                for i in range(0, len(view), _HASH_CHUNK):
+                    if self._cancelled:
+                        return
+                    self._h.update(view[i:i + _HASH_CHUNK])
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result() in the caller's thread
+            self._error = exc
+
+    def result(self, written: int) -> _Digest:
+        """The digest, once the hash is done; ``written`` (bytes the caller wrote) must be the size hashed."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        if self._cancelled or written != self._size:
+            raise CheckpointError(f"internal error: hashed {self._size} bytes, wrote {written}")
+        return _Digest(self._h.hexdigest(), self._size)
+
+    def cancel(self) -> None:
+        """Stop hashing (within one chunk) and wait for the helper to end."""
+        self._cancelled = True
+        if self._thread is not None:
+            self._thread.join()
+
+
+class _TempFile:
+    """A new temporary for ``name`` in ``dirpath``, listed in ``temps`` (whoever owns that list
+    removes it on failure). I/O errors become CheckpointError("cannot write <temporary>: ...")."""
+
+    def __init__(self, dirpath: str, name: str, temps: list):
+        try:
+            self.fd, self.path = _mkstemp(dirpath, name)
+        except OSError as exc:
+            raise _os_error("create a temporary file in", dirpath, exc) from None
+        temps.append(self.path)
+        self.size = 0
+
+    def write(self, parts: list) -> None:
         try:
             for part in parts:
-                h.update(part)
-                _write_all(fd, part)
-                size += len(part)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
+                _write_all(self.fd, part)
+                self.size += len(part)
+        except OSError as exc:
+            raise _os_error("write", self.path, exc) from None
+
+    def sync_and_close(self) -> None:
+        fd, self.fd = self.fd, None
+        try:
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise _os_error("write", self.path, exc) from None
+
+    def close(self) -> None:
+        """Close without syncing (failure paths)."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _write_temp(dirpath: str, name: str, parts: list, temps: list | None = None) -> tuple[str, _Digest]:
+    """Write ``parts`` to a new temporary for ``name`` in ``dirpath``, hashing as it goes, and fsync it.
+
+    The temporary is appended to ``temps``; without ``temps`` it is removed here if the write fails.
+    """
+    mine: list = [] if temps is None else temps
+    f = _TempFile(dirpath, name, mine)
+    pending = None
+    try:
+        pending = _Sha256(parts)
+        f.write(parts)
+        f.sync_and_close()
+        return f.path, pending.result(f.size)
+    except BaseException:
+        if pending is not None:
+            pending.cancel()
+        f.close()
         if temps is None:
-            _unlink_quietly(tmp)
-        raise _os_error("write", tmp, exc) from None
-    return tmp, _Digest(h.hexdigest(), size)
+            _unlink_quietly(f.path)
+        raise
 
 
 def _rename(tmp: str, final: str, temps: list, placed: list) -> None:

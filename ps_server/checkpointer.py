@@ -84,8 +84,8 @@ class _JobState:
 
 class Checkpointer:
     """Checkpoints of every job on one node, in ``ckdir``. ``epoch()`` gives the node's ring epoch
-    (recorded in manifests); ``on_durable()`` is called after each successful write (the node
-    reports durable steps to the dispatcher without waiting for its next heartbeat)."""
+    (recorded in manifests); ``on_durable()`` is called after a successful write somebody waits
+    for (the node reports it to the dispatcher without waiting for its next heartbeat)."""
 
     def __init__(self, ckdir: CheckpointDir, node_id: str, *, every_steps: int, full_every: int, keep: int,
                  epoch: Callable[[], int], metrics=None, on_durable: Callable[[], None] | None = None):
@@ -297,10 +297,11 @@ class Checkpointer:
                     st.durable_step = snap.step
                     st.incrementals = 0 if snap.full else st.incrementals + 1
                     protect = [p for p in (st.protect,) if p is not None]
-                try:
-                    self.ckdir.retain(snap.job, self.keep, protect=protect)
-                except (CheckpointError, OSError) as exc:
-                    log.warning("retention of job %s checkpoints failed: %s", snap.job, exc)
+                if snap.full:  # only a new full checkpoint can make an older chain unneeded
+                    try:
+                        self.ckdir.retain(snap.job, self.keep, protect=protect)
+                    except (CheckpointError, OSError) as exc:
+                        log.warning("retention of job %s checkpoints failed: %s", snap.job, exc)
                 log.info("job %s: %s checkpoint of step %d durable (%d blocks, %d bytes, %.3f s)", snap.job,
                          "full" if snap.full else "incremental", snap.step, len(snap.blocks), info.bytes_written, seconds)
                 if self._metrics is not None:
@@ -322,7 +323,9 @@ class Checkpointer:
             with self._lock:
                 st.pending -= 1
                 self._idle.notify_all()
-            if error is None and self._on_durable is not None:
+            # Somebody waits for this one (on demand, a stopping node): report it now; periodic
+            # ones travel with the next heartbeat.
+            if error is None and requests and self._on_durable is not None:
                 try:
                     self._on_durable()
                 except Exception:  # reporting is best effort; the next heartbeat carries it too

@@ -7,11 +7,13 @@ question), never from the checkpoint module's own output.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import math
 import os
 import re
 import shutil
+import threading
 
 import pytest
 import safetensors.torch
@@ -141,6 +143,21 @@ def chain_dir(tmp_path, trainer, name="ckpt"):
     return d, snaps
 
 
+def hash_helpers() -> list[str]:
+    """The write's sha256 helper threads still alive."""
+    return [t.name for t in threading.enumerate() if t.name == "checkpoint-sha256"]
+
+
+@pytest.fixture(params=["inline", "threads"])
+def hashing(request, monkeypatch):
+    """Writes hash their files inline (as files under 4 MiB are) or in helper threads (as bigger
+    ones are); either way no helper thread outlives the write."""
+    if request.param == "threads":
+        monkeypatch.setattr(checkpoint, "_HASH_THREAD_MIN_BYTES", 0)
+    yield request.param
+    assert not hash_helpers()
+
+
 # ---------------------------------------------------------------------- round trips
 
 
@@ -176,6 +193,25 @@ def test_full_checkpoint_round_trip(tmp_path, kind, hp):
     assert torch.equal(values["emb#2"], tr.store.blocks[("emb", 2)].value)
     step_entry = state["emb#0#step"]
     assert step_entry.dim() == 0 and step_entry.dtype == (torch.int64 if kind == "sgd" else torch.float32)
+
+
+def test_large_files_hashed_while_written_have_the_digests_of_their_bytes(tmp_path):
+    # Files of several MiB are hashed by helper threads while they are written and fsync'ed.
+    gen = torch.Generator().manual_seed(5)
+    n = 1 << 20  # 4 MiB of float32 per tensor
+    blocks = [BlockSnapshot("w", i, 1, torch.randn(n, generator=gen),
+                            {"exp_avg": torch.randn(n, generator=gen), "exp_avg_sq": torch.rand(n, generator=gen),
+                             "step": torch.tensor(1.0)}) for i in range(2)]
+    snap = JobSnapshot(job=JOB, uid="uid-1", node_id=NODE, epoch=1, step=1, spec={}, held={("w", 0): 1, ("w", 1): 1},
+                       blocks=blocks, full=True)
+    d = CheckpointDir(tmp_path, NODE)
+    info = d.write(snap)
+    assert not hash_helpers()
+    manifest = json.loads(open(info.manifest_path, "rb").read())
+    for name, entry in manifest["files"].items():
+        data = (tmp_path / JOB / name).read_bytes()
+        assert entry == {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}, name
+    assert_loaded_equals(d.load(JOB, verify=True), expected_blocks(snap))
 
 
 def test_incremental_chain_replays_to_the_full_checkpoint_of_the_same_step(tmp_path):
@@ -241,7 +277,7 @@ def test_write_refuses_inconsistent_snapshots(tmp_path):
 # ---------------------------------------------------------------------- crashes and failures
 
 
-def test_a_crash_at_any_stage_leaves_earlier_checkpoints_loadable(tmp_path):
+def test_a_crash_at_any_stage_leaves_earlier_checkpoints_loadable(tmp_path, hashing):
     tr = Trainer()
     tr.step()
     seen = []
@@ -275,7 +311,7 @@ def test_a_crash_at_any_stage_leaves_earlier_checkpoints_loadable(tmp_path):
 
 
 @pytest.mark.parametrize("stage", WRITE_STAGES)
-def test_a_failed_write_leaves_nothing_behind(tmp_path, stage):
+def test_a_failed_write_leaves_nothing_behind(tmp_path, stage, hashing):
     tr = Trainer()
     tr.step()
     CheckpointDir(tmp_path, NODE).write(tr.snapshot())
@@ -288,12 +324,13 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, stage):
 
     with pytest.raises(RuntimeError, match="injected"):
         CheckpointDir(tmp_path, NODE, failpoint=fail).write(tr.snapshot(full=False, base_step=1))
+    assert not hash_helpers()
     assert job_files(tmp_path) == before
     assert CheckpointDir(tmp_path, NODE).load(JOB).step == 1
 
 
 @pytest.mark.parametrize("target", ["values", "state", "manifest"])
-def test_disk_full_raises_naming_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, target):
+def test_disk_full_raises_naming_the_file_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, target, hashing):
     tr = Trainer()
     tr.step()
     d = CheckpointDir(tmp_path, NODE)
@@ -311,6 +348,7 @@ def test_disk_full_raises_naming_the_file_and_keeps_the_previous_checkpoint(tmp_
     tr.step()
     with pytest.raises(CheckpointError, match=rf"cannot write .*/{JOB}/\.000000000002\.{target}\..*No space left on device"):
         d.write(tr.snapshot())
+    assert not hash_helpers()
     monkeypatch.undo()
     assert {n: (tmp_path / JOB / n).read_bytes() for n in job_files(tmp_path)} == before
     assert [i.step for i in d.list(JOB)] == [1]
