@@ -39,6 +39,7 @@ from google.protobuf import json_format
 from shardline.dispatcher.membership import validate_name
 from shardline.dispatcher.state_memory import MemoryStateStore
 from shardline.dispatcher.state_store import JOB_PREFIX, TOMBSTONE_PREFIX, StateStore, StateStoreError, with_prefix
+from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, ON_WORKER_FAILURE
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
 from shardline.services.pb import common_pb2
@@ -48,6 +49,7 @@ TENSOR_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
 UID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 SYNC_MODES = ("bsp", "asp")
 OPTIMIZERS = ("sgd", "adam", "adamw")
+MAX_REPLICATION = 16
 DTYPES = ("float32",)
 _OPTIMIZER_FIELDS = (
     "kind", "lr", "momentum", "dampening", "nesterov", "weight_decay",
@@ -172,6 +174,17 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
         out.block_elements = DEFAULT_BLOCK_ELEMENTS
     validate_block_elements(out.block_elements)
     _validate_optimizer(out.optimizer)
+    if out.replication > MAX_REPLICATION:
+        raise ShardlineConfigError(f"replication must be in 1..{MAX_REPLICATION} (0: the dispatcher's default), "
+                                   f"got {out.replication!r}")
+    _check_real(out.worker_lease_timeout_seconds, "worker_lease_timeout_seconds")
+    if not out.worker_lease_timeout_seconds:
+        out.worker_lease_timeout_seconds = DEFAULT_LEASE_TIMEOUT_SECONDS
+    if not out.on_worker_failure:
+        out.on_worker_failure = "wait"
+    if out.on_worker_failure not in ON_WORKER_FAILURE:
+        raise ShardlineConfigError(f"on_worker_failure must be one of {', '.join(ON_WORKER_FAILURE)}, "
+                                   f"got {out.on_worker_failure!r}")
     seen: set[str] = set()
     for i, tensor in enumerate(out.tensors):
         if not TENSOR_NAME_RE.fullmatch(tensor.name):
@@ -199,7 +212,8 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
     def differs(field: str, a: object, b: object) -> str | None:
         return None if a == b else f"{field} is {a!r} but the request has {b!r}"
 
-    for field in ("sync", "world_size", "block_elements", "allow_nonfinite"):
+    for field in ("sync", "world_size", "block_elements", "allow_nonfinite", "replication",
+                  "worker_lease_timeout_seconds", "on_worker_failure"):
         found = differs(field, getattr(existing, field), getattr(requested, field))
         if found:
             return found
@@ -234,7 +248,10 @@ class JobRegistry:
     record cannot be read.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.time, store: StateStore | None = None):
+    def __init__(self, clock: Callable[[], float] = time.time, store: StateStore | None = None,
+                 default_replication: int = 1):
+        # copies of every block for jobs created without a replication of their own
+        self.default_replication = default_replication
         self._clock = clock
         self.store = store if store is not None else MemoryStateStore()
         self._cond = threading.Condition()
@@ -287,14 +304,21 @@ class JobRegistry:
         Raises ShardlineConfigError for an invalid spec and ShardlineStateError naming the first
         differing field if a job of that name exists with a different spec.
         """
+        requested = spec
         spec = normalize_spec(spec)
         with self._cond:
             existing = self._jobs.get(spec.name)
             if existing is not None:
+                # options the request leaves unset mean "as the job has them"
+                for field in ("replication", "worker_lease_timeout_seconds", "on_worker_failure"):
+                    if not getattr(requested, field):
+                        setattr(spec, field, getattr(existing.spec, field))
                 difference = spec_difference(existing.spec, spec)
                 if difference:
                     raise ShardlineStateError(f"job {spec.name!r} already exists with a different spec: {difference}")
                 return existing.record(), False
+            if not spec.replication:
+                spec.replication = self.default_replication
             job = _Job(spec=spec, ready=False, created_ms=int(self._clock() * 1000), uid=self._new_uid(), holders={})
             self._put(job)
             return job.record(), True

@@ -3,8 +3,11 @@
 Options are declared in the schema of services/config.py (docs/configuration.md): flag >
 ``SHARDLINE_*`` environment > ``--config`` file (section ``dispatcher:`` over ``common:``, or a flat
 file) > default. Once serving, the daemon writes the ready file ``{"pid", "grpc", "metrics"}``; SIGTERM or
-SIGINT stop it within the grace period and it exits 0. Configuration errors, and a ``--state-dir``
-that cannot be used (not writable, damaged, held by another dispatcher), exit 2.
+SIGINT stop it within the grace period and it exits 0. Configuration errors (``state_dir`` and
+``state_store`` both set, ...) and a ``--state-dir`` that cannot be used (not writable, damaged,
+held by another dispatcher) exit 2; an etcd ``--state-store`` that does not answer within
+``--connect-timeout`` exits 1. With a state store the daemon is ready (ready file) as a follower;
+it leads once elected (dispatcher/leader.py).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from shardline.services.daemon import (
     start_metrics_server,
     announce_ready,
 )
-from shardline.services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError
 
 log = logging.getLogger("shardline.dispatcher")
 
@@ -71,10 +74,19 @@ def main(argv: list[str] | None = None) -> int:
             vnodes_per_capacity=args.vnodes_per_capacity,
             cluster_token=auth.load_token(args.cluster_token_file),
             state_dir=args.state_dir,
+            state_store=args.state_store,
+            state_prefix=args.state_prefix,
+            leader_lease_timeout=args.leader_lease_timeout,
+            advertise_address=args.advertise_address,
+            connect_timeout=args.connect_timeout,
+            replication=args.replication,
         )
     except (ShardlineConfigError, StateStoreError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except (ShardlineTimeoutError, ShardlineConnectionError) as exc:  # etcd did not answer in time
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     host, _ = parse_host_port(args.listen, what="listen")
     metrics_server = None
     try:

@@ -20,6 +20,18 @@ backwards, across restarts included:
   one ``heartbeat_timeout`` of grace before silent ones expire; dead ones stay dead.
 - A heartbeat reporting an epoch E above the dispatcher's (a dispatcher that lost its state meets
   nodes that routed with a later one) moves the epoch to E + 1.
+
+Two-phase ring changes. An alive node is a ring **member** in one of four roles: ``serving`` (in
+the ring blocks are routed by), ``joining`` (registered, being brought in sync), ``draining``
+(its blocks are moving to the others), ``drained`` (alive, in no ring). While a node joins or
+drains, the routing table also publishes a **pending ring** — the serving nodes plus the joining
+ones minus the draining ones — with a ``pending_epoch``; nodes bring in sync the blocks the
+pending ring gives them (ps_server/replication.py) and report ``ready_epoch``. Once every node of
+both rings reported the current pending epoch, the change **switches**: joining nodes serve,
+draining ones are drained, and the epoch moves on. A node that dies leaves the serving ring at
+once (its replicas hold its blocks); the pending ring, if any, is recomputed. A node joining an
+empty ring, or a cluster that holds no job data (``has_data()`` false), serves at once: there is
+nothing to sync.
 """
 
 from __future__ import annotations
@@ -33,11 +45,13 @@ from shardline.dispatcher.state_memory import MemoryStateStore
 from shardline.dispatcher.state_store import EPOCH_KEY, NODE_PREFIX, StateStore, StateStoreError, with_prefix
 from shardline.services.daemon import parse_host_port
 from shardline.services.config import require_positive_number
-from shardline.services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
 
 ALIVE = "alive"
 DEAD = "dead"
+SERVING, JOINING, DRAINING, DRAINED = "serving", "joining", "draining", "drained"
+MEMBER_ROLES = (SERVING, JOINING, DRAINING, DRAINED)
 # Epochs travel as uint64; a node may report at most this, so E + 1 and a restart's + 1 stay in range.
 MAX_EPOCH = 2**63 - 1
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -57,6 +71,17 @@ class NodeRecord:
     heartbeat_age_seconds: float
     blocks: int                   # as last reported by the node
     bytes: int
+    member: str                   # SERVING, JOINING, DRAINING or DRAINED (alive nodes)
+
+
+@dataclass(frozen=True)
+class RoutingSnapshot:
+    """What the routing table publishes: the serving ring and, during a change, the pending one."""
+
+    epoch: int
+    serving: list                 # NodeRecords, sorted by id
+    pending_epoch: int            # 0: no change in progress
+    pending: list                 # NodeRecords of the pending ring
 
 
 @dataclass
@@ -71,15 +96,17 @@ class _Node:
     last_heartbeat: float
     blocks: int = 0
     bytes: int = 0
+    member: str = SERVING
+    ready_epoch: int = 0          # the pending epoch the node last reported in sync for (not persisted)
 
     def published(self) -> tuple:
         """The fields whose change alters the routing table."""
-        return (self.state, self.rack, self.grpc_address, self.data_address, self.capacity, self.vnodes)
+        return (self.state, self.rack, self.grpc_address, self.data_address, self.capacity, self.vnodes, self.member)
 
     def persisted(self) -> dict:
         """The value of key ``node/<id>``: the registration and its state, nothing per heartbeat."""
         return {"rack": self.rack, "grpc_address": self.grpc_address, "data_address": self.data_address,
-                "capacity": self.capacity, "state": self.state}
+                "capacity": self.capacity, "state": self.state, "member": self.member}
 
 
 def validate_name(value: object, what: str) -> str:
@@ -131,7 +158,8 @@ class Membership:
     """The set of PS nodes known to the dispatcher and the epoch of their routing table.
 
     ``store`` keeps them across restarts (default: memory, i.e. not kept); ``now`` is the start
-    time on the caller's clock, from which restored alive nodes get their heartbeat grace. Raises
+    time on the caller's clock, from which restored alive nodes get their heartbeat grace;
+    ``has_data()`` says whether any job holds blocks (a node joining then syncs first). Raises
     StateStoreError naming the store if its state cannot be read or written.
     """
 
@@ -142,11 +170,13 @@ class Membership:
         *,
         store: StateStore | None = None,
         now: float = 0.0,
+        has_data=None,
     ):
         self.heartbeat_timeout = require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
         vnode_counts({}, vnodes_per_capacity)  # validates the density
         self.vnodes_per_capacity = vnodes_per_capacity
         self.store = store if store is not None else MemoryStateStore()
+        self._has_data = has_data or (lambda: False)
         self._lock = threading.Lock()
         state = self.store.load()
         # The epoch stored by the previous run, None on a fresh store (for the start-up log).
@@ -159,6 +189,7 @@ class Membership:
         epoch = 1 if self.recovered_epoch is None else self.recovered_epoch + 1
         self.store.apply({EPOCH_KEY: {"epoch": epoch}})
         self._epoch = epoch
+        self._pending_epoch = epoch if self._changing() else 0
 
     def _decode_epoch(self, value: dict) -> int:
         epoch = value.get("epoch")
@@ -182,6 +213,7 @@ class Membership:
                 vnodes=vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id],
                 state=state,
                 last_heartbeat=now,
+                member=value.get("member", SERVING) if value.get("member", SERVING) in MEMBER_ROLES else SERVING,
             )
         except (KeyError, TypeError, ValueError) as exc:  # ShardlineConfigError is a ValueError
             raise StateStoreError(
@@ -198,9 +230,21 @@ class Membership:
         puts = {NODE_PREFIX + node.node_id: node.persisted() for node in changed}
         puts[EPOCH_KEY] = {"epoch": epoch}
         self.store.apply(puts)
+        pending_before = self._pending_members()
         for node in changed:
             self._nodes[node.node_id] = node
         self._epoch = epoch
+        if not self._changing():
+            self._pending_epoch = 0
+        elif self._pending_members() != pending_before or not self._pending_epoch:
+            self._pending_epoch = epoch  # a new pending ring: every node must sync for it again
+
+    def _changing(self) -> bool:
+        return any(n.state == ALIVE and n.member in (JOINING, DRAINING) for n in self._nodes.values())
+
+    def _pending_members(self) -> tuple:
+        return tuple(sorted(n.node_id for n in self._nodes.values()
+                            if n.state == ALIVE and n.member in (SERVING, JOINING)))
 
     @property
     def epoch(self) -> int:
@@ -248,6 +292,13 @@ class Membership:
             if before is not None:
                 # Keep the last storage report until the node sends a fresh one.
                 node.blocks, node.bytes = before.blocks, before.bytes
+            serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
+            if before is not None and before.state == ALIVE and before.member in (SERVING, JOINING, DRAINING):
+                node.member = before.member  # a known member re-registering (new addresses, a retry)
+            elif serving and self._has_data():
+                node.member = JOINING        # new, revived or drained: brought in sync before it serves
+            else:
+                node.member = SERVING        # the first node of an empty ring: nothing to sync
             if before is None or before.published() != node.published():
                 self._bump([node])
             else:
@@ -276,6 +327,65 @@ class Membership:
             node.blocks, node.bytes = blocks, bytes
             return True
 
+    def report_ready(self, node_id: str, ready_epoch: int) -> bool:
+        """A node holds in sync everything the pending ring of ``ready_epoch`` gives it. Switches
+        the change once every member of both rings did (returns True then)."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None or node.state != ALIVE:
+                return False
+            node.ready_epoch = ready_epoch
+            if not self._pending_epoch:
+                return False
+            participants = [n for n in self._nodes.values() if n.state == ALIVE and n.member != DRAINED]
+            if not all(n.ready_epoch == self._pending_epoch for n in participants):
+                return False
+            switched = []
+            for n in participants:
+                if n.member == JOINING:
+                    switched.append(dataclasses.replace(n, member=SERVING))
+                elif n.member == DRAINING:
+                    switched.append(dataclasses.replace(n, member=DRAINED))
+            self._bump(switched)
+            return True
+
+    def drain(self, node_id: str, *, leaving: bool = False) -> int:
+        """Start moving every block off ``node_id`` (a serving node). Returns the pending epoch.
+
+        Raises ShardlineStateError if the node is unknown, dead or not serving, or if no other node
+        would serve; with ``leaving`` (the node itself is stopping) also if another change is in
+        progress — then the drains in progress are called off (their nodes serve again), since a
+        cluster whose nodes all stop at once has nowhere to move blocks to."""
+        with self._lock:
+            node = self._nodes.get(node_id)
+            if node is None or node.state != ALIVE:
+                raise ShardlineStateError(f"node {node_id!r} is not an alive node of this cluster")
+            if node.member == DRAINING:
+                return self._pending_epoch
+            if node.member != SERVING:
+                raise ShardlineStateError(f"node {node_id!r} is {node.member}, not serving: nothing to drain")
+            if leaving and self._changing():
+                cancelled = [dataclasses.replace(n, member=SERVING) for n in self._nodes.values()
+                             if n.state == ALIVE and n.member == DRAINING]
+                if cancelled:
+                    self._bump(cancelled)
+                raise ShardlineStateError(f"another ring change is in progress; node {node_id!r} stops without draining")
+            others = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
+            if not others:
+                raise ShardlineStateError(f"node {node_id!r} is the only serving node: its blocks have nowhere to go")
+            self._bump([dataclasses.replace(node, member=DRAINING)])
+            return self._pending_epoch
+
+    def snapshot(self, now: float | None = None) -> RoutingSnapshot:
+        """The serving ring and the pending one (see the module docstring)."""
+        with self._lock:
+            alive = sorted((n for n in self._nodes.values() if n.state == ALIVE), key=lambda n: n.node_id)
+            serving = [self._record(n, now) for n in alive if n.member in (SERVING, DRAINING)]
+            pending = []
+            if self._pending_epoch:
+                pending = [self._record(n, now) for n in alive if n.member in (SERVING, JOINING)]
+            return RoutingSnapshot(self._epoch, serving, self._pending_epoch, pending)
+
     def expire(self, now: float) -> list[str]:
         """Declare dead every alive node silent for more than ``heartbeat_timeout``. Returns their ids.
 
@@ -288,19 +398,22 @@ class Membership:
                 if node.state == ALIVE and now - node.last_heartbeat > self.heartbeat_timeout
             )
             if expired:
-                self._bump([dataclasses.replace(self._nodes[node_id], state=DEAD) for node_id in expired])
+                changed = [dataclasses.replace(self._nodes[node_id], state=DEAD) for node_id in expired]
+                left = [n for n in self._nodes.values() if n.state == ALIVE and n.node_id not in expired
+                        and n.member in (SERVING, JOINING)]
+                if not left:  # draining nodes have nowhere left to move their blocks: they serve on
+                    changed += [dataclasses.replace(n, member=SERVING) for n in self._nodes.values()
+                                if n.state == ALIVE and n.node_id not in expired and n.member == DRAINING]
+                self._bump(changed)
             return expired
 
     def routing_table(self, now: float | None = None) -> tuple[int, list[NodeRecord]]:
-        """``(epoch, alive nodes sorted by id)``; the ring is ``HashRing({n.node_id: n.vnodes})``.
+        """``(epoch, serving nodes sorted by id)``; the ring is ``HashRing({n.node_id: n.vnodes})``.
 
         Heartbeat ages are computed against ``now`` when given, else reported as 0.
         """
-        with self._lock:
-            return self._epoch, [
-                self._record(node, now) for node in sorted(self._nodes.values(), key=lambda n: n.node_id)
-                if node.state == ALIVE
-            ]
+        snap = self.snapshot(now)
+        return snap.epoch, snap.serving
 
     def all_nodes(self, now: float) -> list[NodeRecord]:
         """Every known node, alive and dead, sorted by id, with heartbeat ages at ``now``."""
@@ -320,4 +433,5 @@ class Membership:
             heartbeat_age_seconds=0.0 if now is None else max(0.0, now - node.last_heartbeat),
             blocks=node.blocks,
             bytes=node.bytes,
+            member=node.member if node.state == ALIVE else "",
         )

@@ -1,5 +1,14 @@
 """gRPC glue for the dispatcher: the Dispatcher service over Membership, JobRegistry and fanout.
 
+Leading. The servicer serves from a :class:`LeaderState` (a Membership and a JobRegistry over one
+state store). A single dispatcher has one from the start and always leads. With an etcd
+``state_store`` several dispatchers run a :class:`~shardline.dispatcher.leader.LeaderElection`:
+the winner builds a fresh LeaderState over a store fenced by its term (the epoch comes back as
+stored + 1, the nodes alive with one heartbeat timeout of grace) and reports SERVING on the health
+service; the others, and a leader that lost its lease, hold none, answer every Dispatcher call
+with UNAVAILABLE ``not the leader; the leader is HOST:PORT`` and trailing metadata
+``shardline-leader: HOST:PORT``, and report NOT_SERVING.
+
 Errors map to status codes: ShardlineConfigError -> INVALID_ARGUMENT, UnknownJobError -> NOT_FOUND,
 StateStoreError (the state could not be persisted; the message names the path) and
 ShardlineConnectionError -> UNAVAILABLE, ShardlineStateError -> FAILED_PRECONDITION,
@@ -32,18 +41,30 @@ from shardline.dispatcher.fanout import (
     coordinate_checkpoint,
     drop_everywhere,
 )
+from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, WorkerLeases
 from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
-from shardline.dispatcher.membership import ALIVE, Membership, NodeRecord, reachable_address
-from shardline.dispatcher.state_store import StateStoreError, open_state_store
-from shardline.services.daemon import create_grpc_server
+from shardline.dispatcher.leader import Holder, LeaderElection, lease_ttl
+from shardline.dispatcher.membership import ALIVE, Membership, NodeRecord, reachable_address, validate_address
+from shardline.dispatcher.state_store import (
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_STATE_PREFIX,
+    Fence,
+    StateStoreError,
+    open_state_store,
+    state_backend,
+)
+from shardline.services.daemon import create_grpc_server, format_host_port, parse_host_port
 from shardline.services.config import require_positive_number
+from shardline.services.dispatcher_client import LEADER_METADATA_KEY
 from shardline.services.errors import (
+    NotLeaderError,
     ShardlineConfigError,
     ShardlineConnectionError,
     ShardlineStateError,
     ShardlineTimeoutError,
 )
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.ring import vnode_counts
 
 log = logging.getLogger("shardline.dispatcher")
 
@@ -55,6 +76,13 @@ WAIT_SLICE_SECONDS = 0.5
 def node_info(record: NodeRecord) -> common_pb2.NodeInfo:
     # NodeRecord's fields are NodeInfo's, by construction.
     return common_pb2.NodeInfo(**dataclasses.asdict(record))
+
+
+def lease_info(lease, now: float) -> dispatcher_pb2.WorkerLease:
+    return dispatcher_pb2.WorkerLease(job=lease.job, rank=lease.rank, incarnation=lease.incarnation,
+                                      state="lost" if lease.lost_at is not None else "alive",
+                                      age_seconds=max(0.0, now - lease.last), lost_unix_ms=int((lease.lost_at or 0) * 1000),
+                                      step=lease.step)
 
 
 def job_info(record: JobRecord) -> dispatcher_pb2.JobInfo:
@@ -98,6 +126,9 @@ def _rpc(method: Callable) -> Callable:
             response = method(self, request, context)
         except _Abort as abort:
             code, message = abort.code, abort.message
+        except NotLeaderError as exc:  # clients follow the metadata to the leader
+            context.set_trailing_metadata(((LEADER_METADATA_KEY, exc.leader),))
+            code, message = grpc.StatusCode.UNAVAILABLE, str(exc)
         except Exception as exc:  # every failure must reach the caller as a status, not a hang
             code = _status_of(exc)
             message = str(exc) if code != grpc.StatusCode.INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
@@ -113,18 +144,48 @@ def _rpc(method: Callable) -> Callable:
     return wrapper
 
 
+@dataclasses.dataclass(frozen=True)
+class LeaderState:
+    """What a leading dispatcher serves from; ``term`` is the election term it was built in (None:
+    a single dispatcher, which always leads)."""
+
+    membership: Membership
+    jobs: JobRegistry
+    term: Holder | None = None
+    leases: WorkerLeases | None = None   # soft state: a new leader starts with none
+
+    def __post_init__(self):
+        if self.leases is None:
+            object.__setattr__(self, "leases", WorkerLeases(self._lease_policy))
+
+    def _lease_policy(self, job: str):
+        try:
+            spec = self.jobs.get(job).spec
+        except UnknownJobError:
+            return None
+        return spec.worker_lease_timeout_seconds or DEFAULT_LEASE_TIMEOUT_SECONDS, spec.on_worker_failure or "wait"
+
+    def close(self) -> None:
+        self.membership.store.close()
+        if self.jobs.store is not self.membership.store:
+            self.jobs.store.close()
+
+
 class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     """Implements protos/dispatcher.proto. ``clock`` is monotonic seconds (heartbeat ages).
 
-    ``node_caller`` makes the calls to PS nodes (default: gRPC without a token), at most
-    ``fanout_workers`` at once; ``drop_timeout`` and ``status_timeout`` bound each DropJob and
+    Given ``membership`` and ``jobs`` it leads from the start (a single dispatcher). Given neither,
+    it follows until :meth:`install` (the election's ``on_elected``), and :meth:`drop` ends
+    leading (``on_deposed``); ``election`` (set before serving) says who leads and whether a term
+    still holds. ``node_caller`` makes the calls to PS nodes (default: gRPC without a token), at
+    most ``fanout_workers`` at once; ``drop_timeout`` and ``status_timeout`` bound each DropJob and
     GetNodeStatus call. ``close`` releases the pool and the state store.
     """
 
     def __init__(
         self,
-        membership: Membership,
-        jobs: JobRegistry,
+        membership: Membership | None,
+        jobs: JobRegistry | None,
         *,
         heartbeat_interval: float,
         clock: Callable[[], float] = time.monotonic,
@@ -133,9 +194,12 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         fanout_workers: int = 16,
         drop_timeout: float = DEFAULT_DROP_TIMEOUT,
         status_timeout: float = DEFAULT_STATUS_TIMEOUT,
+        election: LeaderElection | None = None,
     ):
-        self.membership = membership
-        self.jobs = jobs
+        if (membership is None) != (jobs is None):
+            raise ShardlineConfigError("DispatcherServicer needs both membership and jobs, or neither (a follower)")
+        self._state: LeaderState | None = LeaderState(membership, jobs) if membership is not None else None
+        self.election = election
         self.heartbeat_interval = heartbeat_interval
         self._clock = clock
         # Waiters hold a server thread each; the cap keeps threads free for heartbeats.
@@ -145,25 +209,77 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         self._fanout = ThreadPoolExecutor(max_workers=fanout_workers, thread_name_prefix="dispatcher-fanout")
         self.drop_timeout = require_positive_number(drop_timeout, "drop_timeout (seconds)")
         self.status_timeout = require_positive_number(status_timeout, "status_timeout (seconds)")
-        self._publish_gauges()
+        if self._state is not None:
+            self._publish_gauges(self._state)
 
-    def _publish_gauges(self) -> None:
-        jobs = self.jobs.list()
-        M.publish(self.membership.epoch, self.membership.all_nodes(self._clock()),
-                  heartbeat_timeout=self.membership.heartbeat_timeout, jobs=len(jobs))
+    # -- leading --------------------------------------------------------------------------------
+
+    @property
+    def membership(self) -> Membership | None:
+        """The leader state's membership (None while following)."""
+        state = self._state
+        return state.membership if state is not None else None
+
+    @property
+    def jobs(self) -> JobRegistry | None:
+        state = self._state
+        return state.jobs if state is not None else None
+
+    def _current(self, state: LeaderState | None) -> bool:
+        return state is not None and state is self._state and (
+            state.term is None or (self.election is not None and self.election.holds(state.term)))
+
+    def _leading(self) -> LeaderState:
+        """The state to serve from; NotLeaderError naming the leader unless this dispatcher leads now."""
+        state = self._state
+        if self._current(state):
+            return state
+        leader = self.election.leader if self.election is not None else ""
+        if leader and leader == self.election.address:
+            raise NotLeaderError("not the leader right now (taking over or stepping down); retry shortly", leader)
+        if leader:
+            raise NotLeaderError(f"not the leader; the leader is {leader}", leader)
+        raise NotLeaderError("not the leader; no leader is elected yet (is etcd reachable?)")
+
+    def install(self, membership: Membership, jobs: JobRegistry, term: Holder) -> None:
+        """Lead from ``membership`` and ``jobs`` (built over a store fenced by ``term``)."""
+        state = LeaderState(membership, jobs, term)
+        old, self._state = self._state, state
+        if old is not None:
+            old.close()
+        self._publish_gauges(state)
+
+    def drop(self) -> None:
+        """Stop leading at once: forget the in-memory state (etcd keeps it for the next leader)."""
+        old, self._state = self._state, None
+        if old is not None:
+            old.close()  # waits for a write in flight; later ones fail (closed)
+
+    def _publish_gauges(self, state: LeaderState) -> None:
+        jobs = state.jobs.list()
+        M.publish(state.membership.epoch, state.membership.all_nodes(self._clock()),
+                  heartbeat_timeout=state.membership.heartbeat_timeout, jobs=len(jobs))
         M.publish_checkpoints({job.name: job.checkpoint_step for job in jobs if job.has_checkpoint})
 
     def expire(self) -> list[str]:
-        """Declare silent nodes dead now; returns their ids. StateStoreError: none was declared dead."""
+        """Declare silent nodes dead now (a follower: none); returns their ids. StateStoreError: none
+        was declared dead."""
+        state = self._state
+        if not self._current(state):
+            return []
         try:
-            expired = self.membership.expire(self._clock())
+            expired = state.membership.expire(self._clock())
         except StateStoreError:
             M.state_store_write_failed()
             raise
+        for lease in state.leases.expire(self._clock()):
+            log.warning("job %s: rank %d (incarnation %s) lost: no heartbeat for %.3g s", lease.job, lease.rank,
+                        lease.incarnation, self._clock() - lease.last)
         M.nodes_declared_dead(len(expired))
         if expired:
-            log.warning("nodes declared dead (no heartbeat for %.3g s): %s", self.membership.heartbeat_timeout, ", ".join(expired))
-        self._publish_gauges()
+            log.warning("nodes declared dead (no heartbeat for %.3g s): %s", state.membership.heartbeat_timeout,
+                        ", ".join(expired))
+        self._publish_gauges(state)
         return expired
 
     def stop(self) -> None:
@@ -173,15 +289,14 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     def close(self) -> None:
         """After the server stopped: end the fan-out pool and close the state store."""
         self._fanout.shutdown(wait=False, cancel_futures=True)
-        self.membership.store.close()
-        if self.jobs.store is not self.membership.store:
-            self.jobs.store.close()
+        self.drop()
 
     @_rpc
     def RegisterNode(self, request, context):
-        before = self.membership.epoch
+        state = self._leading()
+        before = state.membership.epoch
         peer = context.peer()
-        epoch = self.membership.register(
+        epoch = state.membership.register(
             request.node_id, request.rack, reachable_address(request.grpc_address, peer),
             reachable_address(request.data_address, peer), request.capacity, self._clock()
         )
@@ -190,57 +305,95 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                 "node %s registered (rack %s, grpc %s, data %s, capacity %g): epoch %d",
                 request.node_id, request.rack, request.grpc_address, request.data_address, request.capacity, epoch,
             )
-        self._publish_gauges()
+        self._publish_gauges(state)
         return dispatcher_pb2.RegisterNodeResponse(epoch=epoch, heartbeat_interval_seconds=self.heartbeat_interval)
 
     @_rpc
     def Heartbeat(self, request, context):
-        before = self.membership.epoch
-        registered = self.membership.heartbeat(request.node_id, self._clock(), request.blocks, request.bytes,
-                                               request.epoch)
-        epoch = self.membership.epoch
+        state = self._leading()
+        before = state.membership.epoch
+        registered = state.membership.heartbeat(request.node_id, self._clock(), request.blocks, request.bytes,
+                                                request.epoch)
+        epoch = state.membership.epoch
         if request.epoch > before:
             log.warning("node %s routes with epoch %d, above the dispatcher's %d: the dispatcher moved to epoch %d",
                         request.node_id, request.epoch, before, epoch)
+        if registered and request.ready_epoch and state.membership.report_ready(request.node_id, request.ready_epoch):
+            snap = state.membership.snapshot()
+            log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving), snap.epoch)
+            epoch = snap.epoch
         # Only a registered node's report counts for holders; any node is told what to drop.
-        drop, steps = self.jobs.report_held(request.node_id, request.jobs, record=registered)
+        drop, steps = state.jobs.report_held(request.node_id, request.jobs, record=registered)
         if drop:
             log.info("node %s holds deleted or replaced jobs, told to drop them: %s", request.node_id, ", ".join(drop))
         return dispatcher_pb2.HeartbeatResponse(
             epoch=epoch, registered=registered, drop_jobs=drop,
             checkpoint_steps=[dispatcher_pb2.JobCheckpointStep(job=job, step=step) for job, step in sorted(steps.items())],
-            unknown_jobs=self.jobs.unknown_held(request.jobs),
+            unknown_jobs=state.jobs.unknown_held(request.jobs),
+            failed_jobs=state.leases.failed(),
         )
 
-    def _routing(self) -> common_pb2.RoutingTable:
-        epoch, nodes = self.membership.routing_table(self._clock())
-        return common_pb2.RoutingTable(epoch=epoch, nodes=[node_info(n) for n in nodes])
+    def _routing(self, state: LeaderState) -> common_pb2.RoutingTable:
+        snap = state.membership.snapshot(self._clock())
+        return common_pb2.RoutingTable(epoch=snap.epoch, nodes=[node_info(n) for n in snap.serving],
+                                       pending_epoch=snap.pending_epoch,
+                                       pending_nodes=[node_info(n) for n in snap.pending],
+                                       default_replication=state.jobs.default_replication)
+
+    @_rpc
+    def WorkerHeartbeat(self, request, context):
+        state = self._leading()
+        record = state.jobs.get(request.job)
+        if not 0 <= request.rank < record.spec.world_size:
+            raise ShardlineConfigError(f"rank {request.rank} out of range for job {request.job!r} of world size "
+                                       f"{record.spec.world_size}")
+        if not request.incarnation:
+            raise ShardlineConfigError("WorkerHeartbeat needs the worker's incarnation")
+        now = self._clock()
+        state.leases.heartbeat(request.job, request.rank, request.incarnation, request.step, now,
+                               leaving=request.leaving)
+        timeout = record.spec.worker_lease_timeout_seconds or DEFAULT_LEASE_TIMEOUT_SECONDS
+        lost = [lease_info(lease, now) for lease in state.leases.of_job(request.job)
+                if lease.lost_at is not None and lease.rank != request.rank]
+        return dispatcher_pb2.WorkerHeartbeatResponse(lost=lost, failed=state.leases.failed().get(request.job, ""),
+                                                      interval_seconds=min(5.0, max(0.2, timeout / 4)))
+
+    @_rpc
+    def DrainNode(self, request, context):
+        state = self._leading()
+        pending = state.membership.drain(request.node_id, leaving=request.leaving)
+        log.info("draining node %s: its blocks move to the other nodes (pending ring of epoch %d)", request.node_id,
+                 pending)
+        self._publish_gauges(state)
+        return dispatcher_pb2.DrainNodeResponse(epoch=pending)
 
     @_rpc
     def GetRouting(self, request, context):
-        return self._routing()
+        return self._routing(self._leading())
 
     @_rpc
     def CreateJob(self, request, context):
         if not request.HasField("spec"):
             raise ShardlineConfigError("CreateJob needs a spec")
-        record, created = self.jobs.create(request.spec)
+        state = self._leading()
+        record, created = state.jobs.create(request.spec)
         if created:
             log.info("job %s created (%d tensors, %s, world size %d)", record.name, len(record.spec.tensors),
                      record.spec.sync, record.spec.world_size)
-            self._publish_gauges()  # the job count is current at once, not at the next expiry pass
+            self._publish_gauges(state)  # the job count is current at once, not at the next expiry pass
         return dispatcher_pb2.CreateJobResponse(job=job_info(record), created=created)
 
     @_rpc
     def GetJob(self, request, context):
-        return job_info(self.jobs.get(request.name))
+        return job_info(self._leading().jobs.get(request.name))
 
     @_rpc
     def WaitJobReady(self, request, context):
         timeout = request.timeout_seconds
         if not math.isfinite(timeout) or timeout < 0:
             raise ShardlineConfigError(f"timeout_seconds must be a finite number >= 0, got {timeout!r}")
-        self.jobs.get(request.name)  # unknown job or bad arguments fail before taking a slot
+        state = self._leading()
+        state.jobs.get(request.name)  # unknown job or bad arguments fail before taking a slot
         if not self._waiters.acquire(blocking=False):
             raise _Abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many concurrent WaitJobReady calls; retry later")
         try:
@@ -249,7 +402,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             while True:
                 remaining = deadline - time.monotonic()
                 try:
-                    return job_info(self.jobs.wait_ready(request.name, max(0.0, min(WAIT_SLICE_SECONDS, remaining))))
+                    return job_info(state.jobs.wait_ready(request.name, max(0.0, min(WAIT_SLICE_SECONDS, remaining))))
                 except ShardlineTimeoutError:
                     if remaining <= WAIT_SLICE_SECONDS:
                         raise ShardlineTimeoutError(
@@ -257,6 +410,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                         ) from None
                 if self._stopping.is_set():
                     raise _Abort(grpc.StatusCode.UNAVAILABLE, "dispatcher is shutting down")
+                if not self._current(state):  # deposed meanwhile: the caller asks the new leader
+                    self._leading()
                 if not context.is_active():
                     raise _Abort(grpc.StatusCode.CANCELLED, "caller went away")
         finally:
@@ -264,21 +419,22 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
 
     @_rpc
     def MarkJobReady(self, request, context):
-        record = self.jobs.mark_ready(request.name)
+        record = self._leading().jobs.mark_ready(request.name)
         log.info("job %s ready", record.name)
         return job_info(record)
 
     @_rpc
     def DeleteJob(self, request, context):
-        record = self.jobs.delete(request.name)  # tombstoned and durable before any node is told
-        nodes = self.membership.all_nodes(self._clock())
+        state = self._leading()
+        record = state.jobs.delete(request.name)  # tombstoned and durable before any node is told
+        nodes = state.membership.all_nodes(self._clock())
         alive = [Target(n.node_id, n.grpc_address) for n in nodes if n.state == ALIVE]
         dead = [n.node_id for n in nodes if n.state != ALIVE]
         dropped, pending = drop_everywhere(self._caller, self._fanout, alive, dead, record.name, record.uid,
                                            drop_timeout=self.drop_timeout)
         log.info("job %s (uid %s) deleted; dropped on [%s], pending on [%s]", record.name, record.uid,
                  ", ".join(dropped), ", ".join(pending))
-        self._publish_gauges()
+        self._publish_gauges(state)
         return dispatcher_pb2.DeleteJobResponse(uid=record.uid, dropped_on=dropped, pending_on=pending)
 
     @_rpc
@@ -286,8 +442,9 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         timeout = request.timeout_seconds
         if not math.isfinite(timeout) or timeout <= 0:
             raise ShardlineConfigError(f"timeout_seconds must be a finite number > 0, got {timeout!r}")
-        record = self.jobs.get(request.name)
-        _epoch, alive = self.membership.routing_table()
+        state = self._leading()
+        record = state.jobs.get(request.name)
+        _epoch, alive = state.membership.routing_table()
         result = coordinate_checkpoint(
             self._caller, self._fanout, [Target(n.node_id, n.grpc_address) for n in alive], record.name, record.uid,
             asp=record.spec.sync == "asp", timeout=timeout, status_timeout=self.status_timeout,
@@ -299,25 +456,42 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     def RestoreJob(self, request, context):
         if not request.HasField("spec"):
             raise ShardlineConfigError("RestoreJob needs a spec")
-        record, restored = self.jobs.restore(request.spec, request.uid, request.node_id)
+        state = self._leading()
+        record, restored = state.jobs.restore(request.spec, request.uid, request.node_id)
         if restored:
             log.warning("job %s (uid %s) was re-registered from node %s's checkpoint (the dispatcher did not know it)",
                         record.name, record.uid, request.node_id)
-            self._publish_gauges()
+            self._publish_gauges(state)
         return job_info(record)
 
     @_rpc
     def GetClusterStatus(self, request, context):
+        state = self._leading()
         now = self._clock()
-        return dispatcher_pb2.ClusterStatus(
-            routing=self._routing(),
-            all_nodes=[node_info(n) for n in self.membership.all_nodes(now)],
-            jobs=[job_info(j) for j in self.jobs.list()],
+        status = dispatcher_pb2.ClusterStatus(
+            routing=self._routing(state),
+            all_nodes=[node_info(n) for n in state.membership.all_nodes(now)],
+            jobs=[job_info(j) for j in state.jobs.list()],
+            workers=[lease_info(lease, now) for lease in state.leases.all()],
         )
+        if self.election is not None:
+            status.leader = self.election.address
+            status.dispatchers.extend(
+                dispatcher_pb2.DispatcherInfo(address=a, role="leader" if a == status.leader else "follower")
+                for a in self.election.dispatchers)
+        return status
 
 
-def _log_recovery(state_dir: str | None, membership: Membership, jobs: JobRegistry) -> None:
-    if not state_dir:
+def _state_over(store, heartbeat_timeout: float, vnodes_per_capacity: int, replication: int):
+    """Membership and jobs over ``store``; nodes that join a cluster holding job data sync first."""
+    jobs = JobRegistry(store=store, default_replication=replication)
+    membership = Membership(heartbeat_timeout, vnodes_per_capacity, store=store, now=time.monotonic(),
+                            has_data=lambda: bool(jobs.list()))
+    return membership, jobs
+
+
+def _log_recovery(memory_only: bool, membership: Membership, jobs: JobRegistry) -> None:
+    if memory_only:
         log.warning("no state_dir: the dispatcher's state (jobs, node registrations, ring epoch) lives in memory "
                     "only; a restart forgets every job")
         return
@@ -332,15 +506,17 @@ def _log_recovery(state_dir: str | None, membership: Membership, jobs: JobRegist
 
 
 class DispatcherServer:
-    """The running gRPC server and its expiry thread; ``stop`` ends both.
+    """The running gRPC server, its expiry thread and (with etcd) its election; ``stop`` ends them.
 
     Other ``grpc.Server`` methods (``wait_for_termination`` ...) pass through.
     """
 
-    def __init__(self, server: grpc.Server, servicer: DispatcherServicer, health_servicer: health.HealthServicer):
+    def __init__(self, server: grpc.Server, servicer: DispatcherServicer, health_servicer: health.HealthServicer,
+                 election: LeaderElection | None = None):
         self._server = server
         self._servicer = servicer
         self._health = health_servicer
+        self.election = election
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._expire_loop, name="dispatcher-expire", daemon=True)
         self._thread.start()
@@ -355,10 +531,13 @@ class DispatcherServer:
                 log.exception("node expiry failed")
 
     def stop(self, grace: float | None) -> threading.Event:
-        """Stop expiring nodes, report NOT_SERVING, release waiters and stop the gRPC server."""
+        """Stop expiring nodes, report NOT_SERVING, release waiters, hand the leadership over
+        (resign: another dispatcher takes over at once) and stop the gRPC server."""
         self._stop.set()
         self._health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         self._servicer.stop()
+        if self.election is not None:
+            self.election.close()
         done = self._server.stop(grace)
         self._thread.join(timeout=EXPIRE_PERIOD_SECONDS * 4)
         return done
@@ -380,14 +559,26 @@ def create_server(
     max_workers: int = 64,
     cluster_token: bytes | None = None,
     state_dir: str | None = None,
+    state_store: str | None = None,
+    state_prefix: str = DEFAULT_STATE_PREFIX,
+    leader_lease_timeout: float = 3.0,
+    advertise_address: str | None = None,
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
+    replication: int = 2,
 ) -> tuple[DispatcherServer, int, DispatcherServicer]:
     """Start a dispatcher on ``address`` (port 0: any free port). Returns (server, bound port, servicer).
 
     ``heartbeat_interval`` is what nodes are told to use; it must be below ``heartbeat_timeout`` or
     healthy nodes would be declared dead between heartbeats. ``state_dir``: where the state is kept
-    across restarts (None: memory only, with a WARNING); what was recovered is logged. Raises
-    ShardlineConfigError for bad arguments and StateStoreError if the state cannot be opened.
-    Calls to PS nodes carry ``cluster_token``.
+    across restarts (None: memory only, with a WARNING); what was recovered is logged.
+    ``state_store`` (``etcd://HOST:PORT[,...]``, exclusive with ``state_dir``): the state lives in
+    etcd under ``state_prefix`` and this dispatcher campaigns for the leadership with a lease of
+    ``leader_lease_timeout`` whole seconds, naming ``advertise_address`` (default: the ``address``
+    host and the bound port) as the leader's; it serves as a follower until elected. Raises
+    ShardlineConfigError for bad arguments, StateStoreError if the state cannot be opened, and
+    ShardlineTimeoutError naming the endpoints if etcd does not answer within ``connect_timeout``.
+    Calls to PS nodes carry ``cluster_token``. ``replication``: copies of every block for jobs that
+    do not set their own.
     """
     # Arguments first: a bad one must not touch the state (opening it persists a new epoch).
     require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
@@ -397,14 +588,20 @@ def create_server(
             f"heartbeat_interval must be below heartbeat_timeout, got interval {heartbeat_interval!r} "
             f"and timeout {heartbeat_timeout!r}"
         )
+    backend = state_backend(state_dir, state_store)
+    if backend == "etcd":
+        return _create_replicated_server(
+            address, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
+            vnodes_per_capacity=vnodes_per_capacity, max_workers=max_workers, cluster_token=cluster_token,
+            state_store=state_store, state_prefix=state_prefix, leader_lease_timeout=leader_lease_timeout,
+            advertise_address=advertise_address, connect_timeout=connect_timeout, replication=replication)
     store = open_state_store(state_dir)
     try:
-        membership = Membership(heartbeat_timeout, vnodes_per_capacity, store=store, now=time.monotonic())
-        jobs = JobRegistry(store=store)
+        membership, jobs = _state_over(store, heartbeat_timeout, vnodes_per_capacity, replication)
     except BaseException:
         store.close()
         raise
-    _log_recovery(state_dir, membership, jobs)
+    _log_recovery(backend == "memory", membership, jobs)
     servicer = DispatcherServicer(
         membership, jobs, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token),
@@ -420,3 +617,69 @@ def create_server(
         servicer.close()  # releases the state store's lock for the next attempt
         raise
     return DispatcherServer(grpc_server, servicer, health_servicer), port, servicer
+
+
+def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbeat_interval: float,
+                              vnodes_per_capacity: int, max_workers: int, cluster_token: bytes | None,
+                              state_store: str, state_prefix: str, leader_lease_timeout: float,
+                              advertise_address: str | None, connect_timeout: float, replication: int):
+    """create_server with an etcd state store: a follower that campaigns (create_server's contract)."""
+    from shardline.dispatcher.state_etcd import EtcdElectionBackend, parse_etcd_url, validate_prefix
+
+    ttl = lease_ttl(leader_lease_timeout)
+    validate_prefix(state_prefix)
+    if advertise_address is not None:
+        validate_address(advertise_address, "advertise_address")
+    require_positive_number(connect_timeout, "connect_timeout (seconds)")
+    vnode_counts({}, vnodes_per_capacity)  # validates the density before anything starts
+    # A slow request must not eat the renewal: each election request gets a third of the TTL.
+    election_backend = EtcdElectionBackend(parse_etcd_url(state_store), state_prefix, request_timeout=ttl / 3)
+    try:
+        election_backend.wait_reachable(connect_timeout)
+    except BaseException:
+        election_backend.close()
+        raise
+    servicer = DispatcherServicer(
+        None, None, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
+        node_caller=GrpcNodeCaller(cluster_token),
+    )
+    try:
+        grpc_server, port, health_servicer = create_grpc_server(
+            address, [lambda s: dispatcher_pb2_grpc.add_DispatcherServicer_to_server(servicer, s)],
+            max_workers=max_workers, cluster_token=cluster_token,
+        )
+    except BaseException:
+        servicer.close()
+        election_backend.close()
+        raise
+    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # until elected
+    host, _ = parse_host_port(address, what="--listen")
+    advertised = advertise_address or format_host_port(host, port)
+    if host in ("0.0.0.0", "::", ""):
+        log.warning("advertising %s as this dispatcher's address: set advertise_address to one that clients and "
+                    "the other dispatchers can dial", advertised)
+
+    def on_elected(term: Holder) -> None:
+        # The whole state, read under the new term: the epoch comes back as stored + 1.
+        store = open_state_store(None, state_store, prefix=state_prefix, fence=Fence(term.token, election.step_down),
+                                 connect_timeout=ttl)
+        try:
+            membership, jobs = _state_over(store, heartbeat_timeout, vnodes_per_capacity, replication)
+        except BaseException:
+            store.close()
+            raise
+        _log_recovery(False, membership, jobs)
+        servicer.install(membership, jobs, term)
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("leading at epoch %d", membership.epoch)
+
+    def on_deposed(reason: str) -> None:
+        health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        servicer.drop()
+
+    election = LeaderElection(election_backend, advertised, ttl, on_elected=on_elected, on_deposed=on_deposed)
+    servicer.election = election
+    election.start()
+    log.info("campaigning for the leadership as %s (state in %s under %s, lease %d s)", advertised, state_store,
+             state_prefix, ttl)
+    return DispatcherServer(grpc_server, servicer, health_servicer, election), port, servicer

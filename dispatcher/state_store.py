@@ -16,27 +16,53 @@ Contract every backend keeps:
   not an error. A key both put and deleted is put (puts go last).
 - Failures raise :class:`StateStoreError` naming the store's ``location``.
 - Thread-safe; ``close()`` is idempotent and further calls raise StateStoreError.
+- etcd only: a write whose reply was lost is retried (it puts absolute values, so that is
+  harmless); if no retry gets through, the outcome is unknown and the store's :class:`Fence` is
+  told, so the leader steps down and whoever leads next reloads the state from etcd.
 
 Callers write ahead: they apply a change to the store first and only then make it visible, so
-nothing a caller was ever shown is missing after a restart. Another backend (etcd) slots in by
-implementing :class:`StateStore` and a branch in :func:`open_state_store`.
+nothing a caller was ever shown is missing after a restart. Backends: memory (no ``state_dir``),
+SQLite (``state_dir``, one dispatcher) and etcd (``state_store: etcd://...``, several dispatchers
+with one elected leader; :mod:`shardline.dispatcher.state_etcd`), chosen by :func:`open_state_store`.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Iterable, Mapping, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping, Protocol, runtime_checkable
 
-from shardline.services.errors import ShardlineStateError
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 
 EPOCH_KEY = "epoch"
 NODE_PREFIX = "node/"
 JOB_PREFIX = "job/"
 TOMBSTONE_PREFIX = "tombstone/"
+DEFAULT_STATE_PREFIX = "/shardline"   # the state_prefix option's default (services/config.py)
+# How long a dispatcher waits at start for a replicated store (the connect_timeout option's default).
+DEFAULT_CONNECT_TIMEOUT = 60.0
 
 
 class StateStoreError(ShardlineStateError):
     """The dispatcher's state could not be read or written; the message names where it lives."""
+
+
+class FencedError(StateStoreError):
+    """A write of a dispatcher that is no longer the leader was refused; nothing of it took effect."""
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What makes a store refuse the writes of a deposed leader (the etcd backend; leader.py).
+
+    ``token``: the create revision of the leader key this dispatcher won; every write is a
+    transaction that also requires the key to still have it. ``lost(reason)`` is called when a
+    write was refused for that (FencedError) or its outcome is unknown: the in-memory state can no
+    longer be trusted, so the dispatcher must stop leading at once.
+    """
+
+    token: int
+    lost: Callable[[str], None] = lambda reason: None
 
 
 @runtime_checkable
@@ -80,12 +106,41 @@ def with_prefix(state: Mapping[str, dict], prefix: str) -> dict[str, dict]:
     return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
 
 
-def open_state_store(state_dir: str | None) -> StateStore:
-    """SQLite in ``state_dir`` (created if missing), or memory when ``state_dir`` is None or empty.
+def state_backend(state_dir: str | None, state_store: str | None) -> str:
+    """Which backend the options choose: ``"memory"``, ``"sqlite"`` or ``"etcd"``.
 
-    Raises StateStoreError naming the path if the directory cannot be used or the database is damaged.
+    Raises ShardlineConfigError naming both values if both are set, and naming ``state_store`` if it
+    is not an ``etcd://HOST:PORT[,HOST:PORT...]`` URL.
     """
-    if not state_dir:
+    if state_dir and state_store:
+        raise ShardlineConfigError(
+            f"state_dir ({state_dir!r}) and state_store ({state_store!r}) are mutually exclusive: state_dir keeps "
+            "one dispatcher's state on its disk, state_store shares it between dispatchers; set one")
+    if state_store:
+        from shardline.dispatcher.state_etcd import parse_etcd_url
+
+        parse_etcd_url(state_store)
+        return "etcd"
+    return "sqlite" if state_dir else "memory"
+
+
+def open_state_store(state_dir: str | None, state_store: str | None = None, *, prefix: str = DEFAULT_STATE_PREFIX,
+                     fence: Fence | None = None, connect_timeout: float = DEFAULT_CONNECT_TIMEOUT) -> StateStore:
+    """The backend :func:`state_backend` chooses: SQLite in ``state_dir`` (created if missing), etcd at
+    ``state_store`` (keys under ``prefix``), or memory when neither is set.
+
+    ``fence`` (etcd only): every write then fails with FencedError, changing nothing, once the
+    leader key is no longer the one this dispatcher won (:class:`Fence`). Raises
+    ShardlineConfigError for bad options, StateStoreError naming the path if the directory cannot
+    be used or the database is damaged, and ShardlineTimeoutError naming the endpoints if etcd does
+    not answer within ``connect_timeout``.
+    """
+    backend = state_backend(state_dir, state_store)
+    if backend == "etcd":
+        from shardline.dispatcher.state_etcd import EtcdStateStore, parse_etcd_url
+
+        return EtcdStateStore(parse_etcd_url(state_store), prefix, fence=fence, connect_timeout=connect_timeout)
+    if backend == "memory":
         from shardline.dispatcher.state_memory import MemoryStateStore
 
         return MemoryStateStore()

@@ -1180,7 +1180,7 @@ def read_job_tensors(dirs: list, job: str, *, step: int | None = None) -> tuple[
 def _assemble(holding: list[CheckpointDir], job: str, step: int) -> tuple[dict, dict[str, torch.Tensor]]:
     spec = uid = None
     tensors: dict[str, tuple[torch.Tensor, tuple, list]] = {}
-    source: dict[tuple[str, int], str] = {}
+    source: dict[tuple[str, int], tuple[str, int]] = {}   # block -> (dir, version) of the copy used
     for d in holding:
         loaded = d._load(job, at_most=None, exact=step, verify=True, with_state=False)
         if spec is None:
@@ -1197,14 +1197,17 @@ def _assemble(holding: list[CheckpointDir], job: str, step: int) -> tuple[dict, 
             where = f"block {name}#{index} in {d.root}"
             if name not in tensors or index >= len(tensors[name][2]):
                 raise CheckpointError(f"{where} is not a block of the spec of job {job!r}")
-            if (name, index) in source:
-                raise CheckpointError(f"{where} is also in {source[(name, index)]}")
+            # Replicas: several dirs hold copies of a block; the newest version is the primary's
+            # (a replica's copy lags at most by the step its primary was applying).
+            seen = source.get((name, index))
+            if seen is not None and seen[1] >= block.version:
+                continue
             flat, _, slices = tensors[name]
             sl = slices[index]
             if block.value.numel() != sl.numel:
                 raise CheckpointError(f"{where} has {block.value.numel()} elements, the spec says {sl.numel}")
             flat[sl.start:sl.stop] = block.value
-            source[(name, index)] = d.root
+            source[(name, index)] = (d.root, block.version)
         del loaded  # before the next dir's blocks: one node's blocks in memory at a time
     for name, (_, _, slices) in tensors.items():
         missing = [s.index for s in slices if (name, s.index) not in source]

@@ -84,8 +84,8 @@ class _JobState:
 
 class Checkpointer:
     """Checkpoints of every job on one node, in ``ckdir``. ``epoch()`` gives the node's ring epoch
-    (recorded in manifests); ``on_durable()`` is called after a successful write somebody waits
-    for (the node reports it to the dispatcher without waiting for its next heartbeat)."""
+    (recorded in manifests); ``on_durable()`` is called after each successful write (the node
+    reports it to the dispatcher without waiting for its next heartbeat)."""
 
     def __init__(self, ckdir: CheckpointDir, node_id: str, *, every_steps: int, full_every: int, keep: int,
                  epoch: Callable[[], int], metrics=None, on_durable: Callable[[], None] | None = None):
@@ -323,9 +323,9 @@ class Checkpointer:
             with self._lock:
                 st.pending -= 1
                 self._idle.notify_all()
-            # Somebody waits for this one (on demand, a stopping node): report it now; periodic
-            # ones travel with the next heartbeat.
-            if error is None and requests and self._on_durable is not None:
+            # Report it now (the heartbeat loop spaces these out): a whole-cluster restart resumes
+            # at the latest step every node reported.
+            if error is None and self._on_durable is not None:
                 try:
                     self._on_durable()
                 except Exception:  # reporting is best effort; the next heartbeat carries it too

@@ -21,8 +21,10 @@ from typing import Callable
 from shardline.ps_server import metrics as M
 from shardline.ps_server.checkpoint import CheckpointDir, CheckpointError
 from shardline.ps_server.checkpointer import Checkpointer
+from shardline.ps_server.commit_relay import CommitRelay
 from shardline.ps_server.dataplane import serve_connection
 from shardline.ps_server.node import PSNode
+from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
 from shardline.services import auth, frame, sdnotify
@@ -46,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
 STOP_CHECKPOINT_TIMEOUT_SECONDS = 240.0
 # How long a stopping node tries to tell the dispatcher its final durable steps.
 FINAL_REPORT_TIMEOUT_SECONDS = 3.0
+# Durable checkpoints are reported at once, but heartbeats come at most this often.
+MIN_HEARTBEAT_SPACING_SECONDS = 0.25
+# How long a stopping node waits for the others to take its blocks over (its unit allows it).
+LEAVE_TIMEOUT_SECONDS = 30.0
 PEER_STATUS_TIMEOUT_SECONDS = 2.0
 
 
@@ -81,7 +87,8 @@ class HeartbeatLoop(threading.Thread):
         with self._lock:
             blocks, nbytes = self.node.store.totals()
             resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
-                                         epoch=self.node.routing.epoch, jobs=self.node.held_jobs(), timeout=timeout)
+                                         epoch=self.node.routing.epoch, jobs=self.node.held_jobs(),
+                                         ready_epoch=self.node.ready_epoch(), timeout=timeout)
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
                 self.client.register_node(**self.registration)
@@ -91,6 +98,14 @@ class HeartbeatLoop(threading.Thread):
                 log.info("routing updated to epoch %d", self.node.routing.epoch)
         for job in resp.drop_jobs:
             self.node.drop_job(job)
+        for name, why in resp.failed_jobs.items():
+            job = self.node.store.get(name)
+            if job is not None and job.failed is None:
+                log.warning("job %s failed: %s", name, why)
+                job.fail("WORKER_LOST", why)
+        if self.node.replicator is not None:
+            self.node.replicator.retry_failed()
+            self.node.replicator.sweep()
         for name in resp.unknown_jobs:  # the dispatcher lost its state: it learns the job back from us
             job = self.node.store.get(name)
             if job is not None:
@@ -102,11 +117,15 @@ class HeartbeatLoop(threading.Thread):
 
     def run(self) -> None:
         failing = False  # log outages once, not once per heartbeat (journald floods otherwise)
+        last = time.monotonic()
         while not self.stop.is_set():
             self._wake.wait(self.interval)
+            # a wake-up (a checkpoint became durable) beats early, but not more often than this
+            time.sleep(max(0.0, MIN_HEARTBEAT_SPACING_SECONDS - (time.monotonic() - last)))
             self._wake.clear()
             if self.stop.is_set():
                 return
+            last = time.monotonic()
             try:
                 self.beat()
                 M.heartbeat(ok=True)
@@ -146,11 +165,60 @@ def peer_job_steps(node: PSNode, token: bytes | None) -> Callable[[str], int | N
     return step
 
 
+def peer_commits(node: PSNode, token: bytes | None) -> Callable[[str, int], list]:
+    """``ask(job, step)`` for the commit relay: every other node's commit record of the step."""
+    from shardline.services.daemon import grpc_channel
+    from shardline.services.pb import ps_pb2, ps_pb2_grpc
+
+    def ask(job: str, step: int) -> list:
+        records = []
+        for node_id, info in list(node.routing.nodes.items()):
+            if node_id == node.node_id:
+                continue
+            try:
+                with grpc_channel(info.grpc_address, token) as channel:
+                    reply = ps_pb2_grpc.ParameterServerStub(channel).GetCommits(
+                        ps_pb2.GetCommitsRequest(job=job, step=step), timeout=PEER_STATUS_TIMEOUT_SECONDS)
+            except Exception:  # noqa: BLE001 - an unreachable peer has nothing to tell
+                continue
+            records.append(({c.rank: (c.weight, c.epoch) for c in reply.commits}, reply.lr if reply.has_lr else None))
+        return records
+
+    return ask
+
+
 def _extend_systemd_timeout(what: str) -> None:
     """Under systemd, say what the node is doing and push its start/stop timeout out (one job's
     restore or final checkpoint may take long on a large node)."""
     sdnotify.notify(sdnotify.format_message(f"EXTEND_TIMEOUT_USEC={int(STOP_CHECKPOINT_TIMEOUT_SECONDS * 1e6)}",
                                             STATUS=what))
+
+
+def leave_ring(node: PSNode, client: DispatcherClient, timeout: float = LEAVE_TIMEOUT_SECONDS) -> bool:
+    """Move this node's blocks to the others before it stops (a drain: two-phase, the others hold
+    them in sync before the ring switches; training goes on meanwhile). False if the dispatcher
+    refused (the last node, or every node stopping at once) or the move did not finish in time."""
+    try:
+        client.drain_node(node.node_id, leaving=True)
+    except ShardlineError as exc:
+        log.info("stopping without moving blocks away: %s", exc)
+        return False
+    log.info("leaving the ring: waiting until the other nodes hold this node's blocks")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            view = node.refresh_routing()
+        except ShardlineError:
+            view = node.routing
+        if node.node_id not in view.nodes and not view.pending_epoch:
+            log.info("left the ring at epoch %d", view.epoch)
+            return True
+        if node.node_id in view.nodes and not view.pending_epoch:
+            log.info("the drain was called off (other nodes are stopping too)")
+            return False
+        time.sleep(0.2)
+    log.warning("the other nodes did not take this node's blocks over within %.0f s; stopping anyway", timeout)
+    return False
 
 
 def graceful_stop(node: PSNode, heartbeats: HeartbeatLoop | None) -> None:
@@ -221,6 +289,8 @@ def main(argv=None) -> int:
         return 2
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
+    node.replicator = Replicator(node, PeerLinks(lambda peer: node.routing.address_of(peer), transport, cluster_token),
+                                 metrics=ps_metrics)
     heartbeats: HeartbeatLoop | None = None
     if ckdir is not None:
         node.checkpointer = Checkpointer(ckdir, node_id, every_steps=args.checkpoint_every_steps,
@@ -254,15 +324,22 @@ def main(argv=None) -> int:
         listener.close()
         server.stop(0)
         return 1
-    heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, stop)
+    # Heartbeats and the commit relay go on while the node leaves the ring after SIGTERM.
+    serving_done = threading.Event()
+    heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, serving_done)
     heartbeats.start()
+    CommitRelay(node.store.jobs, peer_commits(node, cluster_token), serving_done).start()
     log.info("node %s serving: grpc %s, data %s (%s), rack %s, epoch %d", node_id, registration["grpc_address"],
              listener.address, transport.NAME, args.rack, node.routing.epoch)
     announce_ready(args.ready_file, {"grpc": registration["grpc_address"], "metrics": format_host_port(host, metrics_port),
                                      "data": listener.address, "node_id": node_id})
     stop.wait()
     started = time.monotonic()
+    if node.store.jobs():
+        leave_ring(node, client)
     graceful_stop(node, heartbeats)
+    serving_done.set()
+    node.replicator.links.close()
     listener.close()
     server.stop(grace=2).wait(5)
     client.close()

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from shardline.ps_server.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
 from shardline.services.pb import common_pb2, dispatcher_pb2
@@ -38,7 +39,12 @@ class PSNode:
     ``fetch_job(name)`` returns the job's ``JobInfo`` (spec and uid) from the dispatcher or None if
     unknown; ``fetch_routing()`` returns the current ``RoutingTable``. Both are injected so unit
     tests run without a dispatcher. ``checkpointer`` (ps_server/checkpointer.py), when the node has
-    a checkpoint directory, is attached to every job the node holds.
+    a checkpoint directory, is attached to every job the node holds; so is ``replicator``
+    (ps_server/replication.py), which keeps copies of blocks on the nodes the placement names.
+
+    On every routing change the node re-assigns its roles per block (ps_server/placement.py):
+    blocks it now applies, blocks it keeps copies of, blocks it no longer holds; waiting pulls
+    return NOT_OWNER so that clients refresh too.
     """
 
     def __init__(self, node_id: str, fetch_job: Callable[[str], "dispatcher_pb2.JobInfo | None"],
@@ -51,6 +57,7 @@ class PSNode:
         self._routing_lock = threading.Lock()
         self.metrics = metrics
         self.checkpointer = checkpointer
+        self.replicator = None
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
         self.serving = threading.Event()
         self.serving.set()
@@ -63,12 +70,38 @@ class PSNode:
     def update_routing(self, table: common_pb2.RoutingTable) -> None:
         view = RoutingView.from_proto(table)
         with self._routing_lock:
-            if view.epoch >= self._routing.epoch:
-                self._routing = view
+            old = self._routing
+            if view.epoch < old.epoch:
+                return  # a deposed dispatcher's table, or one that lags: never go back
+            changed = (view.epoch, view.pending_epoch) != (old.epoch, old.pending_epoch)
+            self._routing = view
+        if changed:
+            for job in self.store.jobs():
+                self.assign_roles(job, old)
+                with job.cond:
+                    job.cond.notify_all()  # waiting pulls check the epoch again
 
     def refresh_routing(self) -> RoutingView:
         self.update_routing(self._fetch_routing())
         return self._routing
+
+    def refresh_routing_quietly(self) -> None:
+        try:
+            self.refresh_routing()
+        except Exception as exc:  # the heartbeat will bring it
+            log.debug("routing refresh failed: %s", exc)
+
+    def assign_roles(self, job: JobStore, previous: RoutingView | None = None) -> None:
+        """Apply exactly the blocks the routing makes this node the primary of, and have the
+        replicator bring the copies it should hold in sync (``previous``: the routing before)."""
+        view = self._routing
+        if view.ring is None:
+            return
+        placement = place(view, job.spec)
+        primary, replica, learner = placement.roles(self.node_id)
+        job.set_primary(primary, view.epoch)
+        if self.replicator is not None:
+            self.replicator.resync(job, placement, primary, replica | learner, previous)
 
     # --- jobs -------------------------------------------------------------------------------
     def job(self, name: str) -> JobStore:
@@ -84,13 +117,27 @@ class PSNode:
 
     def add_job(self, spec: common_pb2.JobSpec, uid: str, restored=None) -> JobStore:
         """Hold a job (``restored``: the LoadedCheckpoint its blocks come from)."""
+        created = []
+
         def setup(job: JobStore) -> None:
             if restored is not None:
                 job.restore(restored.step, restored.blocks)
             if self.checkpointer is not None:
                 self.checkpointer.attach(job, spec, restored)
+            if self.replicator is not None:
+                self.replicator.attach(job)
+            created.append(job)
 
-        return self.store.add(spec, uid, on_create=setup)
+        job = self.store.add(spec, uid, on_create=setup)
+        if created:
+            self.assign_roles(job)
+        return job
+
+    def on_synced(self, job: JobStore, primary: str) -> None:
+        """A sync with ``primary`` completed: blocks this node applies may have arrived."""
+        placement = place(self._routing, job.spec)
+        primary_keys, _replica, _learner = placement.roles(self.node_id)
+        job.set_primary(primary_keys, self._routing.epoch)
 
     def drop_job(self, name: str, uid: str = "") -> bool:
         """Forget a job (its blocks, and its checkpoints); ``uid`` set: only that incarnation."""
@@ -104,6 +151,8 @@ class PSNode:
         self.store.remove(name)
         if self.checkpointer is not None:
             self.checkpointer.drop(name)
+        if self.replicator is not None:
+            self.replicator.forget(name)
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
@@ -116,6 +165,14 @@ class PSNode:
                                                durable_step=durable or 0))
         return held
 
+    def ready_epoch(self) -> int:
+        """The pending ring's epoch once every copy this node holds under it is in sync (the
+        dispatcher switches when all nodes report it), else 0."""
+        view = self._routing
+        if not view.pending_epoch or (self.replicator is not None and not self.replicator.ready()):
+            return 0
+        return view.pending_epoch
+
     def freeze(self, reason: str) -> None:
         """A stopping node: every job refuses further pushes and commits (UNAVAILABLE)."""
         for job in self.store.jobs():
@@ -126,21 +183,31 @@ class PSNode:
         """Validate a header against node state before its payload is read."""
         if header.op == dp.OP_PING:
             return
-        if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL):
+        if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL, dp.OP_REPLICATE, dp.OP_SYNC):
             raise StoreError("INVALID_ARGUMENT", f"op {dp.Op.Name(header.op)} is not a request")
-        if not self.serving.is_set():
+        peer_op = header.op in (dp.OP_REPLICATE, dp.OP_SYNC)
+        if peer_op and self.replicator is None:
+            raise StoreError("INVALID_ARGUMENT", f"node {self.node_id!r} does not replicate")
+        if not self.serving.is_set() and not peer_op:
             raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
         job = self.job(header.job)
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
-        if header.epoch < routing.epoch:
-            raise NotOwner(f"client routes with epoch {header.epoch}, node is at epoch {routing.epoch}", routing.epoch)
+        if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE and header.sync_reply):
+            raise NotOwner(f"{'node ' + repr(header.node) if peer_op else 'client'} routes with epoch {header.epoch}, "
+                           f"node is at epoch {routing.epoch}", routing.epoch)
+        if peer_op:
+            return  # copies are checked block by block as they are installed (replication.py)
         for ref in header.blocks:
             numel = job.expected_numel(ref.tensor, ref.index)
             if routing.owner(job.name, ref.tensor, ref.index) != self.node_id:
                 raise NotOwner(f"block {ref.tensor}[{ref.index}] is not owned by node {self.node_id!r} at epoch {routing.epoch}",
                                routing.epoch)
+            if header.op != dp.OP_INIT and (ref.tensor, ref.index) not in job.blocks and self.replicator is not None \
+                    and self.replicator.fetching(job.name):
+                raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is still receiving block {ref.tensor}[{ref.index}] "
+                                                f"(it took it over at epoch {routing.epoch}); retry shortly")
             if header.op in (dp.OP_INIT, dp.OP_PUSH) and not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"block {ref.tensor}[{ref.index}] has {numel} elements, frame sends {ref.numel}")
@@ -182,22 +249,34 @@ class PSNode:
             if any(t is None for _, _, t in items):
                 raise StoreError("INVALID_ARGUMENT", "initial values cannot be zero flags")
             job.init_blocks(items)
+            if self.replicator is not None:  # acknowledged once the copy holders have them too
+                self.replicator.replicate_init(job, [(t, i) for t, i, _v in items])
+            reply.step = job.step
+            return reply, []
+        if header.op == dp.OP_REPLICATE:
+            self.replicator.handle_replicate(job, header, payload)
+            reply.step = job.step
+            return reply, []
+        if header.op == dp.OP_SYNC:
+            self.replicator.handle_sync(job, header.node, header.blocks, header.epoch)
             reply.step = job.step
             return reply, []
         if header.op == dp.OP_COMMIT:
             lr = header.lr if header.has_lr else None
+            epoch = header.epoch
             if self.metrics is None:
-                reply.step = job.commit(header.rank, header.step, weight, lr=lr)
+                reply.step = job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch)
             else:  # barrier and optimizer apply time (the last commit of a step applies it)
-                reply.step = self.metrics.timed_commit(job.name, header.step,
-                                                       lambda: job.commit(header.rank, header.step, weight, lr=lr))
+                reply.step = self.metrics.timed_commit(
+                    job.name, header.step, lambda: job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch))
             return reply, []
         # OP_PULL
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
         started = time.perf_counter()
         try:
-            if header.min_step > job.step:
-                job.wait_for_step(header.min_step, timeout)
+            keys = [(ref.tensor, ref.index) for ref in header.blocks]
+            job.wait_for_step(header.min_step, timeout, keys,
+                              interrupted=lambda: self._routing.epoch > header.epoch)
         finally:
             if self.metrics is not None:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)

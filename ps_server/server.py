@@ -1,4 +1,4 @@
-"""gRPC glue of a PS node: node status, on-demand checkpoints and job removal."""
+"""gRPC glue of a PS node: node status, on-demand checkpoints, job removal, commit records."""
 
 from __future__ import annotations
 
@@ -51,6 +51,16 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
 
     def DropJob(self, request, context):
         return ps_pb2.DropJobReply(dropped=self._node.drop_job(request.job, request.uid))
+
+    def GetCommits(self, request, context):
+        job = self._node.store.get(request.job)
+        if job is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"node {self._node.node_id!r} does not hold job {request.job!r}")
+        commits, lr = job.commits_of(int(request.step))
+        reply = ps_pb2.StepCommits(step=request.step, has_lr=lr is not None, lr=lr or 0.0)
+        for rank, (weight, epoch) in sorted(commits.items()):
+            reply.commits.add(rank=rank, weight=weight, epoch=epoch)
+        return reply
 
 
 def create_server(address: str, node: PSNode, *, cluster_token: bytes | None = None):

@@ -69,7 +69,11 @@ class TensorMeta:
 class Block:
     value: torch.Tensor                      # 1-D fp32 master copy
     state: dict
-    version: int = 0
+    version: int = 0                         # the job step that last changed it
+    step: int = 0                            # job steps this copy was carried through
+    visible: int = 0                         # pulls may see it at steps up to this
+    primary: bool = True                     # this node applies it (else its primary sends copies)
+    since_epoch: int = 0                     # commits for its step count from this epoch (taken over)
     # Sum of weight * grad for the step being collected; the buffer lives as long as the block
     # (allocated once, not per step) and holds data only while has_grad is set.
     grad_buf: torch.Tensor | None = None
@@ -114,7 +118,17 @@ class PushItem:
 
 
 class JobStore:
-    """Blocks and sync state of one job on this node. Thread-safe; pulls wait on ``cond``."""
+    """Blocks and sync state of one job on this node. Thread-safe; pulls wait on ``cond``.
+
+    Per block, ``step`` counts the job steps the copy has been carried through (applied or, for a
+    block nobody pushed, skipped), ``visible`` the step pulls may see (a primary's step becomes
+    visible once its replicas hold it), ``primary`` whether this node applies it (a replica's or
+    learner's copy is written by its primary through ``apply_copies``). ``self.step`` is the node's
+    collecting step: the first step whose commit record is not complete. A block this node took
+    over (failover, migration) may lag it by the step in flight: it collects pushes for its own
+    ``step`` and applies once every rank committed that step again at an epoch >= the block's
+    ``since_epoch`` (workers resend the step in flight when the routing epoch changes).
+    """
 
     def __init__(self, spec: common_pb2.JobSpec, *, allow_nonfinite: bool | None = None):
         self.spec = common_pb2.JobSpec()
@@ -132,16 +146,27 @@ class JobStore:
             self.tensors[t.name] = TensorMeta(t.name, tuple(t.shape), numel, t.trainable,
                                               num_blocks(numel, self.block_elements))
         self.blocks: dict[tuple[str, int], Block] = {}
-        self.step = 0                 # BSP: the step being collected == number of applied steps
-        self.committed: dict[int, float] = {}
-        self.push_weight: dict[int, float] = {}
-        self.step_lr: float | None = None   # lr override named by this step's commits
+        self.step = 0                 # BSP: the first step whose commits are not complete
+        # step -> rank -> (weight, epoch of its latest commit); kept while a block still collects it
+        self.commits: dict[int, dict[int, tuple[float, int]]] = {}
+        self.step_lrs: dict[int, float | None] = {}   # lr override named by each step's commits
+        self.push_weights: dict[int, dict[int, float]] = {}
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
         self.uid = ""                       # the job incarnation (dispatcher JobInfo.uid)
         self.frozen: str | None = None      # why pushes and commits are refused (node stopping)
+        self.failed: StoreError | None = None   # set when a worker is lost and the job fails
         # Called as hook(job, step) under the lock after every applied step (checkpoint triggers).
         self.boundary_hooks: list[Callable[["JobStore", int], None]] = []
+        # Called as hook(job, step, items) under the lock with the primary blocks just carried
+        # through ``step``, as (key, block) pairs; returns True if copy holders must ack first
+        # (then mark_visible makes them visible).
+        self.apply_hooks: list[Callable[["JobStore", int, list], bool]] = []
+
+    @property
+    def committed(self) -> dict[int, float]:
+        """Ranks that committed the step being collected, and their weights."""
+        return {rank: weight for rank, (weight, _epoch) in self.commits.get(self.step, {}).items()}
 
     # --- validation -------------------------------------------------------------------------
     def expected_numel(self, tensor: str, index: int) -> int:
@@ -160,6 +185,12 @@ class JobStore:
             raise StoreError("UNKNOWN_TENSOR", f"block {tensor}[{index}] of job {self.name!r} was never initialized on this node")
         return block
 
+    def _check_open(self, what: str) -> None:
+        if self.failed is not None:
+            raise self.failed
+        if self.frozen is not None:
+            raise StoreError("UNAVAILABLE", f"job {self.name!r} on this node takes no more {what}es: {self.frozen}")
+
     # --- operations -------------------------------------------------------------------------
     def init_blocks(self, items: list[tuple[str, int, torch.Tensor]]) -> int:
         """Set values of blocks this node lacks (existing blocks keep theirs). Returns how many were set."""
@@ -176,7 +207,8 @@ class JobStore:
                 if (tensor, index) in self.blocks:
                     continue
                 v = value.detach().to(torch.float32).clone()
-                self.blocks[(tensor, index)] = Block(v, self.optimizer.init_state(v.numel()))
+                self.blocks[(tensor, index)] = Block(v, self.optimizer.init_state(v.numel()), step=self.step,
+                                                     visible=self.step)
                 self.bytes += v.numel() * 4
                 created += 1
         return created
@@ -187,16 +219,9 @@ class JobStore:
         if not 0 <= rank < self.world_size:
             raise StoreError("INVALID_ARGUMENT", f"rank {rank} out of range for world_size {self.world_size}")
 
-    def _check_bsp_contribution(self, what: str, rank: int, step: int, weight: float) -> None:
-        """A rank's push or commit must be for the step being collected, before its commit, and
-        with the weight of its earlier pushes of the step. Call with the lock held."""
-        if self.frozen is not None:
-            raise StoreError("UNAVAILABLE", f"job {self.name!r} on this node takes no more {what}es: {self.frozen}")
-        if step != self.step:
-            raise StoreError("STALE_STEP", f"{what} for step {step} but job {self.name!r} is collecting step {self.step} on this node")
-        if rank in self.committed:
-            raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
-        pushed = self.push_weight.get(rank)
+    def _check_push_weight(self, what: str, rank: int, step: int, weight: float) -> None:
+        """A rank's pushes and commit of a step carry one weight. Call with the lock held."""
+        pushed = self.push_weights.get(step, {}).get(rank)
         if pushed is not None and pushed != weight:
             raise StoreError("INVALID_ARGUMENT",
                              f"rank {rank}'s {what} for step {step} has weight {weight!r}, its pushes had {pushed!r}")
@@ -212,7 +237,9 @@ class JobStore:
         """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
 
         ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
-        into it sit at their payload offsets).
+        into it sit at their payload offsets). BSP: each block takes gradients for its own step;
+        a block already past ``step`` (the step was applied: a resend) or pushed by this rank in
+        an earlier frame receives the bytes and ignores them.
         """
         self._check_rank_and_weight(rank, weight)
         for ref in refs:
@@ -226,17 +253,27 @@ class JobStore:
             raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
         ticket = PushTicket(rank, step, weight, refs, lr=lr)
         with self.cond:
+            self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
+            for ref, block in zip(refs, blocks):
+                if not block.primary:
+                    raise StoreError("NOT_OWNER", f"block {ref.tensor}[{ref.index}] is a replica here")
             if self.sync == "bsp":
-                self._check_bsp_contribution("push", rank, step, weight)
+                self._check_push_weight("push", rank, step, weight)
                 seen = set()
                 for ref, block in zip(refs, blocks):
                     if block in seen:
                         raise StoreError("INVALID_ARGUMENT", f"rank {rank} pushed block {ref.tensor}[{ref.index}] twice in one frame")
                     seen.add(block)
-                    # Pushed in an earlier frame of this step: a resend, received and ignored.
-                    ticket.resent.append(rank in block.pushed_by)
-                self.push_weight[rank] = weight
+                    if block.step < step:
+                        raise StoreError("STALE_STEP", f"push for step {step} but block {ref.tensor}[{ref.index}] of job "
+                                                       f"{self.name!r} is collecting step {block.step} on this node")
+                    # Applied already, or pushed in an earlier frame of this step: a resend, ignored.
+                    ticket.resent.append(block.step > step or rank in block.pushed_by)
+                if step >= self.step and rank in self.commits.get(step, {}):
+                    raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
+                if not all(ticket.resent):
+                    self.push_weights.setdefault(step, {})[rank] = weight
                 for block, resent in zip(blocks, ticket.resent):
                     if not resent:
                         block.pushed_by.add(rank)  # claimed now; released again by abort_push
@@ -276,19 +313,19 @@ class JobStore:
             self.abort_push(ticket)
             raise ticket.error
         with self.cond:
-            if self.frozen is not None:
+            if self.frozen is not None or self.failed is not None:
                 self._release(ticket)
-                raise StoreError("UNAVAILABLE", f"job {self.name!r} on this node takes no more pushes: {self.frozen}")
+                self._check_open("push")
             if self.sync == "asp":
                 self._apply_asp(ticket)
                 return self.step
-            if ticket.step != self.step:  # only a client that commits on another connection mid-push
-                self._release(ticket)
-                raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
             w = ticket.weight
             for block, dest, direct, resent in zip(ticket.blocks, ticket.dests, ticket.direct, ticket.resent):
                 if dest is None or resent:
                     continue
+                if block.step != ticket.step:  # applied (or handed over) while the push was in flight
+                    self._release(ticket)
+                    raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
                 if direct:
                     block.receiving = None
                     if w != 1.0:
@@ -327,8 +364,9 @@ class JobStore:
                 block.receiving = None
             if self.sync == "bsp" and not resent:
                 block.pushed_by.discard(ticket.rank)
-        if self.sync == "bsp" and not any(ticket.rank in b.pushed_by for b in self.blocks.values()):
-            self.push_weight.pop(ticket.rank, None)
+        if self.sync == "bsp" and not any(ticket.rank in b.pushed_by for b in self.blocks.values()
+                                          if b.step == ticket.step):
+            self.push_weights.get(ticket.step, {}).pop(ticket.rank, None)
         self.cond.notify_all()
 
     def push(self, rank: int, step: int, weight: float, items: list[PushItem]) -> int:
@@ -343,10 +381,14 @@ class JobStore:
                 self.check_received(ticket, n)
         return self.finish_push(ticket)
 
-    def commit(self, rank: int, step: int, weight: float, lr: float | None = None) -> int:
-        """BSP: rank finished step ``step``. Applies the step when all workers committed. Returns the job step.
+    def commit(self, rank: int, step: int, weight: float, lr: float | None = None, epoch: int = 0) -> int:
+        """BSP: rank finished step ``step`` on every node. Applies what the step completes. Returns the job step.
 
         ``lr`` overrides the job's learning rate for this step (schedules); all ranks must agree.
+        ``epoch`` is the routing epoch the rank committed at: a block this node took over at a
+        later epoch waits for commits at that epoch (the rank resent the step's pushes first).
+        A resent commit (its reply was lost, the rank resends after a routing change, or the step
+        was applied meanwhile) is acknowledged again.
         """
         if lr is not None and not (math.isfinite(lr) and lr >= 0):
             raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
@@ -354,39 +396,101 @@ class JobStore:
             raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP; job {self.name!r} is {self.sync!r}")
         self._check_rank_and_weight(rank, weight)
         with self.cond:
-            if self.frozen is None and (step < self.step or (step == self.step and self.committed.get(rank) == weight)):
-                # A resent commit (its reply was lost, or the step was applied meanwhile): a step
-                # is applied only once every rank committed it, so this rank's commit is in.
-                return self.step
-            self._check_bsp_contribution("commit", rank, step, weight)
-            if self.committed and lr != self.step_lr:
+            self._check_open("commit")
+            if step > self.step and not self.blocks and not self.commits:
+                self.step = step  # a node that holds nothing of the job yet joins at the job's step
+            if step > self.step:
+                raise StoreError("STALE_STEP", f"commit for step {step} but job {self.name!r} is collecting step "
+                                               f"{self.step} on this node")
+            record = self.commits.get(step)
+            if record is None:
+                if step < self.step and not any(b.primary and b.step == step for b in self.blocks.values()):
+                    return self.step  # applied already, and no block here still collects it
+                record = self.commits[step] = {}
+            previous = record.get(rank)
+            if previous is not None and previous[0] != weight:
+                raise StoreError("STALE_STEP", f"rank {rank} already committed step {step} with weight {previous[0]!r}, "
+                                               f"not {weight!r}")
+            self._check_push_weight("commit", rank, step, weight)
+            if record and step in self.step_lrs and lr != self.step_lrs[step] and previous is None:
                 raise StoreError("INVALID_ARGUMENT",
-                                 f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lr!r}")
-            self.step_lr = lr
-            self.committed[rank] = weight
-            if len(self.committed) == self.world_size:
-                self._apply_bsp()
+                                 f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lrs[step]!r}")
+            self.step_lrs.setdefault(step, lr)
+            record[rank] = (weight, max(epoch, previous[1] if previous else 0))
+            self._apply_ready(step)
             return self.step
 
-    def _apply_bsp(self) -> None:
-        total = sum(self.committed.values())
-        new_version = self.step + 1
-        for block in self.blocks.values():
-            if not block.pushed_by:
-                continue
-            grad = None
-            if block.has_grad:
-                grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
-            self.optimizer.step(block.value, grad, block.state, lr=self.step_lr)
-            block.version = new_version
+    def adopt_commits(self, step: int, commits: dict[int, tuple[float, int]], lr: float | None) -> int:
+        """Commits of ``step`` learned from another node (a rank died between its commits to the
+        nodes: every commit means the rank finished pushing everywhere). Returns the job step."""
+        with self.cond:
+            if step != self.step or self.sync != "bsp":
+                return self.step
+            record = self.commits.setdefault(step, {})
+            for rank, (weight, epoch) in commits.items():
+                if rank not in record and 0 <= rank < self.world_size:
+                    record[rank] = (weight, epoch)
+            if step not in self.step_lrs:
+                self.step_lrs[step] = lr
+            self._apply_ready(step)
+            return self.step
+
+    def _apply_ready(self, step: int) -> None:
+        """Apply ``step`` to every primary block that can take it now. Call with the lock held."""
+        record = self.commits.get(step, {})
+        if len(record) < self.world_size:
+            return
+        min_epoch = min(epoch for _w, epoch in record.values())
+        ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and b.since_epoch <= min_epoch]
+        total = sum(weight for weight, _epoch in record.values())
+        lr = self.step_lrs.get(step)
+        for _key, block in ready:
+            if block.pushed_by:
+                grad = None
+                if block.has_grad:
+                    grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
+                self.optimizer.step(block.value, grad, block.state, lr=lr)
+                block.version = step + 1
+            block.step = step + 1
+            block.since_epoch = 0
             block.has_grad = False
             block.pushed_by = set()
-        self.step = new_version
-        self.committed = {}
-        self.push_weight = {}
-        self.step_lr = None
-        self._run_boundary_hooks()
+        wait_for_replicas = False
+        for hook in self.apply_hooks:
+            wait_for_replicas = hook(self, step, ready) or wait_for_replicas
+        if not wait_for_replicas:
+            for _key, block in ready:
+                block.visible = block.step
+        if step == self.step:
+            self.step = step + 1
+            self._run_boundary_hooks()
+        self._forget_old_steps()
         self.cond.notify_all()
+
+    def mark_visible(self, blocks: list, step: int) -> None:
+        """The replicas acknowledged ``blocks`` at ``step``: pulls may see them."""
+        with self.cond:
+            for block in blocks:
+                block.visible = max(block.visible, min(step, block.step))
+            self.cond.notify_all()
+
+    def _forget_old_steps(self) -> None:
+        oldest = min((b.step for b in self.blocks.values() if b.primary), default=self.step)
+        oldest = min(oldest, self.step)
+        for table in (self.commits, self.step_lrs, self.push_weights):
+            for s in [s for s in table if s < oldest - 1]:  # keep the last applied step's record for adoption
+                del table[s]
+
+    def commits_of(self, step: int) -> tuple[dict[int, tuple[float, int]], float | None]:
+        """The commit record of ``step`` (for a node that missed a rank's commit), and its lr."""
+        with self.cond:
+            return dict(self.commits.get(step, {})), self.step_lrs.get(step)
+
+    def missing_ranks(self, step: int | None = None) -> list[int]:
+        """Ranks that did not commit ``step`` (default: the step being collected) on this node."""
+        step = self.step if step is None else step
+        with self.cond:
+            return sorted(set(range(self.world_size)) - set(self.commits.get(step, {})))
 
     def _apply_asp(self, ticket: "PushTicket") -> None:
         new_version = self.step + 1
@@ -394,6 +498,12 @@ class JobStore:
             self.optimizer.step(block.value, None if dest is None else dest.to(torch.float32), block.state, lr=ticket.lr)
             block.version = new_version
         self.step = new_version
+        for block in self.blocks.values():
+            if block.primary:
+                block.step = block.visible = new_version
+        items = [((ref.tensor, ref.index), block) for ref, block in zip(ticket.refs, ticket.blocks)]
+        for hook in self.apply_hooks:
+            hook(self, new_version - 1, items)
         ticket.done = True
         self._run_boundary_hooks()
         self.cond.notify_all()
@@ -401,6 +511,81 @@ class JobStore:
     def _run_boundary_hooks(self) -> None:
         for hook in self.boundary_hooks:
             hook(self, self.step)
+
+    # --- replicas and ownership -------------------------------------------------------------
+    def apply_copies(self, copies: list) -> None:
+        """Install blocks sent by their primary (replication, a sync or a migration): each item is
+        ``(tensor, index, version, step, value, state)``; a copy older than the one held is ignored."""
+        for tensor, index, version, step, value, state in copies:
+            numel = self.expected_numel(tensor, index)
+            if value.numel() != numel:
+                raise StoreError("INVALID_ARGUMENT", f"copy of block {tensor}[{index}] must have {numel} elements")
+        with self.cond:
+            self._follow_copies(step for _t, _i, _v, step, _value, _s in copies)
+            for tensor, index, version, step, value, state in copies:
+                block = self.blocks.get((tensor, index))
+                if block is None:
+                    block = self.blocks[(tensor, index)] = Block(value.clone(), dict(state), version=version,
+                                                                 step=step, visible=step, primary=False)
+                    self.bytes += value.numel() * 4
+                    continue
+                if block.primary or step < block.step:
+                    continue  # this node applies it now, or holds a newer copy
+                block.value.copy_(value)
+                block.state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+                block.version, block.step, block.visible = version, step, step
+            self.cond.notify_all()
+
+    def carry_copies(self, items: list) -> None:
+        """Copies their primary carried through a step unchanged: ``(key, version, step)``."""
+        with self.cond:
+            self._follow_copies(step for _k, _v, step in items)
+            for key, version, step in items:
+                block = self.blocks.get(key)
+                if block is not None and not block.primary and block.version == version and step > block.step:
+                    block.step = block.visible = step
+            self.cond.notify_all()
+
+    def _follow_copies(self, steps) -> None:
+        """A node that applies none of the job's blocks (it only keeps copies, or is about to take
+        some over) collects the step its primaries are at, so that it is current when it starts
+        applying. Call with the lock held."""
+        if not any(b.primary for b in self.blocks.values()):
+            self.step = max(self.step, max(steps, default=self.step))
+
+    def set_primary(self, keys: set, epoch: int) -> tuple[list, list]:
+        """This node applies exactly the blocks in ``keys`` from ``epoch`` on. Returns (gained,
+        lost) keys. A gained block collects the step it holds and waits for commits at ``epoch``;
+        a lost one forgets the gradients it collected (its new primary gets them resent)."""
+        gained, lost = [], []
+        with self.cond:
+            for key, block in self.blocks.items():
+                primary = key in keys
+                if primary and not block.primary:
+                    block.primary, block.since_epoch = True, epoch
+                    block.visible = block.step
+                    gained.append(key)
+                elif block.primary and not primary:
+                    block.primary = False
+                    block.has_grad, block.pushed_by, block.receiving = False, set(), None
+                    lost.append(key)
+            if gained:
+                for step in {self.blocks[k].step for k in gained}:
+                    self._apply_ready(step)
+            self.cond.notify_all()
+        return gained, lost
+
+    def drop_blocks(self, keys) -> int:
+        """Forget blocks this node no longer holds a copy of. Returns how many went."""
+        with self.cond:
+            gone = 0
+            for key in keys:
+                block = self.blocks.pop(key, None)
+                if block is not None:
+                    self.bytes -= block.value.numel() * 4
+                    gone += 1
+            self.cond.notify_all()
+            return gone
 
     # --- checkpoints ------------------------------------------------------------------------
     def snapshot(self, since: dict[tuple[str, int], int] | None = None):
@@ -427,6 +612,7 @@ class JobStore:
         with self.cond:
             if self.blocks:
                 raise StoreError("INVALID_ARGUMENT", f"job {self.name!r} already holds blocks; restore needs a fresh job")
+            self.step = int(step)
             self.init_blocks(items)
             for key, (version, _value, state) in blocks.items():
                 block = self.blocks[key]
@@ -436,7 +622,6 @@ class JobStore:
                                                          f"{sorted(state)}, the job's optimizer keeps {sorted(template)}")
                 block.state = {k: (v.clone() if isinstance(v, torch.Tensor) else int(v)) for k, v in state.items()}
                 block.version = int(version)
-            self.step = int(step)
             self.cond.notify_all()
 
     def freeze(self, reason: str) -> None:
@@ -445,11 +630,38 @@ class JobStore:
             self.frozen = reason
             self.cond.notify_all()
 
-    def wait_for_step(self, min_step: int, timeout: float) -> int:
-        """Block until the job step is >= ``min_step``; raises StoreError(TIMEOUT). No busy polling."""
+    def fail(self, code: str, message: str) -> None:
+        """The job failed (a worker was lost and the job says fail): every request, waiting pulls
+        included, gets ``code`` with ``message``."""
         with self.cond:
-            if not self.cond.wait_for(lambda: self.step >= min_step, timeout=timeout):
-                raise StoreError("TIMEOUT", f"job {self.name!r} did not reach step {min_step} within {timeout:g} s (at {self.step})")
+            if self.failed is None:
+                self.failed = StoreError(code, message)
+            self.cond.notify_all()
+
+    # --- pulls ------------------------------------------------------------------------------
+    def wait_for_step(self, min_step: int, timeout: float, keys=None,
+                      interrupted: Callable[[], bool] | None = None) -> int:
+        """Block until the job step is >= ``min_step`` and every block of ``keys`` is visible at it
+        (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
+        NOT_OWNER when ``interrupted()`` (the routing changed under the wait)."""
+        blocks = [self._block(t, i) for t, i in keys] if keys else []
+        with self.cond:
+            def ready() -> bool:
+                return self.failed is not None or bool(interrupted and interrupted()) or (
+                    self.step >= min_step and all(b.visible >= min_step or not b.primary for b in blocks))
+
+            if not self.cond.wait_for(ready, timeout=timeout):
+                missing = self.missing_ranks(self.step)
+                waiting = f"; ranks {missing} did not commit step {self.step}" if missing and self.sync == "bsp" else ""
+                raise StoreError("TIMEOUT", f"job {self.name!r} did not reach step {min_step} within {timeout:g} s "
+                                            f"(at {self.step}{waiting})")
+            if self.failed is not None:
+                raise self.failed
+            if interrupted is not None and interrupted():
+                raise StoreError("NOT_OWNER", f"the routing changed while the pull of job {self.name!r} waited")
+            for block, key in zip(blocks, keys or []):
+                if not block.primary:
+                    raise StoreError("NOT_OWNER", f"block {key[0]}[{key[1]}] is no longer applied by this node")
             return self.step
 
     def changed_blocks(self, wanted: list[tuple[str, int, int | None]], *, copy: bool) -> tuple[int, list[tuple[str, int, int, torch.Tensor]]]:

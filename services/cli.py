@@ -1,7 +1,7 @@
 """``shardline``: the operator CLI.
 
     shardline up [--ps 2] [--workers 2] [--job examples/demo_job.yaml] [--workdir DIR] [--keep-logs]
-    shardline status --cluster HOST:PORT [--json]
+    shardline status --cluster HOST:PORT[,HOST:PORT...] [--json]
     shardline checkpoint --cluster HOST:PORT --job NAME
     shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --out FILE [--dtype bf16]
     shardline job delete --cluster HOST:PORT NAME
@@ -132,6 +132,8 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
         })
     return {
         "cluster": cluster, "epoch": int(status.routing.epoch),
+        "leader": status.leader or None,  # None: a single dispatcher (no election)
+        "dispatchers": [{"address": d.address, "role": d.role} for d in status.dispatchers],
         "alive_nodes": sum(1 for n in nodes if n["state"] == "alive"),
         "nodes": nodes, "jobs": jobs,
     }
@@ -140,6 +142,9 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
 def render_status(data: dict) -> str:
     lines = [f"cluster {data['cluster']}: ring epoch {data['epoch']}, "
              f"{data['alive_nodes']}/{len(data['nodes'])} PS node(s) alive, {len(data['jobs'])} job(s)"]
+    if data.get("leader"):
+        others = ", ".join(f"{d['address']} ({d['role']})" for d in data.get("dispatchers", []))
+        lines.append(f"leader {data['leader']}" + (f"; dispatchers: {others}" if others else ""))
     if data["nodes"]:
         rows = [[n["node_id"], n["rack"], n["grpc"], n["data"], n["state"], f"{n['heartbeat_age_seconds']:.1f}s",
                  n["blocks"], human_bytes(n["bytes"]), n["vnodes"], f"{100 * n['key_share']:.1f}%"]
@@ -165,17 +170,18 @@ class _UsageError(Exception):
 
 
 def _connect_dispatcher(args: argparse.Namespace):
-    """A reachable DispatcherClient for ``--cluster`` (or $SHARDLINE_CLUSTER) with the cluster token.
+    """A DispatcherClient for ``--cluster`` (or $SHARDLINE_CLUSTER: one dispatcher or several,
+    comma-separated) with the cluster token, once one of them answers as the leader.
     Raises _UsageError (bad input) or ShardlineError (unreachable)."""
     from shardline.services.auth import load_token
-    from shardline.services.daemon import parse_host_port
+    from shardline.services.config import parse_address_list
     from shardline.services.dispatcher_client import DispatcherClient
 
     cluster = args.cluster or os.environ.get("SHARDLINE_CLUSTER")
     if not cluster:
-        raise _UsageError("--cluster HOST:PORT (the dispatcher) is required")
+        raise _UsageError("--cluster HOST:PORT[,HOST:PORT...] (the dispatchers) is required")
     try:
-        parse_host_port(cluster, what="--cluster")
+        cluster = ",".join(parse_address_list(cluster, what="--cluster"))
         token = load_token(args.cluster_token_file)
     except ShardlineConfigError as exc:
         raise _UsageError(str(exc)) from None
@@ -660,7 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.set_defaults(func=cmd_up)
 
     def cluster_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--cluster", default=None, help="dispatcher HOST:PORT (default $SHARDLINE_CLUSTER)")
+        p.add_argument("--cluster", default=None, help="dispatcher HOST:PORT, or several comma-separated (they "
+                       "share an etcd state store; the leader answers) (default $SHARDLINE_CLUSTER)")
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the dispatcher")
         p.add_argument("--cluster-token-file", default=os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"),
                        help="the cluster token, if the cluster has one (default $SHARDLINE_CLUSTER_TOKEN_FILE)")

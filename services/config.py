@@ -300,9 +300,9 @@ OPTIONS: tuple[Option, ...] = (
            default="text", common=True, choices=("text", "json")),
     Option("rpc_timeout", "float", "Deadline of one control-plane call to the dispatcher.", _PS_WORKER,
            default=10.0, common=True, above=0, unit="s"),
-    Option("connect_timeout", "float", "How long to wait at start for the dispatcher (and, for a worker, "
-           "for its job to be created and for data-plane connections).", _PS_WORKER, default=60.0,
-           common=True, above=0, unit="s"),
+    Option("connect_timeout", "float", "How long to wait at start for the dispatcher (a dispatcher: for its "
+           "etcd state_store, else it exits 1; a worker: also for its job to be created and for data-plane "
+           "connections).", _ALL, default=60.0, common=True, above=0, unit="s"),
     Option("transport", "choice", "Data-plane transport: `auto` uses RDMA when a device is present, else "
            "TCP; `rdma` fails at start without a device.", _PS_WORKER, default="auto", common=True,
            choices=("tcp", "rdma", "auto")),
@@ -332,8 +332,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("state_prefix", "str", "Key prefix of this cluster in the state store (several clusters may share "
            "one etcd).", ("dispatcher",), default="/shardline"),
     Option("leader_lease_timeout", "float", "With state_store: a leader that cannot renew its etcd lease for "
-           "this long loses leadership, and another dispatcher takes over.", ("dispatcher",), default=3.0,
-           above=0, unit="s"),
+           "this long loses leadership, and another dispatcher takes over (a lease TTL: whole seconds, >= 1; "
+           "renewed every third of it).", ("dispatcher",), default=3.0, above=0, unit="s"),
     Option("advertise_address", "address", "The gRPC address other dispatchers send clients to when this one "
            "leads.", ("dispatcher",), default_text="the --listen address (its bound port)"),
     Option("replication", "int", "Copies of every block for jobs that do not choose (capped at the number of "

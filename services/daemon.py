@@ -296,14 +296,16 @@ def install_stop_handlers() -> threading.Event:
     return stop
 
 
-def grpc_channel(address: str, cluster_token: bytes | None = None) -> grpc.Channel:
-    """An insecure channel to a Shardline daemon with the cluster's message bounds; with
-    ``cluster_token`` every unary call carries it."""
+def grpc_channel(address: str, cluster_token: bytes | None = None, *,
+                 options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
+    """An insecure channel to a Shardline daemon with the cluster's message bounds (and extra
+    channel ``options``); with ``cluster_token`` every unary call carries it."""
     channel = grpc.insecure_channel(
         address,
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+            *options,
         ],
     )
     if cluster_token is None:

@@ -2,17 +2,32 @@
 
 gRPC status codes become Shardline errors: NOT_FOUND -> ``None`` from getters, INVALID_ARGUMENT
 -> ShardlineConfigError, FAILED_PRECONDITION -> ShardlineStateError, DEADLINE_EXCEEDED ->
-ShardlineTimeoutError, UNAVAILABLE -> ShardlineConnectionError.
+ShardlineTimeoutError, UNAVAILABLE -> ShardlineConnectionError (NotLeaderError when the last
+dispatcher asked was a follower).
+
+Following the leader. ``address`` is one dispatcher's ``HOST:PORT`` or several, comma-separated
+(dispatchers sharing an etcd state store, one of them elected leader). The client keeps a channel
+per address and calls the last known leader. A follower answers UNAVAILABLE with trailing
+metadata ``shardline-leader: HOST:PORT``: the client switches to that address (learning it if it
+was not listed) and calls again. When the dispatcher called cannot be reached, or does not
+answer within ``attempt_timeout`` (a paused process), the client moves on to the next address.
+It pauses briefly between tries and gives up when the call's own timeout (``rpc_timeout`` unless
+given) has passed, raising the last error. A single address and no follower reply: the call is
+made once, as it always was.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shardline.services.config import parse_address_list
 from shardline.services.daemon import grpc_channel
 from shardline.services.errors import (
+    NotLeaderError,
     ShardlineConfigError,
     ShardlineConnectionError,
     ShardlineError,
@@ -20,6 +35,19 @@ from shardline.services.errors import (
     ShardlineTimeoutError,
 )
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+
+# Trailing metadata of a follower's UNAVAILABLE reply: the leader's address ('' while none is known).
+LEADER_METADATA_KEY = "shardline-leader"
+# How long one try may wait for an answer when other addresses could answer instead (a paused
+# dispatcher accepts connections but never replies). Calls that wait on purpose (WaitJobReady,
+# CheckpointJob) get their whole timeout.
+DEFAULT_ATTEMPT_TIMEOUT = 2.0
+RETRY_PAUSE_SECONDS = 0.05
+MAX_RETRY_PAUSE_SECONDS = 0.5
+# A try with less time left than this could not get an answer: the last error is raised instead.
+MIN_ATTEMPT_SECONDS = 0.05
+# A restarted dispatcher is dialled again within this (gRPC's default backoff grows to 120 s).
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ShardlineConfigError,
@@ -32,39 +60,165 @@ _ERRORS = {
 
 
 def _translate(exc: grpc.RpcError, what: str) -> ShardlineError:
+    leader = leader_hint(exc)
+    if leader is not None:
+        return NotLeaderError(f"{what}: {exc.details()} ({exc.code().name})", leader)
     cls = _ERRORS.get(exc.code(), ShardlineError)
     return cls(f"{what}: {exc.details()} ({exc.code().name})")
 
 
+def leader_hint(exc: grpc.RpcError) -> str | None:
+    """The leader a follower's reply names ('' if it knows none); None if ``exc`` is no follower's reply."""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return None
+    try:
+        metadata = exc.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - errors raised before any reply carry no metadata
+        return None
+    for key, value in metadata:
+        if key == LEADER_METADATA_KEY:
+            return value.decode() if isinstance(value, bytes) else str(value)
+    return None
+
+
 class DispatcherClient:
-    def __init__(self, address: str, *, rpc_timeout: float = 10.0, cluster_token: bytes | None = None):
-        self.address = address
+    """Calls to the dispatcher(s) at ``address`` (module docstring). Thread-safe.
+
+    Raises ShardlineConfigError at construction if ``address`` is not ``HOST:PORT[,HOST:PORT...]``.
+    ``address`` afterwards is the normalized list; ``leader`` the address calls go to first.
+    """
+
+    def __init__(self, address: str, *, rpc_timeout: float = 10.0, cluster_token: bytes | None = None,
+                 attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT):
+        self.addresses = parse_address_list(address, what="cluster")
+        self.address = ",".join(self.addresses)
         self.rpc_timeout = rpc_timeout
-        self._channel = grpc_channel(address, cluster_token)
-        self._stub = dispatcher_pb2_grpc.DispatcherStub(self._channel)
+        self.attempt_timeout = attempt_timeout
+        self._token = cluster_token
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self._stubs: dict[str, dispatcher_pb2_grpc.DispatcherStub] = {}
+        self._leader = self.addresses[0]
+        self._closed = False
+
+    @property
+    def leader(self) -> str:
+        with self._lock:
+            return self._leader
 
     def close(self) -> None:
-        self._channel.close()
+        """Close every channel; later calls raise ShardlineConnectionError (no channel is opened again)."""
+        with self._lock:
+            self._closed = True
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            channel.close()
 
-    def _call(self, name: str, request, *, timeout: float | None = None, not_found_none: bool = False):
-        try:
-            return getattr(self._stub, name)(request, timeout=timeout or self.rpc_timeout)
-        except grpc.RpcError as exc:
-            if not_found_none and exc.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise _translate(exc, f"dispatcher {self.address} {name}") from None
+    def _channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if self._closed:
+                raise ShardlineConnectionError(f"the client of dispatcher {self.address} is closed")
+            channel = self._channels.get(address)
+            if channel is None:
+                channel = self._channels[address] = grpc_channel(address, self._token, options=_CHANNEL_OPTIONS)
+                self._stubs[address] = dispatcher_pb2_grpc.DispatcherStub(channel)
+                if address not in self.addresses:  # a leader a follower named: follow it from now on
+                    self.addresses.append(address)
+            return channel
+
+    def _stub(self, address: str) -> dispatcher_pb2_grpc.DispatcherStub:
+        self._channel(address)
+        with self._lock:
+            return self._stubs[address]
+
+    def _move_on(self, failed: str, named: str | None, unreachable: set[str]) -> None:
+        """After a try at ``failed``: go to the ``named`` leader (learning its address), else to the
+        next address, preferring ones that did not just fail to answer."""
+        if named and named != failed and named not in unreachable:
+            self._channel(named)
+        with self._lock:
+            if self._leader != failed:  # another thread already moved on
+                return
+            if named and named != failed and named not in unreachable:
+                self._leader = named
+                return
+            at = self.addresses.index(failed)
+            order = self.addresses[at + 1:] + self.addresses[:at + 1]
+            fresh = [a for a in order if a not in unreachable and a != failed]
+            self._leader = fresh[0] if fresh else order[0]
+
+    def _call(self, name: str, request, *, timeout: float | None = None, not_found_none: bool = False,
+              waits: bool = False):
+        """``name`` on the leader, following redirects until ``timeout`` (default ``rpc_timeout``).
+
+        ``waits``: the call itself may take its whole timeout, so a try is never cut short."""
+        deadline = time.monotonic() + (timeout or self.rpc_timeout)
+        pause = RETRY_PAUSE_SECONDS
+        unreachable: set[str] = set()
+        while True:
+            address = self.leader
+            remaining = max(0.0, deadline - time.monotonic())
+            several = len(self.addresses) > 1
+            attempt = remaining if waits or not several else min(remaining, self.attempt_timeout)
+            try:
+                return getattr(self._stub(address), name)(request, timeout=attempt)
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if not_found_none and code == grpc.StatusCode.NOT_FOUND:
+                    return None
+                named = leader_hint(exc)
+                cut_short = code == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < remaining
+                if named is None and not ((code == grpc.StatusCode.UNAVAILABLE or cut_short) and several):
+                    raise _translate(exc, f"dispatcher {address} {name}") from None
+                if named is None:
+                    unreachable.add(address)
+                self._move_on(address, named, unreachable)
+                if len(unreachable) >= len(self.addresses):
+                    unreachable.clear()  # every one failed once: start over
+                left = deadline - time.monotonic() - MIN_ATTEMPT_SECONDS
+                if left <= 0:
+                    raise _translate(exc, f"dispatcher {address} {name}") from None
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
 
     def wait_until_reachable(self, connect_timeout: float) -> None:
-        """Retry until the dispatcher answers (daemons may start in any order)."""
+        """Retry until a dispatcher answers as the leader (its health service says SERVING; daemons
+        may start in any order); a leader a follower names is learned. Raises ShardlineTimeoutError
+        naming the addresses."""
         deadline = time.monotonic() + connect_timeout
+        pause = RETRY_PAUSE_SECONDS
         while True:
-            try:
-                grpc.channel_ready_future(self._channel).result(timeout=max(0.1, min(2.0, deadline - time.monotonic())))
-                return
-            except grpc.FutureTimeoutError:
-                if time.monotonic() >= deadline:
-                    raise ShardlineTimeoutError(
-                        f"dispatcher at {self.address} not reachable within {connect_timeout:g} s") from None
+            with self._lock:
+                first = self._leader
+                order = [first] + [a for a in self.addresses if a != first]
+            for address in order:
+                remaining = deadline - time.monotonic()
+                try:
+                    reply = health_pb2_grpc.HealthStub(self._channel(address)).Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, min(2.0, remaining)))
+                except grpc.RpcError:
+                    continue
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    with self._lock:
+                        self._leader = address
+                    return
+                self._learn_leader_from(address, remaining)
+            if time.monotonic() + pause >= deadline:
+                what = "dispatcher at" if len(self.addresses) == 1 else "no leader among the dispatchers at"
+                raise ShardlineTimeoutError(f"{what} {self.address} not reachable within {connect_timeout:g} s")
+            time.sleep(pause)
+            pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
+
+    def _learn_leader_from(self, follower: str, remaining: float) -> None:
+        """Ask a follower (health NOT_SERVING) who leads; a leader not listed yet is added and asked next."""
+        try:
+            self._stub(follower).GetRouting(dispatcher_pb2.GetRoutingRequest(), timeout=max(0.1, min(1.0, remaining)))
+        except grpc.RpcError as exc:
+            named = leader_hint(exc)
+            if named and named not in self.addresses:
+                self._channel(named)
+                with self._lock:
+                    self._leader = named
 
     def register_node(self, **fields) -> dispatcher_pb2.RegisterNodeResponse:
         return self._call("RegisterNode", dispatcher_pb2.RegisterNodeRequest(**fields))
@@ -83,7 +237,7 @@ class DispatcherClient:
 
     def wait_job_ready(self, name: str, timeout: float) -> dispatcher_pb2.JobInfo:
         return self._call("WaitJobReady", dispatcher_pb2.WaitJobReadyRequest(name=name, timeout_seconds=timeout),
-                          timeout=timeout + self.rpc_timeout)
+                          timeout=timeout + self.rpc_timeout, waits=True)
 
     def mark_job_ready(self, name: str) -> dispatcher_pb2.JobInfo:
         return self._call("MarkJobReady", dispatcher_pb2.MarkJobReadyRequest(name=name))
@@ -98,7 +252,13 @@ class DispatcherClient:
     def checkpoint_job(self, name: str, timeout: float) -> dispatcher_pb2.CheckpointJobResponse:
         """Returns once every node holding the job has one same step durable (the response's step)."""
         return self._call("CheckpointJob", dispatcher_pb2.CheckpointJobRequest(name=name, timeout_seconds=timeout),
-                          timeout=timeout + self.rpc_timeout)
+                          timeout=timeout + self.rpc_timeout, waits=True)
 
     def restore_job(self, spec: common_pb2.JobSpec, uid: str, node_id: str) -> dispatcher_pb2.JobInfo:
         return self._call("RestoreJob", dispatcher_pb2.RestoreJobRequest(spec=spec, uid=uid, node_id=node_id))
+
+    def worker_heartbeat(self, **fields) -> dispatcher_pb2.WorkerHeartbeatResponse:
+        return self._call("WorkerHeartbeat", dispatcher_pb2.WorkerHeartbeatRequest(**fields))
+
+    def drain_node(self, node_id: str, *, leaving: bool = False) -> dispatcher_pb2.DrainNodeResponse:
+        return self._call("DrainNode", dispatcher_pb2.DrainNodeRequest(node_id=node_id, leaving=leaving))

@@ -27,6 +27,23 @@ class ShardlineConnectionError(ShardlineError, ConnectionError):
     """A peer could not be reached or closed the connection."""
 
 
+class NotLeaderError(ShardlineConnectionError):
+    """The dispatcher asked is a follower; ``leader`` is the leader's address ('' while none is known)."""
+
+    def __init__(self, message: str, leader: str = ""):
+        super().__init__(message)
+        self.leader = leader
+
+
+class ShardlineWorkerLostError(ShardlineStateError):
+    """A worker of the job was lost (its lease expired) and the job fails (``on_worker_failure:
+    fail``); ``ranks`` are the lost ranks."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = ()):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+
+
 class FrameError(ShardlineError):
     """A data-plane frame is malformed; the connection it came on cannot be trusted further."""
 

@@ -103,8 +103,8 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
             if ref.nbytes != 0:
                 raise FrameError(f"block {ref.tensor}[{ref.index}] is flagged zero but claims {ref.nbytes} bytes")
             continue
-        if header.op == dp.OP_PULL and ref.nbytes == 0 and ref.numel == 0:
-            continue  # a pull request names blocks without carrying them
+        if header.op in (dp.OP_PULL, dp.OP_SYNC) and ref.nbytes == 0 and ref.numel == 0:
+            continue  # a pull or sync request names blocks without carrying them
         itemsize = ITEMSIZE.get(ref.dtype)
         if itemsize is None:
             raise FrameError(f"block {ref.tensor}[{ref.index}] has unsupported dtype {ref.dtype}")

@@ -10,6 +10,13 @@ In the style of Ray's ``cluster_utils.Cluster``::
         cluster.kill(a)                           # SIGKILL
         cluster.restart(a)                        # same name, node id and flags; new pid and ports
 
+Several dispatchers share an etcd state store and elect a leader::
+
+    cluster.add_dispatcher(state_store=etcd_url, leader_lease_timeout=2)   # "dispatcher"
+    cluster.add_dispatcher(state_store=etcd_url, leader_lease_timeout=2)   # "dispatcher-1"
+    cluster.address                               # "127.0.0.1:P0,127.0.0.1:P1": what PS nodes and workers get
+    cluster.kill(cluster.leader())                # the other one takes over
+
 Every daemon is a real subprocess (``python -m shardline.dispatcher.main`` / ``shardline.ps_server.main`` /
 ``shardline.worker.main`` of the installed package) started with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file
 <workdir>/<name>.json``, in its own session and process group, with stdout and stderr appended to
@@ -164,7 +171,7 @@ atexit.register(_shutdown_all)
 
 
 class LocalCluster:
-    """A dispatcher, PS nodes and workers as subprocesses of this process, on 127.0.0.1.
+    """Dispatchers, PS nodes and workers as subprocesses of this process, on 127.0.0.1.
 
     ``workdir`` holds ready files and logs (created if missing). ``env`` is added to the
     environment of every daemon (each ``start_dispatcher``/``add_*`` takes an ``env`` of its own too).
@@ -181,7 +188,9 @@ class LocalCluster:
         self.host = host
         # Every daemon gets the token file; this harness's own control-plane calls carry the token.
         self.cluster_token_file = cluster_token_file
-        self.dispatcher: DaemonHandle | None = None
+        self.dispatcher: DaemonHandle | None = None   # the first dispatcher
+        self.dispatchers: list[DaemonHandle] = []
+        self._fixed_addresses: dict[str, str] = {}    # dispatchers started on a chosen port
         self.handles: dict[str, DaemonHandle] = {}
         self._next_ps = 0
         self._lock = threading.RLock()
@@ -192,10 +201,12 @@ class LocalCluster:
 
     @property
     def address(self) -> str:
-        """The cluster address (the dispatcher's gRPC host:port)."""
-        if self.dispatcher is None or not self.dispatcher.grpc:
+        """The cluster address: the dispatcher's gRPC host:port; with several dispatchers, all of
+        theirs, comma-separated (PS nodes and workers started afterwards get it)."""
+        addresses = [self._fixed_addresses.get(h.name) or h.grpc for h in self.dispatchers]
+        if not addresses or not all(addresses):
             raise RuntimeError("the dispatcher is not started (call start_dispatcher first)")
-        return self.dispatcher.grpc
+        return ",".join(addresses)
 
     @property
     def nodes(self) -> list[DaemonHandle]:
@@ -300,10 +311,56 @@ class LocalCluster:
         """Start the dispatcher (``heartbeat_timeout=1`` etc. become flags)."""
         with self._lock:
             if self.dispatcher is not None:
-                raise RuntimeError("the dispatcher is already started")
+                raise RuntimeError("the dispatcher is already started (add_dispatcher starts another one)")
             handle = self._make_handle("dispatcher", "dispatcher", [], flags, env)
             self.dispatcher = handle
+            self.dispatchers.append(handle)
         return self._start(handle, wait)
+
+    def add_dispatcher(self, *, wait: bool = True, env: dict[str, str] | None = None, **flags) -> DaemonHandle:
+        """Start one more dispatcher: ``dispatcher`` (the first), then ``dispatcher-1``, ... Several
+        must share an etcd ``state_store=...``; they elect a leader (:meth:`leader`).
+
+        Each listens on a port chosen now (unless ``listen`` is given), so a restart keeps its
+        address and :attr:`address` stays valid for the PS nodes and workers that have it.
+        """
+        from shardline.services.daemon import format_host_port
+
+        with self._lock:
+            index = len(self.dispatchers)
+            name = "dispatcher" if index == 0 else f"dispatcher-{index}"
+            listen = flags.pop("listen", None) or format_host_port(self.host, _free_port(self.host))
+            handle = self._make_handle(name, "dispatcher", [], {"listen": listen, **flags}, env)
+            self._fixed_addresses[name] = listen
+            self.dispatchers.append(handle)
+            if self.dispatcher is None:
+                self.dispatcher = handle
+        return self._start(handle, wait)
+
+    def leader(self, timeout: float = 30.0) -> DaemonHandle:
+        """The dispatcher that leads now: the one whose health service says SERVING (a single
+        dispatcher always does). Waits up to ``timeout`` s for one; raises TimeoutError."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        while True:
+            for handle in self.dispatchers:
+                address = self._fixed_addresses.get(handle.name) or handle.grpc
+                if not handle.alive() or not address:
+                    continue
+                with grpc.insecure_channel(address) as channel:
+                    try:
+                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                          timeout=0.5)
+                    except grpc.RpcError:
+                        continue
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return handle
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no dispatcher leads after {timeout:g} s: "
+                                   + ", ".join(repr(h) for h in self.dispatchers))
+            time.sleep(0.05)
 
     def add_node(self, node_id: str | None = None, rack: str = "default", capacity: float = 1.0, *,
                  wait: bool = True, env: dict[str, str] | None = None, **flags) -> DaemonHandle:
@@ -371,6 +428,7 @@ class LocalCluster:
             return proc.returncode
         try:
             proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGCONT)  # a stopped daemon handles the SIGTERM too
         except ProcessLookupError:
             pass
         try:
@@ -386,8 +444,9 @@ class LocalCluster:
     def restart(self, handle: DaemonHandle, *, wait: bool = True) -> DaemonHandle:
         """Stop the daemon if it runs (SIGTERM) and start it again with the same command line.
 
-        Restarting the dispatcher gives it a new port: running PS nodes and workers keep the old
-        address, so restart the dispatcher only before adding other daemons (or restart them too).
+        Restarting a dispatcher started by :meth:`start_dispatcher` (port 0) gives it a new port:
+        running PS nodes and workers keep the old address, so restart it only before adding other
+        daemons (or restart them too). Those of :meth:`add_dispatcher` keep their port.
         """
         if handle.alive():
             self.stop(handle)
@@ -411,6 +470,7 @@ class LocalCluster:
             for h in stage:
                 try:
                     h.proc.send_signal(signal.SIGTERM)
+                    h.proc.send_signal(signal.SIGCONT)  # a stopped daemon handles the SIGTERM too
                 except ProcessLookupError:
                     pass
             for h in stage:
@@ -475,17 +535,20 @@ class LocalCluster:
                 except ShardlineError as exc:
                     last = exc
                 if time.monotonic() >= deadline:
-                    if self.dispatcher is not None and not self.dispatcher.alive():
-                        raise TimeoutError(f"{what}: the dispatcher exited with code {self.dispatcher.returncode}; "
-                                           f"last lines of its log:\n{self.dispatcher.log_tail()}")
+                    if self.dispatchers and not any(h.alive() for h in self.dispatchers):
+                        h = self.dispatchers[0]
+                        raise TimeoutError(f"{what}: the dispatcher exited with code {h.returncode}; "
+                                           f"last lines of its log:\n{h.log_tail()}")
                     raise TimeoutError(f"timed out after {timeout:g} s waiting for {what}; last status: {_brief(last)}")
                 time.sleep(interval)
         finally:
             client.close()
 
     def wait_for_nodes(self, n: int, timeout: float = 30.0):
-        """Wait until the dispatcher counts at least ``n`` alive PS nodes; returns the alive NodeInfos."""
-        status = self.wait_until(lambda s: _alive(s) >= n, timeout, f"{n} alive PS node(s)")
+        """Wait until the dispatcher counts at least ``n`` alive PS nodes serving the ring (a node
+        joining a cluster with job data serves once it is in sync); returns the alive NodeInfos."""
+        status = self.wait_until(lambda s: _serving(s) >= n and not s.routing.pending_epoch, timeout,
+                                 f"{n} serving PS node(s)")
         return [node for node in status.all_nodes if node.state == "alive"]
 
     def wait_for_node_state(self, node_id: str, state: str, timeout: float = 30.0):
@@ -497,8 +560,17 @@ class LocalCluster:
         return next(node for node in status.all_nodes if node.node_id == node_id)
 
 
-def _alive(status) -> int:
-    return sum(1 for node in status.all_nodes if node.state == "alive")
+def _free_port(host: str) -> int:
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as s:
+        s.bind((host.strip("[]"), 0))
+        return s.getsockname()[1]
+
+
+def _serving(status) -> int:
+    return sum(1 for node in status.all_nodes if node.state == "alive" and node.member in ("serving", ""))
 
 
 def _brief(status) -> str:

@@ -6,7 +6,7 @@ every party builds the identical CityHash64 ring from it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shardline.services.blocks import block_hash
 from shardline.services.pb import common_pb2
@@ -16,18 +16,30 @@ from shardline.services.ring import HashRing
 @dataclass(frozen=True)
 class RoutingView:
     epoch: int
-    nodes: dict  # node_id -> common_pb2.NodeInfo
+    nodes: dict  # node_id -> common_pb2.NodeInfo (the serving ring's nodes)
     ring: HashRing | None
+    # A ring change in progress: the ring the cluster moves to (ps_server/placement.py).
+    pending_epoch: int = 0
+    pending_nodes: dict = field(default_factory=dict)
+    pending_ring: HashRing | None = None
+    default_replication: int = 1
+    placements: dict = field(default_factory=dict, compare=False, repr=False)  # cache of placement.place
 
     @classmethod
     def from_proto(cls, table: common_pb2.RoutingTable) -> "RoutingView":
         nodes = {n.node_id: n for n in table.nodes}
-        ring = HashRing({n.node_id: max(1, n.vnodes) for n in table.nodes}) if nodes else None
-        return cls(int(table.epoch), nodes, ring)
+        pending = {n.node_id: n for n in table.pending_nodes}
+        return cls(int(table.epoch), nodes, _ring(nodes), int(table.pending_epoch), pending,
+                   _ring(pending) if table.pending_epoch else None, int(table.default_replication) or 1)
 
     @classmethod
     def empty(cls) -> "RoutingView":
         return cls(0, {}, None)
+
+    def address_of(self, node_id: str) -> str | None:
+        """Data-plane address of a node of the serving or the pending ring (None if unknown)."""
+        info = self.nodes.get(node_id) or self.pending_nodes.get(node_id)
+        return info.data_address if info is not None else None
 
     def owner(self, job: str, tensor: str, index: int) -> str:
         if self.ring is None:
@@ -38,3 +50,7 @@ class RoutingView:
 
     def data_address(self, node_id: str) -> str:
         return self.nodes[node_id].data_address
+
+
+def _ring(nodes: dict) -> HashRing | None:
+    return HashRing({n.node_id: max(1, n.vnodes) for n in nodes.values()}) if nodes else None

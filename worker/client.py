@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import uuid
 import math
 import threading
 import time
@@ -27,7 +28,7 @@ from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.tensor_checks import all_finite, is_all_zero
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
-                             ShardlineStateError, ShardlineTimeoutError)
+                             ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError)
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
@@ -112,7 +113,14 @@ class Client:
     registers new addresses), asks it its job step and, if the node is still collecting the step in
     flight (it restored the checkpoint of that step and lost what was sent since), sends it this
     worker's part of the step again; pushes and commits are idempotent on the node, so resending
-    what the node kept is harmless. Then the interrupted request is retried.
+    what the node kept is harmless. Then the interrupted request is retried. When the routing
+    epoch changes while a step is in flight (a node failed over to its replica, a ring change
+    switched), the client resends the step's pushes of blocks whose primary changed to the new
+    primaries and, if it had committed, commits again on every node at the new epoch.
+
+    Leases: while it trains the client renews its lease of (job, rank) with the dispatcher; if the
+    job fails because another rank was lost (``on_worker_failure: fail``), its next request raises
+    ShardlineWorkerLostError naming the rank.
     """
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
@@ -122,6 +130,12 @@ class Client:
         self.recovery_timeout = recovery_timeout
         # The BSP step in flight: what this worker sent for it, kept until the next step begins.
         self._inflight: dict | None = None
+        self._replay_from: RoutingView | None = None   # routing before an epoch change mid-step
+        self._replaying = False
+        self.incarnation = uuid.uuid4().hex[:16]       # this process's identity as its rank
+        self._lost: ShardlineWorkerLostError | None = None
+        self._lease: threading.Thread | None = None
+        self._closed = threading.Event()
         self.cluster_token = cluster_token
         self.rank = rank
         self.pull_timeout = pull_timeout
@@ -169,7 +183,9 @@ class Client:
 
     def init(self, tensors: dict[str, torch.Tensor], *, optimizer: str = "sgd", sync: str = "bsp",
              world_size: int = 1, block_elements: int | None = None, trainable: dict[str, bool] | None = None,
-             allow_nonfinite: bool = False, ready_timeout: float | None = None, **optimizer_kwargs) -> bool:
+             allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
+             worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
+             **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
         Returns True if this call created the job (and so wrote the initial values). A job that
@@ -180,7 +196,10 @@ class Client:
         opt = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         trainable = trainable or {}
         spec = common_pb2.JobSpec(name=self.job, optimizer=opt.to_proto(), sync=sync, world_size=world_size,
-                                  block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite)
+                                  block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite,
+                                  replication=replication or 0,
+                                  worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
+                                  on_worker_failure=on_worker_failure or "")
         for name, t in tensors.items():
             spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True))
         resp = self.dispatcher.create_job(spec)
@@ -277,6 +296,22 @@ class Client:
     def pull_changed(self, names=None) -> None:
         """Bring the cache (and bound tensors) to the client's step: the second half of step_sync."""
         self._pull(self._names(names), min_step=None, timeout=None)
+        if self._inflight is not None and self.step is not None and self.step > self._inflight["step"]:
+            self._inflight = None  # every node holds the step, replicas included: nothing to resend
+
+    def join(self, names=None) -> int:
+        """Pull the job as the cluster holds it and return its step. If the nodes are at different
+        steps (a worker died between its commits to different nodes), wait until they agree: the
+        nodes that missed a commit learn it from the others (ps_server/commit_relay.py)."""
+        names = self._names(names)
+        steps = self._pull(names, min_step=0, timeout=None)
+        if steps and len(set(steps.values())) > 1:
+            target = max(steps.values())
+            log.info("job %s: nodes at steps %s; waiting until all reach step %d", self.job, steps, target)
+            self._pull(names, min_step=target, timeout=None)
+            self.step = target
+        self.start_lease()
+        return self.step or 0
 
     def _names(self, names) -> list[str]:
         self._require_spec()
@@ -317,6 +352,7 @@ class Client:
             for s in self._slices[name]:
                 part = flat[s.start:s.stop]
                 payload[(name, s.index)] = None if is_all_zero(part) else part
+        self.start_lease()
         step = self._current_step()
         if spec.sync == "bsp":
             if self._inflight is None or self._inflight["step"] != step:
@@ -368,17 +404,48 @@ class Client:
         return conn
 
     def refresh_routing(self) -> None:
+        old = self.routing
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
+        if self.routing.epoch != old.epoch and self._inflight is not None and self._replay_from is None:
+            self._replay_from = old
+
+    def _replay_after_epoch_change(self) -> bool:
+        """The epoch changed while a BSP step was in flight: push again the blocks whose primary
+        changed, and commit again on every node if this worker had committed. True if it did."""
+        old, self._replay_from = self._replay_from, None
+        inflight = self._inflight
+        if old is None or inflight is None or self._replaying or self.spec is None or self.spec.sync != "bsp":
+            return False
+        self._replaying = True
+        try:
+            moved = [key for key in inflight["grads"]
+                     if old.ring is None or self.routing.owner(self.job, *key) != old.owner(self.job, *key)]
+            step, weight = inflight["step"], inflight["weight"]
+            if moved:
+                self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
+            if inflight["committed"]:
+                self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
+            log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch, step,
+                     len(moved), " and the commit" if inflight["committed"] else "")
+            return True
+        finally:
+            self._replaying = False
 
     def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
                  min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False) -> dict[str, int]:
         """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those.
         Returns the job step each node that answered reported."""
+        if self._lost is not None:
+            raise self._lost
         pending = list(keys)
         done_nodes: set[str] = set()
         node_steps: dict[str, int] = {}
         refreshes = 0
         while True:
+            if self._replay_from is not None and self._replay_after_epoch_change():
+                if op == dp.OP_COMMIT:
+                    return node_steps  # the replay committed on every node at the new epoch
+                done_nodes.clear()
             groups: dict[str, list] = {}
             for key in pending:
                 groups.setdefault(self.routing.owner(self.job, *key), []).append(key)
@@ -403,6 +470,10 @@ class Client:
                     refused = True
                     retry.extend(groups[node_id])
                 except RemoteError as exc:
+                    if exc.code == "WORKER_LOST":
+                        self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
+                                                              _ranks_in(exc.remote_message))
+                        raise self._lost from None
                     if exc.code != "UNAVAILABLE":
                         raise
                     lost.append((node_id, exc))
@@ -473,7 +544,8 @@ class Client:
 
     def _exchange(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
-                                   step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout)
+                                   step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
+                                   incarnation=self.incarnation)
         if self.lr is not None and (op == dp.OP_COMMIT or (op == dp.OP_PUSH and self.spec.sync == "asp")):
             header.has_lr, header.lr = True, self.lr
         payloads = []
@@ -533,7 +605,36 @@ class Client:
             self.stats.pulled_bytes += ref.nbytes
             self.stats.pulled_blocks += 1
 
+    # --- lease ------------------------------------------------------------------------------
+    def start_lease(self) -> None:
+        """Renew this worker's lease of (job, rank) in the background (idempotent)."""
+        if self._lease is None and self.spec is not None:
+            self._lease = threading.Thread(target=self._renew_lease, name="shardline-lease", daemon=True)
+            self._lease.start()
+
+    def _renew_lease(self) -> None:
+        interval = 1.0
+        while not self._closed.wait(interval):
+            try:
+                resp = self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
+                                                        step=self.step or 0)
+            except Exception as exc:  # noqa: BLE001 - the dispatcher may be failing over: try again
+                log.debug("lease renewal failed: %s", exc)
+                continue
+            interval = max(0.2, resp.interval_seconds or interval)
+            if resp.failed and self._lost is None:
+                ranks = tuple(sorted(lease.rank for lease in resp.lost))
+                self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {resp.failed}", ranks)
+                log.error("%s", self._lost)
+
     def close(self) -> None:
+        self._closed.set()
+        if self._lease is not None:
+            try:  # release the lease: a worker that finished is not lost
+                self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
+                                                 step=self.step or 0, leaving=True)
+            except Exception as exc:  # noqa: BLE001 - it expires anyway
+                log.debug("lease release failed: %s", exc)
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
@@ -545,6 +646,14 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _ranks_in(message: str) -> tuple[int, ...]:
+    """The ranks a WORKER_LOST message names ("rank 1 ...", "ranks [1, 3] ...")."""
+    import re
+
+    match = re.search(r"ranks? \[?([\d, ]+)\]?", message)
+    return tuple(int(r) for r in re.findall(r"\d+", match.group(1))) if match else ()
 
 
 def connect(cluster: str, job: str, **kwargs) -> Client:

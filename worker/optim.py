@@ -51,7 +51,8 @@ class PSOptimizer:
                  optimizer: str = "adamw", sync: str = "bsp", world_size: int | None = None, rank: int | None = None,
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
                  connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
-                 prefetch_window: int = 0, **optimizer_kwargs):
+                 prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
+                 worker_lease_timeout: float | None = None, on_worker_failure: str | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -72,13 +73,16 @@ class PSOptimizer:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
-                             connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token)
+                             connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token,
+                             recovery_timeout=recovery_timeout)
         created = False
         if self.rank == 0:
             created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,
                              world_size=self.world_size, block_elements=block_elements,
                              trainable={n: p.requires_grad for n, p in self.params},
-                             allow_nonfinite=allow_nonfinite, **optimizer_kwargs)
+                             allow_nonfinite=allow_nonfinite, replication=replication,
+                             worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
+                             **optimizer_kwargs)
         else:
             self.client.wait_ready(connect_timeout)
         spec = self.client.spec
@@ -92,7 +96,7 @@ class PSOptimizer:
                 self.client.bind(name, p.data, same_contents=created)
             else:
                 self._copy_back.append((name, p))
-        self.client.pull([n for n, _ in self.params], min_step=0, copy=False)
+        self.client.join([n for n, _ in self.params])
         self._sync_copies()
         # One group, as torch.optim has: schedules set param_groups[0]["lr"] (or call set_lr) and
         # the next step's commit carries it to the servers.

@@ -78,7 +78,8 @@ def test_kill_everything_then_resume_equals_uninterrupted(tmp_path):
             assert "restored job crash at step" in h.log_tail(200), h.log_tail()
         resumed = train_model.finish_workers(
             train_model.start_workers(cluster.address, "crash", "adamw", "bsp", tmp_path, steps=STEPS))
-        assert all(int(r["_start_version"]) >= 4 for r in resumed), [int(r["_start_version"]) for r in resumed]
+        # resumed from the checkpoints (the latest step both nodes had reported durable), not from 0
+        assert all(2 <= int(r["_start_version"]) <= STEPS for r in resumed), [int(r["_start_version"]) for r in resumed]
         assert_equals_reference(resumed)
 
 
@@ -141,12 +142,10 @@ def test_lora_incremental_checkpoints_write_only_the_adapter(tmp_path):
     incrementals = [json.loads(p.read_text()) for p in manifests]
     incrementals = [m for m in incrementals if m["kind"] == "incremental"]
     assert incrementals, manifests
-    per_step: dict[int, int] = {}
-    for m in incrementals:
+    for m in incrementals:  # one node's checkpoint: at most its copies of the adapters (replication 2)
         written = sum(f["bytes"] for f in m["files"].values())
-        per_step[m["step"]] = per_step.get(m["step"], 0) + written
-    for step, written in per_step.items():
-        assert written <= 1.1 * adapter_bytes + 16384, f"step {step}: {written} bytes for {adapter_bytes} adapter bytes"
+        assert written <= 1.1 * adapter_bytes + 16384, f"step {m['step']}: {written} bytes for {adapter_bytes} adapter bytes"
+        assert not any(key.startswith("base#") for key in m["blocks"]), "an incremental rewrote the frozen base"
     assert base.numel() * 4 > 20 * adapter_bytes  # the base would dwarf it
 
 

@@ -189,9 +189,9 @@ def test_values_reflect_the_traffic(scrapes):
     assert value(d, "shardline_grpc_server_request_seconds_count", method="RegisterNode") >= 2
 
     ps = [scrapes["ps-0"], scrapes["ps-1"]]
-    # 100 elements in blocks of 16: 7 blocks split between the two nodes.
-    assert sum(value(t, "shardline_ps_blocks", job_name=JOB) for t in ps) == 7
-    assert sum(value(t, "shardline_ps_parameter_bytes", job_name=JOB) for t in ps) == 400
+    # 100 elements in blocks of 16: 7 blocks, each on both nodes (replication 2: primary and replica).
+    assert sum(value(t, "shardline_ps_blocks", job_name=JOB) for t in ps) == 14
+    assert sum(value(t, "shardline_ps_parameter_bytes", job_name=JOB) for t in ps) == 800
     assert all(value(t, "shardline_ps_job_step", job_name=JOB) == 1 for t in ps if has(t, "shardline_ps_job_step", job_name=JOB))
     assert all(value(t, "shardline_ps_requests_total", op="UNKNOWN", code="BAD_FRAME") == 1 for t in ps)
     assert sum(value(t, "shardline_ps_payload_bytes_total", op="PUSH", direction="received") for t in ps) >= 400

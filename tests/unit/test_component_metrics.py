@@ -101,7 +101,7 @@ def test_node_state_is_read_at_scrape_time(watched):
 
 def record(node_id, state="alive", age=0.5, rack="r1", blocks=3, nbytes=300, vnodes=128):
     return NodeRecord(node_id=node_id, rack=rack, grpc_address="h:1", data_address="h:2", capacity=1.0, state=state,
-                      vnodes=vnodes if state == "alive" else 0, heartbeat_age_seconds=age, blocks=blocks, bytes=nbytes)
+                      vnodes=vnodes if state == "alive" else 0, heartbeat_age_seconds=age, blocks=blocks, bytes=nbytes, member="serving")
 
 
 def test_dispatcher_publish_sets_and_removes_node_series():

@@ -73,6 +73,10 @@ def test_defaults_match_the_code_that_uses_them():
     from shardline.services.transport import TRANSPORT_NAMES
 
     assert set(config.BY_NAME["transport"].choices) == set(TRANSPORT_NAMES)
+    from shardline.dispatcher import state_store
+
+    assert config.BY_NAME["state_prefix"].default == state_store.DEFAULT_STATE_PREFIX
+    assert config.BY_NAME["connect_timeout"].default == state_store.DEFAULT_CONNECT_TIMEOUT
 
 
 @pytest.mark.parametrize("daemon", config.DAEMONS)

@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from shardline.services.errors import ShardlineStateError
+
 from shardline.dispatcher.membership import ALIVE, DEAD, Membership
 from shardline.dispatcher.state_store import StateStoreError
 from shardline.services.errors import ShardlineConfigError
@@ -239,7 +241,7 @@ def test_only_routing_changes_are_written(recording_store):
     assert recording_store.applies[-1][0] == {
         "epoch": {"epoch": 2},
         "node/ps-0": {"rack": "r1", "grpc_address": "127.0.0.1:9000", "data_address": "127.0.0.1:9001",
-                      "capacity": 1.0, "state": ALIVE},
+                      "capacity": 1.0, "state": ALIVE, "member": "serving"},
     }
     writes = len(recording_store.applies)
     register(m, "ps-0", 1.0)              # refresh only
@@ -322,3 +324,89 @@ def test_restart_over_sqlite(tmp_path):
         assert again.epoch == epoch + 1 and [n.node_id for n in again.routing_table()[1]] == ["ps-0"]
     finally:
         store.close()
+
+
+# -- two-phase ring changes -------------------------------------------------------------------------
+
+def _members(m):
+    return {n.node_id: n.member for n in m.all_nodes(0.0)}
+
+
+def two_phase(nodes=("ps-0", "ps-1")):
+    m = Membership(5.0, has_data=lambda: True)
+    for i, node_id in enumerate(nodes):
+        m.register(node_id, "r", f"127.0.0.1:{9000 + 2 * i}", f"127.0.0.1:{9001 + 2 * i}", 1.0, now=0.0)
+    return m
+
+
+def test_a_node_joining_a_cluster_with_data_serves_only_after_every_node_is_in_sync():
+    m = two_phase()
+    snap = m.snapshot()
+    assert [n.node_id for n in snap.serving] == ["ps-0"] and _members(m)["ps-1"] == "joining"
+    assert [n.node_id for n in snap.pending] == ["ps-0", "ps-1"] and snap.pending_epoch == snap.epoch
+    assert not m.report_ready("ps-1", snap.pending_epoch)      # ps-0 has not synced yet
+    assert not m.report_ready("ps-0", snap.pending_epoch - 1)  # an older pending ring does not count
+    assert m.report_ready("ps-0", snap.pending_epoch)          # switch
+    after = m.snapshot()
+    assert [n.node_id for n in after.serving] == ["ps-0", "ps-1"] and after.pending_epoch == 0
+    assert after.epoch == snap.epoch + 1 and _members(m) == {"ps-0": "serving", "ps-1": "serving"}
+
+
+def test_a_second_join_restarts_the_sync_and_a_death_leaves_at_once():
+    m = two_phase()
+    first = m.snapshot().pending_epoch
+    m.register("ps-2", "r", "127.0.0.1:9100", "127.0.0.1:9101", 1.0, now=0.0)
+    second = m.snapshot()
+    assert second.pending_epoch > first and [n.node_id for n in second.pending] == ["ps-0", "ps-1", "ps-2"]
+    for node in ("ps-0", "ps-1", "ps-2"):
+        m.report_ready(node, first)  # ready for the first pending ring only: no switch
+    assert _members(m)["ps-1"] == "joining"
+    m.heartbeat("ps-0", 4.0)
+    m.heartbeat("ps-1", 4.0)
+    assert m.expire(now=6.0) == ["ps-2"]                # ps-2 dies while joining: out of the pending ring
+    third = m.snapshot()
+    assert [n.node_id for n in third.pending] == ["ps-0", "ps-1"] and third.pending_epoch > second.pending_epoch
+    m.report_ready("ps-0", third.pending_epoch)
+    assert m.report_ready("ps-1", third.pending_epoch)
+    assert [n.node_id for n in m.snapshot().serving] == ["ps-0", "ps-1"]
+
+
+def test_drain_moves_a_node_out_and_refuses_the_last_one():
+    m = two_phase()
+    m.report_ready("ps-0", m.snapshot().pending_epoch)
+    m.report_ready("ps-1", m.snapshot().pending_epoch)
+    pending = m.drain("ps-1")
+    snap = m.snapshot()
+    assert [n.node_id for n in snap.serving] == ["ps-0", "ps-1"]  # still serving while its blocks move
+    assert [n.node_id for n in snap.pending] == ["ps-0"] and snap.pending_epoch == pending
+    m.report_ready("ps-0", pending)
+    assert m.report_ready("ps-1", pending)
+    assert [n.node_id for n in m.snapshot().serving] == ["ps-0"] and _members(m)["ps-1"] == "drained"
+    with pytest.raises(ShardlineStateError, match="only serving node"):
+        m.drain("ps-0")
+    with pytest.raises(ShardlineStateError, match="drained"):
+        m.drain("ps-1")
+    # a drained node that registers again (restarted) joins again
+    m.register("ps-1", "r", "127.0.0.1:9300", "127.0.0.1:9301", 1.0, now=1.0)
+    assert _members(m)["ps-1"] == "joining"
+
+
+def test_nodes_all_leaving_at_once_call_the_drains_off():
+    m = two_phase(("ps-0", "ps-1", "ps-2"))
+    for _ in range(2):
+        for node in ("ps-0", "ps-1", "ps-2"):
+            m.report_ready(node, m.snapshot().pending_epoch)
+    assert set(_members(m).values()) == {"serving"}
+    m.drain("ps-0", leaving=True)
+    with pytest.raises(ShardlineStateError, match="stops without draining"):
+        m.drain("ps-1", leaving=True)
+    assert _members(m)["ps-0"] == "serving" and m.snapshot().pending_epoch == 0
+
+
+def test_member_roles_survive_a_restart(recording_store):
+    m = Membership(5.0, store=recording_store, has_data=lambda: True)
+    m.register("ps-0", "r", "127.0.0.1:9000", "127.0.0.1:9001", 1.0, now=0.0)
+    m.register("ps-1", "r", "127.0.0.1:9002", "127.0.0.1:9003", 1.0, now=0.0)
+    again = Membership(5.0, store=recording_store, now=10.0, has_data=lambda: True)
+    assert _members(again) == {"ps-0": "serving", "ps-1": "joining"}
+    assert again.snapshot().pending_epoch == again.epoch

@@ -1,0 +1,94 @@
+"""Where each block of a job lives under a routing table: pure, cached per (epoch, job).
+
+A block's owners at an epoch are ``ring.owners(block_hash, R, racks)`` over the serving ring:
+the first is its **primary** (it applies the optimizer and answers pushes and pulls; it is
+always ``ring.owner``, so workers route without knowing the replication), the others its
+**replicas** (the primary sends them a copy after every applied step). While a ring change is
+pending, the owners under the pending ring that are not owners now are **learners**: they are
+brought in sync and then replicated to like replicas, so that the change can switch over with
+every new owner holding the blocks it gains. ``R`` is the job's replication (the dispatcher's
+default when the job sets none), capped at the number of nodes in the ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from shardline.services.blocks import block_hash, num_blocks
+from shardline.services.pb import common_pb2
+from shardline.services.ring import HashRing
+
+
+def replication_of(spec: common_pb2.JobSpec, default: int) -> int:
+    return int(spec.replication) if spec.replication else max(1, int(default))
+
+
+def trainable_keys(spec: common_pb2.JobSpec) -> list[tuple[str, int]]:
+    return [(t.name, i) for t in spec.tensors if t.trainable for i in range(_blocks(t, spec))]
+
+
+def all_keys(spec: common_pb2.JobSpec) -> list[tuple[str, int]]:
+    return [(t.name, i) for t in spec.tensors for i in range(_blocks(t, spec))]
+
+
+def _blocks(tensor, spec) -> int:
+    numel = 1
+    for d in tensor.shape:
+        numel *= int(d)
+    return num_blocks(numel, int(spec.block_elements))
+
+
+def _owners(ring: HashRing | None, racks: dict, job: str, key: tuple[str, int], r: int) -> tuple[str, ...]:
+    if ring is None or len(ring) == 0:
+        return ()
+    return tuple(ring.owners(block_hash(job, key[0], key[1]), min(r, len(ring)), racks))
+
+
+@dataclass
+class JobPlacement:
+    """Owners of every block of one job at one routing epoch (serving and pending rings)."""
+
+    job: str
+    replication: int
+    owners: dict = field(default_factory=dict)          # key -> (primary, replica, ...)
+    pending_owners: dict = field(default_factory=dict)  # key -> owners under the pending ring
+
+    def primary(self, key) -> str | None:
+        owners = self.owners.get(key)
+        return owners[0] if owners else None
+
+    def roles(self, node_id: str) -> tuple[set, set, set]:
+        """(primary keys, replica keys, learner keys) of ``node_id``."""
+        primary, replica, learner = set(), set(), set()
+        for key, owners in self.owners.items():
+            if owners and owners[0] == node_id:
+                primary.add(key)
+            elif node_id in owners:
+                replica.add(key)
+        for key, owners in self.pending_owners.items():
+            if node_id in owners and node_id not in self.owners.get(key, ()):
+                learner.add(key)
+        return primary, replica, learner
+
+    def copies_of(self, key) -> tuple[str, ...]:
+        """Nodes that must receive the primary's copies of ``key``: replicas and learners."""
+        owners = self.owners.get(key, ())
+        extra = tuple(n for n in self.pending_owners.get(key, ()) if n not in owners)
+        return owners[1:] + extra
+
+
+def place(view, spec: common_pb2.JobSpec) -> JobPlacement:
+    """The placement of ``spec``'s blocks under the RoutingView ``view`` (cached in the view: a
+    view is one epoch's immutable table)."""
+    key = (spec.name, spec.SerializeToString(deterministic=True))
+    cached = view.placements.get(key)
+    if cached is not None:
+        return cached
+    r = replication_of(spec, view.default_replication)
+    racks = {**{n: i.rack for n, i in view.pending_nodes.items()}, **{n: i.rack for n, i in view.nodes.items()}}
+    placement = JobPlacement(spec.name, r)
+    for block in all_keys(spec):
+        placement.owners[block] = _owners(view.ring, racks, spec.name, block, r)
+        if view.pending_ring is not None:
+            placement.pending_owners[block] = _owners(view.pending_ring, racks, spec.name, block, r)
+    view.placements[key] = placement
+    return placement

@@ -1,0 +1,515 @@
+"""Replication: a block's primary keeps its replicas (and, during a ring change, its learners)
+holding the same block, bitwise, at every step workers can see.
+
+Protocol (ps_server/placement.py says who holds what):
+
+* **Copies, not gradients.** After applying step ``v`` the primary sends each node that holds
+  copies of its blocks an ``OP_REPLICATE`` frame with the blocks it just stepped — value and every
+  optimizer-state tensor, packed — and the ones it carried through without a change (no payload,
+  only their new step). Shipping state rather than the averaged gradient costs ~3x the bytes for
+  Adam, but a replica then equals its primary by construction: no assumption that two nodes'
+  torch builds compute the optimizer bit for bit alike, one code path for replication, bringing a
+  node in sync and migration, and the replica does no optimizer work.
+* **Visibility.** The stepped blocks become visible to pulls only once every in-sync copy holder
+  acknowledged them (``JobStore.mark_visible``); a holder that fails or stops answering within
+  ``replication_timeout`` is dropped from the job's in-sync set (and re-syncs when it can), so no
+  step a worker has seen is held by fewer than the surviving in-sync nodes.
+* **In sync.** A node becomes in sync for a job with a primary by asking it (``OP_SYNC`` naming
+  the version and step of every copy it holds): under the job lock the primary queues copies of
+  whatever differs, marks the last one, and adds the node to the job's in-sync set, so every later
+  step follows on the same FIFO link. Nodes re-sync with all their primaries after each routing
+  change (cheap when nothing changed: headers only); a node that restarted from a checkpoint thus
+  fetches only what changed. A primary that lacks a block it now owns (its copy holder was not its
+  predecessor) asks the previous owners the same way.
+* **Fencing.** A copy is accepted only from the block's primary at the receiver's epoch (or as the
+  answer to the receiver's own sync request); a deposed primary is told NOT_OWNER, refreshes its
+  routing and stops serving the blocks.
+
+Initial values (``OP_INIT``) are replicated before the INIT is acknowledged.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from shardline.ps_server.placement import place
+from shardline.ps_server.store import JobStore, StoreError
+from shardline.services import frame
+from shardline.services.dataplane_client import DataPlaneConnection
+from shardline.services.errors import RemoteError, ShardlineConnectionError, ShardlineError
+from shardline.services.pb import dataplane_pb2 as dp
+
+log = logging.getLogger("shardline.ps.replication")
+
+REPLICATION_TIMEOUT_SECONDS = 10.0
+CONNECT_TIMEOUT_SECONDS = 5.0
+# Blocks per OP_REPLICATE frame of a sync (bounds a frame; the link sends them in order).
+SYNC_BATCH_BYTES = 64 << 20
+
+
+# --- block codec --------------------------------------------------------------------------
+class BlockCodec:
+    """Packs a block's value and optimizer state into one float32 run and back.
+
+    Layout: the value, then the state entries in sorted key order: tensors as float32 (a 0-dim
+    tensor as one element), ints as the 8 bytes of an int64 (two float32 slots, bit for bit).
+    """
+
+    def __init__(self, job: JobStore):
+        self.optimizer = job.optimizer
+        template = job.optimizer.init_state(2)
+        self.entries = []  # (key, kind, elements per block element or fixed count)
+        for key in sorted(template):
+            value = template[key]
+            if isinstance(value, torch.Tensor):
+                self.entries.append((key, "scalar" if value.dim() == 0 else "vector"))
+            else:
+                self.entries.append((key, "int"))
+
+    def packed_numel(self, numel: int) -> int:
+        return numel + sum({"scalar": 1, "vector": numel, "int": 2}[kind] for _k, kind in self.entries)
+
+    def pack(self, value: torch.Tensor, state: dict) -> list[memoryview]:
+        parts = [frame.tensor_bytes(value)]
+        for key, kind in self.entries:
+            item = state[key]
+            if kind == "int":
+                parts.append(memoryview(int(item).to_bytes(8, "little", signed=True)))
+            else:
+                parts.append(frame.tensor_bytes(item.reshape(-1) if kind == "vector" else item.reshape(1)))
+        return parts
+
+    def unpack(self, numel: int, flat: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats."""
+        value = flat[:numel].clone()
+        offset = numel
+        state = {}
+        for key, kind in self.entries:
+            if kind == "vector":
+                state[key] = flat[offset:offset + numel].clone()
+                offset += numel
+            elif kind == "scalar":
+                state[key] = flat[offset:offset + 1].clone().reshape(())
+                offset += 1
+            else:
+                state[key] = int.from_bytes(flat[offset:offset + 2].numpy().tobytes(), "little", signed=True)
+                offset += 2
+        return value, state
+
+
+def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
+    """BlockRefs and payload parts (views of the blocks) for ``items`` of (key, block)."""
+    refs, payloads = [], []
+    for (tensor, index), block in items:
+        numel = block.value.numel()
+        packed = codec.packed_numel(numel)
+        refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
+                                version=block.version, step=block.step))
+        payloads.extend(codec.pack(block.value, block.state))
+    return refs, payloads
+
+
+# --- links to peers -------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Send:
+    header: frame.FrameHeader
+    payloads: Callable[[], list] | list
+    done: Callable[[Exception | None, frame.FrameHeader | None], None] | None = None
+
+
+class PeerLink(threading.Thread):
+    """Frames to one peer node, in order, on one connection (one sender thread). A failed send is
+    retried on a fresh connection until ``replication_timeout``; then its ``done`` gets the error."""
+
+    def __init__(self, peer: str, address_of: Callable[[str], str | None], transport, token: bytes | None,
+                 timeout: float):
+        super().__init__(name=f"replicate-{peer}", daemon=True)
+        self.peer = peer
+        self._address_of = address_of
+        self._transport = transport
+        self._token = token
+        self.timeout = timeout
+        self.queue: "queue.Queue[_Send | None]" = queue.Queue()
+        self._conn: DataPlaneConnection | None = None
+        self.start()
+
+    def send(self, item: _Send) -> None:
+        self.queue.put(item)
+
+    def close(self) -> None:
+        self.queue.put(None)
+
+    def run(self) -> None:
+        while True:
+            item = self.queue.get()
+            if item is None:
+                if self._conn is not None:
+                    self._conn.close()
+                return
+            error, reply = None, None
+            deadline = time.monotonic() + self.timeout
+            while True:
+                try:
+                    conn = self._connection()
+                    payloads = item.payloads() if callable(item.payloads) else item.payloads
+                    reply = conn.request(item.header, payloads, timeout=self.timeout)
+                    error = None
+                    break
+                except RemoteError as exc:  # the peer answered: no point retrying
+                    error = exc
+                    break
+                except (ShardlineError, OSError) as exc:
+                    error = exc
+                    self._conn = None
+                    if time.monotonic() >= deadline:
+                        break
+                    time.sleep(0.2)
+            if item.done is not None:
+                try:
+                    item.done(error, reply)
+                except Exception:  # a callback bug must not stop the link
+                    log.exception("replication callback failed")
+
+    def _connection(self) -> DataPlaneConnection:
+        if self._conn is None:
+            address = self._address_of(self.peer)
+            if address is None:
+                raise ShardlineConnectionError(f"node {self.peer!r} is not in the routing table")
+            self._conn = DataPlaneConnection(address, self._transport, CONNECT_TIMEOUT_SECONDS, self._token)
+        return self._conn
+
+
+class PeerLinks:
+    """One PeerLink per peer, created on first use."""
+
+    def __init__(self, address_of: Callable[[str], str | None], transport, token: bytes | None,
+                 timeout: float = REPLICATION_TIMEOUT_SECONDS):
+        self._address_of = address_of
+        self._transport = transport
+        self._token = token
+        self.timeout = timeout
+        self._links: dict[str, PeerLink] = {}
+        self._lock = threading.Lock()
+
+    def link(self, peer: str) -> PeerLink:
+        with self._lock:
+            link = self._links.get(peer)
+            if link is None or not link.is_alive():
+                link = self._links[peer] = PeerLink(peer, self._address_of, self._transport, self._token, self.timeout)
+            return link
+
+    def close(self) -> None:
+        with self._lock:
+            for link in self._links.values():
+                link.close()
+            self._links.clear()
+
+
+# --- the primary's side -----------------------------------------------------------------------
+@dataclass(eq=False)
+class _Pending:
+    """An applied step waiting for its copy holders' acknowledgements."""
+
+    job: JobStore
+    step: int
+    blocks: list
+    waiting: set = field(default_factory=set)
+
+
+class Replicator:
+    """Replication of one node: the primary's sender side and the copy holder's receiving side.
+
+    ``node`` is the PSNode (routing, jobs); ``links`` the PeerLinks to other nodes.
+    """
+
+    def __init__(self, node, links: PeerLinks, *, metrics=None):
+        self.node = node
+        self.links = links
+        self.metrics = metrics
+        self._lock = threading.Lock()
+        self._in_sync: dict[str, set[str]] = {}      # job -> copy holders in sync with this primary
+        self._codecs: dict[str, BlockCodec] = {}
+        self._request_ids = itertools.count(1)
+        # copy holder side: job -> node asked -> epoch the sync was asked at (until it completes)
+        self._asked: dict[str, dict[str, int]] = {}
+        self._fetching: dict[str, set] = {}    # job -> keys this node applies but still lacks
+        self._failed: set[str] = set()          # jobs whose sync requests failed: asked again
+        self._unowned: dict[str, dict] = {}    # job -> key -> when it stopped being owned here
+
+    def codec(self, job: JobStore) -> BlockCodec:
+        codec = self._codecs.get(job.name)
+        if codec is None:
+            codec = self._codecs[job.name] = BlockCodec(job)
+        return codec
+
+    def attach(self, job: JobStore) -> None:
+        job.apply_hooks.append(self.on_applied)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned):
+                table.pop(name, None)
+
+    def in_sync(self, name: str) -> set[str]:
+        with self._lock:
+            return set(self._in_sync.get(name, ()))
+
+    def drop_holder(self, name: str, peer: str, why: str) -> None:
+        with self._lock:
+            holders = self._in_sync.get(name)
+            if holders is None or peer not in holders:
+                return
+            holders.discard(peer)
+        log.warning("job %s: node %s dropped from the in-sync copy holders: %s", name, peer, why)
+
+    def _header(self, op: int, job: JobStore, **fields) -> frame.FrameHeader:
+        return frame.FrameHeader(op=op, request_id=next(self._request_ids), job=job.name,
+                                 epoch=self.node.routing.epoch, node=self.node.node_id, **fields)
+
+    # apply hook (the job lock is held): send copies of what was applied, wait for the acks
+    def on_applied(self, job: JobStore, step: int, items: list) -> bool:
+        holders = self.in_sync(job.name)
+        if not holders:
+            return False
+        placement = place(self.node.routing, job.spec)
+        by_peer: dict[str, list] = {}
+        for key, block in items:
+            for peer in placement.copies_of(key):
+                if peer in holders and peer != self.node.node_id:
+                    by_peer.setdefault(peer, []).append((key, block))
+        if not by_peer:
+            return False
+        pending = _Pending(job, step, [block for _key, block in items], set(by_peer))
+        copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
+        for peer, items in by_peer.items():
+            stepped = [(k, b) for k, b in items if b.version == step + 1]
+            carried = [(k, b) for k, b in items if b.version != step + 1]
+            refs, payloads = copy_refs(self.codec(job), stepped)
+            if copy:
+                payloads = [bytes(p) for p in payloads]
+            for key, block in carried:
+                refs.append(dp.BlockRef(tensor=key[0], index=key[1], zero=True, version=block.version, step=block.step))
+            header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs,
+                                  payload_bytes=sum(r.nbytes for r in refs))
+            self.links.link(peer).send(_Send(header, payloads, self._acked(pending, peer)))
+        return True
+
+    def _acked(self, pending: _Pending, peer: str):
+        def done(error: Exception | None, _reply) -> None:
+            if error is not None:
+                if isinstance(error, RemoteError) and error.code == "NOT_OWNER":
+                    # the peer routes with a newer epoch: this node may be deposed; learn it
+                    self.node.refresh_routing_quietly()
+                self.drop_holder(pending.job.name, peer, f"replication of step {pending.step} failed: {error}")
+            with self._lock:
+                pending.waiting.discard(peer)
+                finished = not pending.waiting
+            if finished:
+                pending.job.mark_visible(pending.blocks, pending.step + 1)
+        return done
+
+    def replicate_init(self, job: JobStore, keys: list) -> None:
+        """Send the creator's initial values of ``keys`` to every copy holder and wait (they
+        become in sync for the job: a new job starts empty everywhere)."""
+        placement = place(self.node.routing, job.spec)
+        by_peer: dict[str, list] = {}
+        with job.cond:
+            for key in keys:
+                for peer in placement.copies_of(key):
+                    if peer != self.node.node_id:
+                        by_peer.setdefault(peer, []).append((key, job.blocks[key]))
+            waits = []
+            for peer, items in by_peer.items():
+                refs, payloads = copy_refs(self.codec(job), items)
+                payloads = [bytes(p) for p in payloads]
+                header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
+                                      payload_bytes=sum(r.nbytes for r in refs))
+                with self._lock:
+                    self._in_sync.setdefault(job.name, set()).add(peer)
+                event = threading.Event()
+                self.links.link(peer).send(_Send(header, payloads, self._init_done(job, peer, event)))
+                waits.append(event)
+        for event in waits:
+            event.wait(self.links.timeout * 2)
+
+    def _init_done(self, job: JobStore, peer: str, event: threading.Event):
+        def done(error, _reply):
+            if error is not None:
+                self.drop_holder(job.name, peer, f"initial values not replicated: {error}")
+            event.set()
+        return done
+
+    def handle_sync(self, job: JobStore, requester: str, refs, asked_epoch: int = 0) -> None:
+        """``requester`` holds the blocks ``refs`` (version and step; ``has`` false: nothing) and
+        wants them in sync: queue copies of those that differ here (the last frame marked) and add
+        it to the job's in-sync set, all under the job lock, so that no applied step slips between
+        the copies and the replication that follows them on the same link. A node that is not
+        the blocks' primary answers too (a new primary that lacks them asks the previous owners)."""
+        codec = self.codec(job)
+        with job.cond:
+            items = []
+            for ref in refs:
+                key = (ref.tensor, ref.index)
+                block = job.blocks.get(key)
+                if block is None or (ref.has and ref.version == block.version and ref.step == block.step):
+                    continue
+                items.append((key, block))
+            batches, batch, size = [], [], 0
+            for key, block in items:
+                batch.append((key, block))
+                size += codec.packed_numel(block.value.numel()) * 4
+                if size >= SYNC_BATCH_BYTES:
+                    batches.append(batch)
+                    batch, size = [], 0
+            batches.append(batch)
+            with self._lock:
+                self._in_sync.setdefault(job.name, set()).add(requester)
+            link = self.links.link(requester)
+            for n, batch in enumerate(batches):
+                refs_out, payloads = copy_refs(codec, batch)
+                payloads = [bytes(p) for p in payloads]  # a snapshot: the job goes on meanwhile
+                header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs_out,
+                                      payload_bytes=sum(r.nbytes for r in refs_out), last=n == len(batches) - 1,
+                                      sync_reply=True, sync_epoch=asked_epoch)
+                link.send(_Send(header, payloads, self._sync_sent(job, requester)))
+
+    def _sync_sent(self, job: JobStore, peer: str):
+        def done(error, _reply):
+            if error is not None:
+                self.drop_holder(job.name, peer, f"sync failed: {error}")
+        return done
+
+    # --- the copy holder's side -----------------------------------------------------------------
+    def handle_replicate(self, job: JobStore, header, payload) -> None:
+        """Install copies from ``header.node``. Fenced: only the block's primary at this node's
+        epoch (or a node answering this node's sync) may send them."""
+        sender = header.node
+        view = self.node.routing
+        placement = place(view, job.spec)
+        codec = self.codec(job)
+        copies, carried = [], []
+        offset = 0
+        for ref in header.blocks:
+            key = (ref.tensor, ref.index)
+            numel = job.expected_numel(*key)
+            if not header.sync_reply and placement.primary(key) != sender:
+                raise StoreError("NOT_OWNER", f"node {sender!r} is not the primary of {ref.tensor}[{ref.index}] at "
+                                              f"epoch {view.epoch}")
+            if ref.zero:
+                carried.append((key, ref.version, ref.step))
+                continue
+            if ref.numel != codec.packed_numel(numel):
+                raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] has {ref.numel} elements, "
+                                                     f"expected {codec.packed_numel(numel)}")
+            flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
+            offset += ref.nbytes
+            value, state = codec.unpack(numel, flat)
+            copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
+        job.apply_copies(copies)
+        if carried:
+            job.carry_copies(carried)
+        if header.last:
+            with self._lock:
+                asked = self._asked.get(job.name, {})
+                if asked.get(sender) == header.sync_epoch:  # the answer to the current request
+                    del asked[sender]
+                fetching = self._fetching.get(job.name)
+                if fetching:
+                    fetching.difference_update(k for k in list(fetching) if k in job.blocks)
+            self.node.on_synced(job, sender)
+
+    # --- which copies to bring in sync ------------------------------------------------------------
+    def resync(self, job: JobStore, placement, primary: set, copies: set, previous) -> None:
+        """After a routing change: ask the primary of every block this node keeps a copy of to
+        bring it in sync (naming what it holds), and the previous owners of blocks it now applies
+        but lacks; note the copies it no longer needs (dropped after a grace period)."""
+        me = self.node.node_id
+        epoch = self.node.routing.epoch
+        by_node: dict[str, list] = {}
+        with job.cond:
+            for key in copies:
+                owner = placement.primary(key)
+                if owner and owner != me:
+                    by_node.setdefault(owner, []).append(self._holding_ref(job, key))
+            missing = []  # blocks this node applies now, lacks, and a previous owner still holds
+            if previous is not None and previous.ring is not None:
+                before = place(previous, job.spec)
+                for key in primary:
+                    if key in job.blocks:
+                        continue
+                    holders = [n for n in before.owners.get(key, ()) if n != me and n in self.node.routing.nodes]
+                    if holders:
+                        missing.append(key)
+                        by_node.setdefault(holders[0], []).append(self._holding_ref(job, key))
+            now = time.monotonic()
+            held = set(job.blocks)
+            with self._lock:
+                unowned = self._unowned.setdefault(job.name, {})
+                for key in held - primary - copies:
+                    unowned.setdefault(key, now)
+                for key in list(unowned):
+                    if key in primary or key in copies:
+                        del unowned[key]
+                if missing:
+                    self._fetching.setdefault(job.name, set()).update(missing)
+                # A new routing: only syncs asked under it count (older answers may predate it).
+                self._asked[job.name] = {node: epoch for node in by_node}
+        for node, refs in by_node.items():
+            header = self._header(dp.OP_SYNC, job, blocks=refs)
+            self.links.link(node).send(_Send(header, [], self._sync_asked(job, node)))
+
+    @staticmethod
+    def _holding_ref(job: JobStore, key) -> dp.BlockRef:
+        block = job.blocks.get(key)
+        if block is None:
+            return dp.BlockRef(tensor=key[0], index=key[1], has=False)
+        return dp.BlockRef(tensor=key[0], index=key[1], has=True, version=block.version, step=block.step)
+
+    def _sync_asked(self, job: JobStore, node: str):
+        def done(error, _reply):
+            if error is not None:
+                # Still not in sync: asked again (retry_failed) or after the next routing change.
+                log.warning("job %s: could not ask node %s for a sync (asking again): %s", job.name, node, error)
+                with self._lock:
+                    self._failed.add(job.name)
+        return done
+
+    def retry_failed(self) -> None:
+        """Ask again for the syncs that failed (a peer at another epoch, a broken connection)."""
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        for name in failed:
+            job = self.node.store.get(name)
+            if job is not None:
+                self.node.assign_roles(job)
+
+    def fetching(self, name: str) -> bool:
+        """Whether this node still waits for blocks it applies (requests for them: UNAVAILABLE)."""
+        with self._lock:
+            return bool(self._fetching.get(name))
+
+    def ready(self) -> bool:
+        """Every sync this node asked for has completed (a pending ring change may switch)."""
+        with self._lock:
+            return not any(self._asked.values()) and not any(self._fetching.values())
+
+    def sweep(self, grace: float = 10.0) -> None:
+        """Drop copies that no owner role needed for ``grace`` seconds."""
+        now = time.monotonic()
+        for job in self.node.store.jobs():
+            with self._lock:
+                unowned = self._unowned.get(job.name, {})
+                old = [key for key, since in unowned.items() if now - since > grace]
+                for key in old:
+                    del unowned[key]
+            if old:
+                job.drop_blocks(old)
+                log.info("job %s: dropped %d block copies this node no longer holds", job.name, len(old))

@@ -1,0 +1,101 @@
+"""A real etcd (Debian's etcd-server, 3.4) on 127.0.0.1 for tests: free client and peer ports, a
+temporary data directory (in /dev/shm when there is one: fsyncs there cost nothing), healthy
+before it is handed out, always stopped and removed afterwards.
+
+The ``etcd`` fixture (tests/conftest.py) fails -- never skips -- when the binary is missing: the
+suite needs it, and scripts/install-system-deps.sh installs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+START_TIMEOUT = 20.0
+INSTALL_HINT = "etcd is not installed: run scripts/install-system-deps.sh (as root) to install Debian's etcd-server"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class EtcdServer:
+    """One single-member etcd cluster; ``url`` is the dispatcher's ``state_store`` value.
+
+    ``stop`` (also on ``__exit__``) kills it and removes its data. The process is started under
+    ``setpriv --pdeathsig KILL`` where available, so even a test run killed outright leaves no etcd.
+    """
+
+    def __init__(self, binary: str = "etcd"):
+        path = shutil.which(binary)
+        if path is None:
+            raise FileNotFoundError(INSTALL_HINT)
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self.data_dir = Path(tempfile.mkdtemp(prefix="shardline-etcd-", dir=base))
+        self.client_port, self.peer_port = free_port(), free_port()
+        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.url = f"etcd://{self.endpoint}"
+        self.log_path = self.data_dir / "etcd.log"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        argv = [path, "--name", "test", "--data-dir", str(self.data_dir / "data"),
+                "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
+                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
+                "--logger", "zap", "--log-level", "warn"]
+        setpriv = shutil.which("setpriv")
+        if setpriv is not None:
+            argv = [setpriv, "--pdeathsig", "KILL", *argv]
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited with {self.proc.returncode} at start:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as reply:
+                    if json.loads(reply.read()).get("health") == "true":
+                        return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"etcd not healthy within {START_TIMEOUT:g} s:\n{self.log_tail()}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+        shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> "EtcdServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

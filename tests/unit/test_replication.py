@@ -1,0 +1,312 @@
+"""Replication, failover and two-phase ring changes between in-process PS nodes.
+
+The nodes are real PSNodes with real Replicators and PeerLinks; only the connection is replaced
+by a call into the peer node's frame handling (precheck + handle), so ordering, acks, fencing and
+visibility run as in the daemons, without sockets. Results are checked against torch.optim run
+on the same gradients in one process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from shardline.ps_server.node import PSNode
+from shardline.ps_server.optimizer import OptimizerConfig
+from shardline.ps_server.placement import place
+from shardline.ps_server.replication import PeerLink, PeerLinks, Replicator
+from shardline.ps_server.store import PushItem, StoreError
+from shardline.services import frame
+from shardline.services.blocks import block_slices
+from shardline.services.errors import RemoteError
+from shardline.services.pb import common_pb2, dispatcher_pb2
+from shardline.services.pb import dataplane_pb2 as dp
+
+BLOCK = 4
+SHAPES = {"a": (6, 4), "b": (10,), "frozen": (3,)}
+
+
+class Bus:
+    """The nodes of one in-process cluster and the routing table they share."""
+
+    def __init__(self, spec, replication=2):
+        self.spec = spec
+        self.nodes: dict[str, PSNode] = {}
+        self.down: set[str] = set()
+        self.epoch = 1
+        self.serving: list[str] = []
+        self.pending: list[str] | None = None
+        self.replication = replication
+
+    def table(self) -> common_pb2.RoutingTable:
+        t = common_pb2.RoutingTable(epoch=self.epoch, default_replication=self.replication)
+        for n in self.serving:
+            t.nodes.add(node_id=n, rack="default", grpc_address="x:1", data_address=f"{n}:1", vnodes=64)
+        if self.pending is not None:
+            t.pending_epoch = self.epoch
+            for n in self.pending:
+                t.pending_nodes.add(node_id=n, rack="default", grpc_address="x:1", data_address=f"{n}:1", vnodes=64)
+        return t
+
+    def add(self, node_id: str) -> PSNode:
+        info = dispatcher_pb2.JobInfo(spec=self.spec, uid="u1", ready=True)
+        node = PSNode(node_id, lambda name: info, self.table)
+        node.replicator = Replicator(node, FakeLinks(self, node_id))
+        self.nodes[node_id] = node
+        return node
+
+    def publish(self) -> None:
+        self.epoch += 1
+        for name, node in self.nodes.items():
+            if name not in self.down:
+                node.update_routing(self.table())
+
+    def settle(self, timeout: float = 10.0) -> None:
+        """Wait until every node's syncs completed."""
+        deadline = time.monotonic() + timeout
+        while not all(n.replicator.ready() for k, n in self.nodes.items() if k not in self.down):
+            assert time.monotonic() < deadline, "syncs did not complete"
+            time.sleep(0.01)
+
+
+class FakeConnection:
+    def __init__(self, bus: Bus, peer: str):
+        self.bus, self.peer = bus, peer
+
+    def request(self, header, payloads, *, timeout=None):
+        if self.peer in self.bus.down:
+            raise ConnectionError(f"node {self.peer} is down")
+        node = self.bus.nodes[self.peer]
+        payload = bytearray(b"".join(bytes(p) for p in payloads))
+        header = frame.parse_header(frame.encode_prefix_and_header(header)[frame.PREFIX.size:])
+        frame.validate_header(header)  # what a real receiver checks before anything else
+        try:
+            node.precheck(header)
+            reply, _ = node.handle(header, memoryview(payload))
+        except StoreError as exc:
+            raise RemoteError(exc.code, str(exc)) from None
+        return reply
+
+    def close(self):
+        pass
+
+
+class FakeLink(PeerLink):
+    def __init__(self, bus, peer, *args):
+        self.bus = bus
+        super().__init__(peer, *args)
+
+    def _connection(self):
+        return FakeConnection(self.bus, self.peer)
+
+
+class FakeLinks(PeerLinks):
+    def __init__(self, bus: Bus, me: str):
+        super().__init__(lambda peer: f"{peer}:1", None, None, timeout=1.0)
+        self.bus = bus
+
+    def link(self, peer):
+        with self._lock:
+            link = self._links.get(peer)
+            if link is None:
+                link = self._links[peer] = FakeLink(self.bus, peer, self._address_of, None, None, self.timeout)
+            return link
+
+
+def make_spec(**hp) -> common_pb2.JobSpec:
+    spec = common_pb2.JobSpec(name="job", sync="bsp", world_size=2, block_elements=BLOCK,
+                              optimizer=OptimizerConfig.from_kwargs("adamw", lr=0.01, weight_decay=0.1).to_proto())
+    for name, shape in SHAPES.items():
+        spec.tensors.add(name=name, shape=list(shape), dtype="float32", trainable=name != "frozen")
+    return spec
+
+
+def blocks_of(name, tensor):
+    flat = tensor.reshape(-1)
+    return [(name, s.index, flat[s.start:s.stop]) for s in block_slices(flat.numel(), BLOCK)]
+
+
+class Cluster:
+    """Drives BSP steps like the workers do: pushes to primaries, commits to every node, and a
+    resend of the step in flight after an epoch change."""
+
+    def __init__(self, bus: Bus, initial: dict):
+        self.bus = bus
+        view = next(iter(bus.nodes.values())).routing
+        placement = place(view, bus.spec)
+        for name, tensor in initial.items():
+            for t, i, value in blocks_of(name, tensor):
+                node = bus.nodes[placement.primary((t, i))]
+                header = frame.FrameHeader(op=dp.OP_INIT, job="job", epoch=bus.epoch)
+                header.blocks.append(frame.block_ref(t, i, value))
+                node.precheck(header)
+                node.handle(header, memoryview(bytearray(frame.tensor_bytes(value.contiguous()))))
+        self.step = 0
+
+    def live(self):
+        return {k: n for k, n in self.bus.nodes.items() if k not in self.bus.down}
+
+    def push(self, rank, grads: dict):
+        view = next(iter(self.live().values())).routing
+        placement = place(view, self.bus.spec)
+        for name, g in grads.items():
+            for t, i, part in blocks_of(name, g):
+                node = self.bus.nodes[placement.primary((t, i))]
+                node.job("job").push(rank, self.step, 1.0, [PushItem(t, i, part.clone())])
+
+    def commit(self, rank):
+        for node in self.live().values():
+            node.job("job").commit(rank, self.step, 1.0, epoch=self.bus.epoch)
+
+    def wait_visible(self):
+        for node in self.live().values():
+            job = node.job("job")
+            keys = [k for k, b in job.blocks.items() if b.primary]
+            job.wait_for_step(self.step + 1, timeout=10, keys=keys)
+        self.step += 1
+
+    def values(self, name) -> torch.Tensor:
+        view = next(iter(self.live().values())).routing
+        placement = place(view, self.bus.spec)
+        numel = torch.Size(SHAPES[name]).numel()
+        flat = torch.empty(numel)
+        for s in block_slices(numel, BLOCK):
+            node = self.bus.nodes[placement.primary((name, s.index))]
+            flat[s.start:s.stop] = node.job("job").blocks[(name, s.index)].value
+        return flat.view(SHAPES[name])
+
+    def assert_copies_equal(self):
+        """Every copy of every block, on every live node that holds one, equals the primary's."""
+        view = next(iter(self.live().values())).routing
+        placement = place(view, self.bus.spec)
+        for key, owners in placement.owners.items():
+            primary = self.bus.nodes[owners[0]].job("job").blocks[key]
+            for other in owners[1:]:
+                copy = self.bus.nodes[other].job("job").blocks.get(key)
+                assert copy is not None, f"{other} lacks {key}"
+                assert torch.equal(copy.value, primary.value), key
+                for k, v in primary.state.items():
+                    assert torch.equal(torch.as_tensor(copy.state[k]), torch.as_tensor(v)), (key, k)
+                assert (copy.version, copy.step) == (primary.version, primary.step), key
+
+
+def reference(initial, grads_per_step):
+    params = {n: initial[n].clone().requires_grad_() for n in ("a", "b")}
+    opt = torch.optim.AdamW(list(params.values()), lr=0.01, weight_decay=0.1, foreach=False)
+    for g0, g1 in grads_per_step:
+        for n, p in params.items():
+            p.grad = (g0[n] + g1[n]) / 2
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def gradients(steps, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [tuple({n: torch.randn(SHAPES[n], generator=gen) for n in ("a", "b")} for _ in range(2)) for _ in range(steps)]
+
+
+@pytest.fixture
+def initial():
+    gen = torch.Generator().manual_seed(42)
+    return {n: torch.randn(shape, generator=gen) for n, shape in SHAPES.items()}
+
+
+def start(nodes=3, replication=2, initial=None):
+    bus = Bus(make_spec(), replication)
+    for i in range(nodes):
+        bus.add(f"n{i}")
+    bus.serving = list(bus.nodes)
+    bus.publish()
+    for node in bus.nodes.values():
+        node.job("job")
+    bus.settle()
+    return bus, Cluster(bus, initial)
+
+
+def run_steps(cluster, grads):
+    for g0, g1 in grads:
+        cluster.push(0, g0)
+        cluster.push(1, g1)
+        cluster.commit(0)
+        cluster.commit(1)
+        cluster.wait_visible()
+
+
+def test_replicas_equal_their_primaries_bitwise(initial):
+    bus, cluster = start(initial=initial)
+    grads = gradients(4)
+    run_steps(cluster, grads)
+    cluster.assert_copies_equal()
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        assert torch.equal(cluster.values(name), want[name])
+
+
+def test_failover_to_the_replica_loses_no_step(initial):
+    bus, cluster = start(initial=initial)
+    grads = gradients(6)
+    run_steps(cluster, grads[:3])
+    # n0 dies mid-step: the workers had pushed their gradients of step 3 (some to n0) and
+    # committed on the others only.
+    g0, g1 = grads[3]
+    cluster.push(0, g0)
+    cluster.push(1, g1)
+    bus.down.add("n0")
+    bus.serving.remove("n0")
+    bus.publish()                                   # the dispatcher declared n0 dead: epoch + 1
+    bus.settle()
+    cluster.push(0, g0)                             # the workers resend the step in flight ...
+    cluster.push(1, g1)
+    cluster.commit(0)                               # ... and commit it at the new epoch
+    cluster.commit(1)
+    cluster.wait_visible()
+    run_steps(cluster, grads[4:])
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], rtol=0, atol=0)
+    cluster.assert_copies_equal()                   # re-replicated: two copies of everything again
+
+
+def test_join_through_a_pending_ring_switches_with_every_block_in_sync(initial):
+    bus, cluster = start(nodes=2, initial=initial)
+    grads = gradients(5)
+    run_steps(cluster, grads[:2])
+    new = bus.add("n9")
+    bus.pending = [*bus.serving, "n9"]
+    bus.publish()                                   # pending ring: n9 learns what it will own
+    new.job("job")
+    bus.settle()
+    run_steps(cluster, grads[2:3])                  # training goes on meanwhile; n9 gets the steps
+    assert all(n.ready_epoch() == bus.epoch for n in bus.nodes.values())
+    bus.serving, bus.pending = bus.pending, None
+    bus.publish()                                   # switch
+    bus.settle()
+    run_steps(cluster, grads[3:])
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], rtol=0, atol=0)
+    placement = place(new.routing, bus.spec)
+    assert any(owners[0] == "n9" for owners in placement.owners.values()), "n9 applies blocks after the switch"
+    cluster.assert_copies_equal()
+
+
+def test_a_deposed_primary_is_fenced(initial):
+    bus, cluster = start(initial=initial)
+    run_steps(cluster, gradients(1))
+    job0 = bus.nodes["n0"].job("job")
+    key = next(k for k, b in job0.blocks.items() if b.primary)
+    owners = place(bus.nodes["n0"].routing, bus.spec).owners[key]
+    replica = bus.nodes[owners[1]]
+    # the rest of the cluster moved on without n0 (paused, then woken): its copies are refused
+    bus.serving.remove("n0")
+    bus.epoch += 1
+    for name, node in bus.nodes.items():
+        if name != "n0":
+            node.update_routing(bus.table())
+    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch - 1, node="n0", step=1)
+    with pytest.raises(StoreError) as err:
+        replica.precheck(header)
+    assert err.value.code == "NOT_OWNER"
