@@ -44,16 +44,26 @@ class WorkerLeases:
         self._wall = wall_clock
         self._lock = threading.Lock()
         self._leases: dict[tuple[str, int], Lease] = {}
+        self._left: set[tuple[str, int]] = set()   # ranks that released their lease (done)
         self._failed: dict[str, str] = {}
 
-    def heartbeat(self, job: str, rank: int, incarnation: str, step: int, now: float, *, leaving: bool = False) -> None:
+    def heartbeat(self, job: str, rank: int, incarnation: str, step: int, now: float, *, leaving: bool = False,
+                  world_size: int | None = None) -> None:
+        """Renew (job, rank)'s lease. With ``world_size``, the job's other ranks that never checked in
+        get a lease from now on too (incarnation ""): one that never comes is lost like one that died."""
         with self._lock:
+            if world_size is not None and not leaving:
+                for other in range(world_size):
+                    if other != rank and (job, other) not in self._leases and (job, other) not in self._left:
+                        self._leases[(job, other)] = Lease(job, other, "", now)
             key = (job, rank)
             if leaving:
                 lease = self._leases.get(key)
                 if lease is not None and lease.incarnation == incarnation:
                     del self._leases[key]
+                    self._left.add(key)
                 return
+            self._left.discard(key)
             lease = self._leases.get(key)
             if lease is None:
                 self._leases[key] = Lease(job, rank, incarnation, now, step)
@@ -107,4 +117,5 @@ class WorkerLeases:
         with self._lock:
             for key in [k for k in self._leases if k[0] == job]:
                 del self._leases[key]
+            self._left = {k for k in self._left if k[0] != job}
             self._failed.pop(job, None)

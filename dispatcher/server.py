@@ -331,6 +331,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             checkpoint_steps=[dispatcher_pb2.JobCheckpointStep(job=job, step=step) for job, step in sorted(steps.items())],
             unknown_jobs=state.jobs.unknown_held(request.jobs),
             failed_jobs=state.leases.failed(),
+            jobs=[j.name for j in state.jobs.list()] if state.membership.snapshot().pending_epoch else [],
         )
 
     def _routing(self, state: LeaderState) -> common_pb2.RoutingTable:
@@ -351,7 +352,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             raise ShardlineConfigError("WorkerHeartbeat needs the worker's incarnation")
         now = self._clock()
         state.leases.heartbeat(request.job, request.rank, request.incarnation, request.step, now,
-                               leaving=request.leaving)
+                               leaving=request.leaving, world_size=record.spec.world_size)
         timeout = record.spec.worker_lease_timeout_seconds or DEFAULT_LEASE_TIMEOUT_SECONDS
         lost = [lease_info(lease, now) for lease in state.leases.of_job(request.job)
                 if lease.lost_at is not None and lease.rank != request.rank]

@@ -25,9 +25,10 @@ from shardline.ps_server.commit_relay import CommitRelay
 from shardline.ps_server.dataplane import serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
+from shardline.ps_server.store import StoreError
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
-from shardline.services import auth, frame, sdnotify
+from shardline.services import auth, failpoints, frame, sdnotify
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
@@ -60,7 +61,8 @@ def open_checkpoint_dir(path: str | None, node_id: str) -> CheckpointDir | None:
     if not path:
         return None
     try:
-        return CheckpointDir(os.path.abspath(os.path.expanduser(path)), node_id)
+        return CheckpointDir(os.path.abspath(os.path.expanduser(path)), node_id,
+                             failpoint=lambda stage: failpoints.hit(f"ps.checkpoint.{stage}"))
     except CheckpointError as exc:
         raise ShardlineConfigError(f"checkpoint_dir: {exc}") from None
 
@@ -98,6 +100,12 @@ class HeartbeatLoop(threading.Thread):
                 log.info("routing updated to epoch %d", self.node.routing.epoch)
         for job in resp.drop_jobs:
             self.node.drop_job(job)
+        for name in resp.jobs:  # a ring change: hold every job, to sync the blocks this node will own
+            if self.node.store.get(name) is None:
+                try:
+                    self.node.job(name)
+                except StoreError as exc:
+                    log.debug("job %s: %s", name, exc)
         for name, why in resp.failed_jobs.items():
             job = self.node.store.get(name)
             if job is not None and job.failed is None:

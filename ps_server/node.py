@@ -54,6 +54,7 @@ class PSNode:
         self._fetch_job = fetch_job
         self._fetch_routing = fetch_routing
         self._routing = RoutingView.empty()
+        self._previous = RoutingView.empty()   # the routing before the last change (who held what)
         self._routing_lock = threading.Lock()
         self.metrics = metrics
         self.checkpointer = checkpointer
@@ -75,6 +76,8 @@ class PSNode:
                 return  # a deposed dispatcher's table, or one that lags: never go back
             changed = (view.epoch, view.pending_epoch) != (old.epoch, old.pending_epoch)
             self._routing = view
+            if changed:
+                self._previous = old
         if changed:
             for job in self.store.jobs():
                 self.assign_roles(job, old)
@@ -101,7 +104,7 @@ class PSNode:
         primary, replica, learner = placement.roles(self.node_id)
         job.set_primary(primary, view.epoch)
         if self.replicator is not None:
-            self.replicator.resync(job, placement, primary, replica | learner, previous)
+            self.replicator.resync(job, placement, primary, replica | learner, previous or self._previous)
 
     # --- jobs -------------------------------------------------------------------------------
     def job(self, name: str) -> JobStore:

@@ -42,7 +42,7 @@ import torch
 
 from shardline.ps_server.placement import place
 from shardline.ps_server.store import JobStore, StoreError
-from shardline.services import frame
+from shardline.services import failpoints, frame
 from shardline.services.dataplane_client import DataPlaneConnection
 from shardline.services.errors import RemoteError, ShardlineConnectionError, ShardlineError
 from shardline.services.pb import dataplane_pb2 as dp
@@ -276,6 +276,7 @@ class Replicator:
 
     # apply hook (the job lock is held): send copies of what was applied, wait for the acks
     def on_applied(self, job: JobStore, step: int, items: list) -> bool:
+        failpoints.hit("ps.after_apply", step)
         holders = self.in_sync(job.name)
         if not holders:
             return False

@@ -5,6 +5,7 @@
     shardline checkpoint --cluster HOST:PORT --job NAME
     shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --out FILE [--dtype bf16]
     shardline job delete --cluster HOST:PORT NAME
+    shardline drain --cluster HOST:PORT NODE_ID
 
 ``up`` runs a whole cluster on this machine (127.0.0.1): one dispatcher, ``--ps`` PS nodes and
 ``--workers`` workers training the job file, as real daemons under a :class:`LocalCluster`. It
@@ -108,7 +109,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
     for n in status.all_nodes:
         nodes.append({
             "node_id": n.node_id, "rack": n.rack, "grpc": n.grpc_address, "data": n.data_address,
-            "state": n.state, "capacity": n.capacity, "vnodes": int(n.vnodes),
+            "state": n.state, "member": n.member or None, "capacity": n.capacity, "vnodes": int(n.vnodes),
             "heartbeat_age_seconds": round(n.heartbeat_age_seconds, 3), "blocks": int(n.blocks), "bytes": int(n.bytes),
             "key_share": share.get(n.node_id, 0.0),
         })
@@ -122,6 +123,11 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             params += numel
         steps = {node: jobs_on_node[j.spec.name] for node, jobs_on_node in sorted(progress.items())
                  if j.spec.name in jobs_on_node}
+        now_ms = time.time() * 1000
+        workers = [{"rank": int(w.rank), "state": w.state, "incarnation": w.incarnation, "step": int(w.step),
+                    "heartbeat_age_seconds": round(w.age_seconds, 3),
+                    "lost_for_seconds": round((now_ms - w.lost_unix_ms) / 1000, 1) if w.state == "lost" else None}
+                   for w in status.workers if w.job == j.spec.name]
         jobs.append({
             "name": j.spec.name, "sync": j.spec.sync, "world_size": int(j.spec.world_size),
             "step": min(steps.values()) if steps else None, "steps_by_node": steps,
@@ -129,12 +135,15 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "durable_steps": {node: int(step) for node, step in sorted(j.durable_steps.items())},
             "optimizer": j.spec.optimizer.kind, "tensors": len(j.spec.tensors), "parameters": params,
             "ready": bool(j.ready), "created_unix_ms": int(j.created_unix_ms),
+            "replication": int(j.spec.replication) or None, "on_worker_failure": j.spec.on_worker_failure or "wait",
+            "workers": workers, "missing_ranks": sorted(w["rank"] for w in workers if w["state"] == "lost"),
         })
     return {
         "cluster": cluster, "epoch": int(status.routing.epoch),
         "leader": status.leader or None,  # None: a single dispatcher (no election)
         "dispatchers": [{"address": d.address, "role": d.role} for d in status.dispatchers],
         "alive_nodes": sum(1 for n in nodes if n["state"] == "alive"),
+        "pending_epoch": int(status.routing.pending_epoch) or None,  # a ring change in progress
         "nodes": nodes, "jobs": jobs,
     }
 
@@ -145,8 +154,13 @@ def render_status(data: dict) -> str:
     if data.get("leader"):
         others = ", ".join(f"{d['address']} ({d['role']})" for d in data.get("dispatchers", []))
         lines.append(f"leader {data['leader']}" + (f"; dispatchers: {others}" if others else ""))
+    if data.get("pending_epoch"):
+        moving = ", ".join(f"{n['node_id']} {n['member']}" for n in data["nodes"] if n.get("member") in ("joining", "draining"))
+        lines.append(f"ring change in progress (pending epoch {data['pending_epoch']}): {moving}")
     if data["nodes"]:
-        rows = [[n["node_id"], n["rack"], n["grpc"], n["data"], n["state"], f"{n['heartbeat_age_seconds']:.1f}s",
+        rows = [[n["node_id"], n["rack"], n["grpc"], n["data"],
+                 n["state"] if n["state"] != "alive" or n.get("member") in (None, "serving") else n["member"],
+                 f"{n['heartbeat_age_seconds']:.1f}s",
                  n["blocks"], human_bytes(n["bytes"]), n["vnodes"], f"{100 * n['key_share']:.1f}%"]
                 for n in data["nodes"]]
         lines += ["", "nodes:", format_table(
@@ -160,6 +174,11 @@ def render_status(data: dict) -> str:
                  j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
         lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "CHECKPOINT", "TENSORS",
                                              "PARAMS", "READY"], rows, right={3, 4, 5, 6, 7})]
+        for j in data["jobs"]:
+            for w in j.get("workers", []):
+                if w["state"] == "lost":
+                    lines.append(f"job {j['name']}: rank {w['rank']} missing for {w['lost_for_seconds']:.0f} s "
+                                 f"(last at step {w['step']}; on_worker_failure: {j['on_worker_failure']})")
     else:
         lines += ["", "jobs: none"]
     return "\n".join(lines)
@@ -254,6 +273,39 @@ def _job_delete(args: argparse.Namespace) -> int:
     print(f"job {args.name} (uid {reply.uid}) deleted: blocks and checkpoints dropped on "
           f"{', '.join(reply.dropped_on) or 'no node'}{pending}")
     return EXIT_OK
+
+
+def _drain(args: argparse.Namespace) -> int:
+    client = _connect_dispatcher(args)
+    try:
+        reply = client.drain_node(args.node_id)
+        print(f"draining {args.node_id}: its blocks move to the other nodes (pending ring of epoch {reply.epoch})",
+              flush=True)
+        if args.no_wait:
+            return EXIT_OK
+        deadline = time.monotonic() + args.wait
+        while True:
+            status = client.cluster_status()
+            node = next((n for n in status.all_nodes if n.node_id == args.node_id), None)
+            if node is None or node.state != "alive":
+                raise ShardlineError(f"node {args.node_id!r} is gone ({'unknown' if node is None else node.state}) "
+                                     f"before its drain completed")
+            if node.member == "drained":
+                print(f"{args.node_id} drained at epoch {status.routing.epoch}: it holds no blocks any more and "
+                      f"can be stopped")
+                return EXIT_OK
+            if node.member == "serving":
+                raise ShardlineError(f"the drain of {args.node_id!r} was called off (another node stopped)")
+            if time.monotonic() > deadline:
+                raise ShardlineError(f"{args.node_id!r} is still draining after {args.wait:g} s (nodes still "
+                                     f"bringing its blocks in sync); see shardline status")
+            time.sleep(0.2)
+    finally:
+        client.close()
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    return _run_command("drain", _drain, args)
 
 
 def cmd_job_delete(args: argparse.Namespace) -> int:
@@ -698,6 +750,15 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--step", type=int, default=None, help="offline: this checkpointed step (default: the latest "
                                                             "every directory holds)")
     ex.set_defaults(func=cmd_export)
+
+    dr = sub.add_parser("drain", help="move every block off a PS node, then take it out of the ring",
+                        description="A two-phase ring change: the other nodes bring the node's blocks in sync "
+                                    "while training goes on, then the ring switches. Returns once the node is drained.")
+    cluster_args(dr)
+    dr.add_argument("node_id", help="the PS node's id")
+    dr.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the drain (default 600)")
+    dr.add_argument("--no-wait", action="store_true", help="start the drain and return")
+    dr.set_defaults(func=cmd_drain)
 
     jb = sub.add_parser("job", help="manage jobs")
     jsub = jb.add_subparsers(dest="job_command", metavar="ACTION")

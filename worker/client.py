@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardline.services import auth, frame
+from shardline.services import auth, failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.tensor_checks import all_finite, is_all_zero
 from shardline.services.dispatcher_client import DispatcherClient
@@ -354,14 +354,20 @@ class Client:
                 payload[(name, s.index)] = None if is_all_zero(part) else part
         self.start_lease()
         step = self._current_step()
+        failpoints.hit("worker.before_push", step)
         if spec.sync == "bsp":
             if self._inflight is None or self._inflight["step"] != step:
                 self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}
             self._inflight["grads"].update(payload)
         self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+        failpoints.hit("worker.after_push", step)
 
     def _commit(self, weight: float) -> None:
         step = self._current_step()
+        if failpoints.armed("worker.commit_partial", step):
+            first = sorted(self.routing.nodes)[0]
+            self._exchange(first, [], dp.OP_COMMIT, step, weight, None, 0, 0.0)
+            failpoints.hit("worker.commit_partial", step)
         if self._inflight is None or self._inflight["step"] != step:
             self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}
         self._inflight["committed"] = True
@@ -479,9 +485,13 @@ class Client:
                     lost.append((node_id, exc))
                 except (ShardlineConnectionError, ConnectionError, OSError) as exc:
                     lost.append((node_id, exc))
+            gone = False
             for node_id, exc in lost:
                 node_step = self._recover(node_id, exc)
-                if op == dp.OP_PULL:
+                if node_step is None:  # the node left the ring: its blocks have other owners now
+                    retry.extend(groups[node_id])
+                    gone = True
+                elif op == dp.OP_PULL:
                     retry.extend(groups[node_id])  # the replay re-sent pushes and commits; pulls run again
                 else:
                     done_nodes.add(node_id)
@@ -489,7 +499,7 @@ class Client:
                     node_steps[node_id] = node_step
             if steps and self.step is None:
                 self.step = max(steps)
-            if not refused and not (lost and op == dp.OP_PULL):
+            if not refused and not gone and not (lost and op == dp.OP_PULL):
                 return node_steps
             if refused:
                 refreshes += 1
@@ -500,9 +510,10 @@ class Client:
                 self.refresh_routing()
             pending = retry
 
-    def _recover(self, node_id: str, cause: Exception) -> int:
+    def _recover(self, node_id: str, cause: Exception) -> int | None:
         """A node dropped out (``cause``): wait until it answers again, then replay this worker's
-        part of the BSP step in flight on it. Returns the node's job step afterwards."""
+        part of the BSP step in flight on it, and return the node's job step. None if the node
+        left the routing table instead (declared dead: its replicas own its blocks now)."""
         deadline = time.monotonic() + self.recovery_timeout
         log.warning("PS node %r failed (%s); waiting up to %g s for it to come back", node_id, cause, self.recovery_timeout)
         delay, last = 0.1, cause
@@ -510,7 +521,9 @@ class Client:
             try:
                 self.refresh_routing()
                 if node_id not in self.routing.nodes:
-                    raise ShardlineConnectionError(f"node {node_id!r} is not in the routing table (epoch {self.routing.epoch})")
+                    log.info("PS node %r left the ring (epoch %d); its blocks have other owners", node_id,
+                             self.routing.epoch)
+                    return None
                 node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
                 break
             except RemoteError as exc:
@@ -613,8 +626,9 @@ class Client:
             self._lease.start()
 
     def _renew_lease(self) -> None:
-        interval = 1.0
+        interval = 0.0  # the first renewal at once: a worker that dies early is still known
         while not self._closed.wait(interval):
+            interval = 1.0
             try:
                 resp = self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
                                                         step=self.step or 0)

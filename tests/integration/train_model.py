@@ -72,18 +72,20 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
 
 
 def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0,
-                  step_sleep=0.0):
-    """Start ``world`` worker processes of this script; returns [(process, out path, progress path)]."""
+                  step_sleep=0.0, ranks=None, env=None):
+    """Start ``world`` worker processes of this script (or only ``ranks``); returns [(process, out
+    path, progress path)]. ``env``: extra environment (rank -> dict, or one dict for all)."""
     import subprocess
 
     started = []
-    for rank in range(world):
+    for rank in (range(world) if ranks is None else ranks):
+        extra = env.get(rank, {}) if isinstance(env, dict) and all(isinstance(k, int) for k in env) else (env or {})
         out = tmp_path / f"{job}-rank{rank}.safetensors"
         progress = tmp_path / f"{job}-rank{rank}.progress"
         started.append((subprocess.Popen(
             [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
              "schedule" if schedule else "constant", str(prefetch), str(progress), str(step_sleep)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out, progress))
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **extra}), out, progress))
     return started
 
 
@@ -129,9 +131,15 @@ def main(argv):
 
     torch.set_num_threads(1)
     model = SmallModel()
+    # fault tests set the job's worker-failure policy through the environment
+    policy = {k: v for k, v in (("on_worker_failure", os.environ.get("SHARDLINE_TEST_ON_WORKER_FAILURE")),
+                                ("worker_lease_timeout", os.environ.get("SHARDLINE_TEST_LEASE_TIMEOUT"))) if v}
+    if "worker_lease_timeout" in policy:
+        policy["worker_lease_timeout"] = float(policy["worker_lease_timeout"])
     opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
-                      world_size=world, rank=rank, block_elements=16, connect_timeout=60, pull_timeout=120,
-                      prefetch_window=int(prefetch),
+                      world_size=world, rank=rank, block_elements=16, connect_timeout=60,
+                      pull_timeout=float(os.environ.get("SHARDLINE_TEST_PULL_TIMEOUT", 120)),
+                      prefetch_window=int(prefetch), **policy,
                       **HYPER[optimizer])
     eval_tokens, eval_targets = batch(10_000, 0, n=300)
     with torch.no_grad():

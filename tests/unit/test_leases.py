@@ -45,3 +45,15 @@ def test_several_lost_ranks_are_named_and_unknown_jobs_dropped():
     del policies["j"]  # the job was deleted
     leases.expire(now=3.0)
     assert leases.all() == []
+
+
+def test_ranks_that_never_check_in_are_lost_but_finished_ones_are_not():
+    leases = make({"j": (2.0, "fail")})
+    leases.heartbeat("j", 0, "a", 0, now=0.0, world_size=3)   # ranks 1 and 2 get a lease from now
+    leases.heartbeat("j", 1, "b", 0, now=1.0, world_size=3)
+    leases.heartbeat("j", 1, "b", 5, now=1.5, leaving=True)    # rank 1 finished
+    leases.heartbeat("j", 0, "a", 5, now=2.5, world_size=3)
+    lost = leases.expire(now=2.6)
+    assert [(lo.rank, lo.incarnation) for lo in lost] == [(2, "")]   # never joined
+    assert "rank 2 lost" in leases.failed()["j"]
+    assert [lo.rank for lo in leases.of_job("j")] == [0, 2]          # no lease invented for rank 1 again

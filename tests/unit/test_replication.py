@@ -8,7 +8,6 @@ on the same gradients in one process.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
