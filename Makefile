@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PROTOS     := $(wildcard protos/*.proto)
 PB_STAMP   := services/pb/.generated
 
-.PHONY: all venv protos system-deps test test-unit test-integration demo bench clean distclean
+.PHONY: all venv protos system-deps test test-unit test-integration demo bench chaos clean distclean
 
 all: protos
 
@@ -51,8 +51,22 @@ bench: protos
 	$(PY) bench/run.py --out bench/results/latest.json
 	$(PY) bench/checkpoint.py --out bench/results/checkpoint.json
 
+# Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
+# of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.
+CHAOS_SEEDS ?= 1,2,3
+CHAOS_FAULTS ?= 40
+chaos: protos system-deps
+	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
+
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache
 
-distclean: clean
+dist# Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
+# of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.
+CHAOS_SEEDS ?= 1,2,3
+CHAOS_FAULTS ?= 40
+chaos: protos system-deps
+	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
+
+clean: clean
 	rm -rf $(VENV) *.egg-info build dist

@@ -98,6 +98,7 @@ class _Node:
     bytes: int = 0
     member: str = SERVING
     ready_epoch: int = 0          # the pending epoch the node last reported in sync for (not persisted)
+    incarnation: str = ""         # the process that registered last (not persisted: a new leader learns it)
 
     def published(self) -> tuple:
         """The fields whose change alters the routing table."""
@@ -264,8 +265,12 @@ class Membership:
         data_address: str,
         capacity: float,
         now: float,
+        incarnation: str = "",
     ) -> int:
         """Add a node, revive a dead one, or refresh/update a known one. Returns the epoch after.
+
+        ``incarnation`` identifies the node's process: an alive member registering with a new one
+        restarted (kill -9 and back before it was declared dead) and rejoins like a revived node.
 
         Re-registering an alive node with the same rack, addresses and capacity only refreshes its
         heartbeat (a node retrying registration must not churn the ring, nor write to the store).
@@ -292,8 +297,11 @@ class Membership:
             if before is not None:
                 # Keep the last storage report until the node sends a fresh one.
                 node.blocks, node.bytes = before.blocks, before.bytes
+            node.incarnation = incarnation
             serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
-            if before is not None and before.state == ALIVE and before.member in (SERVING, JOINING, DRAINING):
+            restarted = before is not None and bool(incarnation) and before.incarnation not in ("", incarnation)
+            if before is not None and before.state == ALIVE and before.member in (SERVING, JOINING, DRAINING) \
+                    and not restarted:
                 node.member = before.member  # a known member re-registering (new addresses, a retry)
             elif serving and self._has_data():
                 node.member = JOINING        # new, revived or drained: brought in sync before it serves

@@ -298,7 +298,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         peer = context.peer()
         epoch = state.membership.register(
             request.node_id, request.rack, reachable_address(request.grpc_address, peer),
-            reachable_address(request.data_address, peer), request.capacity, self._clock()
+            reachable_address(request.data_address, peer), request.capacity, self._clock(),
+            incarnation=request.incarnation,
         )
         if epoch != before:
             log.info(

@@ -320,13 +320,12 @@ def main(argv=None) -> int:
         listener.close()
         server.stop(0)
         return 1
-    node.serving.set()
 
     registration = dict(node_id=node_id, rack=args.rack, grpc_address=format_host_port(host, grpc_port),
-                        data_address=listener.address, capacity=args.capacity)
+                        data_address=listener.address, capacity=args.capacity, incarnation=os.urandom(8).hex())
     try:
         resp = client.register_node(**registration)
-        node.refresh_routing()
+        node.refresh_routing()  # a restarted node rejoins: it applies nothing until it is in sync again
     except ShardlineError as exc:
         log.error("cannot join cluster %s: %s", args.cluster, exc)
         listener.close()
@@ -334,6 +333,7 @@ def main(argv=None) -> int:
         return 1
     # Heartbeats and the commit relay go on while the node leaves the ring after SIGTERM.
     serving_done = threading.Event()
+    node.serving.set()
     heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, serving_done)
     heartbeats.start()
     CommitRelay(node.store.jobs, peer_commits(node, cluster_token), serving_done).start()

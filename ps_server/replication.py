@@ -169,8 +169,8 @@ class PeerLink(threading.Thread):
                 except (ShardlineError, OSError) as exc:
                     error = exc
                     self._conn = None
-                    if time.monotonic() >= deadline:
-                        break
+                    if time.monotonic() >= deadline or self._address_of(self.peer) is None:
+                        break  # out of time, or the peer left the routing table (declared dead)
                     time.sleep(0.2)
             if item.done is not None:
                 try:
@@ -235,7 +235,10 @@ class Replicator:
         self.links = links
         self.metrics = metrics
         self._lock = threading.Lock()
-        self._in_sync: dict[str, set[str]] = {}      # job -> copy holders in sync with this primary
+        # job -> copy holder in sync with this primary -> the sync round that made it so (a failure of
+        # a frame of an older round, e.g. to the holder's previous process, must not drop a newer one)
+        self._in_sync: dict[str, dict[str, int]] = {}
+        self._rounds = itertools.count(1)
         self._codecs: dict[str, BlockCodec] = {}
         self._request_ids = itertools.count(1)
         # copy holder side: job -> node asked -> epoch the sync was asked at (until it completes)
@@ -258,16 +261,23 @@ class Replicator:
             for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned):
                 table.pop(name, None)
 
-    def in_sync(self, name: str) -> set[str]:
+    def in_sync(self, name: str) -> dict[str, int]:
+        """Copy holders in sync for job ``name`` and the round each joined in."""
         with self._lock:
-            return set(self._in_sync.get(name, ()))
+            return dict(self._in_sync.get(name, {}))
 
-    def drop_holder(self, name: str, peer: str, why: str) -> None:
+    def _add_holder(self, name: str, peer: str) -> int:
+        with self._lock:
+            round_ = next(self._rounds)
+            self._in_sync.setdefault(name, {})[peer] = round_
+            return round_
+
+    def drop_holder(self, name: str, peer: str, why: str, round_: int | None = None) -> None:
         with self._lock:
             holders = self._in_sync.get(name)
-            if holders is None or peer not in holders:
+            if holders is None or peer not in holders or (round_ is not None and holders[peer] != round_):
                 return
-            holders.discard(peer)
+            del holders[peer]
         log.warning("job %s: node %s dropped from the in-sync copy holders: %s", name, peer, why)
 
     def _header(self, op: int, job: JobStore, **fields) -> frame.FrameHeader:
@@ -289,6 +299,7 @@ class Replicator:
         if not by_peer:
             return False
         pending = _Pending(job, step, [block for _key, block in items], set(by_peer))
+        rounds = {peer: holders[peer] for peer in by_peer}
         copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
         for peer, items in by_peer.items():
             stepped = [(k, b) for k, b in items if b.version == step + 1]
@@ -300,16 +311,16 @@ class Replicator:
                 refs.append(dp.BlockRef(tensor=key[0], index=key[1], zero=True, version=block.version, step=block.step))
             header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs,
                                   payload_bytes=sum(r.nbytes for r in refs))
-            self.links.link(peer).send(_Send(header, payloads, self._acked(pending, peer)))
+            self.links.link(peer).send(_Send(header, payloads, self._acked(pending, peer, rounds[peer])))
         return True
 
-    def _acked(self, pending: _Pending, peer: str):
+    def _acked(self, pending: _Pending, peer: str, round_: int):
         def done(error: Exception | None, _reply) -> None:
             if error is not None:
                 if isinstance(error, RemoteError) and error.code == "NOT_OWNER":
                     # the peer routes with a newer epoch: this node may be deposed; learn it
                     self.node.refresh_routing_quietly()
-                self.drop_holder(pending.job.name, peer, f"replication of step {pending.step} failed: {error}")
+                self.drop_holder(pending.job.name, peer, f"replication of step {pending.step} failed: {error}", round_)
             with self._lock:
                 pending.waiting.discard(peer)
                 finished = not pending.waiting
@@ -333,18 +344,17 @@ class Replicator:
                 payloads = [bytes(p) for p in payloads]
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
                                       payload_bytes=sum(r.nbytes for r in refs))
-                with self._lock:
-                    self._in_sync.setdefault(job.name, set()).add(peer)
+                round_ = self._add_holder(job.name, peer)
                 event = threading.Event()
-                self.links.link(peer).send(_Send(header, payloads, self._init_done(job, peer, event)))
+                self.links.link(peer).send(_Send(header, payloads, self._init_done(job, peer, event, round_)))
                 waits.append(event)
         for event in waits:
             event.wait(self.links.timeout * 2)
 
-    def _init_done(self, job: JobStore, peer: str, event: threading.Event):
+    def _init_done(self, job: JobStore, peer: str, event: threading.Event, round_: int):
         def done(error, _reply):
             if error is not None:
-                self.drop_holder(job.name, peer, f"initial values not replicated: {error}")
+                self.drop_holder(job.name, peer, f"initial values not replicated: {error}", round_)
             event.set()
         return done
 
@@ -371,8 +381,7 @@ class Replicator:
                     batches.append(batch)
                     batch, size = [], 0
             batches.append(batch)
-            with self._lock:
-                self._in_sync.setdefault(job.name, set()).add(requester)
+            round_ = self._add_holder(job.name, requester)
             link = self.links.link(requester)
             for n, batch in enumerate(batches):
                 refs_out, payloads = copy_refs(codec, batch)
@@ -380,12 +389,12 @@ class Replicator:
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs_out,
                                       payload_bytes=sum(r.nbytes for r in refs_out), last=n == len(batches) - 1,
                                       sync_reply=True, sync_epoch=asked_epoch)
-                link.send(_Send(header, payloads, self._sync_sent(job, requester)))
+                link.send(_Send(header, payloads, self._sync_sent(job, requester, round_)))
 
-    def _sync_sent(self, job: JobStore, peer: str):
+    def _sync_sent(self, job: JobStore, peer: str, round_: int):
         def done(error, _reply):
             if error is not None:
-                self.drop_holder(job.name, peer, f"sync failed: {error}")
+                self.drop_holder(job.name, peer, f"sync failed: {error}", round_)
         return done
 
     # --- the copy holder's side -----------------------------------------------------------------

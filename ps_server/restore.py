@@ -106,10 +106,21 @@ def restore_job(ckdir: CheckpointDir, job: str, *, node_id: str, get_job: Callab
     live = live_step(job) if mode == "warm" else None
     report = RestoreReport(job, loaded.step, mode, seconds, len(loaded.blocks), loaded.bytes_read)
     if live is not None and loaded.step < live - 1:
-        report.message = (f"restored step {loaded.step} but the job is at step {live} on other nodes: the updates of "
-                          f"steps {loaded.step}..{live - 1} on this node are lost (no replica holds them)")
-        log.error("job %s: %s", job, report.message)
+        if replicated(info.spec):
+            report.message = (f"restored step {loaded.step}, the job is at step {live}: the node rejoins and syncs "
+                              f"what changed from the other copies before it serves")
+            log.info("job %s: %s", job, report.message)
+        else:
+            report.message = (f"restored step {loaded.step} but the job is at step {live} on other nodes: the updates "
+                              f"of steps {loaded.step}..{live - 1} on this node are lost (replication 1: no copy "
+                              f"elsewhere)")
+            log.error("job %s: %s", job, report.message)
     return report
+
+
+def replicated(spec) -> bool:
+    """Whether the job keeps more than one copy of its blocks (0: the dispatcher's default, 2)."""
+    return spec.replication != 1
 
 
 def restore_all(ckdir: CheckpointDir, *, before_job: Callable[[str], None] | None = None, **kwargs) -> list[RestoreReport]:

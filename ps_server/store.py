@@ -596,9 +596,12 @@ class JobStore:
         (a boundary hook, or a node that is stopping) so no gradient of the next step is included.
         """
         with self.cond:
-            held = {key: block.version for key, block in self.blocks.items()}
+            # A copy its primary already carried past this node's step belongs to a later
+            # checkpoint (this one describes the node at ``self.step``).
+            blocks = {key: b for key, b in self.blocks.items() if b.primary or b.version <= self.step}
+            held = {key: block.version for key, block in blocks.items()}
             copies = []
-            for (tensor, index), block in self.blocks.items():
+            for (tensor, index), block in blocks.items():
                 if since is not None and since.get((tensor, index)) == block.version:
                     continue
                 state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}

@@ -121,6 +121,14 @@ def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, 
     return finish_workers(start_workers(cluster_addr, job, optimizer, sync, tmp_path, world, steps, schedule, prefetch))
 
 
+def _allowed(gate: str) -> int:
+    try:
+        with open(gate) as fh:
+            return int(fh.read() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 def main(argv):
     cluster, job, rank, world, optimizer, sync, steps, out, schedule, prefetch, *rest = argv
     rank, world, steps = int(rank), int(world), int(steps)
@@ -146,7 +154,11 @@ def main(argv):
         eval_first = loss_fn(model, eval_tokens, eval_targets).item()
     losses = []
     start_version = opt.version
+    # a fault harness paces training: step s starts once this file allows it (tests/fault/chaos.py)
+    gate = os.environ.get("SHARDLINE_TEST_STEP_GATE")
     for step in range(start_version, steps):
+        while gate and step >= _allowed(gate):
+            time.sleep(0.02)
         tokens, targets = batch(step, rank)
         opt.zero_grad()
         loss = loss_fn(model, tokens, targets)

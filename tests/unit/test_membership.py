@@ -410,3 +410,17 @@ def test_member_roles_survive_a_restart(recording_store):
     again = Membership(5.0, store=recording_store, now=10.0, has_data=lambda: True)
     assert _members(again) == {"ps-0": "serving", "ps-1": "joining"}
     assert again.snapshot().pending_epoch == again.epoch
+
+
+def test_a_member_that_restarted_rejoins_through_a_sync():
+    """kill -9 and back before it was declared dead: a new incarnation, so its blocks may be older
+    than its replicas'; it leaves the serving ring at once and rejoins."""
+    m = two_phase()
+    m.report_ready("ps-0", m.snapshot().pending_epoch)
+    m.report_ready("ps-1", m.snapshot().pending_epoch)
+    m.register("ps-1", "r", "127.0.0.1:9002", "127.0.0.1:9003", 1.0, now=1.0, incarnation="first")
+    assert _members(m)["ps-1"] == "serving"  # the first incarnation the dispatcher learns of
+    m.register("ps-1", "r", "127.0.0.1:9002", "127.0.0.1:9003", 1.0, now=2.0, incarnation="first")
+    assert _members(m)["ps-1"] == "serving"  # a retry of the same process
+    m.register("ps-1", "r", "127.0.0.1:9002", "127.0.0.1:9003", 1.0, now=3.0, incarnation="second")
+    assert _members(m)["ps-1"] == "joining" and [n.node_id for n in m.snapshot().serving] == ["ps-0"]

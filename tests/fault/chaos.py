@@ -1,0 +1,282 @@
+"""A seeded fault schedule against a real cluster that trains: nothing may be lost or hang.
+
+The cluster: two dispatchers on etcd (one leader), three PS nodes (replication 2, checkpoint
+directories), two worker processes (tests/integration/train_model.py, AdamW BSP). One fault at a
+time, chosen by a seeded RNG, each at a random point of the BSP step:
+
+* ``ps_kill9`` — SIGKILL a PS; once declared dead it is restarted from its checkpoint directory
+  and rejoins (a two-phase ring change: it syncs what changed, then serves);
+* ``ps_restart`` — SIGTERM a PS (it leaves the ring: its blocks move, then it stops) and start it
+  again (it moves back): migration both ways while the workers train;
+* ``ps_failpoint`` — restart a PS armed to die right after applying a step, before replicating it
+  (``ps.after_apply``), or in the middle of writing a checkpoint (``ps.checkpoint.<stage>``);
+* ``ps_stop`` — SIGSTOP a PS for a while (maybe past the failure timeout), then SIGCONT;
+* ``worker_kill9`` — SIGKILL a worker at a random moment and start it again (it resumes at
+  ``opt.version``);
+* ``worker_failpoint`` — a worker dies before its push, between its push and its commit, or after
+  committing on one node only, and is started again;
+* ``leader_kill9`` / ``leader_stop`` — SIGKILL or SIGSTOP the leading dispatcher (another takes
+  over; the stopped one comes back fenced).
+
+After each fault the harness waits for the next applied step and records how long it took. At
+the end every worker must report the full number of steps and parameters equal to one process
+running torch.optim (no step lost), and no wait may have hung.
+
+    python tests/fault/chaos.py --seeds 1,2,3 --faults 40 --out bench/results/chaos.json   # make chaos
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "integration"))
+sys.path.insert(0, str(HERE.parent))
+
+import train_model  # noqa: E402
+from etcd_server import EtcdServer  # noqa: E402
+from shardline.services.local_cluster import LocalCluster  # noqa: E402
+
+FAULTS = {  # kind -> weight
+    "ps_kill9": 3, "ps_restart": 2, "ps_failpoint": 2, "ps_stop": 2,
+    "worker_kill9": 3, "worker_failpoint": 3, "leader_kill9": 2, "leader_stop": 1,
+}
+WORKER_FAILPOINTS = ("worker.before_push", "worker.after_push", "worker.commit_partial")
+PS_FAILPOINTS = ("ps.after_apply", "ps.checkpoint.values.tmp", "ps.checkpoint.state.renamed",
+                 "ps.checkpoint.manifest.tmp")
+RECOVERY_TIMEOUT = 90.0
+LEASE = 1
+HEARTBEAT_TIMEOUT = 2.0
+
+
+@dataclass
+class Report:
+    seed: int
+    faults: list = field(default_factory=list)   # (kind, detail, seconds to the next applied step)
+    steps: int = 0
+    steps_lost: int = 0
+    max_abs_diff: float = 0.0
+    seconds: float = 0.0
+
+    def recovery(self) -> list[float]:
+        return [f["recovery_seconds"] for f in self.faults if f["recovery_seconds"] is not None]
+
+    def to_dict(self) -> dict:
+        rec = sorted(self.recovery())
+        pct = (lambda q: rec[min(len(rec) - 1, int(q * len(rec)))] if rec else None)
+        return {"seed": self.seed, "faults_injected": sum(1 for f in self.faults if f.get("injected", True)),
+                "steps": self.steps,
+                "steps_lost": self.steps_lost, "max_abs_diff_vs_no_fault_run": self.max_abs_diff,
+                "recovery_p50_seconds": pct(0.5), "recovery_p99_seconds": pct(0.99),
+                "recovery_mean_seconds": statistics.mean(rec) if rec else None, "wall_seconds": self.seconds,
+                "by_kind": {k: sum(1 for f in self.faults if f["kind"] == k) for k in FAULTS},
+                "faults": self.faults}
+
+
+class Chaos:
+    def __init__(self, workdir: Path, etcd, seed: int, faults: int, log=print):
+        self.rng = random.Random(seed)
+        self.workdir = workdir
+        self.etcd = etcd
+        self.n_faults = faults
+        self.log = log
+        self.steps = 3 * faults + 12
+        self.report = Report(seed, steps=self.steps)
+        self.job = f"chaos-{seed}"
+        self.gate = workdir / "step-gate"
+
+    # -- cluster ---------------------------------------------------------------------------
+    def start(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        for _ in range(2):
+            cluster.add_dispatcher(state_store=self.etcd.url, state_prefix=f"/chaos-{self.report.seed}",
+                                   leader_lease_timeout=LEASE, heartbeat_timeout=HEARTBEAT_TIMEOUT,
+                                   heartbeat_interval=0.5, wait=False)
+        for h in cluster.dispatchers:
+            cluster.wait_ready(h)
+        cluster.leader()
+        self.nodes = [cluster.add_node(node_id=f"ps{i}", wait=False, checkpoint_dir=str(self.workdir / f"ps{i}-ckpt"),
+                                       checkpoint_every_steps=5) for i in range(3)]
+        for h in self.nodes:
+            cluster.wait_ready(h)
+        cluster.wait_for_nodes(3, timeout=60)
+        self.allow(3)
+        self.workers = {r: w for r, w in enumerate(train_model.start_workers(
+            cluster.address, self.job, "adamw", "bsp", self.workdir, steps=self.steps, step_sleep=0.05,
+            env=self.worker_env()))}
+
+    def worker_env(self, extra: dict | None = None) -> dict:
+        return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), **(extra or {})}
+
+    def allow(self, steps: int) -> None:
+        """Let training run up to ``steps`` (each fault gets a few steps around it)."""
+        self.gate.write_text(str(min(steps, self.steps)))
+
+    def progress(self) -> int:
+        return min(train_model.steps_done(p) for _, _, p in self.workers.values())
+
+    def restart_worker(self, rank: int, env: dict | None = None) -> None:
+        proc = self.workers[rank][0]
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        (self.workers[rank],) = train_model.start_workers(self.cluster.address, self.job, "adamw", "bsp",
+                                                          self.workdir, steps=self.steps, ranks=[rank],
+                                                          env=self.worker_env(env), step_sleep=0.05)
+
+    def wait_serving(self, n: int = 3) -> None:
+        self.cluster.wait_for_nodes(n, timeout=RECOVERY_TIMEOUT)
+
+    def wait_step_after(self, step: int, started: float) -> float:
+        deadline = started + RECOVERY_TIMEOUT
+        while self.progress() <= step:
+            for rank, (proc, _, _) in self.workers.items():
+                if proc.poll() not in (None, 0, 137):
+                    raise AssertionError(f"worker {rank} failed (exit {proc.returncode}):\n{proc.communicate()[0][-3000:]}")
+                if proc.poll() == 137:   # a failpoint fired: start it again, unarmed
+                    self.restart_worker(rank)
+            if self.progress() >= self.steps:
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no step applied within {RECOVERY_TIMEOUT:g} s of the fault (at step {step})")
+            time.sleep(0.02)
+        return time.monotonic() - started
+
+    # -- faults ----------------------------------------------------------------------------
+    def inject(self) -> dict:
+        kind = self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+        self.not_reached = False
+        at = self.progress()
+        self.allow(at + 3)  # the fault lands while these steps run
+        started = time.monotonic()
+        detail = getattr(self, f"_{kind}")()
+        recovery = self.wait_step_after(at, started) if self.progress() < self.steps else None
+        if self.not_reached:  # the armed point never came: no fault, no recovery to time
+            recovery = None
+        return {"kind": kind, "detail": detail, "at_step": at, "recovery_seconds": recovery,
+                "injected": not self.not_reached}
+
+    def _pick_node(self):
+        return self.rng.choice(self.nodes)
+
+    def _ps_kill9(self) -> str:
+        node = self._pick_node()
+        self.cluster.kill(node)
+        self.cluster.wait_for_node_state(node.node_id, "dead", timeout=RECOVERY_TIMEOUT)
+        self.cluster.restart(node, wait=True)
+        return node.node_id
+
+    def _ps_restart(self) -> str:
+        node = self._pick_node()
+        self.cluster.restart(node, wait=True)
+        return node.node_id
+
+    def _ps_failpoint(self) -> str:
+        node = self._pick_node()
+        point = self.rng.choice(PS_FAILPOINTS)
+        at = self.progress() + self.rng.randint(1, 3)
+        # ps.after_apply fires at that step; a checkpoint failpoint at the node's next checkpoint
+        node.env = {"SHARDLINE_FAILPOINTS": f"{point}@{at}" if point == "ps.after_apply" else point}
+        self.cluster.restart(node, wait=True)
+        node.env = None
+        self.allow(self.progress() + 13)  # past the step and past the next checkpoints (every 5)
+        deadline = time.monotonic() + 20
+        while node.alive() and time.monotonic() < deadline and self.progress() < self.steps:
+            time.sleep(0.05)
+        if node.alive():   # not reached: disarm it
+            self.cluster.restart(node, wait=True)
+            self.not_reached = True
+            return f"{node.node_id} {point}@{at} (not reached)"
+        self.cluster.wait_for_node_state(node.node_id, "dead", timeout=RECOVERY_TIMEOUT)
+        self.cluster.restart(node, wait=True)
+        return f"{node.node_id} {point}@{at}"
+
+    def _ps_stop(self) -> str:
+        node = self._pick_node()
+        pause = self.rng.uniform(0.5, 3.5)
+        self.cluster.kill(node, signal.SIGSTOP)
+        time.sleep(pause)
+        self.cluster.kill(node, signal.SIGCONT)
+        return f"{node.node_id} {pause:.1f}s"
+
+    def _worker_kill9(self) -> str:
+        rank = self.rng.randrange(2)
+        time.sleep(self.rng.uniform(0, 0.3))
+        self.restart_worker(rank)
+        return f"rank {rank}"
+
+    def _worker_failpoint(self) -> str:
+        rank = self.rng.randrange(2)
+        point = self.rng.choice(WORKER_FAILPOINTS)
+        at = self.progress() + self.rng.randint(2, 4)
+        self.restart_worker(rank, env={"SHARDLINE_FAILPOINTS": f"{point}@{at}"})
+        return f"rank {rank} {point}@{at}"
+
+    def _leader_kill9(self) -> str:
+        leader = self.cluster.leader()
+        self.cluster.kill(leader)
+        self.cluster.restart(leader, wait=True)
+        return leader.name
+
+    def _leader_stop(self) -> str:
+        leader = self.cluster.leader()
+        pause = self.rng.uniform(1.5, 3.0)
+        self.cluster.kill(leader, signal.SIGSTOP)
+        time.sleep(pause)
+        self.cluster.kill(leader, signal.SIGCONT)
+        return f"{leader.name} {pause:.1f}s"
+
+    # -- the run ---------------------------------------------------------------------------
+    def run(self) -> Report:
+        t0 = time.monotonic()
+        with LocalCluster(self.workdir / "cluster", start_timeout=90) as cluster:
+            self.start(cluster)
+            self.wait_step_after(1, time.monotonic())
+            for _ in range(self.n_faults):
+                fault = self.inject()
+                self.report.faults.append(fault)
+                self.log(f"[seed {self.report.seed}] {fault['kind']:<16} {fault['detail']:<40} at step {fault['at_step']:>3}: "
+                         f"next step after {fault['recovery_seconds'] or 0:.2f} s")
+                self.wait_serving()
+            self.allow(self.steps)
+            results = train_model.finish_workers(list(self.workers.values()), timeout=600)
+        expected = train_model.reference("adamw", self.steps, world_size=2)
+        self.report.steps_lost = sum(self.steps - int(r["_version"]) for r in results)
+        self.report.max_abs_diff = max((r[name] - want).abs().max().item()
+                                       for r in results for name, want in expected.items())
+        self.report.seconds = time.monotonic() - t0
+        return self.report
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (one run each)")
+    ap.add_argument("--faults", type=int, default=40, help="faults per run")
+    ap.add_argument("--out", default=None, help="write the JSON report here")
+    args = ap.parse_args(argv)
+    reports = []
+    with EtcdServer() as etcd:
+        for seed in (int(s) for s in args.seeds.split(",")):
+            with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
+                report = Chaos(Path(tmp), etcd, seed, args.faults).run().to_dict()
+            reports.append(report)
+            print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1), flush=True)
+    ok = all(r["steps_lost"] == 0 and r["max_abs_diff_vs_no_fault_run"] <= 1e-6 for r in reports)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"runs": reports, "ok": ok}, indent=1) + "\n")
+    print("chaos:", "nothing lost, parameters equal the no-fault run" if ok else "FAILED", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
