@@ -61,12 +61,5 @@ chaos: protos system-deps
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache
 
-dist# Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
-# of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.
-CHAOS_SEEDS ?= 1,2,3
-CHAOS_FAULTS ?= 40
-chaos: protos system-deps
-	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
-
-clean: clean
+distclean: clean
 	rm -rf $(VENV) *.egg-info build dist
