@@ -270,8 +270,6 @@ class JobStore:
                                                        f"{self.name!r} is collecting step {block.step} on this node")
                     # Applied already, or pushed in an earlier frame of this step: a resend, ignored.
                     ticket.resent.append(block.step > step or rank in block.pushed_by)
-                if step >= self.step and rank in self.commits.get(step, {}):
-                    raise StoreError("STALE_STEP", f"rank {rank} already committed step {step}")
                 if not all(ticket.resent):
                     self.push_weights.setdefault(step, {})[rank] = weight
                 for block, resent in zip(blocks, ticket.resent):

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from shardline.services import auth, failpoints, frame
+from shardline.services import failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.tensor_checks import all_finite, is_all_zero
+from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
                              ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError)
@@ -36,8 +37,11 @@ from shardline.services.transport import get_transport
 
 log = logging.getLogger("shardline.worker")
 
-# Replies come from nodes this client chose to talk to; their size follows what it asked for.
-REPLY_LIMITS = frame.FrameLimits(max_payload_bytes=1 << 40)
+# A waiting pull is asked for in slices of this many seconds (the routing is checked in between).
+PULL_SLICE_SECONDS = 5.0
+# No byte from a node for this long (beyond a pull's own wait) means it stopped answering.
+IO_TIMEOUT_SECONDS = 30.0
+
 
 
 @dataclass
@@ -61,42 +65,6 @@ class _Immediate:
         if self._error is not None:
             raise self._error
         return self._value
-
-
-class _NodeConnection:
-    """One data-plane connection to a PS node; requests on it are serialized."""
-
-    def __init__(self, address: str, transport, connect_timeout: float, cluster_token: bytes | None):
-        self.address = address
-        self.sock = transport.connect(address, connect_timeout)
-        self.lock = threading.Lock()
-        try:
-            self._hello(cluster_token, connect_timeout)
-        except BaseException:
-            self.close()
-            raise
-
-    def _hello(self, token: bytes | None, timeout: float) -> None:
-        """Authenticate (services/auth.py): the node answers with a nonce if it wants proof."""
-        self.sock.settimeout(timeout)
-        try:
-            frame.send_frame(self.sock, frame.FrameHeader(op=dp.OP_HELLO))
-            reply = frame.recv_header(self.sock, REPLY_LIMITS)
-            if reply.op == dp.OP_HELLO and reply.auth:
-                if token is None:
-                    raise ShardlineConfigError(f"PS node at {self.address} requires the cluster token; none configured")
-                frame.send_frame(self.sock, frame.FrameHeader(op=dp.OP_HELLO, auth=auth.response(token, reply.auth)))
-                reply = frame.recv_header(self.sock, REPLY_LIMITS)
-            if reply.op == dp.OP_ERROR:
-                raise RemoteError(dp.ErrorCode.Name(reply.code), reply.message)
-        finally:
-            self.sock.settimeout(None)
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
 
 
 class Client:
@@ -154,7 +122,7 @@ class Client:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
         self._versions: dict[tuple[str, int], int] = {}
-        self._conns: dict[str, _NodeConnection] = {}
+        self._conns: dict[str, DataPlaneConnection] = {}
         self._request_ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
         info = self.dispatcher.get_job(job)
@@ -381,8 +349,21 @@ class Client:
         # A BSP pull of a new step asks every node, also those owning none of these blocks, so every
         # worker sees every node reach the step (and notices a node that restarted behind it).
         every_node = not keys or (self.sync == "bsp" and min_step > 0)
-        return self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=timeout or self.pull_timeout,
-                             all_nodes=every_node)
+        total = timeout or self.pull_timeout
+        deadline = time.monotonic() + total
+        # The wait is asked for in slices: between two, the client looks at the routing again (a
+        # node that stopped answering, e.g. paused, is found out by the socket timeout meanwhile).
+        while True:
+            wait = max(0.0, min(PULL_SLICE_SECONDS, deadline - time.monotonic()))
+            try:
+                return self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=wait or 0.001, all_nodes=every_node)
+            except RemoteError as exc:
+                if exc.code != "TIMEOUT":
+                    raise
+                if time.monotonic() >= deadline:
+                    raise RemoteError("TIMEOUT", f"{exc.remote_message}; waited {total:g} s in all (pull_timeout)",
+                                      epoch=exc.epoch, step=exc.step) from None
+                self.refresh_routing()
 
     def consistent_pull(self, names=None, *, attempts: int = 50) -> tuple[int, dict[str, torch.Tensor]]:
         """``(step, tensors)``: every tensor as of one same step, also while a BSP job trains (a node
@@ -400,13 +381,13 @@ class Client:
                                   f"(checkpoint it and export from the checkpoint directories instead)")
 
     # --- scatter/gather over nodes ------------------------------------------------------------
-    def _conn(self, node_id: str) -> _NodeConnection:
+    def _conn(self, node_id: str) -> DataPlaneConnection:
         conn = self._conns.get(node_id)
         address = self.routing.data_address(node_id)
         if conn is None or conn.address != address:
             if conn is not None:
                 conn.close()
-            conn = self._conns[node_id] = _NodeConnection(address, self._transport, self.connect_timeout, self.cluster_token)
+            conn = self._conns[node_id] = DataPlaneConnection(address, self._transport, self.connect_timeout, self.cluster_token)
         return conn
 
     def refresh_routing(self) -> None:
@@ -584,6 +565,8 @@ class Client:
         conn = self._conn(node_id)
         with conn.lock:
             try:
+                # a node that stops answering (paused, partitioned) is given up on after this
+                conn.sock.settimeout(IO_TIMEOUT_SECONDS + (timeout if op == dp.OP_PULL else 0.0))
                 frame.send_frame(conn.sock, header, payloads)
                 reply = frame.recv_header(conn.sock, REPLY_LIMITS)
             except (OSError, ConnectionError) as exc:
@@ -604,7 +587,7 @@ class Client:
                 self._receive_blocks(conn, node_id, reply, expected)
         return reply.step
 
-    def _receive_blocks(self, conn: _NodeConnection, node_id: str, reply, expected: dict) -> None:
+    def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
         """Receive a pull reply's payload straight into the cached tensors, validating each block first."""
         for ref in reply.blocks:
             s = expected.get((ref.tensor, ref.index))

@@ -11,7 +11,8 @@ that name the key, and bad values are quoted in the error (``ShardlineConfigErro
     train: {steps: 300, batch_size: 16, optimizer: adamw, lr: 0.003, weight_decay: 0.0,
             betas: [0.9, 0.98], eps: 1.0e-8, momentum: 0.0, sync: bsp, staleness: 0,
             weight_by_tokens: true, eval_examples: 200, eval_every: 0, sample_prompts: 6,
-            log_every: 10, seed: 0, lr_schedule: constant, warmup_steps: 0, min_lr_ratio: 0.1}
+            log_every: 10, seed: 0, lr_schedule: constant, warmup_steps: 0, min_lr_ratio: 0.1,
+            replication: 0, on_worker_failure: wait, worker_lease_timeout: 30}
 
 ``train.batch_size`` is per worker. ``train.seed`` seeds the model init (the same on every rank),
 ``task.seed`` the data. :func:`run_training` is the per-rank loop; it takes a ``make_optimizer``
@@ -105,6 +106,9 @@ class TrainSpec:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.1
+    replication: int = 0                 # copies of every block; 0: the dispatcher's default
+    on_worker_failure: str = "wait"      # or "fail": a lost rank fails the job
+    worker_lease_timeout: float = 30.0
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """The optimizer's hyperparameters, named as ``PSOptimizer``/``torch.optim`` name them."""
@@ -300,6 +304,9 @@ _SCHEMA: dict[str, tuple[type, dict[str, tuple[Callable[[Any], Any], Any]]]] = {
         "lr_schedule": (_choice(LR_SCHEDULES), TrainSpec.lr_schedule),
         "warmup_steps": (_int(0), TrainSpec.warmup_steps),
         "min_lr_ratio": (_float(0.0, 1.0), TrainSpec.min_lr_ratio),
+        "replication": (_int(0, 16), TrainSpec.replication),
+        "on_worker_failure": (_choice(("wait", "fail")), TrainSpec.on_worker_failure),
+        "worker_lease_timeout": (_float(0.0, lo_open=True), TrainSpec.worker_lease_timeout),
     }),
 }
 

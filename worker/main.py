@@ -91,7 +91,8 @@ def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
     _check_cache_bound(named_parameters, args.cache_bytes)
     return PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
                        connect_timeout=args.connect_timeout, rpc_timeout=args.rpc_timeout,
-                       block_elements=args.block_elements, prefetch_window=args.prefetch_window, **kwargs)
+                       recovery_timeout=args.recovery_timeout, block_elements=args.block_elements,
+                       prefetch_window=args.prefetch_window, **kwargs)
 
 
 class _Tracker:
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     def make_optimizer(named_parameters):
         opt = _make_ps_optimizer(PSOptimizer, args, named_parameters, cluster=args.cluster, job=spec.name,
                                  sync=tr.sync, world_size=world_size, rank=rank, cluster_token=cluster_token,
-                                 **tr.optimizer_kwargs())
+                                 replication=tr.replication or None, on_worker_failure=tr.on_worker_failure,
+                                 worker_lease_timeout=tr.worker_lease_timeout, **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version
         tracker.metrics.version.set(opt.version)

@@ -40,24 +40,6 @@ def start_cluster(cluster: LocalCluster, tmp_path: Path, *, nodes: int = 2, ever
     return handles
 
 
-def wait_for_steps(started, at_least: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while min(train_model.steps_done(progress) for _, _, progress in started) < at_least:
-        for p, _, _ in started:
-            assert p.poll() is None, p.communicate()[0]
-        assert time.monotonic() < deadline, f"workers did not reach step {at_least}"
-        time.sleep(0.02)
-
-
-def assert_equals_reference(results, steps: int = STEPS, tol: float = 1e-6):
-    expected = train_model.reference("adamw", steps, world_size=2)
-    for res in results:
-        assert int(res["_version"]) == steps
-        for name, want in expected.items():
-            diff = (res[name] - want).abs().max().item()
-            assert diff <= tol, f"{name}: max abs diff {diff}"
-
-
 def test_kill_everything_then_resume_equals_uninterrupted(tmp_path):
     """kill -9 of every daemon (dispatcher, both PS, both workers) mid-run, then everything starts
     again with the same directories; the workers resume at opt.version."""
@@ -65,7 +47,7 @@ def test_kill_everything_then_resume_equals_uninterrupted(tmp_path):
         nodes = start_cluster(cluster, tmp_path)
         workers = train_model.start_workers(cluster.address, "crash", "adamw", "bsp", tmp_path, steps=STEPS,
                                             step_sleep=0.15)
-        wait_for_steps(workers, 5)
+        train_model.wait_for_steps(workers, 5)
         train_model.kill_workers(workers)
         for h in [*nodes, cluster.dispatcher]:
             cluster.kill(h)
@@ -80,7 +62,7 @@ def test_kill_everything_then_resume_equals_uninterrupted(tmp_path):
             train_model.start_workers(cluster.address, "crash", "adamw", "bsp", tmp_path, steps=STEPS))
         # resumed from the checkpoints (the latest step both nodes had reported durable), not from 0
         assert all(2 <= int(r["_start_version"]) <= STEPS for r in resumed), [int(r["_start_version"]) for r in resumed]
-        assert_equals_reference(resumed)
+        train_model.assert_equals_reference(resumed, STEPS)
 
 
 def test_sigterm_of_one_ps_mid_run_loses_nothing(tmp_path):
@@ -90,14 +72,14 @@ def test_sigterm_of_one_ps_mid_run_loses_nothing(tmp_path):
         nodes = start_cluster(cluster, tmp_path, every=0)  # only the graceful stop checkpoints (and step 0)
         workers = train_model.start_workers(cluster.address, "graceful", "adamw", "bsp", tmp_path, steps=STEPS,
                                             step_sleep=0.1)
-        wait_for_steps(workers, 5)
+        train_model.wait_for_steps(workers, 5)
         assert cluster.stop(nodes[1]) == 0
         log = nodes[1].log_tail(100)
         assert "durable at step" in log, log
         cluster.restart(nodes[1])
         assert "restored job graceful at step" in nodes[1].log_tail(200)
         results = train_model.finish_workers(workers)
-        assert_equals_reference(results)
+        train_model.assert_equals_reference(results, STEPS)
 
 
 def test_dispatcher_kill_and_restart_keeps_jobs_and_epoch(tmp_path):
@@ -107,7 +89,7 @@ def test_dispatcher_kill_and_restart_keeps_jobs_and_epoch(tmp_path):
         start_cluster(cluster, tmp_path)
         workers = train_model.start_workers(cluster.address, "dispatcher-crash", "adamw", "bsp", tmp_path,
                                             steps=STEPS, step_sleep=0.1)
-        wait_for_steps(workers, 3)
+        train_model.wait_for_steps(workers, 3)
         before = cluster.cluster_status()
         job_before = next(j for j in before.jobs if j.spec.name == "dispatcher-crash")
         cluster.kill(cluster.dispatcher)
@@ -117,7 +99,7 @@ def test_dispatcher_kill_and_restart_keeps_jobs_and_epoch(tmp_path):
         assert job_after.uid == job_before.uid and job_after.ready and job_after.spec == job_before.spec
         assert after.routing.epoch > before.routing.epoch
         results = train_model.finish_workers(workers)
-        assert_equals_reference(results)
+        train_model.assert_equals_reference(results, STEPS)
         cluster.wait_until(lambda s: all(n.state == "alive" for n in s.all_nodes), 10, "nodes alive again")
 
 

@@ -28,22 +28,6 @@ def start(cluster: LocalCluster, nodes: int, **dispatcher_flags):
     return handles
 
 
-def wait_for_steps(started, at_least: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while min(train_model.steps_done(progress) for _, _, progress in started) < at_least:
-        assert time.monotonic() < deadline, f"workers did not reach step {at_least}"
-        time.sleep(0.02)
-
-
-def assert_equals_reference(results, steps: int = STEPS, tol: float = 1e-6):
-    expected = train_model.reference("adamw", steps, world_size=2)
-    for res in results:
-        assert int(res["_version"]) == steps
-        for name, want in expected.items():
-            diff = (res[name] - want).abs().max().item()
-            assert diff <= tol, f"{name}: max abs diff {diff}"
-
-
 def test_kill_one_of_three_ps_mid_run(tmp_path):
     """kill -9 of a PS at step 5: its replicas take over, the workers resend the step in flight,
     and the dead node's blocks are re-replicated (every block has two copies again)."""
@@ -51,11 +35,11 @@ def test_kill_one_of_three_ps_mid_run(tmp_path):
         nodes = start(cluster, 3)
         workers = train_model.start_workers(cluster.address, "kill-ps", "adamw", "bsp", tmp_path, steps=STEPS,
                                             step_sleep=0.1)
-        wait_for_steps(workers, 5)
+        train_model.wait_for_steps(workers, 5)
         killed_at = time.monotonic()
         cluster.kill(nodes[1])
         results = train_model.finish_workers(workers)
-        assert_equals_reference(results)
+        train_model.assert_equals_reference(results, STEPS)
         status = cluster.wait_until(lambda s: sum(n.state == "alive" for n in s.all_nodes) == 2, 10, "ps1 dead")
         assert {n.node_id for n in status.routing.nodes} == {"ps0", "ps2"}
         assert time.monotonic() - killed_at < 60
@@ -68,12 +52,12 @@ def test_add_a_fourth_ps_mid_run(tmp_path):
         start(cluster, 3)
         workers = train_model.start_workers(cluster.address, "join", "adamw", "bsp", tmp_path, steps=STEPS,
                                             step_sleep=0.4)
-        wait_for_steps(workers, 3)
+        train_model.wait_for_steps(workers, 3)
         cluster.add_node(node_id="ps3")
         cluster.wait_for_nodes(4, timeout=30)  # serving: the switch happened while training went on
         assert min(train_model.steps_done(p) for _, _, p in workers) < STEPS - 2, "the job ended before the switch"
         results = train_model.finish_workers(workers)
-        assert_equals_reference(results)
+        train_model.assert_equals_reference(results, STEPS)
         status = cluster.cluster_status()
         ps3 = next(n for n in status.all_nodes if n.node_id == "ps3")
         assert ps3.member == "serving" and ps3.blocks > 0
@@ -84,12 +68,12 @@ def test_drain_a_ps_mid_run(tmp_path):
         nodes = start(cluster, 3)
         workers = train_model.start_workers(cluster.address, "drain", "adamw", "bsp", tmp_path, steps=STEPS,
                                             step_sleep=0.4)
-        wait_for_steps(workers, 4)
+        train_model.wait_for_steps(workers, 4)
         out = subprocess.run([*CLI, "drain", "--cluster", cluster.address, "ps2", "--wait", "60"],
                              capture_output=True, text=True, timeout=90)
         assert out.returncode == 0 and "ps2 drained" in out.stdout, out.stdout + out.stderr
         results = train_model.finish_workers(workers)
-        assert_equals_reference(results)
+        train_model.assert_equals_reference(results, STEPS)
         assert nodes[2].alive()
         status = cluster.cluster_status()
         assert "ps2" not in {n.node_id for n in status.routing.nodes}
@@ -111,7 +95,7 @@ def test_a_worker_killed_mid_step_restarts_and_redoes_it(tmp_path, failpoint):
         restarted = train_model.start_workers(cluster.address, "worker-crash", "adamw", "bsp", tmp_path,
                                               steps=STEPS, ranks=[1])
         results = train_model.finish_workers([workers[0], *restarted])
-        assert_equals_reference(results)
+        train_model.assert_equals_reference(results, STEPS)
         assert int(results[1]["_start_version"]) in (6, 7)
 
 
@@ -141,8 +125,8 @@ def test_a_missing_rank_is_named_when_the_pull_times_out(tmp_path):
     did not commit (the issue's reproduction waited 600 s and named no rank)."""
     with LocalCluster(tmp_path / "c") as cluster:
         start(cluster, 2)
-        env = {0: {"SHARDLINE_TEST_PULL_TIMEOUT": "4"},
-               1: {"SHARDLINE_TEST_PULL_TIMEOUT": "4", "SHARDLINE_FAILPOINTS": "worker.before_push@3"}}
+        common = {"SHARDLINE_TEST_PULL_TIMEOUT": "4", "SHARDLINE_TEST_LEASE_TIMEOUT": "2"}
+        env = {0: common, 1: {**common, "SHARDLINE_FAILPOINTS": "worker.before_push@3"}}
         workers = train_model.start_workers(cluster.address, "wait-for-rank", "adamw", "bsp", tmp_path, steps=STEPS,
                                             env=env)
         output, _ = workers[0][0].communicate(timeout=60)
@@ -150,4 +134,5 @@ def test_a_missing_rank_is_named_when_the_pull_times_out(tmp_path):
         assert "TIMEOUT" in output and "ranks [1] did not commit step 3" in output, output
         status = subprocess.run([*CLI, "status", "--cluster", cluster.address], capture_output=True, text=True,
                                 timeout=30)
+        assert "job wait-for-rank: rank 1 missing for" in status.stdout, status.stdout
         train_model.kill_workers(workers)

@@ -109,6 +109,26 @@ def kill_workers(started):
             p.wait()
 
 
+def wait_for_steps(started, at_least: int, timeout: float = 60) -> None:
+    """Wait until every worker of ``start_workers`` finished ``at_least`` steps."""
+    deadline = time.monotonic() + timeout
+    while min(steps_done(progress) for _, _, progress in started) < at_least:
+        for p, _, _ in started:
+            assert p.poll() is None, p.communicate()[0]
+        assert time.monotonic() < deadline, f"workers did not reach step {at_least}"
+        time.sleep(0.02)
+
+
+def assert_equals_reference(results, steps: int, world_size: int = 2, tol: float = 1e-6) -> None:
+    """Every worker ran ``steps`` steps and holds single-process AdamW's parameters (within ``tol``)."""
+    expected = reference("adamw", steps, world_size=world_size)
+    for res in results:
+        assert int(res["_version"]) == steps
+        for name, want in expected.items():
+            diff = (res[name] - want).abs().max().item()
+            assert diff <= tol, f"{name}: max abs diff {diff}"
+
+
 def steps_done(progress_path) -> int:
     try:
         return int(progress_path.read_text() or 0)

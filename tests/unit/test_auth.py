@@ -11,7 +11,7 @@ from shardline.services import auth, frame
 from shardline.services.errors import RemoteError, ShardlineConfigError
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
-from shardline.worker.client import _NodeConnection
+from shardline.services.dataplane_client import DataPlaneConnection
 
 TOKEN = b"s3cret-token-0123456789"
 
@@ -46,7 +46,7 @@ def test_load_token(tmp_path):
 
 
 class _Transport:
-    """Hands one end of a socketpair to _NodeConnection as if it had connected."""
+    """Hands one end of a socketpair to DataPlaneConnection as if it had connected."""
 
     def __init__(self, sock):
         self.sock = sock
@@ -71,7 +71,7 @@ def ping(sock):
 @pytest.mark.parametrize("server_token, client_token", [(TOKEN, TOKEN), (None, None), (None, TOKEN)])
 def test_handshake_succeeds(server_token, client_token):
     b, t = serve(server_token)
-    conn = _NodeConnection("test", _Transport(b), 5.0, client_token)
+    conn = DataPlaneConnection("test", _Transport(b), 5.0, client_token)
     assert ping(conn.sock).op == dp.OP_REPLY
     conn.close()
     t.join(5)
@@ -80,12 +80,12 @@ def test_handshake_succeeds(server_token, client_token):
 def test_wrong_or_missing_token_is_refused_and_closed():
     b, t = serve(TOKEN)
     with pytest.raises(RemoteError, match="UNAUTHENTICATED"):
-        _NodeConnection("test", _Transport(b), 5.0, b"another-token-0123456789")
+        DataPlaneConnection("test", _Transport(b), 5.0, b"another-token-0123456789")
     t.join(5)
     assert not t.is_alive()
     b, t = serve(TOKEN)
     with pytest.raises(ShardlineConfigError, match="requires the cluster token"):
-        _NodeConnection("test", _Transport(b), 5.0, None)
+        DataPlaneConnection("test", _Transport(b), 5.0, None)
     t.join(5)
 
 

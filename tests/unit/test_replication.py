@@ -253,6 +253,9 @@ def test_failover_to_the_replica_loses_no_step(initial):
     g0, g1 = grads[3]
     cluster.push(0, g0)
     cluster.push(1, g1)
+    for node_id in ("n1", "n2"):  # both ranks committed on the survivors before n0 died
+        for rank in (0, 1):
+            bus.nodes[node_id].job("job").commit(rank, cluster.step, 1.0, epoch=bus.epoch)
     bus.down.add("n0")
     bus.serving.remove("n0")
     bus.publish()                                   # the dispatcher declared n0 dead: epoch + 1
