@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 import train_model
-from test_checkpoint_restart import assert_equals_reference, free_port, wait_for_steps
+from test_checkpoint_restart import free_port
+from train_model import assert_equals_reference, wait_for_steps
 from shardline.dispatcher.state_etcd import EtcdStateStore
 from shardline.services.daemon import grpc_channel
 from shardline.services.dispatcher_client import LEADER_METADATA_KEY
