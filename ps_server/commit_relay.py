@@ -38,6 +38,7 @@ class CommitRelay(threading.Thread):
         self.relay_delay = relay_delay
         self._clock = clock
         self._partial_since: dict[tuple[str, int], float] = {}
+        self._lock = threading.Lock()  # the relay thread and settle() (heartbeats) both check
 
     def run(self) -> None:
         while not self._stop.wait(RELAY_PERIOD_SECONDS):
@@ -46,9 +47,17 @@ class CommitRelay(threading.Thread):
             except Exception:  # keep relaying whatever one pass hit
                 log.exception("commit relay pass failed")
 
-    def check(self) -> list[tuple[str, int]]:
-        """One pass: relay for every job partially committed for longer than ``relay_delay``.
-        Returns the (job, step) pairs it asked peers about."""
+    def settle(self) -> list[tuple[str, int]]:
+        """Relay at once for every partially committed job (a ring change is about to move blocks)."""
+        return self.check(relay_delay=0.0)
+
+    def check(self, relay_delay: float | None = None) -> list[tuple[str, int]]:
+        """One pass: relay for every job partially committed for longer than ``relay_delay``
+        (default: the relay's). Returns the (job, step) pairs it asked peers about."""
+        with self._lock:
+            return self._check(self.relay_delay if relay_delay is None else relay_delay)
+
+    def _check(self, delay: float) -> list[tuple[str, int]]:
         now = self._clock()
         seen, asked = set(), []
         for job in self._jobs():
@@ -61,7 +70,7 @@ class CommitRelay(threading.Thread):
             key = (job.name, step)
             seen.add(key)
             since = self._partial_since.setdefault(key, now)
-            if now - since < self.relay_delay:
+            if now - since < delay:
                 continue
             asked.append(key)
             for commits, lr in self._ask(job.name, step):

@@ -336,7 +336,9 @@ def main(argv=None) -> int:
     node.serving.set()
     heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, serving_done)
     heartbeats.start()
-    CommitRelay(node.store.jobs, peer_commits(node, cluster_token), serving_done).start()
+    relay = CommitRelay(node.store.jobs, peer_commits(node, cluster_token), serving_done)
+    node.settle_commits = relay.settle
+    relay.start()
     log.info("node %s serving: grpc %s, data %s (%s), rack %s, epoch %d", node_id, registration["grpc_address"],
              listener.address, transport.NAME, args.rack, node.routing.epoch)
     announce_ready(args.ready_file, {"grpc": registration["grpc_address"], "metrics": format_host_port(host, metrics_port),

@@ -59,6 +59,8 @@ class PSNode:
         self.metrics = metrics
         self.checkpointer = checkpointer
         self.replicator = None
+        self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
+        self._settled_epoch = 0
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
         self.serving = threading.Event()
         self.serving.set()
@@ -174,6 +176,12 @@ class PSNode:
         view = self._routing
         if not view.pending_epoch or (self.replicator is not None and not self.replicator.ready()):
             return 0
+        if self.settle_commits is not None and self._settled_epoch != view.pending_epoch:
+            # Before blocks change owner: complete every step a rank committed on another node only
+            # (it died between its commits). Moved mid-step, such a block would need the rank's
+            # gradients again, computed from parameters other nodes already stepped.
+            self.settle_commits()
+            self._settled_epoch = view.pending_epoch
         return view.pending_epoch
 
     def freeze(self, reason: str) -> None:
@@ -218,6 +226,11 @@ class PSNode:
                 raise StoreError("INVALID_ARGUMENT", f"initial values of {ref.tensor!r} must be float32")
         if header.op == dp.OP_PULL and header.payload_bytes:
             raise StoreError("INVALID_ARGUMENT", "a pull request carries no payload")
+        if header.op == dp.OP_PULL and not header.blocks and self.replicator is not None \
+                and self.replicator.fetching(job.name):
+            # the job step it would report describes none of the blocks it is taking over yet
+            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is still receiving blocks of job {job.name!r} "
+                                            f"(it took them over at epoch {routing.epoch}); retry shortly")
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
@@ -286,6 +299,7 @@ class PSNode:
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp")
         reply.step = step
+        reply.oldest_step = min(step, job.oldest_step())
         payloads = []
         for tensor, index, version, value in blocks:
             reply.blocks.append(frame.block_ref(tensor, index, value, version=version))

@@ -551,6 +551,20 @@ class JobStore:
         if not any(b.primary for b in self.blocks.values()):
             self.step = max(self.step, max(steps, default=self.step))
 
+    def _follow_primaries(self) -> None:
+        """The job step never lags every block this node applies (blocks it took over, synced
+        from their previous owner, collect later steps than a node that joined empty). Call with
+        the lock held."""
+        steps = [b.step for b in self.blocks.values() if b.primary]
+        if steps and self.sync == "bsp":
+            self.step = max(self.step, min(steps))
+
+    def oldest_step(self) -> int:
+        """BSP: the oldest step a block this node applies still collects (at most the job step):
+        lower than the job step when a block changed owner while its step was in flight."""
+        with self.cond:
+            return min([self.step] + [b.step for b in self.blocks.values() if b.primary])
+
     def set_primary(self, keys: set, epoch: int) -> tuple[list, list]:
         """This node applies exactly the blocks in ``keys`` from ``epoch`` on. Returns (gained,
         lost) keys. A gained block collects the step it holds and waits for commits at ``epoch``;
@@ -568,6 +582,7 @@ class JobStore:
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     lost.append(key)
             if gained:
+                self._follow_primaries()
                 for step in {self.blocks[k].step for k in gained}:
                     self._apply_ready(step)
             self.cond.notify_all()

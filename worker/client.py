@@ -122,6 +122,7 @@ class Client:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
         self._versions: dict[tuple[str, int], int] = {}
+        self._oldest: dict[str, int] = {}   # node -> the oldest step it still collects (last pull reply)
         self._conns: dict[str, DataPlaneConnection] = {}
         self._request_ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
@@ -272,14 +273,26 @@ class Client:
         steps (a worker died between its commits to different nodes), wait until they agree: the
         nodes that missed a commit learn it from the others (ps_server/commit_relay.py)."""
         names = self._names(names)
-        steps = self._pull(names, min_step=0, timeout=None)
-        if steps and len(set(steps.values())) > 1:
-            target = max(steps.values())
-            log.info("job %s: nodes at steps %s; waiting until all reach step %d", self.job, steps, target)
-            self._pull(names, min_step=target, timeout=None)
-            self.step = target
+        self._oldest.clear()
+        self._resume_at(self._pull(names, min_step=0, timeout=None))
         self.start_lease()
         return self.step or 0
+
+    def _resume_at(self, steps: dict[str, int]) -> None:
+        """Take the step of a (re)started worker from the nodes' pull replies: BSP, the oldest step
+        any block still collects. Redoing it is harmless where it was applied or this rank's push
+        arrived (the node ignores the resend), and completes it where the rank's push or commit is
+        missing (it died after committing on some nodes only, or a block changed owner mid-step)."""
+        if not steps:
+            return
+        if self.sync != "bsp":
+            self.step = max(steps.values())
+            return
+        oldest = min(min(step, self._oldest.get(node, step)) for node, step in steps.items())
+        if oldest < max(steps.values()):
+            log.info("job %s: nodes at steps %s, a block still collects step %d: this worker resumes there",
+                     self.job, steps, oldest)
+        self.step = oldest
 
     def _names(self, names) -> list[str]:
         self._require_spec()
@@ -293,7 +306,8 @@ class Client:
 
     def _current_step(self) -> int:
         if self.step is None:
-            self._pull([], min_step=0, timeout=None)  # learn the step from the nodes
+            self._oldest.clear()
+            self._resume_at(self._pull([], min_step=0, timeout=None))  # learn the step from the nodes
         return self.step or 0
 
     def _push(self, grads: dict[str, torch.Tensor | None], weight: float) -> None:
@@ -483,12 +497,17 @@ class Client:
             if not refused and not gone and not (lost and op == dp.OP_PULL):
                 return node_steps
             if refused:
-                refreshes += 1
-                if refreshes > self.max_retries:
-                    raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
-                                              f"routing refreshes (epoch {self.routing.epoch})")
+                sent_at = (self.routing.epoch, self.routing.pending_epoch)
                 log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", len(retry))
                 self.refresh_routing()
+                if (self.routing.epoch, self.routing.pending_epoch) != sent_at:
+                    refreshes = 0  # the ring moved on (a waiting pull is interrupted by every change): not stuck
+                else:
+                    refreshes += 1
+                    if refreshes > self.max_retries:
+                        raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
+                                                  f"routing refreshes (epoch {self.routing.epoch})")
+                    time.sleep(min(1.0, 0.05 * 2 ** refreshes))  # the node's routing lags the dispatcher's
             pending = retry
 
     def _recover(self, node_id: str, cause: Exception) -> int | None:
@@ -585,6 +604,7 @@ class Client:
                 self.stats.pushed_bytes += header.payload_bytes
             if op == dp.OP_PULL:
                 self._receive_blocks(conn, node_id, reply, expected)
+                self._oldest[node_id] = reply.oldest_step
         return reply.step
 
     def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:

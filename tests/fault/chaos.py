@@ -262,12 +262,19 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="1,2,3", help="comma-separated seeds (one run each)")
     ap.add_argument("--faults", type=int, default=40, help="faults per run")
     ap.add_argument("--out", default=None, help="write the JSON report here")
+    ap.add_argument("--keep", default=None, metavar="DIR",
+                    help="run in DIR/seed-N and keep it (daemon logs, checkpoints) instead of a temporary directory")
     args = ap.parse_args(argv)
     reports = []
     with EtcdServer() as etcd:
         for seed in (int(s) for s in args.seeds.split(",")):
-            with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
-                report = Chaos(Path(tmp), etcd, seed, args.faults).run().to_dict()
+            if args.keep:
+                workdir = Path(args.keep) / f"seed-{seed}"
+                workdir.mkdir(parents=True, exist_ok=False)
+                report = Chaos(workdir, etcd, seed, args.faults).run().to_dict()
+            else:
+                with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
+                    report = Chaos(Path(tmp), etcd, seed, args.faults).run().to_dict()
             reports.append(report)
             print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1), flush=True)
     ok = all(r["steps_lost"] == 0 and r["max_abs_diff_vs_no_fault_run"] <= 1e-6 for r in reports)

@@ -99,6 +99,27 @@ def test_a_worker_killed_mid_step_restarts_and_redoes_it(tmp_path, failpoint):
         assert int(results[1]["_start_version"]) in (6, 7)
 
 
+def test_a_ps_restarts_while_a_rank_that_half_committed_is_dead(tmp_path):
+    """Rank 1 dies after committing step 6 on one node only; before it comes back a PS restarts
+    (its blocks move away and back: two ring changes). The nodes complete the half-made commit
+    from their peers before blocks change owner, the restarted rank resumes at the oldest step a
+    block still collects, and the parameters equal torch.optim's (found by the seeded fault run)."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3)
+        env = {1: {"SHARDLINE_FAILPOINTS": "worker.commit_partial@6"}}
+        workers = train_model.start_workers(cluster.address, "half-commit", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            env=env)
+        crashed = workers[1][0]
+        crashed.wait(60)
+        assert crashed.returncode == 137, crashed.communicate()[0]
+        cluster.restart(nodes[2], wait=True)   # SIGTERM: it leaves the ring, then rejoins
+        cluster.wait_for_nodes(3, timeout=60)
+        restarted = train_model.start_workers(cluster.address, "half-commit", "adamw", "bsp", tmp_path,
+                                              steps=STEPS, ranks=[1])
+        results = train_model.finish_workers([workers[0], *restarted])
+        train_model.assert_equals_reference(results, STEPS)
+
+
 def test_on_worker_failure_fail_names_the_lost_rank(tmp_path):
     """A rank that stops heartbeating fails the job within the lease timeout: the other rank gets
     ShardlineWorkerLostError naming it instead of waiting for pull_timeout."""
