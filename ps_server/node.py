@@ -25,6 +25,9 @@ log = logging.getLogger("shardline.ps")
 
 # Longest a single waiting pull may block server-side; clients ask for less.
 MAX_PULL_WAIT_SECONDS = 600.0
+# Longest pushes to a block taken over from a live primary wait for its handover (it is asked at
+# once; a primary that stopped answering meanwhile is not waited for longer).
+HANDOVER_TIMEOUT_SECONDS = 3.0
 
 
 class NotOwner(StoreError):
@@ -104,9 +107,36 @@ class PSNode:
             return
         placement = place(view, job.spec)
         primary, replica, learner = placement.roles(self.node_id)
-        job.set_primary(primary, view.epoch)
+        awaiting = self._handovers_due(job, view, previous, primary)
+        self._set_primary(job, primary, view, awaiting)
         if self.replicator is not None:
-            self.replicator.resync(job, placement, primary, replica | learner, previous or self._previous)
+            self.replicator.resync(job, placement, primary, replica | learner, previous or self._previous,
+                                   poke={node for node, _deadline in awaiting.values()})
+
+    def _handovers_due(self, job: JobStore, view: RoutingView, previous: RoutingView | None, primary: set) -> dict:
+        """Blocks this node takes over from a primary that is still alive (it serves on, or it
+        was draining): their pushes wait, at most HANDOVER_TIMEOUT_SECONDS, for what it collected
+        of the step in flight. A primary that died hands nothing over."""
+        if previous is None or previous.ring is None or self.replicator is None:
+            return {}
+        before = place(previous, job.spec)
+        draining = set(previous.nodes) - set(previous.pending_nodes) if previous.pending_epoch else set()
+        deadline = time.monotonic() + HANDOVER_TIMEOUT_SECONDS
+        due = {}
+        with job.cond:
+            for key in primary:
+                block = job.blocks.get(key)
+                if block is None or block.primary:
+                    continue
+                owner = before.primary(key)
+                if owner and owner != self.node_id and (owner in view.nodes or owner in draining):
+                    due[key] = (owner, deadline)
+        return due
+
+    def _set_primary(self, job: JobStore, primary: set, view: RoutingView, awaiting: dict | None = None) -> None:
+        _gained, handovers = job.set_primary(primary, view.epoch, awaiting)
+        if handovers and self.replicator is not None:
+            self.replicator.hand_over(job, handovers)
 
     # --- jobs -------------------------------------------------------------------------------
     def job(self, name: str) -> JobStore:
@@ -140,9 +170,9 @@ class PSNode:
 
     def on_synced(self, job: JobStore, primary: str) -> None:
         """A sync with ``primary`` completed: blocks this node applies may have arrived."""
-        placement = place(self._routing, job.spec)
-        primary_keys, _replica, _learner = placement.roles(self.node_id)
-        job.set_primary(primary_keys, self._routing.epoch)
+        view = self._routing
+        primary_keys, _replica, _learner = place(view, job.spec).roles(self.node_id)
+        self._set_primary(job, primary_keys, view)
 
     def drop_job(self, name: str, uid: str = "") -> bool:
         """Forget a job (its blocks, and its checkpoints); ``uid`` set: only that incarnation."""

@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from shardline.ps_server.placement import place
-from shardline.ps_server.store import JobStore, StoreError
+from shardline.ps_server.store import Handover, JobStore, StoreError
 from shardline.services import failpoints, frame
 from shardline.services.dataplane_client import DataPlaneConnection
 from shardline.services.errors import RemoteError, ShardlineConnectionError, ShardlineError
@@ -391,6 +391,62 @@ class Replicator:
                                       sync_reply=True, sync_epoch=asked_epoch)
                 link.send(_Send(header, payloads, self._sync_sent(job, requester, round_)))
 
+    def hand_over(self, job: JobStore, handovers: list) -> None:
+        """Send each lost block's new primary what this node collected of the step in flight
+        (``JobStore.set_primary``): the pushes of a rank that dies before it could resend them
+        are not lost. Blocks with nothing collected go too, as headers: the new primary stops
+        waiting for them."""
+        placement = place(self.node.routing, job.spec)
+        by_peer: dict[str, list] = {}
+        for item in handovers:
+            owner = placement.primary(item.key)
+            if owner and owner != self.node.node_id:
+                by_peer.setdefault(owner, []).append(item)
+        for peer, items in by_peer.items():
+            refs, payloads = [], []
+            for item in items:
+                ref = dp.BlockRef(tensor=item.key[0], index=item.key[1], step=item.step, ranks=list(item.ranks))
+                if item.grad is None:
+                    ref.zero = True
+                else:
+                    ref.dtype, ref.numel, ref.nbytes = dp.FLOAT32, item.grad.numel(), item.grad.numel() * 4
+                    payloads.append(frame.tensor_bytes(item.grad))
+                refs.append(ref)
+            header = self._header(dp.OP_REPLICATE, job, blocks=refs, handover=True,
+                                  payload_bytes=sum(r.nbytes for r in refs))
+            carried = sum(1 for i in items if i.ranks)
+            if carried:
+                log.info("job %s: handing %d block(s) with gradients of the step in flight over to %s",
+                         job.name, carried, peer)
+            self.links.link(peer).send(_Send(header, payloads, self._handed(job, peer)))
+
+    @staticmethod
+    def _handed(job: JobStore, peer: str):
+        def done(error, _reply):
+            if error is not None:
+                log.warning("job %s: handover to %s failed (it waits, then goes on with the pushes workers "
+                            "resend): %s", job.name, peer, error)
+        return done
+
+    def _handle_handover(self, job: JobStore, header, payload) -> None:
+        items, offset = [], 0
+        for ref in header.blocks:
+            key = (ref.tensor, ref.index)
+            numel = job.expected_numel(*key)
+            grad = None
+            if not ref.zero:
+                if ref.numel != numel or ref.dtype != dp.FLOAT32:
+                    raise StoreError("INVALID_ARGUMENT", f"handover of {ref.tensor}[{ref.index}] has {ref.numel} "
+                                                         f"elements, expected {numel} float32")
+                grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
+                offset += ref.nbytes
+            ranks = tuple(int(r) for r in ref.ranks)
+            if any(r >= job.world_size for r in ranks):
+                raise StoreError("INVALID_ARGUMENT", f"handover of {ref.tensor}[{ref.index}] names ranks {list(ranks)}, "
+                                                     f"the job has {job.world_size}")
+            items.append(Handover(key, int(ref.step), grad, ranks))
+        job.accept_handover(header.node, items)
+
     def _sync_sent(self, job: JobStore, peer: str, round_: int):
         def done(error, _reply):
             if error is not None:
@@ -402,6 +458,9 @@ class Replicator:
         """Install copies from ``header.node``. Fenced: only the block's primary at this node's
         epoch (or a node answering this node's sync) may send them."""
         sender = header.node
+        if header.handover:
+            self._handle_handover(job, header, payload)
+            return
         view = self.node.routing
         placement = place(view, job.spec)
         codec = self.codec(job)
@@ -437,13 +496,14 @@ class Replicator:
             self.node.on_synced(job, sender)
 
     # --- which copies to bring in sync ------------------------------------------------------------
-    def resync(self, job: JobStore, placement, primary: set, copies: set, previous) -> None:
+    def resync(self, job: JobStore, placement, primary: set, copies: set, previous, poke=()) -> None:
         """After a routing change: ask the primary of every block this node keeps a copy of to
         bring it in sync (naming what it holds), and the previous owners of blocks it now applies
-        but lacks; note the copies it no longer needs (dropped after a grace period)."""
+        but lacks; note the copies it no longer needs (dropped after a grace period). ``poke``:
+        previous primaries whose handover is due: a request at the new epoch makes them learn it."""
         me = self.node.node_id
         epoch = self.node.routing.epoch
-        by_node: dict[str, list] = {}
+        by_node: dict[str, list] = {node: [] for node in poke if node != me}
         with job.cond:
             for key in copies:
                 owner = placement.primary(key)

@@ -30,6 +30,7 @@ pushes and commits (``UNAVAILABLE``) so that its last checkpoint holds its last 
 from __future__ import annotations
 
 import math
+import time
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
@@ -80,6 +81,13 @@ class Block:
     has_grad: bool = False
     receiving: int | None = None   # rank whose push is being received straight into grad_buf
     pushed_by: set = field(default_factory=set)
+    received: set = field(default_factory=set)   # ranks whose push of the step finished here
+    # Taken over from a live primary mid-step: pushes wait (until ``awaiting`` on the monotonic
+    # clock) for the gradients it collected (``accept_handover``); the ranks they came from
+    # (``handed``) count with their commits of any epoch.
+    awaiting: float = 0.0
+    awaiting_from: str = ""
+    handed: set = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -108,6 +116,17 @@ class PushTicket:
     error: "StoreError | None" = None
     done: bool = False
     lr: float | None = None    # ASP: lr override for this update
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What a block's previous primary collected for the step in flight when it lost the block:
+    ``grad`` is the sum of weight * gradient of ``ranks`` (None: no gradient, or only zeros)."""
+
+    key: tuple
+    step: int
+    grad: torch.Tensor | None
+    ranks: tuple
 
 
 @dataclass
@@ -255,9 +274,14 @@ class JobStore:
         with self.cond:
             self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
+            now = time.monotonic()
             for ref, block in zip(refs, blocks):
                 if not block.primary:
                     raise StoreError("NOT_OWNER", f"block {ref.tensor}[{ref.index}] is a replica here")
+                if block.awaiting and now < block.awaiting:
+                    raise StoreError("UNAVAILABLE", f"block {ref.tensor}[{ref.index}] waits for the gradients its previous "
+                                                    f"primary {block.awaiting_from!r} collected for step {block.step}; "
+                                                    f"retry shortly")
             if self.sync == "bsp":
                 self._check_push_weight("push", rank, step, weight)
                 seen = set()
@@ -319,6 +343,8 @@ class JobStore:
                 return self.step
             w = ticket.weight
             for block, dest, direct, resent in zip(ticket.blocks, ticket.dests, ticket.direct, ticket.resent):
+                if not resent and block.step == ticket.step:
+                    block.received.add(ticket.rank)
                 if dest is None or resent:
                     continue
                 if block.step != ticket.step:  # applied (or handed over) while the push was in flight
@@ -438,8 +464,14 @@ class JobStore:
         record = self.commits.get(step, {})
         if len(record) < self.world_size:
             return
-        min_epoch = min(epoch for _w, epoch in record.values())
-        ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and b.since_epoch <= min_epoch]
+        now = time.monotonic()
+
+        def counts(block) -> bool:  # every rank's commit is valid for this block (see the class doc)
+            if block.awaiting and now < block.awaiting:
+                return False
+            return all(epoch >= block.since_epoch or rank in block.handed for rank, (_w, epoch) in record.items())
+
+        ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
         total = sum(weight for weight, _epoch in record.values())
         lr = self.step_lrs.get(step)
         for _key, block in ready:
@@ -452,7 +484,7 @@ class JobStore:
             block.step = step + 1
             block.since_epoch = 0
             block.has_grad = False
-            block.pushed_by = set()
+            block.pushed_by, block.received, block.handed, block.awaiting = set(), set(), set(), 0.0
         wait_for_replicas = False
         for hook in self.apply_hooks:
             wait_for_replicas = hook(self, step, ready) or wait_for_replicas
@@ -565,28 +597,63 @@ class JobStore:
         with self.cond:
             return min([self.step] + [b.step for b in self.blocks.values() if b.primary])
 
-    def set_primary(self, keys: set, epoch: int) -> tuple[list, list]:
-        """This node applies exactly the blocks in ``keys`` from ``epoch`` on. Returns (gained,
-        lost) keys. A gained block collects the step it holds and waits for commits at ``epoch``;
-        a lost one forgets the gradients it collected (its new primary gets them resent)."""
+    def set_primary(self, keys: set, epoch: int, awaiting: dict | None = None) -> tuple[list, list[Handover]]:
+        """This node applies exactly the blocks in ``keys`` from ``epoch`` on. Returns (gained
+        keys, handovers of the lost blocks).
+
+        A gained block collects the step it holds and waits for commits at ``epoch``; ``awaiting``
+        maps gained keys to ``(previous primary, deadline)``: their pushes wait for its handover.
+        A lost block hands over what it collected (the caller sends it to the new primary: the
+        pushes of a rank that died meanwhile are not lost) and forgets it."""
         gained, lost = [], []
+        awaiting = awaiting or {}
         with self.cond:
             for key, block in self.blocks.items():
                 primary = key in keys
                 if primary and not block.primary:
                     block.primary, block.since_epoch = True, epoch
                     block.visible = block.step
+                    if key in awaiting:
+                        block.awaiting_from, block.awaiting = awaiting[key]
                     gained.append(key)
                 elif block.primary and not primary:
+                    grad = block.grad_buf.clone() if block.has_grad and block.received else None
+                    lost.append(Handover(key, block.step, grad, tuple(sorted(block.received))))
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
-                    lost.append(key)
+                    block.received, block.handed, block.awaiting = set(), set(), 0.0
             if gained:
                 self._follow_primaries()
                 for step in {self.blocks[k].step for k in gained}:
                     self._apply_ready(step)
             self.cond.notify_all()
         return gained, lost
+
+    def accept_handover(self, sender: str, items: list[Handover]) -> None:
+        """Take what ``sender``, a block's previous primary, collected for the step in flight. A
+        block that already moved past that step, or that took pushes meanwhile (the wait timed
+        out), keeps its own."""
+        with self.cond:
+            steps = set()
+            for item in items:
+                block = self.blocks.get(item.key)
+                if block is None or not block.primary or block.awaiting_from != sender or not block.awaiting:
+                    continue
+                block.awaiting = 0.0
+                if block.step != item.step or block.pushed_by or not item.ranks:
+                    continue
+                if item.grad is not None:
+                    if block.grad_buf is None:
+                        block.grad_buf = torch.empty_like(block.value)
+                    block.grad_buf.copy_(item.grad)
+                    block.has_grad = True
+                block.pushed_by, block.received, block.handed = set(item.ranks), set(item.ranks), set(item.ranks)
+                steps.add(item.step)
+            for step in steps:
+                self._apply_ready(step)
+            for step in {b.step for b in self.blocks.values() if b.primary}:
+                self._apply_ready(step)  # blocks that waited may apply now
+            self.cond.notify_all()
 
     def drop_blocks(self, keys) -> int:
         """Forget blocks this node no longer holds a copy of. Returns how many went."""

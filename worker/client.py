@@ -515,7 +515,9 @@ class Client:
         part of the BSP step in flight on it, and return the node's job step. None if the node
         left the routing table instead (declared dead: its replicas own its blocks now)."""
         deadline = time.monotonic() + self.recovery_timeout
-        log.warning("PS node %r failed (%s); waiting up to %g s for it to come back", node_id, cause, self.recovery_timeout)
+        busy = isinstance(cause, RemoteError)  # it answered: busy (restoring, a block handed over), not gone
+        (log.info if busy else log.warning)("PS node %r %s (%s); waiting up to %g s", node_id,
+                                            "asks to retry" if busy else "failed", cause, self.recovery_timeout)
         delay, last = 0.1, cause
         while True:
             try:
@@ -525,9 +527,9 @@ class Client:
                              self.routing.epoch)
                     return None
                 node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
-                break
+                return self._resend_inflight(node_id, node_step)
             except RemoteError as exc:
-                if exc.code != "UNAVAILABLE":
+                if exc.code not in ("UNAVAILABLE", "NOT_OWNER"):
                     raise
                 last = exc
             except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
@@ -537,6 +539,10 @@ class Client:
                                                f"(recovery_timeout); last error: {last}") from cause
             time.sleep(delay)
             delay = min(1.0, delay * 2)
+
+    def _resend_inflight(self, node_id: str, node_step: int) -> int:
+        """``node_id`` answers again at ``node_step``: resend it this worker's pushes (and commit)
+        of the BSP step in flight. Returns the node's job step."""
         inflight = self._inflight if self.spec is not None and self.spec.sync == "bsp" else None
         if inflight is None or node_step > inflight["step"]:
             log.info("PS node %r is back at step %d", node_id, node_step)

@@ -312,3 +312,47 @@ def test_a_deposed_primary_is_fenced(initial):
     with pytest.raises(StoreError) as err:
         replica.precheck(header)
     assert err.value.code == "NOT_OWNER"
+
+
+def wait_handed_over(bus, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while any(b.awaiting for n in bus.nodes.values() for b in n.job("job").blocks.values()):
+        assert time.monotonic() < deadline, "handovers did not arrive"
+        time.sleep(0.01)
+
+
+def test_a_drain_hands_the_step_in_flight_over_so_a_dead_rank_loses_nothing(initial):
+    """Rank 1 pushes step 2 everywhere, commits on n0 only and dies; n0 applies step 2. n2 drains
+    before rank 1 is back: its blocks move with the gradients they collected (rank 1's among
+    them). The restarted rank 1 redoes step 2 from partly stepped parameters — other gradients,
+    which every node must ignore — and the result equals torch.optim bitwise."""
+    bus, cluster = start(initial=initial)
+    grads = gradients(4)
+    run_steps(cluster, grads[:2])
+    g0, g1 = grads[2]
+    cluster.push(0, g0)
+    cluster.push(1, g1)
+    bus.nodes["n0"].job("job").commit(1, cluster.step, 1.0, epoch=bus.epoch)   # rank 1 dies here
+    cluster.commit(0)
+    assert bus.nodes["n0"].job("job").step == cluster.step + 1
+    bus.pending = ["n0", "n1"]                       # n2 drains
+    bus.publish()
+    bus.settle()
+    bus.serving, bus.pending = ["n0", "n1"], None
+    bus.publish()                                    # switch: n2's blocks change primary mid-step
+    wait_handed_over(bus)
+    bus.settle()
+    n1 = bus.nodes["n1"].job("job")
+    commits, lr = bus.nodes["n0"].job("job").commits_of(cluster.step)
+    n1.adopt_commits(cluster.step, {1: commits[1]}, lr)           # the commit relay
+    cluster.push(0, g0)                              # rank 0 resends the step in flight at the new epoch
+    cluster.commit(0)
+    wrong = {n: torch.full(SHAPES[n], 100.0) for n in ("a", "b")}
+    cluster.push(1, wrong)                           # restarted rank 1 redoes the step: ignored everywhere
+    cluster.commit(1)
+    cluster.wait_visible()
+    run_steps(cluster, grads[3:])
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], rtol=0, atol=0)
+    cluster.assert_copies_equal()
