@@ -13,7 +13,10 @@ Protocol (ps_server/placement.py says who holds what):
 * **Visibility.** The stepped blocks become visible to pulls only once every in-sync copy holder
   acknowledged them (``JobStore.mark_visible``); a holder that fails or stops answering within
   ``replication_timeout`` is dropped from the job's in-sync set (and re-syncs when it can), so no
-  step a worker has seen is held by fewer than the surviving in-sync nodes.
+  step a worker has seen is held by fewer than the surviving in-sync nodes. A block with no
+  holder in sync yet waits for the first holder's sync (it carries the block) instead.
+* **Handover.** A block that changes primary mid-step takes along the gradients its old primary
+  collected (``hand_over``): pushes at the new primary wait for them, briefly.
 * **In sync.** A node becomes in sync for a job with a primary by asking it (``OP_SYNC`` naming
   the version and step of every copy it holds): under the job lock the primary queues copies of
   whatever differs, marks the last one, and adds the node to the job's in-sync set, so every later
@@ -224,6 +227,17 @@ class _Pending:
     waiting: set = field(default_factory=set)
 
 
+@dataclass
+class _SyncWait:
+    """Applied blocks none of whose copy holders is in sync yet (a new primary whose replicas
+    have not asked for their sync): visible once one of ``peers`` completes a sync, which
+    carries them, or once none of ``peers`` is in the routing any more."""
+
+    step: int
+    blocks: list
+    peers: set
+
+
 class Replicator:
     """Replication of one node: the primary's sender side and the copy holder's receiving side.
 
@@ -246,6 +260,7 @@ class Replicator:
         self._fetching: dict[str, set] = {}    # job -> keys this node applies but still lacks
         self._failed: set[str] = set()          # jobs whose sync requests failed: asked again
         self._unowned: dict[str, dict] = {}    # job -> key -> when it stopped being owned here
+        self._sync_waits: dict[str, list[_SyncWait]] = {}
 
     def codec(self, job: JobStore) -> BlockCodec:
         codec = self._codecs.get(job.name)
@@ -258,7 +273,7 @@ class Replicator:
 
     def forget(self, name: str) -> None:
         with self._lock:
-            for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned):
+            for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned, self._sync_waits):
                 table.pop(name, None)
 
     def in_sync(self, name: str) -> dict[str, int]:
@@ -288,17 +303,28 @@ class Replicator:
     def on_applied(self, job: JobStore, step: int, items: list) -> bool:
         failpoints.hit("ps.after_apply", step)
         holders = self.in_sync(job.name)
-        if not holders:
-            return False
         placement = place(self.node.routing, job.spec)
+        me = self.node.node_id
         by_peer: dict[str, list] = {}
+        unprotected, unsynced = [], set()   # no copy holder in sync: the step would have one copy
         for key, block in items:
-            for peer in placement.copies_of(key):
-                if peer in holders and peer != self.node.node_id:
-                    by_peer.setdefault(peer, []).append((key, block))
+            peers = [p for p in placement.copies_of(key) if p != me]
+            synced = [p for p in peers if p in holders]
+            for peer in synced:
+                by_peer.setdefault(peer, []).append((key, block))
+            if peers and not synced:
+                unprotected.append(block)
+                unsynced.update(peers)
+        if unprotected:
+            with self._lock:
+                self._sync_waits.setdefault(job.name, []).append(_SyncWait(step, unprotected, unsynced))
         if not by_peer:
-            return False
-        pending = _Pending(job, step, [block for _key, block in items], set(by_peer))
+            if unprotected:  # the rest is visible now; those wait for a holder's sync
+                protected = [b for _k, b in items if not any(b is u for u in unprotected)]
+                job.mark_visible(protected, step + 1)
+            return bool(unprotected)
+        waiting_blocks = [block for _key, block in items if not any(block is u for u in unprotected)]
+        pending = _Pending(job, step, waiting_blocks, set(by_peer))
         rounds = {peer: holders[peer] for peer in by_peer}
         copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
         for peer, items in by_peer.items():
@@ -389,7 +415,7 @@ class Replicator:
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs_out,
                                       payload_bytes=sum(r.nbytes for r in refs_out), last=n == len(batches) - 1,
                                       sync_reply=True, sync_epoch=asked_epoch)
-                link.send(_Send(header, payloads, self._sync_sent(job, requester, round_)))
+                link.send(_Send(header, payloads, self._sync_sent(job, requester, round_, last=n == len(batches) - 1)))
 
     def hand_over(self, job: JobStore, handovers: list) -> None:
         """Send each lost block's new primary what this node collected of the step in flight
@@ -447,11 +473,23 @@ class Replicator:
             items.append(Handover(key, int(ref.step), grad, ranks))
         job.accept_handover(header.node, items)
 
-    def _sync_sent(self, job: JobStore, peer: str, round_: int):
+    def _sync_sent(self, job: JobStore, peer: str, round_: int, last: bool = False):
         def done(error, _reply):
             if error is not None:
                 self.drop_holder(job.name, peer, f"sync failed: {error}", round_)
+            elif last:
+                self.release_sync_waits(job, lambda peers: peer in peers)
         return done
+
+    def release_sync_waits(self, job: JobStore, released: Callable[[set], bool]) -> None:
+        """Make visible the blocks waiting for a copy holder's sync whose ``peers`` satisfy
+        ``released`` (one of them synced, or none is left in the routing)."""
+        with self._lock:
+            waits = self._sync_waits.get(job.name, [])
+            done = [w for w in waits if released(w.peers)]
+            self._sync_waits[job.name] = [w for w in waits if not released(w.peers)] if done else waits
+        for wait in done:
+            job.mark_visible(wait.blocks, wait.step + 1)
 
     # --- the copy holder's side -----------------------------------------------------------------
     def handle_replicate(self, job: JobStore, header, payload) -> None:
@@ -503,6 +541,8 @@ class Replicator:
         previous primaries whose handover is due: a request at the new epoch makes them learn it."""
         me = self.node.node_id
         epoch = self.node.routing.epoch
+        routed = set(self.node.routing.nodes) | set(self.node.routing.pending_nodes)
+        self.release_sync_waits(job, lambda peers: not (peers & routed))
         by_node: dict[str, list] = {node: [] for node in poke if node != me}
         with job.cond:
             for key in copies:

@@ -83,7 +83,8 @@ class Report:
 
 
 class Chaos:
-    def __init__(self, workdir: Path, etcd, seed: int, faults: int, log=print):
+    def __init__(self, workdir: Path, etcd, seed: int, faults: int, log=print, keep_checkpoints: bool = False):
+        self.keep_checkpoints = keep_checkpoints  # every chain kept: a divergence can be found step by step
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.etcd = etcd
@@ -105,7 +106,9 @@ class Chaos:
             cluster.wait_ready(h)
         cluster.leader()
         self.nodes = [cluster.add_node(node_id=f"ps{i}", wait=False, checkpoint_dir=str(self.workdir / f"ps{i}-ckpt"),
-                                       checkpoint_every_steps=5) for i in range(3)]
+                                       checkpoint_every_steps=5,
+                                       **({"checkpoint_keep": 10_000} if self.keep_checkpoints else {}))
+                      for i in range(3)]
         for h in self.nodes:
             cluster.wait_ready(h)
         cluster.wait_for_nodes(3, timeout=60)
@@ -271,7 +274,7 @@ def main(argv=None) -> int:
             if args.keep:
                 workdir = Path(args.keep) / f"seed-{seed}"
                 workdir.mkdir(parents=True, exist_ok=False)
-                report = Chaos(workdir, etcd, seed, args.faults).run().to_dict()
+                report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=True).run().to_dict()
             else:
                 with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
                     report = Chaos(Path(tmp), etcd, seed, args.faults).run().to_dict()

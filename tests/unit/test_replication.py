@@ -356,3 +356,34 @@ def test_a_drain_hands_the_step_in_flight_over_so_a_dead_rank_loses_nothing(init
     for name in ("a", "b"):
         torch.testing.assert_close(cluster.values(name), want[name], rtol=0, atol=0)
     cluster.assert_copies_equal()
+
+
+def test_a_step_no_copy_holder_holds_yet_stays_invisible_until_one_synced(initial):
+    """A new primary (just switched in) may apply a step before its replicas asked for their
+    sync: with no copy holder in sync the step would live on one node only, so pulls must not
+    see it until a holder's sync carried it (found by the seeded fault run: the new primary died
+    right after applying, and the workers had already seen the step)."""
+    bus, cluster = start(nodes=2, initial=initial)
+    grads = gradients(3)
+    run_steps(cluster, grads[:1])
+    for node in bus.nodes.values():
+        node.replicator._in_sync["job"] = {}         # as right after a switch: nobody asked yet
+    g0, g1 = grads[1]
+    cluster.push(0, g0)
+    cluster.push(1, g1)
+    cluster.commit(0)
+    cluster.commit(1)
+    for node in bus.nodes.values():
+        job = node.job("job")
+        keys = [k for k, b in job.blocks.items() if b.primary]
+        with pytest.raises(StoreError) as err:
+            job.wait_for_step(cluster.step + 1, timeout=0.3, keys=keys)
+        assert err.value.code == "TIMEOUT"
+    for node in bus.nodes.values():
+        node.assign_roles(node.job("job"))           # the replicas ask for their sync ...
+    cluster.wait_visible()                           # ... which carries the step: visible now
+    cluster.assert_copies_equal()
+    run_steps(cluster, grads[2:])
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], rtol=0, atol=0)
