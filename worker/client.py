@@ -411,16 +411,18 @@ class Client:
             self._replay_from = old
 
     def _replay_after_epoch_change(self) -> bool:
-        """The epoch changed while a BSP step was in flight: push again the blocks whose primary
-        changed, and commit again on every node if this worker had committed. True if it did."""
+        """The epoch changed while a BSP step was in flight: push the step's blocks again, and commit
+        again on every node if this worker had committed. True if it did."""
         old, self._replay_from = self._replay_from, None
         inflight = self._inflight
         if old is None or inflight is None or self._replaying or self.spec is None or self.spec.sync != "bsp":
             return False
         self._replaying = True
         try:
-            moved = [key for key in inflight["grads"]
-                     if old.ring is None or self.routing.owner(self.job, *key) != old.owner(self.job, *key)]
+            # Every block, not only those whose owner differs between the two tables this worker
+            # saw: a node may have lost a block and got it back in epochs in between (forgetting
+            # the pushes); a node that still holds a push ignores the resend.
+            moved = list(inflight["grads"])
             step, weight = inflight["step"], inflight["weight"]
             if moved:
                 self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
