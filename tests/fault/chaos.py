@@ -139,14 +139,18 @@ class Chaos:
     def wait_serving(self, n: int = 3) -> None:
         self.cluster.wait_for_nodes(n, timeout=RECOVERY_TIMEOUT)
 
+    def revive_workers(self) -> None:
+        """Start again (unarmed) a worker whose failpoint fired; a worker that failed is an error."""
+        for rank, (proc, _, _) in self.workers.items():
+            if proc.poll() not in (None, 0, 137):
+                raise AssertionError(f"worker {rank} failed (exit {proc.returncode}):\n{proc.communicate()[0][-3000:]}")
+            if proc.poll() == 137:
+                self.restart_worker(rank)
+
     def wait_step_after(self, step: int, started: float) -> float:
         deadline = started + RECOVERY_TIMEOUT
         while self.progress() <= step:
-            for rank, (proc, _, _) in self.workers.items():
-                if proc.poll() not in (None, 0, 137):
-                    raise AssertionError(f"worker {rank} failed (exit {proc.returncode}):\n{proc.communicate()[0][-3000:]}")
-                if proc.poll() == 137:   # a failpoint fired: start it again, unarmed
-                    self.restart_worker(rank)
+            self.revive_workers()
             if self.progress() >= self.steps:
                 break
             if time.monotonic() > deadline:
@@ -194,6 +198,7 @@ class Chaos:
         self.allow(self.progress() + 13)  # past the step and past the next checkpoints (every 5)
         deadline = time.monotonic() + 20
         while node.alive() and time.monotonic() < deadline and self.progress() < self.steps:
+            self.revive_workers()  # a worker armed by the previous fault may die meanwhile
             time.sleep(0.05)
         if node.alive():   # not reached: disarm it
             self.cluster.restart(node, wait=True)
