@@ -31,7 +31,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,6 +38,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from report import run_and_report  # bench/report.py (the script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -699,25 +700,7 @@ def main(argv=None) -> int:
             or args.warmup < 0 or args.train_warmup_steps < 0:
         p.error("sizes, reps, steps and pairs must be >= 1, warm-ups >= 0")
 
-    def _terminate(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        result = run(args)
-    except KeyboardInterrupt as exc:
-        print(f"interrupted ({exc or 'SIGINT'}); the benchmark's processes were stopped", file=sys.stderr)
-        return 130
-    print_table(result)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        os.replace(tmp, out)
-        print(f"wrote {out}")
-    return 0
-
+    return run_and_report(run, print_table, args, stopped='processes')
 
 if __name__ == "__main__":
     sys.exit(main())
