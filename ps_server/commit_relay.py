@@ -1,4 +1,5 @@
 """Atomic BSP commits across nodes: a node that misses a rank's commit learns it from its peers.
+(The same thread ends handover waits that ran out: JobStore.release_expired_waits.)
 
 A worker commits step ``v`` to every node only after all its pushes of ``v`` were acknowledged,
 so a commit received by any node means that rank finished pushing ``v`` everywhere. A worker that
@@ -63,6 +64,9 @@ class CommitRelay(threading.Thread):
         for job in self._jobs():
             if job.sync != "bsp":
                 continue
+            if job.release_expired_waits():
+                log.warning("job %s: a block's previous primary did not hand the step in flight over in time; "
+                            "it goes on with the pushes workers resend", job.name)
             step = job.step
             record, _lr = job.commits_of(step)
             if not record or len(record) >= job.world_size:

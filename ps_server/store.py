@@ -629,6 +629,18 @@ class JobStore:
             self.cond.notify_all()
         return gained, lost
 
+    def release_expired_waits(self) -> int:
+        """Stop waiting for handovers that did not come in time (the previous primary died at the
+        switch); apply what can be applied now. Returns how many blocks stopped waiting."""
+        now = time.monotonic()
+        with self.cond:
+            expired = [b for b in self.blocks.values() if b.primary and b.awaiting and now >= b.awaiting]
+            for block in expired:
+                block.awaiting = 0.0
+            for step in {b.step for b in expired}:
+                self._apply_ready(step)
+            return len(expired)
+
     def accept_handover(self, sender: str, items: list[Handover]) -> None:
         """Take what ``sender``, a block's previous primary, collected for the step in flight. A
         block that already moved past that step, or that took pushes meanwhile (the wait timed

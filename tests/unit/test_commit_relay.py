@@ -3,6 +3,7 @@ nodes leaves some nodes able to apply the step and others waiting; every node mu
 applying it, bitwise like the node that got every commit. Two JobStores stand in for two nodes."""
 
 import threading
+import time
 
 import torch
 
@@ -82,3 +83,21 @@ def test_job_step_follows_the_blocks_a_node_takes_over():
     assert job.step == 6 and job.oldest_step() == 6
     job.commit(0, 6, 1.0, epoch=3)
     assert job.commit(1, 6, 1.0, epoch=3) == 7 and job.oldest_step() == 7
+
+
+def test_a_handover_that_never_comes_stops_blocking_the_step():
+    """A block taken over from a primary that died at the switch: once the wait ran out, the
+    relay's pass applies it with the commits it has (a rank that pushed nothing to it)."""
+    job = JobStore(make_job(lr=0.01))
+    init_store(job, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    keys = set(job.blocks)
+    job.set_primary(set(), epoch=2)
+    clock = Clock()
+    job.set_primary(keys, epoch=3, awaiting={k: ("gone", time.monotonic() + 3600) for k in keys})
+    job.commit(0, 0, 1.0, epoch=3)
+    job.commit(1, 0, 1.0, epoch=3)
+    assert job.oldest_step() == 0                    # the job step moved on, the blocks wait
+    for block in job.blocks.values():
+        block.awaiting = 1.0                         # the wait ran out
+    relay_for(job, [], clock).check()
+    assert job.oldest_step() == 1
