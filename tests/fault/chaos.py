@@ -256,6 +256,12 @@ class Chaos:
                          f"next step after {fault['recovery_seconds'] or 0:.2f} s")
                 self.wait_serving()
             self.allow(self.steps)
+            deadline = time.monotonic() + 600
+            while self.progress() < self.steps:   # a worker armed by the last faults may still die
+                self.revive_workers()
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"training did not finish: at step {self.progress()} of {self.steps}")
+                time.sleep(0.05)
             results = train_model.finish_workers(list(self.workers.values()), timeout=600)
         expected = train_model.reference("adamw", self.steps, world_size=2)
         self.report.steps_lost = sum(self.steps - int(r["_version"]) for r in results)
