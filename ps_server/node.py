@@ -329,7 +329,8 @@ class PSNode:
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp")
         reply.step = step
-        reply.oldest_step = min(step, job.oldest_step())
+        # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
+        reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step
         payloads = []
         for tensor, index, version, value in blocks:
             reply.blocks.append(frame.block_ref(tensor, index, value, version=version))

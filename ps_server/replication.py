@@ -306,6 +306,7 @@ class Replicator:
         placement = place(self.node.routing, job.spec)
         me = self.node.node_id
         by_peer: dict[str, list] = {}
+        protected = []                      # visible once the in-sync holders acknowledged them
         unprotected, unsynced = [], set()   # no copy holder in sync: the step would have one copy
         for key, block in items:
             peers = [p for p in placement.copies_of(key) if p != me]
@@ -315,16 +316,16 @@ class Replicator:
             if peers and not synced:
                 unprotected.append(block)
                 unsynced.update(peers)
+            else:
+                protected.append(block)
         if unprotected:
             with self._lock:
                 self._sync_waits.setdefault(job.name, []).append(_SyncWait(step, unprotected, unsynced))
         if not by_peer:
             if unprotected:  # the rest is visible now; those wait for a holder's sync
-                protected = [b for _k, b in items if not any(b is u for u in unprotected)]
                 job.mark_visible(protected, step + 1)
             return bool(unprotected)
-        waiting_blocks = [block for _key, block in items if not any(block is u for u in unprotected)]
-        pending = _Pending(job, step, waiting_blocks, set(by_peer))
+        pending = _Pending(job, step, protected, set(by_peer))
         rounds = {peer: holders[peer] for peer in by_peer}
         copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
         for peer, items in by_peer.items():

@@ -646,7 +646,6 @@ class JobStore:
         block that already moved past that step, or that took pushes meanwhile (the wait timed
         out), keeps its own."""
         with self.cond:
-            steps = set()
             for item in items:
                 block = self.blocks.get(item.key)
                 if block is None or not block.primary or block.awaiting_from != sender or not block.awaiting:
@@ -660,11 +659,8 @@ class JobStore:
                     block.grad_buf.copy_(item.grad)
                     block.has_grad = True
                 block.pushed_by, block.received, block.handed = set(item.ranks), set(item.ranks), set(item.ranks)
-                steps.add(item.step)
-            for step in steps:
-                self._apply_ready(step)
             for step in {b.step for b in self.blocks.values() if b.primary}:
-                self._apply_ready(step)  # blocks that waited may apply now
+                self._apply_ready(step)  # blocks that waited (handed over or not) may apply now
             self.cond.notify_all()
 
     def drop_blocks(self, keys) -> int:

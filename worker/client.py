@@ -269,20 +269,20 @@ class Client:
             self._inflight = None  # every node holds the step, replicas included: nothing to resend
 
     def join(self, names=None) -> int:
-        """Pull the job as the cluster holds it and return its step. If the nodes are at different
-        steps (a worker died between its commits to different nodes), wait until they agree: the
-        nodes that missed a commit learn it from the others (ps_server/commit_relay.py)."""
-        names = self._names(names)
-        self._oldest.clear()
-        self._resume_at(self._pull(names, min_step=0, timeout=None))
+        """Pull the job as the cluster holds it and return the step to run next: the oldest step
+        any block still collects (see ``_resume_at``)."""
+        self._resume_at(self._names(names))
         self.start_lease()
         return self.step or 0
 
-    def _resume_at(self, steps: dict[str, int]) -> None:
-        """Take the step of a (re)started worker from the nodes' pull replies: BSP, the oldest step
-        any block still collects. Redoing it is harmless where it was applied or this rank's push
-        arrived (the node ignores the resend), and completes it where the rank's push or commit is
-        missing (it died after committing on some nodes only, or a block changed owner mid-step)."""
+    def _resume_at(self, names: list[str]) -> None:
+        """Pull ``names`` as the cluster holds them and take the step of a (re)started worker from
+        the nodes' replies: BSP, the oldest step any block still collects. Redoing it is harmless
+        where it was applied or this rank's push arrived (the node ignores the resend), and
+        completes it where the rank's push or commit is missing (it died after committing on some
+        nodes only, or a block changed owner mid-step)."""
+        self._oldest.clear()
+        steps = self._pull(names, min_step=0, timeout=None)
         if not steps:
             return
         if self.sync != "bsp":
@@ -306,8 +306,7 @@ class Client:
 
     def _current_step(self) -> int:
         if self.step is None:
-            self._oldest.clear()
-            self._resume_at(self._pull([], min_step=0, timeout=None))  # learn the step from the nodes
+            self._resume_at([])  # learn the step from the nodes
         return self.step or 0
 
     def _push(self, grads: dict[str, torch.Tensor | None], weight: float) -> None:

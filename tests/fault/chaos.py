@@ -208,13 +208,17 @@ class Chaos:
         self.cluster.restart(node, wait=True)
         return f"{node.node_id} {point}@{at}"
 
+    def _pause(self, handle, low: float, high: float) -> float:
+        """SIGSTOP ``handle`` for a random time in [low, high] s, then SIGCONT; returns the time."""
+        pause = self.rng.uniform(low, high)
+        self.cluster.kill(handle, signal.SIGSTOP)
+        time.sleep(pause)
+        self.cluster.kill(handle, signal.SIGCONT)
+        return pause
+
     def _ps_stop(self) -> str:
         node = self._pick_node()
-        pause = self.rng.uniform(0.5, 3.5)
-        self.cluster.kill(node, signal.SIGSTOP)
-        time.sleep(pause)
-        self.cluster.kill(node, signal.SIGCONT)
-        return f"{node.node_id} {pause:.1f}s"
+        return f"{node.node_id} {self._pause(node, 0.5, 3.5):.1f}s"
 
     def _worker_kill9(self) -> str:
         rank = self.rng.randrange(2)
@@ -237,11 +241,7 @@ class Chaos:
 
     def _leader_stop(self) -> str:
         leader = self.cluster.leader()
-        pause = self.rng.uniform(1.5, 3.0)
-        self.cluster.kill(leader, signal.SIGSTOP)
-        time.sleep(pause)
-        self.cluster.kill(leader, signal.SIGCONT)
-        return f"{leader.name} {pause:.1f}s"
+        return f"{leader.name} {self._pause(leader, 1.5, 3.0):.1f}s"
 
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> Report:
