@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 START_TIMEOUT = 20.0
+START_ATTEMPTS = 3
 INSTALL_HINT = "etcd is not installed: run scripts/install-system-deps.sh (as root) to install Debian's etcd-server"
 
 
@@ -42,10 +43,26 @@ class EtcdServer:
             raise FileNotFoundError(INSTALL_HINT)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
         self.data_dir = Path(tempfile.mkdtemp(prefix="shardline-etcd-", dir=base))
+        self.log_path = self.data_dir / "etcd.log"
+        # etcd cannot take port 0: the free ports picked may be taken before it binds them, so a
+        # start that fails with "address already in use" is tried again on other ports.
+        for attempt in range(START_ATTEMPTS):
+            self._start(path)
+            try:
+                self._wait_healthy()
+                return
+            except BaseException as exc:
+                self.stop(remove=False)
+                if attempt + 1 == START_ATTEMPTS or not isinstance(exc, RuntimeError) \
+                        or "address already in use" not in str(exc):
+                    shutil.rmtree(self.data_dir, ignore_errors=True)
+                    raise
+                shutil.rmtree(self.data_dir / "data", ignore_errors=True)
+
+    def _start(self, path: str) -> None:
         self.client_port, self.peer_port = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.client_port}"
         self.url = f"etcd://{self.endpoint}"
-        self.log_path = self.data_dir / "etcd.log"
         peer = f"http://127.0.0.1:{self.peer_port}"
         argv = [path, "--name", "test", "--data-dir", str(self.data_dir / "data"),
                 "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
@@ -58,11 +75,6 @@ class EtcdServer:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -85,14 +97,15 @@ class EtcdServer:
                 raise RuntimeError(f"etcd not healthy within {START_TIMEOUT:g} s:\n{self.log_tail()}")
             time.sleep(0.05)
 
-    def stop(self) -> None:
+    def stop(self, remove: bool = True) -> None:
         if self.proc.poll() is None:
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         self.proc.wait(timeout=10)
-        shutil.rmtree(self.data_dir, ignore_errors=True)
+        if remove:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
 
     def __enter__(self) -> "EtcdServer":
         return self

@@ -299,3 +299,23 @@ def _spec(name: str):
 
     return common_pb2.JobSpec(name=name, optimizer=common_pb2.OptimizerSpec(kind="sgd", lr=0.1), sync="bsp",
                               world_size=1, tensors=[common_pb2.TensorSpec(name="w", shape=[4])])
+
+
+def test_the_test_etcd_starts_again_on_other_ports_when_its_port_was_taken(monkeypatch):
+    """etcd cannot bind port 0: a picked port taken meanwhile (here on purpose) means another try."""
+    import socket
+
+    import etcd_server
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real = etcd_server.free_port
+    monkeypatch.setattr(etcd_server, "free_port", lambda: next(picks, None) or real())
+    try:
+        with etcd_server.EtcdServer() as server:
+            assert server.client_port != taken.getsockname()[1] and server.proc.poll() is None
+            EtcdStateStore(parse_etcd_url(server.url), "/retry").load()   # it answers
+    finally:
+        taken.close()
