@@ -63,14 +63,15 @@ class NodeCaller(Protocol):
 
 
 class GrpcNodeCaller:
-    """:class:`NodeCaller` over gRPC, with the cluster token when there is one. A channel per call:
-    these calls are rare and node addresses change."""
+    """:class:`NodeCaller` over gRPC, with the cluster token when there is one and TLS when
+    ``tls_ca`` (PEM) is given. A channel per call: these calls are rare and node addresses change."""
 
-    def __init__(self, cluster_token: bytes | None = None):
+    def __init__(self, cluster_token: bytes | None = None, tls_ca: bytes | None = None):
         self._cluster_token = cluster_token
+        self._tls_ca = tls_ca
 
     def _call(self, node: Target, method: str, request, deadline: float):
-        channel = grpc_channel(node.grpc_address, self._cluster_token)
+        channel = grpc_channel(node.grpc_address, self._cluster_token, tls_ca=self._tls_ca)
         try:
             return getattr(ps_pb2_grpc.ParameterServerStub(channel), method)(request, timeout=deadline)
         except grpc.RpcError as exc:

@@ -18,7 +18,6 @@ import sys
 
 from shardline.dispatcher.server import create_server
 from shardline.dispatcher.state_store import StateStoreError
-from shardline.services import auth
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (
     add_common_args,
@@ -30,6 +29,7 @@ from shardline.services.daemon import (
     announce_ready,
 )
 from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError
+from shardline.services.security import daemon_security
 
 log = logging.getLogger("shardline.dispatcher")
 
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_args(argv)
         setup_logging(args.log_level, "dispatcher", args.log_format)
         log_configuration(log, args)
+        host, _ = parse_host_port(args.listen, what="listen")
+        # gRPC and metrics bind the listen host (the metrics port does not matter to the policy)
+        security = daemon_security(args, {"listen": args.listen, "metrics": format_host_port(host, args.metrics_port)})
     except ShardlineConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -72,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             heartbeat_timeout=args.heartbeat_timeout,
             heartbeat_interval=args.heartbeat_interval,
             vnodes_per_capacity=args.vnodes_per_capacity,
-            cluster_token=auth.load_token(args.cluster_token_file),
+            cluster_token=security.token,
+            server_tls=security.server_tls,
+            tls_ca=security.tls_ca,
+            insecure=security.insecure,
             state_dir=args.state_dir,
             state_store=args.state_store,
             state_prefix=args.state_prefix,
@@ -87,7 +93,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ShardlineTimeoutError, ShardlineConnectionError) as exc:  # etcd did not answer in time
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
-    host, _ = parse_host_port(args.listen, what="listen")
     metrics_server = None
     try:
         try:
@@ -98,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         grpc_address = format_host_port(host, port)
         metrics_address = format_host_port(host, metrics_port)
         announce_ready(args.ready_file, {"grpc": grpc_address, "metrics": metrics_address})
-        log.info("serving gRPC on %s, metrics on %s", grpc_address, metrics_address)
+        log.info("serving gRPC on %s, metrics on %s; %s", grpc_address, metrics_address, security.summary)
         while not stop.wait(0.5):
             pass
     finally:

@@ -72,6 +72,7 @@ class NodeRecord:
     blocks: int                   # as last reported by the node
     bytes: int
     member: str                   # SERVING, JOINING, DRAINING or DRAINED (alive nodes)
+    insecure: bool = False        # serves a non-loopback address without a cluster token
 
 
 @dataclass(frozen=True)
@@ -99,6 +100,7 @@ class _Node:
     member: str = SERVING
     ready_epoch: int = 0          # the pending epoch the node last reported in sync for (not persisted)
     incarnation: str = ""         # the process that registered last (not persisted: a new leader learns it)
+    insecure: bool = False        # as the node registered (not persisted: it registers again)
 
     def published(self) -> tuple:
         """The fields whose change alters the routing table."""
@@ -266,11 +268,13 @@ class Membership:
         capacity: float,
         now: float,
         incarnation: str = "",
+        insecure: bool = False,
     ) -> int:
         """Add a node, revive a dead one, or refresh/update a known one. Returns the epoch after.
 
         ``incarnation`` identifies the node's process: an alive member registering with a new one
         restarted (kill -9 and back before it was declared dead) and rejoins like a revived node.
+        ``insecure``: the node serves a non-loopback address without a cluster token (status shows it).
 
         Re-registering an alive node with the same rack, addresses and capacity only refreshes its
         heartbeat (a node retrying registration must not churn the ring, nor write to the store).
@@ -298,6 +302,7 @@ class Membership:
                 # Keep the last storage report until the node sends a fresh one.
                 node.blocks, node.bytes = before.blocks, before.bytes
             node.incarnation = incarnation
+            node.insecure = bool(insecure)
             serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
             restarted = before is not None and bool(incarnation) and before.incarnation not in ("", incarnation)
             if before is not None and before.state == ALIVE and before.member in (SERVING, JOINING, DRAINING) \
@@ -313,8 +318,10 @@ class Membership:
                 self._nodes[node_id] = node
             return self._epoch
 
-    def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0, epoch: int = 0) -> bool:
+    def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0, epoch: int = 0,
+                  insecure: bool | None = None) -> bool:
         """Record a heartbeat with the node's storage report. False: unknown or dead, register again.
+        ``insecure`` (None: not reported) refreshes the registration's flag (a new leader learns it so).
 
         ``epoch`` is the one the node routes with (0: not reported). One above the dispatcher's
         moves the dispatcher's to ``epoch + 1`` (persisted; StateStoreError if that fails), whether
@@ -333,6 +340,8 @@ class Membership:
                 return False
             node.last_heartbeat = max(node.last_heartbeat, now)
             node.blocks, node.bytes = blocks, bytes
+            if insecure is not None:
+                node.insecure = bool(insecure)
             return True
 
     def report_ready(self, node_id: str, ready_epoch: int) -> bool:
@@ -442,4 +451,5 @@ class Membership:
             blocks=node.blocks,
             bytes=node.bytes,
             member=node.member if node.state == ALIVE else "",
+            insecure=node.insecure,
         )

@@ -26,7 +26,7 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable
+from typing import Callable, Mapping
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -195,11 +195,15 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         drop_timeout: float = DEFAULT_DROP_TIMEOUT,
         status_timeout: float = DEFAULT_STATUS_TIMEOUT,
         election: LeaderElection | None = None,
+        security_flags: Mapping[str, bool] | None = None,
     ):
+        """``security_flags``: how this dispatcher is secured, as ClusterStatus fields (``insecure``,
+        ``cluster_token``, ``tls``), reported by GetClusterStatus."""
         if (membership is None) != (jobs is None):
             raise ShardlineConfigError("DispatcherServicer needs both membership and jobs, or neither (a follower)")
         self._state: LeaderState | None = LeaderState(membership, jobs) if membership is not None else None
         self.election = election
+        self.security_flags = dict(security_flags or {})
         self.heartbeat_interval = heartbeat_interval
         self._clock = clock
         # Waiters hold a server thread each; the cap keeps threads free for heartbeats.
@@ -299,7 +303,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         epoch = state.membership.register(
             request.node_id, request.rack, reachable_address(request.grpc_address, peer),
             reachable_address(request.data_address, peer), request.capacity, self._clock(),
-            incarnation=request.incarnation,
+            incarnation=request.incarnation, insecure=request.insecure,
         )
         if epoch != before:
             log.info(
@@ -314,7 +318,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         state = self._leading()
         before = state.membership.epoch
         registered = state.membership.heartbeat(request.node_id, self._clock(), request.blocks, request.bytes,
-                                                request.epoch)
+                                                request.epoch, insecure=request.insecure)
         epoch = state.membership.epoch
         if request.epoch > before:
             log.warning("node %s routes with epoch %d, above the dispatcher's %d: the dispatcher moved to epoch %d",
@@ -475,6 +479,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             all_nodes=[node_info(n) for n in state.membership.all_nodes(now)],
             jobs=[job_info(j) for j in state.jobs.list()],
             workers=[lease_info(lease, now) for lease in state.leases.all()],
+            **self.security_flags,
         )
         if self.election is not None:
             status.leader = self.election.address
@@ -560,6 +565,9 @@ def create_server(
     vnodes_per_capacity: int = 128,
     max_workers: int = 64,
     cluster_token: bytes | None = None,
+    server_tls=None,
+    tls_ca: bytes | None = None,
+    insecure: bool = False,
     state_dir: str | None = None,
     state_store: str | None = None,
     state_prefix: str = DEFAULT_STATE_PREFIX,
@@ -579,9 +587,14 @@ def create_server(
     host and the bound port) as the leader's; it serves as a follower until elected. Raises
     ShardlineConfigError for bad arguments, StateStoreError if the state cannot be opened, and
     ShardlineTimeoutError naming the endpoints if etcd does not answer within ``connect_timeout``.
-    Calls to PS nodes carry ``cluster_token``. ``replication``: copies of every block for jobs that
-    do not set their own.
+    Calls to PS nodes carry ``cluster_token`` and use TLS with ``tls_ca`` (PEM); ``server_tls`` (a
+    services.security.ServerTLS) makes the server speak TLS; ``insecure`` (exposed without a token)
+    is shown in the cluster status. ``replication``: copies of every block for jobs that do not set
+    their own.
     """
+    security = dict(cluster_token=cluster_token, server_tls=server_tls, tls_ca=tls_ca,
+                    security_flags={"insecure": insecure, "cluster_token": cluster_token is not None,
+                                    "tls": server_tls is not None})
     # Arguments first: a bad one must not touch the state (opening it persists a new epoch).
     require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
     require_positive_number(heartbeat_interval, "heartbeat_interval (seconds)")
@@ -594,7 +607,7 @@ def create_server(
     if backend == "etcd":
         return _create_replicated_server(
             address, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
-            vnodes_per_capacity=vnodes_per_capacity, max_workers=max_workers, cluster_token=cluster_token,
+            vnodes_per_capacity=vnodes_per_capacity, max_workers=max_workers, **security,
             state_store=state_store, state_prefix=state_prefix, leader_lease_timeout=leader_lease_timeout,
             advertise_address=advertise_address, connect_timeout=connect_timeout, replication=replication)
     store = open_state_store(state_dir)
@@ -606,7 +619,7 @@ def create_server(
     _log_recovery(backend == "memory", membership, jobs)
     servicer = DispatcherServicer(
         membership, jobs, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
-        node_caller=GrpcNodeCaller(cluster_token),
+        node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security["security_flags"],
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(
@@ -614,6 +627,7 @@ def create_server(
             [lambda s: dispatcher_pb2_grpc.add_DispatcherServicer_to_server(servicer, s)],
             max_workers=max_workers,
             cluster_token=cluster_token,
+            tls=server_tls,
         )
     except BaseException:
         servicer.close()  # releases the state store's lock for the next attempt
@@ -623,6 +637,7 @@ def create_server(
 
 def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbeat_interval: float,
                               vnodes_per_capacity: int, max_workers: int, cluster_token: bytes | None,
+                              server_tls, tls_ca: bytes | None, security_flags: Mapping[str, bool],
                               state_store: str, state_prefix: str, leader_lease_timeout: float,
                               advertise_address: str | None, connect_timeout: float, replication: int):
     """create_server with an etcd state store: a follower that campaigns (create_server's contract)."""
@@ -643,12 +658,12 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
         raise
     servicer = DispatcherServicer(
         None, None, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
-        node_caller=GrpcNodeCaller(cluster_token),
+        node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security_flags,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(
             address, [lambda s: dispatcher_pb2_grpc.add_DispatcherServicer_to_server(servicer, s)],
-            max_workers=max_workers, cluster_token=cluster_token,
+            max_workers=max_workers, cluster_token=cluster_token, tls=server_tls,
         )
     except BaseException:
         servicer.close()

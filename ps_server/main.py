@@ -28,12 +28,13 @@ from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
-from shardline.services import auth, failpoints, frame, sdnotify
+from shardline.services import failpoints, frame, sdnotify
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.security import daemon_security
 from shardline.services.transport import get_transport
 
 log = logging.getLogger("shardline.ps")
@@ -90,7 +91,8 @@ class HeartbeatLoop(threading.Thread):
             blocks, nbytes = self.node.store.totals()
             resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
                                          epoch=self.node.routing.epoch, jobs=self.node.held_jobs(),
-                                         ready_epoch=self.node.ready_epoch(), timeout=timeout)
+                                         ready_epoch=self.node.ready_epoch(),
+                                         insecure=bool(self.registration.get("insecure")), timeout=timeout)
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
                 self.client.register_node(**self.registration)
@@ -146,8 +148,9 @@ class HeartbeatLoop(threading.Thread):
                 failing = True
 
 
-def peer_job_steps(node: PSNode, token: bytes | None) -> Callable[[str], int | None]:
-    """``step(job)``: the highest step other alive nodes hold the job at (None: nobody holds it)."""
+def peer_job_steps(node: PSNode, token: bytes | None, tls_ca: bytes | None = None) -> Callable[[str], int | None]:
+    """``step(job)``: the highest step other alive nodes hold the job at (None: nobody holds it).
+    Calls carry ``token`` and use TLS with ``tls_ca``."""
     from shardline.services.daemon import grpc_channel
     from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
@@ -156,7 +159,7 @@ def peer_job_steps(node: PSNode, token: bytes | None) -> Callable[[str], int | N
     def status_of(info) -> dict[str, int]:
         if info.node_id not in cache:
             try:
-                with grpc_channel(info.grpc_address, token) as channel:
+                with grpc_channel(info.grpc_address, token, tls_ca=tls_ca) as channel:
                     reply = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(
                         ps_pb2.GetNodeStatusRequest(), timeout=PEER_STATUS_TIMEOUT_SECONDS)
                 # an address may outlive its node (a stale registration): trust only the node itself
@@ -173,8 +176,9 @@ def peer_job_steps(node: PSNode, token: bytes | None) -> Callable[[str], int | N
     return step
 
 
-def peer_commits(node: PSNode, token: bytes | None) -> Callable[[str, int], list]:
-    """``ask(job, step)`` for the commit relay: every other node's commit record of the step."""
+def peer_commits(node: PSNode, token: bytes | None, tls_ca: bytes | None = None) -> Callable[[str, int], list]:
+    """``ask(job, step)`` for the commit relay: every other node's commit record of the step
+    (calls carry ``token`` and use TLS with ``tls_ca``)."""
     from shardline.services.daemon import grpc_channel
     from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
@@ -184,7 +188,7 @@ def peer_commits(node: PSNode, token: bytes | None) -> Callable[[str, int], list
             if node_id == node.node_id:
                 continue
             try:
-                with grpc_channel(info.grpc_address, token) as channel:
+                with grpc_channel(info.grpc_address, token, tls_ca=tls_ca) as channel:
                     reply = ps_pb2_grpc.ParameterServerStub(channel).GetCommits(
                         ps_pb2.GetCommitsRequest(job=job, step=step), timeout=PEER_STATUS_TIMEOUT_SECONDS)
             except Exception:  # noqa: BLE001 - an unreachable peer has nothing to tell
@@ -262,7 +266,10 @@ def main(argv=None) -> int:
         if args.checkpoint_dir and not args.node_id and data_port == 0:
             raise ShardlineConfigError("checkpoint_dir needs a stable node id: set node_id (the default, host name and "
                                        "data port, changes from run to run when the data port is 0)")
-        cluster_token = auth.load_token(args.cluster_token_file)
+        # Every bind: gRPC, data plane, metrics (on the listen host; its port does not matter to the policy).
+        security = daemon_security(args, {"listen": args.listen, "data_listen": format_host_port(data_host, data_port),
+                                          "metrics": format_host_port(host, args.metrics_port)})
+        cluster_token = security.token
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
         return 2
@@ -271,7 +278,8 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.torch_threads)
     stop = install_stop_handlers()
-    client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout, cluster_token=cluster_token)
+    client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout, cluster_token=cluster_token,
+                              tls_ca=security.tls_ca)
 
     def fetch_job(name):
         return client.get_job(name)
@@ -306,14 +314,14 @@ def main(argv=None) -> int:
                                          epoch=lambda: node.routing.epoch, metrics=ps_metrics,
                                          on_durable=lambda: heartbeats.wake() if heartbeats is not None else None)
     # gRPC answers at once (health, status: jobs appear as they are restored, each at its final step)
-    server, grpc_port, health = create_server(args.listen, node, cluster_token=cluster_token)
+    server, grpc_port, health = create_server(args.listen, node, cluster_token=cluster_token, tls=security.server_tls)
     _, metrics_port = start_metrics_server(host, args.metrics_port)
     try:
         client.wait_until_reachable(args.connect_timeout)
         node.refresh_routing()
         if ckdir is not None:
             restore_all(ckdir, node_id=node_id, get_job=client.get_job, restore_job_rpc=client.restore_job,
-                        live_step=peer_job_steps(node, cluster_token), add_job=node.add_job, metrics=ps_metrics,
+                        live_step=peer_job_steps(node, cluster_token, security.tls_ca), add_job=node.add_job, metrics=ps_metrics,
                         before_job=lambda job: _extend_systemd_timeout(f"restoring job {job}"))
     except ShardlineError as exc:
         log.error("cannot join cluster %s: %s", args.cluster, exc)
@@ -322,7 +330,8 @@ def main(argv=None) -> int:
         return 1
 
     registration = dict(node_id=node_id, rack=args.rack, grpc_address=format_host_port(host, grpc_port),
-                        data_address=listener.address, capacity=args.capacity, incarnation=os.urandom(8).hex())
+                        data_address=listener.address, capacity=args.capacity, incarnation=os.urandom(8).hex(),
+                        insecure=security.insecure)
     try:
         resp = client.register_node(**registration)
         node.refresh_routing()  # a restarted node rejoins: it applies nothing until it is in sync again
@@ -336,11 +345,11 @@ def main(argv=None) -> int:
     node.serving.set()
     heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, serving_done)
     heartbeats.start()
-    relay = CommitRelay(node.store.jobs, peer_commits(node, cluster_token), serving_done)
+    relay = CommitRelay(node.store.jobs, peer_commits(node, cluster_token, security.tls_ca), serving_done)
     node.settle_commits = relay.settle
     relay.start()
-    log.info("node %s serving: grpc %s, data %s (%s), rack %s, epoch %d", node_id, registration["grpc_address"],
-             listener.address, transport.NAME, args.rack, node.routing.epoch)
+    log.info("node %s serving: grpc %s, data %s (%s), rack %s, epoch %d; %s", node_id, registration["grpc_address"],
+             listener.address, transport.NAME, args.rack, node.routing.epoch, security.summary)
     announce_ready(args.ready_file, {"grpc": registration["grpc_address"], "metrics": format_host_port(host, metrics_port),
                                      "data": listener.address, "node_id": node_id})
     stop.wait()

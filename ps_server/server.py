@@ -63,8 +63,9 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         return reply
 
 
-def create_server(address: str, node: PSNode, *, cluster_token: bytes | None = None):
-    """Start the PS gRPC server on ``address``. Returns (server, port, health servicer)."""
+def create_server(address: str, node: PSNode, *, cluster_token: bytes | None = None, tls=None):
+    """Start the PS gRPC server on ``address`` (TLS with ``tls``, a services.security.ServerTLS).
+    Returns (server, port, health servicer)."""
     servicer = ParameterServerServicer(node)
     return create_grpc_server(address, [lambda s: ps_pb2_grpc.add_ParameterServerServicer_to_server(servicer, s)],
-                              cluster_token=cluster_token)
+                              cluster_token=cluster_token, tls=tls)

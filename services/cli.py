@@ -12,11 +12,16 @@
 streams rank 0's output (progress, loss, tokens/s, version), prints a summary (per worker: status,
 steps, final loss, tokens/s; per node: blocks, bytes, share of the ring; rank 0's accuracy and
 before/after sample answers) and shuts everything down, also on Ctrl-C and when a daemon fails.
+Every daemon and worker gets a cluster token: ``--cluster-token-file``, else a new random one in
+``<workdir>/cluster.token`` (0600) whose path it prints (``SHARDLINE_CLUSTER_TOKEN_FILE``).
 Exit codes: 0 done, 1 a daemon failed or timed out, 2 bad arguments, 130 interrupted.
 
 ``status`` asks a dispatcher for its cluster status: nodes (id, rack, address, state, heartbeat
 age, blocks, bytes, virtual nodes, share of the key space), the ring epoch, and jobs (name, sync,
-world size, tensors, parameters, ready), as tables or, with ``--json``, as one JSON object.
+world size, tensors, parameters, ready) and how it is secured (token, TLS; daemons running
+``allow_insecure`` come first, as WARNING lines), as tables or, with ``--json``, as one JSON object.
+Every command takes ``--cluster-token-file`` and ``--tls-ca-file`` (default
+``$SHARDLINE_CLUSTER_TOKEN_FILE``, ``$SHARDLINE_TLS_CA_FILE``).
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def format_table(headers: list[str], rows: list[list[Any]], right: set[int] | No
 
 # -- status ---------------------------------------------------------------------------------------
 
-def node_progress(status, timeout: float, cluster_token: bytes | None = None) -> dict[str, dict[str, int]]:
+def node_progress(status, timeout: float, cluster_token: bytes | None = None,
+                  tls_ca: bytes | None = None) -> dict[str, dict[str, int]]:
     """Ask every alive PS node for its job steps: {node_id: {job: step}} (unreachable nodes left out).
 
     The dispatcher does not see training progress; the nodes that apply the steps do.
@@ -86,7 +92,7 @@ def node_progress(status, timeout: float, cluster_token: bytes | None = None) ->
         if n.state != "alive":
             continue
         try:
-            with grpc_channel(n.grpc_address, cluster_token) as channel:
+            with grpc_channel(n.grpc_address, cluster_token, tls_ca=tls_ca) as channel:
                 reply = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(ps_pb2.GetNodeStatusRequest(), timeout=timeout)
         except Exception:  # noqa: BLE001 - a node that cannot answer is shown without progress
             continue
@@ -111,7 +117,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "node_id": n.node_id, "rack": n.rack, "grpc": n.grpc_address, "data": n.data_address,
             "state": n.state, "member": n.member or None, "capacity": n.capacity, "vnodes": int(n.vnodes),
             "heartbeat_age_seconds": round(n.heartbeat_age_seconds, 3), "blocks": int(n.blocks), "bytes": int(n.bytes),
-            "key_share": share.get(n.node_id, 0.0),
+            "key_share": share.get(n.node_id, 0.0), "insecure": bool(n.insecure),
         })
     jobs = []
     for j in status.jobs:
@@ -145,12 +151,34 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
         "alive_nodes": sum(1 for n in nodes if n["state"] == "alive"),
         "pending_epoch": int(status.routing.pending_epoch) or None,  # a ring change in progress
         "nodes": nodes, "jobs": jobs,
+        # how the dispatcher that answered is secured, and which alive PS nodes run exposed without a token
+        "security": {"insecure": bool(status.insecure), "cluster_token": bool(status.cluster_token),
+                     "tls": bool(status.tls),
+                     "insecure_nodes": [n["node_id"] for n in nodes if n["insecure"] and n["state"] == "alive"]},
     }
 
 
+def security_lines(security: dict) -> tuple[list[str], str]:
+    """How the cluster is secured, for ``status``: (WARNING lines for what runs insecure, one summary line)."""
+    warnings = []
+    if security.get("insecure"):
+        warnings.append("WARNING: INSECURE: the dispatcher serves a non-loopback address without a cluster token "
+                        "(allow_insecure): anyone who reaches it can read and change every job")
+    if security.get("insecure_nodes"):
+        warnings.append(f"WARNING: INSECURE: PS node(s) {', '.join(security['insecure_nodes'])} serve non-loopback "
+                        f"addresses without a cluster token (allow_insecure)")
+    if security.get("cluster_token"):
+        auth = "cluster token"
+    else:
+        auth = "NONE" if security.get("insecure") else "none (loopback only)"
+    return warnings, f"security: authentication {auth}, gRPC {'TLS' if security.get('tls') else 'plaintext'}"
+
+
 def render_status(data: dict) -> str:
-    lines = [f"cluster {data['cluster']}: ring epoch {data['epoch']}, "
-             f"{data['alive_nodes']}/{len(data['nodes'])} PS node(s) alive, {len(data['jobs'])} job(s)"]
+    warnings, summary = security_lines(data.get("security", {}))
+    lines = warnings + [f"cluster {data['cluster']}: ring epoch {data['epoch']}, "
+                        f"{data['alive_nodes']}/{len(data['nodes'])} PS node(s) alive, {len(data['jobs'])} job(s)",
+                        summary]
     if data.get("leader"):
         others = ", ".join(f"{d['address']} ({d['role']})" for d in data.get("dispatchers", []))
         lines.append(f"leader {data['leader']}" + (f"; dispatchers: {others}" if others else ""))
@@ -190,11 +218,12 @@ class _UsageError(Exception):
 
 def _connect_dispatcher(args: argparse.Namespace):
     """A DispatcherClient for ``--cluster`` (or $SHARDLINE_CLUSTER: one dispatcher or several,
-    comma-separated) with the cluster token, once one of them answers as the leader.
-    Raises _UsageError (bad input) or ShardlineError (unreachable)."""
+    comma-separated) with the cluster token and TLS CA, once one of them answers as the leader;
+    sets ``args.token`` and ``args.tls_ca``. Raises _UsageError (bad input) or ShardlineError (unreachable)."""
     from shardline.services.auth import load_token
     from shardline.services.config import parse_address_list
     from shardline.services.dispatcher_client import DispatcherClient
+    from shardline.services.security import load_ca
 
     cluster = args.cluster or os.environ.get("SHARDLINE_CLUSTER")
     if not cluster:
@@ -202,15 +231,16 @@ def _connect_dispatcher(args: argparse.Namespace):
     try:
         cluster = ",".join(parse_address_list(cluster, what="--cluster"))
         token = load_token(args.cluster_token_file)
+        tls_ca = load_ca(args.tls_ca_file)
     except ShardlineConfigError as exc:
         raise _UsageError(str(exc)) from None
-    client = DispatcherClient(cluster, rpc_timeout=args.timeout, cluster_token=token)
+    client = DispatcherClient(cluster, rpc_timeout=args.timeout, cluster_token=token, tls_ca=tls_ca)
     try:
         client.wait_until_reachable(args.timeout)
     except ShardlineError:
         client.close()
         raise
-    args.cluster, args.token = cluster, token
+    args.cluster, args.token, args.tls_ca = cluster, token, tls_ca
     return client
 
 
@@ -232,7 +262,7 @@ def _status(args: argparse.Namespace) -> int:
         status = client.cluster_status()
     finally:
         client.close()
-    data = status_dict(status, args.cluster, node_progress(status, args.timeout, args.token))
+    data = status_dict(status, args.cluster, node_progress(status, args.timeout, args.token, args.tls_ca))
     if args.json:
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -339,7 +369,8 @@ def _export(args: argparse.Namespace) -> int:
 
         dispatcher = _connect_dispatcher(args)
         dispatcher.close()
-        client = connect(args.cluster, job=args.job, cluster_token=args.token, connect_timeout=args.timeout)
+        client = connect(args.cluster, job=args.job, cluster_token=args.token, tls_ca=args.tls_ca,
+                         connect_timeout=args.timeout)
         try:
             client.wait_ready(args.timeout)
             step, tensors = client.consistent_pull()
@@ -552,6 +583,24 @@ def prepare_up_dir(workdir: Path, shape: dict, *, fresh: bool) -> bool:
     return previous is not None and (workdir / "dispatcher-state").exists()
 
 
+UP_TOKEN_FILE = "cluster.token"
+
+
+def _up_token_file(given: str | None, workdir: Path) -> Path:
+    """The token file of an ``up`` cluster: ``given`` (checked readable and valid), else a fresh
+    random token written to ``workdir/cluster.token`` (0600), new for every run. Raises
+    ShardlineConfigError or OSError."""
+    from shardline.services.auth import load_token
+    from shardline.services.security import write_new_token
+
+    if given:
+        load_token(given)
+        return Path(given).resolve()
+    path = workdir / UP_TOKEN_FILE
+    write_new_token(path)
+    return path
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from shardline.services.local_cluster import DaemonStartError, LocalCluster, read_json_object
 
@@ -578,6 +627,11 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ShardlineConfigError as exc:
         print(f"{PROG} up: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    try:
+        token_file = _up_token_file(args.cluster_token_file, workdir)
+    except (ShardlineConfigError, OSError) as exc:
+        print(f"{PROG} up: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     tty = out.isatty()
     print(f"shardline up: 1 dispatcher, {args.ps} PS node(s), {args.workers} worker(s); job {job['name']} "
           f"({job_path}), {job['steps']} steps; state and logs in {workdir}", file=out, flush=True)
@@ -586,7 +640,7 @@ def cmd_up(args: argparse.Namespace) -> int:
               file=out, flush=True)
 
     old_handlers = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    cluster = LocalCluster(workdir, start_timeout=args.start_timeout)
+    cluster = LocalCluster(workdir, start_timeout=args.start_timeout, cluster_token_file=str(token_file))
     code = EXIT_FAILED
     failed = True
     follower: LogFollower | None = None
@@ -599,8 +653,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         for h in nodes:
             cluster.wait_ready(h)
         cluster.wait_for_nodes(args.ps, timeout=args.start_timeout)
-        print(f"cluster at {cluster.address} (shardline status --cluster {cluster.address}); PS nodes: "
-              + ", ".join(f"{h.node_id} {h.grpc}" for h in nodes), file=out, flush=True)
+        print(f"cluster at {cluster.address}; PS nodes: " + ", ".join(f"{h.node_id} {h.grpc}" for h in nodes),
+              file=out, flush=True)
+        print(f"cluster token in {token_file}: connect with SHARDLINE_CLUSTER_TOKEN_FILE={token_file} "
+              f"(scripts: PSOptimizer/connect read it; shardline status --cluster {cluster.address} "
+              f"--cluster-token-file {token_file})", file=out, flush=True)
 
         worker_flags: dict[str, Any] = {"threads": args.threads, "summary": "line"}
         if args.steps is not None:
@@ -715,6 +772,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     up.add_argument("--timeout", type=float, default=0, help="give up after this many seconds (default: none)")
     up.add_argument("--start-timeout", type=float, default=90.0, help="seconds each daemon may take to start")
+    up.add_argument("--cluster-token-file", default=None,
+                    help="the cluster token every daemon and worker gets (default: a new random token in "
+                         "<workdir>/cluster.token, readable by you only)")
     up.set_defaults(func=cmd_up)
 
     def cluster_args(p: argparse.ArgumentParser) -> None:
@@ -723,6 +783,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the dispatcher")
         p.add_argument("--cluster-token-file", default=os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"),
                        help="the cluster token, if the cluster has one (default $SHARDLINE_CLUSTER_TOKEN_FILE)")
+        p.add_argument("--tls-ca-file", default=os.environ.get("SHARDLINE_TLS_CA_FILE") or None,
+                       help="CA that signed the cluster's gRPC certificates, if it uses TLS "
+                            "(default $SHARDLINE_TLS_CA_FILE)")
 
     st = sub.add_parser("status", help="show nodes, ring and jobs of a running cluster")
     cluster_args(st)

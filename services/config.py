@@ -11,9 +11,9 @@ three ``main`` modules build their command lines from it (:func:`add_options`) a
 
 The file is either *sectioned* -- one file for every host::
 
-    common:     {cluster: 10.0.0.5:7000, log_format: json}   # read by every daemon
+    common:     {cluster: 10.0.0.5:7000, cluster_token_file: /etc/shardline/cluster.token}  # every daemon
     dispatcher: {heartbeat_timeout: 5}
-    ps:         {listen: 0.0.0.0:7100, checkpoint_dir: /var/lib/shardline/checkpoints}
+    ps:         {listen: 10.0.0.6:7100, checkpoint_dir: /var/lib/shardline/checkpoints}
     worker:     {block_elements: 262144}
 
 each daemon reads ``common`` and its own section (its own section wins) and *validates* the other
@@ -289,10 +289,22 @@ OPTIONS: tuple[Option, ...] = (
     Option("cluster", "addresses", "Cluster address: the dispatcher's HOST:PORT, or several dispatchers' "
            "separated by commas (they share an etcd state store; clients follow the leader).", _PS_WORKER,
            common=True, required=_PS_WORKER),
-    Option("cluster_token_file", "path", "File holding the shared cluster token (at least 16 printable bytes). A PS "
-           "with a token admits only data-plane clients that prove they hold it (HMAC challenge); workers "
-           "answer the challenge with it; every daemon's gRPC calls (but the health service) must carry it "
-           "as `authorization: Bearer` metadata. Unset: no authentication.", _ALL, common=True),
+    Option("cluster_token_file", "path", "File holding the shared cluster token (at least 16 printable bytes; "
+           "`shardline up` generates one). A PS with a token admits only data-plane clients that prove they hold "
+           "it (HMAC challenge); workers answer the challenge with it; every daemon's gRPC calls (but the health "
+           "service) must carry it as `authorization: Bearer` metadata. Unset: no authentication, so a daemon "
+           "then binds only loopback addresses unless allow_insecure is set.", _ALL, common=True),
+    Option("allow_insecure", "bool", "Let a daemon without a cluster token bind a non-loopback address "
+           "(listen, data_listen, metrics). It logs a WARNING at start and `shardline status` shows it: anyone "
+           "who reaches the address can read and change every job. Without it such a daemon refuses to start "
+           "(exit code 2). Only for a network you trust.", _ALL, default=False, common=True),
+    Option("tls_cert_file", "path", "PEM certificate (chain) of this daemon's gRPC server: with tls_key_file, "
+           "gRPC speaks TLS (the token travels encrypted). Needs tls_ca_file too (daemons call each other). "
+           "The data plane and metrics are not encrypted.", _ALL, common=True),
+    Option("tls_key_file", "path", "PEM private key of tls_cert_file (keep it 0600).", _ALL, common=True),
+    Option("tls_ca_file", "path", "PEM CA bundle this daemon's gRPC clients verify servers with (the dispatcher, "
+           "PS nodes): set, every outgoing gRPC channel uses TLS. Clients in training scripts and the CLI read "
+           "`SHARDLINE_TLS_CA_FILE`.", _ALL, common=True),
     Option("log_level", "choice", "Lowest level logged: DEBUG shows per-request events, INFO only "
            "lifecycle and cluster events.", _ALL, default="INFO", common=True, choices=LOG_LEVELS),
     Option("log_format", "choice", "Log lines on stdout: `text` (one readable line per event) or `json` "
@@ -310,8 +322,9 @@ OPTIONS: tuple[Option, ...] = (
            "already run in parallel; worker: forward/backward).", _PS_WORKER, default=1, common=True,
            minimum=1, aliases=("--threads",)),
     # -- per daemon: addresses and files differ between daemons on one host --
-    Option("listen", "address", "gRPC bind address (port 0 picks a free port); metrics bind on its host.",
-           _ALL, default={"dispatcher": "0.0.0.0:7000", "ps": "0.0.0.0:7100", "worker": "127.0.0.1:0"}),
+    Option("listen", "address", "gRPC bind address (port 0 picks a free port); metrics bind on its host. "
+           "Loopback by default: a non-loopback host needs cluster_token_file or allow_insecure.",
+           _ALL, default={"dispatcher": "127.0.0.1:7000", "ps": "127.0.0.1:7100", "worker": "127.0.0.1:0"}),
     Option("metrics_port", "int", "Prometheus metrics port on the --listen host (0 picks a free port).",
            _ALL, default=0, minimum=0, maximum=65535, metavar="PORT"),
     Option("ready_file", "path", "Once serving, write a JSON object (pid, grpc, metrics, ...) here.", _ALL),
@@ -431,8 +444,10 @@ def add_options(parser: argparse.ArgumentParser, daemon: str) -> None:
         else:
             default = f"default: {opt.default_doc(daemon)}"
         help_text = f"{opt.help} ({default}; env {opt.env})".replace("`", "").replace("%", "%%")
+        # A bare boolean flag means true (``--allow-insecure``); ``--allow-insecure false`` also works.
+        extra = {"nargs": "?", "const": "true"} if opt.kind == "bool" else {}
         parser.add_argument(opt.flag, *opt.aliases, dest=opt.name, default=argparse.SUPPRESS, metavar=metavar,
-                            help=help_text)
+                            help=help_text, **extra)
         declared[opt.name] = opt
     parser.add_argument("--config", metavar="FILE", default=None,
                         help=f"YAML config file (env {ENV_PREFIX}CONFIG); see docs/configuration.md")
@@ -705,8 +720,10 @@ host (example: `deploy/shardline.yaml`):
 ```yaml
 common:                      # read by every daemon
   cluster: 10.0.0.5:7000
+  cluster_token_file: /etc/shardline/cluster.token   # needed to bind non-loopback addresses
   log_format: json
 dispatcher:
+  listen: 0.0.0.0:7000       # default 127.0.0.1:7000
   heartbeat_timeout: 5
 ps:
   listen: 0.0.0.0:7100
@@ -736,6 +753,12 @@ took from the environment or the file and where each came from (DEBUG adds the f
 about `SHARDLINE_*` variables that are no option. Sizes take an integer number of bytes or a unit: `K`/`KiB`, `M`/`MiB`, `G`/`GiB`, `T`/`TiB`
 are powers of 1024, `KB`/`MB`/`GB`/`TB` powers of 1000. Durations are seconds (fractions allowed).
 Keys may use `-` or `_`.
+
+Every daemon binds 127.0.0.1 unless told otherwise. A daemon that binds a non-loopback address (its
+`listen`, a PS's `data_listen`, the metrics endpoint on the `listen` host) refuses to start (exit code
+2) unless it has a `cluster_token_file`, or `allow_insecure: true` (a WARNING at start, and `shardline
+status` shows it). TLS on gRPC: `tls_cert_file`, `tls_key_file`, `tls_ca_file`. See the Security
+section of docs/operations.md.
 
 The worker's `--rank` and `--world-size` fall back to `RANK`/`WORLD_SIZE` (as torchrun sets them) when
 neither flag, `SHARDLINE_RANK`/`SHARDLINE_WORLD_SIZE` nor the file sets them.

@@ -168,12 +168,14 @@ def create_grpc_server(
     *,
     max_workers: int = 16,
     cluster_token: bytes | None = None,
+    tls=None,
 ) -> tuple[grpc.Server, int, health.HealthServicer]:
     """Create and start a gRPC server on ``address`` with the standard health service.
 
     ``register`` are callbacks that add servicers (``add_XServicer_to_server``). With
-    ``cluster_token`` every call but the health service must carry it (services/auth.py). Returns
-    the server, the bound port (useful with port 0) and the health servicer (already SERVING for "").
+    ``cluster_token`` every call but the health service must carry it (services/auth.py). With
+    ``tls`` (a services.security.ServerTLS) the port speaks TLS only. Returns the server, the bound
+    port (useful with port 0) and the health servicer (already SERVING for "").
     """
     from shardline.services.auth import BearerTokenServerInterceptor
     from shardline.services.grpc_metrics import MetricsInterceptor
@@ -197,7 +199,11 @@ def create_grpc_server(
         add(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(format_host_port(host, port))
+    if tls is not None:
+        credentials = grpc.ssl_server_credentials([(tls.private_key, tls.cert_chain)])
+        bound = server.add_secure_port(format_host_port(host, port), credentials)
+    else:
+        bound = server.add_insecure_port(format_host_port(host, port))
     if bound == 0:
         raise ShardlineConfigError(f"cannot bind gRPC to --listen {address!r}")
     server.start()
@@ -296,18 +302,22 @@ def install_stop_handlers() -> threading.Event:
     return stop
 
 
-def grpc_channel(address: str, cluster_token: bytes | None = None, *,
+def grpc_channel(address: str, cluster_token: bytes | None = None, *, tls_ca: bytes | None = None,
                  options: Iterable[tuple[str, object]] = ()) -> grpc.Channel:
-    """An insecure channel to a Shardline daemon with the cluster's message bounds (and extra
-    channel ``options``); with ``cluster_token`` every unary call carries it."""
-    channel = grpc.insecure_channel(
-        address,
-        options=[
-            ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
-            *options,
-        ],
-    )
+    """A channel to a Shardline daemon with the cluster's message bounds (and extra channel
+    ``options``). With ``tls_ca`` (PEM bytes) it speaks TLS and accepts only a server whose
+    certificate that CA signed for the host of ``address``; else plaintext. With ``cluster_token``
+    every unary call carries it."""
+    channel_options = [
+        ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+        *options,
+    ]
+    if tls_ca is not None:
+        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls_ca),
+                                      options=channel_options)
+    else:
+        channel = grpc.insecure_channel(address, options=channel_options)
     if cluster_token is None:
         return channel
     from shardline.services.auth import BearerTokenClientInterceptor

@@ -85,16 +85,18 @@ class DispatcherClient:
     """Calls to the dispatcher(s) at ``address`` (module docstring). Thread-safe.
 
     Raises ShardlineConfigError at construction if ``address`` is not ``HOST:PORT[,HOST:PORT...]``.
-    ``address`` afterwards is the normalized list; ``leader`` the address calls go to first.
+    ``address`` afterwards is the normalized list; ``leader`` the address calls go to first. Calls
+    carry ``cluster_token``; with ``tls_ca`` (PEM) channels speak TLS and verify the dispatchers with it.
     """
 
     def __init__(self, address: str, *, rpc_timeout: float = 10.0, cluster_token: bytes | None = None,
-                 attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT):
+                 attempt_timeout: float = DEFAULT_ATTEMPT_TIMEOUT, tls_ca: bytes | None = None):
         self.addresses = parse_address_list(address, what="cluster")
         self.address = ",".join(self.addresses)
         self.rpc_timeout = rpc_timeout
         self.attempt_timeout = attempt_timeout
         self._token = cluster_token
+        self._tls_ca = tls_ca
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._stubs: dict[str, dispatcher_pb2_grpc.DispatcherStub] = {}
@@ -120,7 +122,8 @@ class DispatcherClient:
                 raise ShardlineConnectionError(f"the client of dispatcher {self.address} is closed")
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc_channel(address, self._token, options=_CHANNEL_OPTIONS)
+                channel = self._channels[address] = grpc_channel(address, self._token, tls_ca=self._tls_ca,
+                                                                 options=_CHANNEL_OPTIONS)
                 self._stubs[address] = dispatcher_pb2_grpc.DispatcherStub(channel)
                 if address not in self.addresses:  # a leader a follower named: follow it from now on
                     self.addresses.append(address)

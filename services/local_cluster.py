@@ -175,11 +175,14 @@ class LocalCluster:
 
     ``workdir`` holds ready files and logs (created if missing). ``env`` is added to the
     environment of every daemon (each ``start_dispatcher``/``add_*`` takes an ``env`` of its own too).
-    ``start_timeout`` bounds each wait for a ready file.
+    ``start_timeout`` bounds each wait for a ready file. ``cluster_token_file`` and the TLS files
+    (``tls_cert_file``, ``tls_key_file``, ``tls_ca_file``) go to every daemon; this harness's own
+    gRPC calls carry the token and verify servers with the CA.
     """
 
     def __init__(self, workdir: str | os.PathLike, *, python: str = sys.executable, env: dict[str, str] | None = None,
-                 start_timeout: float = 60.0, host: str = "127.0.0.1", cluster_token_file: str | None = None):
+                 start_timeout: float = 60.0, host: str = "127.0.0.1", cluster_token_file: str | None = None,
+                 tls_cert_file: str | None = None, tls_key_file: str | None = None, tls_ca_file: str | None = None):
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.python = python
@@ -188,6 +191,7 @@ class LocalCluster:
         self.host = host
         # Every daemon gets the token file; this harness's own control-plane calls carry the token.
         self.cluster_token_file = cluster_token_file
+        self.tls_files = {"tls_cert_file": tls_cert_file, "tls_key_file": tls_key_file, "tls_ca_file": tls_ca_file}
         self.dispatcher: DaemonHandle | None = None   # the first dispatcher
         self.dispatchers: list[DaemonHandle] = []
         self._fixed_addresses: dict[str, str] = {}    # dispatchers started on a chosen port
@@ -237,7 +241,8 @@ class LocalCluster:
             raise ValueError(f"a daemon named {name!r} already exists")
         ready_file = self.workdir / f"{name}.json"
         log_path = self.workdir / f"{name}.log"
-        base = {"listen": f"{self.host}:0", "metrics_port": 0, "cluster_token_file": self.cluster_token_file}
+        base = {"listen": f"{self.host}:0", "metrics_port": 0, "cluster_token_file": self.cluster_token_file,
+                **self.tls_files}
         base.update(flags)
         base["ready_file"] = str(ready_file)
         argv = [self.python, "-m", _MODULES[kind], *extra_argv, *flags_to_argv(base)]
@@ -343,13 +348,16 @@ class LocalCluster:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from shardline.services.daemon import grpc_channel
+
+        tls_ca = self._credentials()[1]
         deadline = time.monotonic() + timeout
         while True:
             for handle in self.dispatchers:
                 address = self._fixed_addresses.get(handle.name) or handle.grpc
                 if not handle.alive() or not address:
                     continue
-                with grpc.insecure_channel(address) as channel:
+                with grpc_channel(address, tls_ca=tls_ca) as channel:
                     try:
                         reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
                                                                           timeout=0.5)
@@ -500,14 +508,19 @@ class LocalCluster:
 
     # -- cluster state --------------------------------------------------------------------------
 
+    def _credentials(self) -> tuple[bytes | None, bytes | None]:
+        """(token, CA) of this cluster, as its daemons get them."""
+        from shardline.services.auth import load_token
+        from shardline.services.security import load_ca
+
+        return load_token(self.cluster_token_file), load_ca(self.tls_files["tls_ca_file"])
+
     def client(self, rpc_timeout: float = 5.0):
-        """A DispatcherClient of this cluster (close it when done)."""
+        """A DispatcherClient of this cluster with its token and CA (close it when done)."""
         from shardline.services.dispatcher_client import DispatcherClient
 
-        from shardline.services.auth import load_token
-
-        return DispatcherClient(self.address, rpc_timeout=rpc_timeout,
-                                cluster_token=load_token(self.cluster_token_file))
+        token, tls_ca = self._credentials()
+        return DispatcherClient(self.address, rpc_timeout=rpc_timeout, cluster_token=token, tls_ca=tls_ca)
 
     def cluster_status(self):
         """The dispatcher's ClusterStatus (protobuf)."""

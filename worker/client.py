@@ -33,6 +33,7 @@ from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConf
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
+from shardline.services.security import client_credentials
 from shardline.services.transport import get_transport
 
 log = logging.getLogger("shardline.worker")
@@ -89,11 +90,16 @@ class Client:
     Leases: while it trains the client renews its lease of (job, rank) with the dispatcher; if the
     job fails because another rank was lost (``on_worker_failure: fail``), its next request raises
     ShardlineWorkerLostError naming the rank.
+
+    Credentials: ``cluster_token`` (bytes) and ``tls_ca`` (PEM bytes of the CA that signed the
+    cluster's gRPC certificates); each not given is read from the file that
+    ``SHARDLINE_CLUSTER_TOKEN_FILE`` / ``SHARDLINE_TLS_CA_FILE`` names, if set (services/security.py).
     """
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
-                 max_retries: int = 5, cluster_token: bytes | None = None, recovery_timeout: float = 120.0):
+                 max_retries: int = 5, cluster_token: bytes | None = None, recovery_timeout: float = 120.0,
+                 tls_ca: bytes | None = None):
         self.job = job
         self.recovery_timeout = recovery_timeout
         # The BSP step in flight: what this worker sent for it, kept until the next step begins.
@@ -104,13 +110,14 @@ class Client:
         self._lost: ShardlineWorkerLostError | None = None
         self._lease: threading.Thread | None = None
         self._closed = threading.Event()
-        self.cluster_token = cluster_token
+        self.cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)
         self.rank = rank
         self.pull_timeout = pull_timeout
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
         self._transport = get_transport(transport)
-        self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=cluster_token)
+        self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=self.cluster_token,
+                                           tls_ca=tls_ca)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None

@@ -29,11 +29,11 @@ import threading
 import time
 from typing import Any
 
-from shardline.services import auth
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready, create_grpc_server)
 from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.security import daemon_security
 from shardline.worker.metrics import WorkerMetrics
 
 log = logging.getLogger("shardline.worker")
@@ -203,7 +203,10 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args.log_level, "worker", args.log_format)
         log_configuration(log, args)
         _validate(args)
-        cluster_token = auth.load_token(args.cluster_token_file)
+        host, _ = parse_host_port(args.listen, what="listen")
+        # gRPC health and metrics bind the listen host (the metrics port does not matter to the policy)
+        security = daemon_security(args, {"listen": args.listen, "metrics": format_host_port(host, args.metrics_port)})
+        cluster_token = security.token
         from shardline.worker.job import load_job
 
         spec = load_job(args.job)
@@ -231,9 +234,9 @@ def main(argv: list[str] | None = None) -> int:
         "pid": os.getpid(),
     }
 
-    host, _ = parse_host_port(args.listen, what="listen")
     try:
-        server, grpc_port, _health = create_grpc_server(args.listen, [], cluster_token=cluster_token)
+        server, grpc_port, _health = create_grpc_server(args.listen, [], cluster_token=cluster_token,
+                                                        tls=security.server_tls)
         metrics_server, metrics_port = start_metrics_server(host, args.metrics_port)
     except (ShardlineConfigError, OSError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
@@ -253,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_optimizer(named_parameters):
         opt = _make_ps_optimizer(PSOptimizer, args, named_parameters, cluster=args.cluster, job=spec.name,
                                  sync=tr.sync, world_size=world_size, rank=rank, cluster_token=cluster_token,
+                                 tls_ca=security.tls_ca,
                                  replication=tr.replication or None, on_worker_failure=tr.on_worker_failure,
                                  worker_lease_timeout=tr.worker_lease_timeout, **tr.optimizer_kwargs())
         holder["opt"] = opt

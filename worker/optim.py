@@ -44,6 +44,8 @@ class PSOptimizer:
     prepares its next batch while the slowest finishes) until the parameters are next used: any
     ``nn.Module`` forward, ``zero_grad()``, ``step()`` or ``wait()`` first waits for it. Code that
     reads the parameters outside a module's forward must call ``wait()``. ``close()`` when done.
+    ``cluster_token``/``tls_ca`` default to the files named by ``SHARDLINE_CLUSTER_TOKEN_FILE`` /
+    ``SHARDLINE_TLS_CA_FILE`` (what ``shardline up`` prints), else none.
     Remaining keyword arguments are the optimizer's hyperparameters with torch.optim's names.
     """
 
@@ -52,7 +54,8 @@ class PSOptimizer:
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
                  connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
                  prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
-                 worker_lease_timeout: float | None = None, on_worker_failure: str | None = None, **optimizer_kwargs):
+                 worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
+                 tls_ca: bytes | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -74,7 +77,7 @@ class PSOptimizer:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
                              connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token,
-                             recovery_timeout=recovery_timeout)
+                             recovery_timeout=recovery_timeout, tls_ca=tls_ca)
         created = False
         if self.rank == 0:
             created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,

@@ -101,9 +101,9 @@ def test_the_knobs_operators_tune_are_all_there():
 
 def test_default_when_nothing_is_set():
     args = parse("dispatcher")
-    assert args.heartbeat_timeout == 5.0 and args.listen == "0.0.0.0:7000" and args.log_format == "text"
+    assert args.heartbeat_timeout == 5.0 and args.listen == "127.0.0.1:7000" and args.log_format == "text"
     assert args.config_sources["heartbeat_timeout"] == "default"
-    assert parse("ps").listen == "0.0.0.0:7100"
+    assert parse("ps").listen == "127.0.0.1:7100"
     assert parse("worker").listen == "127.0.0.1:0"
 
 
