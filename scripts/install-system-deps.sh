@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # System packages the test suite needs: systemd (systemd-analyze verify of the units) and
 # prometheus (promtool checks and a real Prometheus server in an integration test) and
-# etcd-server (etcd 3.4: the replicated state store of several dispatchers, run by the tests).
+# etcd-server (etcd 3.4: the replicated state store of several dispatchers, run by the tests),
+# openssl (test certificates for gRPC over TLS), iproute2 and util-linux (ip, unshare, nsenter: the
+# bind tests run daemons in private network namespaces).
 # Installs only what is missing; needs root (CI and the dev machines run as root).
 set -euo pipefail
 missing=()
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 { command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; } || missing+=(prometheus)
 command -v etcd >/dev/null 2>&1 || missing+=(etcd-server)
+command -v openssl >/dev/null 2>&1 || missing+=(openssl)
+command -v ip >/dev/null 2>&1 || missing+=(iproute2)
+{ command -v unshare >/dev/null 2>&1 && command -v nsenter >/dev/null 2>&1; } || missing+=(util-linux)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
   echo "install-system-deps: need root to install: ${missing[*]} (or install them yourself)" >&2

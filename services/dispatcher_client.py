@@ -35,6 +35,7 @@ from shardline.services.errors import (
     ShardlineTimeoutError,
 )
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from shardline.services.security import tls_hint
 
 # Trailing metadata of a follower's UNAVAILABLE reply: the leader's address ('' while none is known).
 LEADER_METADATA_KEY = "shardline-leader"
@@ -59,12 +60,12 @@ _ERRORS = {
 }
 
 
-def _translate(exc: grpc.RpcError, what: str) -> ShardlineError:
+def _translate(exc: grpc.RpcError, what: str, tls: bool = False) -> ShardlineError:
     leader = leader_hint(exc)
     if leader is not None:
         return NotLeaderError(f"{what}: {exc.details()} ({exc.code().name})", leader)
     cls = _ERRORS.get(exc.code(), ShardlineError)
-    return cls(f"{what}: {exc.details()} ({exc.code().name})")
+    return cls(f"{what}: {exc.details()} ({exc.code().name}){tls_hint(exc.details(), tls)}")
 
 
 def leader_hint(exc: grpc.RpcError) -> str | None:
@@ -172,7 +173,7 @@ class DispatcherClient:
                 named = leader_hint(exc)
                 cut_short = code == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < remaining
                 if named is None and not ((code == grpc.StatusCode.UNAVAILABLE or cut_short) and several):
-                    raise _translate(exc, f"dispatcher {address} {name}") from None
+                    raise _translate(exc, f"dispatcher {address} {name}", self._tls_ca is not None) from None
                 if named is None:
                     unreachable.add(address)
                 self._move_on(address, named, unreachable)
@@ -180,7 +181,7 @@ class DispatcherClient:
                     unreachable.clear()  # every one failed once: start over
                 left = deadline - time.monotonic() - MIN_ATTEMPT_SECONDS
                 if left <= 0:
-                    raise _translate(exc, f"dispatcher {address} {name}") from None
+                    raise _translate(exc, f"dispatcher {address} {name}", self._tls_ca is not None) from None
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
 
@@ -190,6 +191,7 @@ class DispatcherClient:
         naming the addresses."""
         deadline = time.monotonic() + connect_timeout
         pause = RETRY_PAUSE_SECONDS
+        hint = ""
         while True:
             with self._lock:
                 first = self._leader
@@ -199,7 +201,8 @@ class DispatcherClient:
                 try:
                     reply = health_pb2_grpc.HealthStub(self._channel(address)).Check(
                         health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, min(2.0, remaining)))
-                except grpc.RpcError:
+                except grpc.RpcError as exc:
+                    hint = tls_hint(exc.details(), self._tls_ca is not None) or hint
                     continue
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     with self._lock:
@@ -208,7 +211,7 @@ class DispatcherClient:
                 self._learn_leader_from(address, remaining)
             if time.monotonic() + pause >= deadline:
                 what = "dispatcher at" if len(self.addresses) == 1 else "no leader among the dispatchers at"
-                raise ShardlineTimeoutError(f"{what} {self.address} not reachable within {connect_timeout:g} s")
+                raise ShardlineTimeoutError(f"{what} {self.address} not reachable within {connect_timeout:g} s{hint}")
             time.sleep(pause)
             pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
 

@@ -34,7 +34,7 @@ from typing import Callable, Mapping
 from shardline.services.errors import ShardlineConfigError
 
 __all__ = ["ServerTLS", "DaemonSecurity", "is_loopback", "check_binds", "load_server_tls", "load_ca",
-           "daemon_security", "client_credentials", "write_new_token", "TOKEN_FILE_ENV", "CA_FILE_ENV"]
+           "daemon_security", "client_credentials", "write_new_token", "tls_hint", "TOKEN_FILE_ENV", "CA_FILE_ENV"]
 
 TOKEN_FILE_ENV = "SHARDLINE_CLUSTER_TOKEN_FILE"
 CA_FILE_ENV = "SHARDLINE_TLS_CA_FILE"
@@ -246,3 +246,18 @@ def write_new_token(path: str | os.PathLike) -> bytes:
             pass
         raise
     return token
+
+
+def tls_hint(details: str | None, tls: bool) -> str:
+    """Why a gRPC connection failed, when its error ``details`` point at TLS ('' otherwise); ``tls``:
+    the client used TLS. For the messages of unreachable-server errors."""
+    text = (details or "").lower()
+    if tls and "wrong_version_number" in text:
+        return "; the server does not speak TLS (is tls_ca_file set for a cluster without TLS?)"
+    if tls and ("certificate" in text or "handshake" in text):
+        return ("; TLS handshake failed: the server's certificate is not signed by the CA of tls_ca_file, or not "
+                "issued for this host")
+    if not tls and "socket closed" in text:
+        return ("; the server closed the connection at once: if the cluster uses TLS, set tls_ca_file "
+                f"({CA_FILE_ENV}, --tls-ca-file) to the CA that signed its certificates")
+    return ""

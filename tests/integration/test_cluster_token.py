@@ -7,7 +7,6 @@ import re
 import signal
 import stat
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
