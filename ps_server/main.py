@@ -321,8 +321,8 @@ def main(argv=None) -> int:
         node.refresh_routing()
         if ckdir is not None:
             restore_all(ckdir, node_id=node_id, get_job=client.get_job, restore_job_rpc=client.restore_job,
-                        live_step=peer_job_steps(node, cluster_token, security.tls_ca), add_job=node.add_job, metrics=ps_metrics,
-                        before_job=lambda job: _extend_systemd_timeout(f"restoring job {job}"))
+                        live_step=peer_job_steps(node, cluster_token, security.tls_ca), add_job=node.add_job,
+                        metrics=ps_metrics, before_job=lambda job: _extend_systemd_timeout(f"restoring job {job}"))
     except ShardlineError as exc:
         log.error("cannot join cluster %s: %s", args.cluster, exc)
         listener.close()

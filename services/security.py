@@ -183,8 +183,8 @@ class DaemonSecurity:
         """One line for the start log: ``token, TLS`` / ``no token (loopback only)`` / ``INSECURE``."""
         auth = "cluster token" if self.token else ("NO AUTHENTICATION (allow_insecure)" if self.insecure
                                                    else "no cluster token (loopback only)")
-        return f"{auth}; gRPC {'TLS' if self.server_tls else 'plaintext'}" + \
-            (f"; client TLS (tls_ca_file)" if self.tls_ca else "")
+        client = "; calls other daemons over TLS" if self.tls_ca else ""
+        return f"{auth}; gRPC {'TLS' if self.server_tls else 'plaintext'}{client}"
 
 
 def daemon_security(args, binds: Mapping[str, str]) -> DaemonSecurity:

@@ -148,3 +148,15 @@ def test_new_token_file_is_private_random_and_loadable(tmp_path):
         assert [p.name for p in tmp_path.iterdir()] == ["cluster.token"]  # no temporary file left
     finally:
         os.umask(old)
+
+
+def test_status_security_lines():
+    from shardline.services.cli import security_lines
+
+    warnings, summary = security_lines({"insecure": True, "cluster_token": False, "tls": False,
+                                        "insecure_nodes": ["ps-a"]})
+    assert [w.split(":")[0:2] for w in warnings] == [["WARNING", " INSECURE"]] * 2 and "ps-a" in warnings[1]
+    assert summary == "security: authentication NONE, gRPC plaintext"
+    assert security_lines({"cluster_token": True, "tls": True}) == \
+        ([], "security: authentication cluster token, gRPC TLS")
+    assert security_lines({}) == ([], "security: authentication none (loopback only), gRPC plaintext")
