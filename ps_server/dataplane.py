@@ -41,7 +41,9 @@ DEFAULT_PAYLOAD_TIMEOUT_SECONDS = 60.0
 AUTH_TIMEOUT_SECONDS = 10.0
 AUTH_LIMITS = frame.FrameLimits(max_header_bytes=1024, max_payload_bytes=0, max_blocks=0)
 # A connection silent this long between frames gives its payload buffer back to the node's budget.
-IDLE_BUFFER_SECONDS = 2.0
+# Long enough that a worker's connection keeps it from one training step to the next (allocating
+# a buffer again costs ~0.4 s per GiB: bytearray zero-fills it).
+IDLE_BUFFER_SECONDS = 30.0
 
 
 @dataclass
