@@ -40,6 +40,9 @@ DEFAULT_PAYLOAD_TIMEOUT_SECONDS = 60.0
 # Before authentication a peer gets little: a small header, no payload, a few seconds.
 AUTH_TIMEOUT_SECONDS = 10.0
 AUTH_LIMITS = frame.FrameLimits(max_header_bytes=1024, max_payload_bytes=0, max_blocks=0)
+# Connections that may be authenticating at once: peers without the token cannot take every
+# connection slot for AUTH_TIMEOUT_SECONDS at a time.
+MAX_HANDSHAKES = 64
 # A connection silent this long between frames gives its payload buffer back to the node's budget.
 # Long enough that a worker's connection keeps it from one training step to the next (allocating
 # a buffer again costs ~0.4 s per GiB: bytearray zero-fills it).
@@ -56,6 +59,7 @@ class ConnectionPolicy:
     budget: PayloadBudget | None = None
     hangups: DisconnectWatcher | None = None
     complaints: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
+    handshakes: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(MAX_HANDSHAKES))
 
 
 def serve_connection(sock, peer: str, node: PSNode, policy: ConnectionPolicy, metrics=None) -> None:
@@ -65,8 +69,18 @@ def serve_connection(sock, peer: str, node: PSNode, policy: ConnectionPolicy, me
     frames are held to a small header and no payload, and anything but the handshake closes the
     connection.
     """
-    if policy.cluster_token is not None and not _authenticate(sock, peer, policy, metrics):
-        return
+    if policy.cluster_token is not None:
+        if not policy.handshakes.acquire(blocking=False):
+            policy.complaints.log(logging.WARNING, f"handshakes:{_peer_host(peer)}", "turned away a data-plane "
+                                  "connection from %s: %d others are authenticating", peer, MAX_HANDSHAKES)
+            _send_quietly(sock, frame.error_header(0, dp.RESOURCE_EXHAUSTED, "too many connections are authenticating; "
+                                                   "retry shortly"))
+            return
+        try:
+            if not _authenticate(sock, peer, policy, metrics):
+                return
+        finally:
+            policy.handshakes.release()
     conn = _Connection(sock, peer, node, policy, metrics)
     try:
         conn.serve()

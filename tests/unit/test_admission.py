@@ -281,3 +281,24 @@ def test_a_waiting_pull_ends_when_its_client_hangs_up():
         assert not s.thread.is_alive(), "the pull's thread must end when its client is gone"
     finally:
         watcher.close()
+
+
+def test_connections_beyond_the_handshake_cap_are_turned_away_while_others_authenticate():
+    policy = ConnectionPolicy(cluster_token=b"t" * 32, handshakes=threading.BoundedSemaphore(1))
+    node = Served().node
+    silent, server1 = socket.socketpair()  # never says HELLO: holds the only handshake slot
+    t1 = threading.Thread(target=serve_connection, args=(server1, "a:1", node, policy), daemon=True)
+    t1.start()
+    time.sleep(0.1)
+    other, server2 = socket.socketpair()
+    other.settimeout(5)
+    t2 = threading.Thread(target=serve_connection, args=(server2, "b:1", node, policy), daemon=True)
+    t2.start()
+    reply = frame.recv_header(other)
+    assert reply.code == dp.RESOURCE_EXHAUSTED and "authenticating" in reply.message
+    t2.join(2)
+    assert not t2.is_alive()
+    silent.close()
+    t1.join(5)
+    assert policy.handshakes.acquire(blocking=False), "the slot is free again"
+    other.close()
