@@ -42,9 +42,9 @@ from shardline.dispatcher.state_store import JOB_PREFIX, TOMBSTONE_PREFIX, State
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, ON_WORKER_FAILURE
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from shardline.services.names import JOB_NAME_RE, validate_job_name  # noqa: F401 - part of this module's API
 from shardline.services.pb import common_pb2
 
-JOB_NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 TENSOR_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
 UID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
 SYNC_MODES = ("bsp", "asp")
@@ -124,12 +124,6 @@ def validate_uid(uid: object) -> str:
     if not isinstance(uid, str) or not UID_RE.fullmatch(uid):
         raise ShardlineConfigError(f"job uid must be 1..64 characters of [A-Za-z0-9._-], got {uid!r}")
     return uid
-
-
-def validate_job_name(name: object) -> str:
-    if not isinstance(name, str) or not JOB_NAME_RE.fullmatch(name):
-        raise ShardlineConfigError(f"job name must be 1..128 characters of [A-Za-z0-9._-], got {name!r}")
-    return name
 
 
 def _check_real(value: float, what: str, *, low: float = 0.0, below: float | None = None) -> None:

@@ -1,160 +1,284 @@
 """The PS data-plane connection loop: read a frame, check it, read its payload, reply.
 
-Malformed frames (bad magic, unparsable header, inconsistent lengths, over the limits) get a
-``BAD_FRAME``/``TOO_LARGE`` error reply and the connection is closed: the stream can no longer be
-trusted to be on a frame boundary. Well-formed requests that fail (unknown job, not owner, wrong
-shape, NaN gradient...) get an error reply; their payload is skipped and the connection stays up.
+Every frame gets an answer. Malformed frames (bad magic, unparsable header, inconsistent lengths,
+over the limits) get a ``BAD_FRAME``/``TOO_LARGE`` error reply and the connection is closed: the
+stream can no longer be trusted to be on a frame boundary. Well-formed requests that fail (unknown
+job, not owner, wrong shape, duplicate block, NaN gradient...) get an error reply; their payload is
+skipped and the connection stays up.
+
+Bounds (``ConnectionPolicy``): a frame's header and payload must arrive within ``payload_timeout``
+of its first byte, or the connection is dropped and what it reserved is freed; a payload is
+received only into memory reserved from the node's ``PayloadBudget`` (a connection keeps its
+buffer between frames, and gives it back after ``IDLE_BUFFER_SECONDS`` without a frame); a pull
+waiting server-side ends as soon as its client hangs up (``DisconnectWatcher``).
+
+Logs: conditions a peer can cause at will (malformed frames, failed authentication) are WARNINGs
+limited to one line per peer host per interval; a peer vanishing mid-frame is DEBUG; only a bug
+logs a traceback.
 """
 
 from __future__ import annotations
 
 import logging
+import select
+import threading
 import time
+from dataclasses import dataclass, field
 
+from shardline.ps_server.admission import PayloadBudget
+from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.node import NotOwner, PSNode
 from shardline.ps_server.store import StoreError
 from shardline.services import auth, frame
 from shardline.services.errors import FrameError, FrameTooLargeError
+from shardline.services.log_limits import RateLimitedLog
 from shardline.services.pb import dataplane_pb2 as dp
 
 log = logging.getLogger("shardline.ps.dataplane")
 
-# Idle connections may wait forever between frames; inside a frame the bytes must keep coming.
-PAYLOAD_TIMEOUT_SECONDS = 60.0
+DEFAULT_PAYLOAD_TIMEOUT_SECONDS = 60.0
 # Before authentication a peer gets little: a small header, no payload, a few seconds.
 AUTH_TIMEOUT_SECONDS = 10.0
 AUTH_LIMITS = frame.FrameLimits(max_header_bytes=1024, max_payload_bytes=0, max_blocks=0)
+# Connections that may be authenticating at once: peers without the token cannot take every
+# connection slot for AUTH_TIMEOUT_SECONDS at a time.
+MAX_HANDSHAKES = 64
+# A connection silent this long between frames gives its payload buffer back to the node's budget.
+# Long enough that a worker's connection keeps it from one training step to the next (allocating
+# a buffer again costs ~0.4 s per GiB: bytearray zero-fills it).
+IDLE_BUFFER_SECONDS = 30.0
 
 
-def serve_connection(sock, peer: str, node: PSNode, limits: frame.FrameLimits, metrics=None,
-                     cluster_token: bytes | None = None) -> None:
-    """Serve one connection until the peer closes it or sends a malformed frame.
+@dataclass
+class ConnectionPolicy:
+    """What every data-plane connection of a node is held to (see the module docstring)."""
 
-    With ``cluster_token`` the peer must first authenticate (services/auth.py); before that, frames
-    are held to a small header and no payload, and anything but the handshake closes the connection.
+    limits: frame.FrameLimits = frame.DEFAULT_LIMITS
+    cluster_token: bytes | None = None
+    payload_timeout: float = DEFAULT_PAYLOAD_TIMEOUT_SECONDS
+    budget: PayloadBudget | None = None
+    hangups: DisconnectWatcher | None = None
+    complaints: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
+    handshakes: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(MAX_HANDSHAKES))
+
+
+def serve_connection(sock, peer: str, node: PSNode, policy: ConnectionPolicy, metrics=None) -> None:
+    """Serve one connection until the peer closes it, stalls mid-frame or sends a malformed frame.
+
+    With ``policy.cluster_token`` the peer must first authenticate (services/auth.py); before that,
+    frames are held to a small header and no payload, and anything but the handshake closes the
+    connection.
     """
-    if cluster_token is not None and not _authenticate(sock, peer, cluster_token, metrics):
-        return
-    buffer = bytearray(0)
-    while True:
-        try:
-            header = frame.recv_header(sock, limits)
-        except ConnectionError:
-            return  # peer went away between frames
-        except FrameError as exc:
-            code = dp.TOO_LARGE if isinstance(exc, FrameTooLargeError) else dp.BAD_FRAME
-            log.warning("closing data-plane connection from %s: %s", peer, exc)
-            if metrics:
-                metrics.request(None, dp.ErrorCode.Name(code))
-            _send_quietly(sock, frame.error_header(0, code, str(exc)))
+    if policy.cluster_token is not None:
+        if not policy.handshakes.acquire(blocking=False):
+            policy.complaints.log(logging.WARNING, f"handshakes:{_peer_host(peer)}", "turned away a data-plane "
+                                  "connection from %s: %d others are authenticating", peer, MAX_HANDSHAKES)
+            _send_quietly(sock, frame.error_header(0, dp.RESOURCE_EXHAUSTED, "too many connections are authenticating; "
+                                                   "retry shortly"))
             return
-        started = time.perf_counter()
-        op = dp.Op.Name(header.op)
-        if header.op == dp.OP_HELLO:  # no token here: nothing to prove (empty nonce)
-            frame.skip_bytes(sock, header.payload_bytes, buffer)
-            frame.send_frame(sock, frame.FrameHeader(op=dp.OP_HELLO, request_id=header.request_id))
-            continue
         try:
-            node.precheck(header)
-        except StoreError as exc:
-            frame.skip_bytes(sock, header.payload_bytes, buffer)
-            _reply_error(sock, header, exc, node, metrics, op)
-            continue
-        if header.payload_bytes > len(buffer):
-            # Grows to the largest frame seen on this connection (bounded by limits), then reused.
-            buffer = bytearray(header.payload_bytes)
-        try:
-            if header.op == dp.OP_PUSH:
-                reply, payloads = _receive_push(sock, header, node, buffer), []
-            else:
-                view = memoryview(buffer)[: header.payload_bytes]
-                _recv_payload(sock, view)
-                reply, payloads = node.handle(header, view)
-        except (ConnectionError, TimeoutError):
-            return  # the peer vanished or stalled mid-frame: nothing of the frame was kept
-        except StoreError as exc:
-            _reply_error(sock, header, exc, node, metrics, op)
-            continue
-        except Exception as exc:  # a bug must not kill the node; report it and keep serving
-            log.exception("internal error handling %s from %s", op, peer)
-            _reply_error(sock, header, StoreError("INTERNAL", f"internal error: {type(exc).__name__}: {exc}"), node, metrics, op)
-            continue
-        frame.send_frame(sock, reply, payloads)
-        if metrics:
-            metrics.request(op, "OK", seconds=time.perf_counter() - started,
-                            bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes)
-
-
-def _authenticate(sock, peer: str, token: bytes, metrics) -> bool:
-    """Run the HELLO challenge; False (after an UNAUTHENTICATED reply) if the peer fails it."""
-    sock.settimeout(AUTH_TIMEOUT_SECONDS)
+            if not _authenticate(sock, peer, policy, metrics):
+                return
+        finally:
+            policy.handshakes.release()
+    conn = _Connection(sock, peer, node, policy, metrics)
     try:
-        hello = frame.recv_header(sock, AUTH_LIMITS)
+        conn.serve()
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        log.debug("data-plane connection from %s ended: %s", peer, exc)
+    finally:
+        conn.drop_buffer()
+
+
+def _peer_host(peer: str) -> str:
+    return peer.rpartition(":")[0] or peer
+
+
+class _Connection:
+    def __init__(self, sock, peer: str, node: PSNode, policy: ConnectionPolicy, metrics):
+        self.sock, self.peer, self.node, self.policy, self.metrics = sock, peer, node, policy, metrics
+        self.buffer = bytearray(0)   # payload buffer, reused between frames (reserved from the budget)
+
+    # --- the payload buffer -----------------------------------------------------------------
+    def drop_buffer(self) -> None:
+        if self.buffer and self.policy.budget is not None:
+            self.policy.budget.release(len(self.buffer))
+        self.buffer = bytearray(0)
+
+    def ensure_buffer(self, nbytes: int) -> bool:
+        """A buffer of at least ``nbytes``; False if the node's budget could not grant it in time."""
+        if nbytes <= len(self.buffer):
+            return True
+        self.drop_buffer()  # never hold two
+        budget = self.policy.budget
+        if budget is not None and not budget.reserve(nbytes, timeout=self.policy.payload_timeout):
+            return False
+        self.buffer = bytearray(nbytes)
+        return True
+
+    def wait_for_frame(self) -> None:
+        """Block until the next frame starts; give the buffer back if that takes a while."""
+        if self.buffer and not _readable(self.sock, IDLE_BUFFER_SECONDS):
+            self.drop_buffer()
+        self.sock.settimeout(None)
+        _readable(self.sock, None)
+
+    # --- the loop ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        sock, node, policy, metrics = self.sock, self.node, self.policy, self.metrics
+        while True:
+            self.wait_for_frame()
+            try:
+                header = frame.recv_header(sock, policy.limits, deadline=time.monotonic() + policy.payload_timeout)
+            except FrameError as exc:
+                code = dp.TOO_LARGE if isinstance(exc, FrameTooLargeError) else dp.BAD_FRAME
+                policy.complaints.log(logging.WARNING, _peer_host(self.peer),
+                                      "closing data-plane connection from %s: %s", self.peer, exc)
+                if metrics:
+                    metrics.request(None, dp.ErrorCode.Name(code))
+                _send_quietly(sock, frame.error_header(0, code, str(exc)))
+                return
+            deadline = time.monotonic() + policy.payload_timeout
+            started = time.perf_counter()
+            op = dp.Op.Name(header.op)
+            if header.op == dp.OP_HELLO:  # no token here: nothing to prove (empty nonce)
+                frame.skip_bytes(sock, header.payload_bytes, self.buffer, deadline)
+                sock.settimeout(policy.payload_timeout)
+                frame.send_frame(sock, frame.FrameHeader(op=dp.OP_HELLO, request_id=header.request_id))
+                continue
+            try:
+                node.precheck(header)
+                if not self.ensure_buffer(header.payload_bytes):
+                    raise StoreError("RESOURCE_EXHAUSTED",
+                                     f"node {node.node_id!r} holds its limit of payload bytes in flight "
+                                     f"({policy.budget.limit_bytes} bytes, max_inflight_bytes); retry shortly")
+            except StoreError as exc:
+                self.refuse(header, exc, op, deadline)
+                continue
+            try:
+                if header.op == dp.OP_PUSH:
+                    try:
+                        job, ticket = node.begin_push(header, self.buffer)
+                    except StoreError as exc:
+                        self.refuse(header, exc, op, deadline)
+                        continue
+                    reply, payloads = self.receive_push(header, job, ticket, deadline), []
+                else:
+                    view = memoryview(self.buffer)[: header.payload_bytes]
+                    frame.recv_exactly_into(sock, view, deadline)
+                    reply, payloads = self.run(header, view)
+            except StoreError as exc:
+                self.reply_error(header, exc, op)
+                continue
+            except (ConnectionError, TimeoutError, OSError):
+                raise  # the peer vanished or stalled mid-frame: nothing of the frame was kept
+            except Exception as exc:  # a bug must not kill the node; report it and keep serving
+                log.exception("internal error handling %s from %s", op, self.peer)
+                self.reply_error(header, StoreError("INTERNAL", f"internal error: {type(exc).__name__}: {exc}"), op)
+                continue
+            sock.settimeout(policy.payload_timeout)  # a client that stops reading its reply is dropped
+            frame.send_frame(sock, reply, payloads)
+            if metrics:
+                metrics.request(op, "OK", seconds=time.perf_counter() - started,
+                                bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes)
+
+    def run(self, header, view):
+        """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""
+        hangups = self.policy.hangups
+        if header.op != dp.OP_PULL or hangups is None or not header.wait_timeout_seconds:
+            return self.node.handle(header, view)
+        cancelled = threading.Event()
+        node = self.node
+
+        def on_hangup() -> None:
+            cancelled.set()
+            job = node.store.get(header.job)
+            if job is not None:
+                with job.cond:
+                    job.cond.notify_all()
+
+        handle = hangups.watch(self.sock, on_hangup)
+        try:
+            return node.handle(header, view, cancelled=cancelled)
+        finally:
+            hangups.unwatch(handle)
+
+    def refuse(self, header, exc: StoreError, op: str, deadline: float) -> None:
+        """Answer a frame refused before its payload was read, then read past the payload (the
+        client may still be sending it): the connection stays on a frame boundary."""
+        self.reply_error(header, exc, op)
+        frame.skip_bytes(self.sock, header.payload_bytes, self.buffer, deadline)
+
+    def receive_push(self, header, job, ticket, deadline: float):
+        """Receive a PUSH block by block into the destinations the store picked, checking each
+        block as it lands (the check overlaps the arrival of the next), then make it visible."""
+        node, sock = self.node, self.sock
+        try:
+            for i, dest in enumerate(ticket.dests):
+                if dest is not None:
+                    frame.recv_exactly_into(sock, frame.tensor_bytes(dest), deadline)
+                    job.check_received(ticket, i)
+            return node.finish_push(header, job, ticket)
+        finally:
+            if not ticket.done:
+                job.abort_push(ticket)
+
+    def reply_error(self, header, exc: StoreError, op: str) -> None:
+        node = self.node
+        epoch = exc.epoch if isinstance(exc, NotOwner) else node.routing.epoch
+        job = node.store.get(header.job)
+        step = job.step if job is not None else 0
+        if self.metrics:
+            self.metrics.request(op, exc.code)
+        log.debug("%s from rank %d failed: %s %s", op, header.rank, exc.code, exc)
+        self.sock.settimeout(self.policy.payload_timeout)
+        frame.send_frame(self.sock, frame.error_header(header.request_id, dp.ErrorCode.Value(exc.code), str(exc),
+                                                       epoch=epoch, step=step))
+
+
+def _readable(sock, timeout: float | None) -> bool:
+    """True once ``sock`` has bytes (or an end of stream) to read; False after ``timeout``."""
+    try:
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(None if timeout is None else int(timeout * 1000)))
+    except (ValueError, OSError, TypeError):  # closed meanwhile, or no file descriptor: let the read say
+        return True
+
+
+def _authenticate(sock, peer: str, policy: ConnectionPolicy, metrics) -> bool:
+    """Run the HELLO challenge; False (after an UNAUTHENTICATED reply) if the peer fails it."""
+    deadline = time.monotonic() + AUTH_TIMEOUT_SECONDS
+    token = policy.cluster_token
+    try:
+        hello = frame.recv_header(sock, AUTH_LIMITS, deadline)
         if hello.op == dp.OP_HELLO:
             nonce = auth.new_nonce()
             frame.send_frame(sock, frame.FrameHeader(op=dp.OP_HELLO, request_id=hello.request_id, auth=nonce))
-            answer = frame.recv_header(sock, AUTH_LIMITS)
+            answer = frame.recv_header(sock, AUTH_LIMITS, deadline)
             if answer.op == dp.OP_HELLO and auth.verify(token, nonce, answer.auth):
                 frame.send_frame(sock, frame.FrameHeader(op=dp.OP_REPLY, request_id=answer.request_id))
                 return True
             message = "wrong cluster token"
         else:
             message = "this node requires authentication: send HELLO with the cluster token first"
-    except (FrameError, ConnectionError, TimeoutError) as exc:
+    except (FrameError, ConnectionError, TimeoutError, OSError) as exc:
         message = f"authentication failed: {exc}"
     finally:
-        sock.settimeout(None)
-    log.warning("refused data-plane connection from %s: %s", peer, message)
+        try:
+            sock.settimeout(None)
+        except OSError:
+            pass
+    policy.complaints.log(logging.WARNING, _peer_host(peer), "refused data-plane connection from %s: %s", peer, message)
     if metrics:
         metrics.request("OP_HELLO", "UNAUTHENTICATED")
     _send_quietly(sock, frame.error_header(0, dp.UNAUTHENTICATED, message))
     return False
 
 
-def _recv_payload(sock, view: memoryview) -> None:
-    """Receive a payload; a peer that stalls mid-frame for PAYLOAD_TIMEOUT_SECONDS is dropped."""
-    if not len(view):
-        return
-    sock.settimeout(PAYLOAD_TIMEOUT_SECONDS)
-    try:
-        frame.recv_exactly_into(sock, view)
-    finally:
-        sock.settimeout(None)
-
-
-def _receive_push(sock, header, node: PSNode, scratch: bytearray):
-    """Receive a PUSH block by block into the destinations the store picked, checking each block
-    as it lands (the check overlaps the arrival of the next), then make it visible."""
-    try:
-        job, ticket = node.begin_push(header, scratch)
-    except StoreError:
-        frame.skip_bytes(sock, header.payload_bytes, scratch)  # keep the stream on a frame boundary
-        raise
-    try:
-        for i, dest in enumerate(ticket.dests):
-            if dest is not None:
-                _recv_payload(sock, frame.tensor_bytes(dest))
-                job.check_received(ticket, i)
-        return node.finish_push(header, job, ticket)
-    finally:
-        if not ticket.done:
-            job.abort_push(ticket)
-
-
-def _reply_error(sock, header, exc: StoreError, node: PSNode, metrics, op: str) -> None:
-    epoch = exc.epoch if isinstance(exc, NotOwner) else node.routing.epoch
-    step = 0
-    job = node.store.get(header.job)
-    if job is not None:
-        step = job.step
-    if metrics:
-        metrics.request(op, exc.code)
-    log.debug("%s from rank %d failed: %s %s", op, header.rank, exc.code, exc)
-    frame.send_frame(sock, frame.error_header(header.request_id, dp.ErrorCode.Value(exc.code), str(exc), epoch=epoch, step=step))
-
-
 def _send_quietly(sock, header) -> None:
     try:
+        sock.settimeout(1.0)
         frame.send_frame(sock, header)
     except OSError:
         pass

@@ -20,9 +20,11 @@ from typing import Callable
 
 from shardline.ps_server import metrics as M
 from shardline.ps_server.checkpoint import CheckpointDir, CheckpointError
+from shardline.ps_server.admission import PayloadBudget
 from shardline.ps_server.checkpointer import Checkpointer
 from shardline.ps_server.commit_relay import CommitRelay
-from shardline.ps_server.dataplane import serve_connection
+from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
@@ -34,6 +36,7 @@ from shardline.services.daemon import (add_common_args, format_host_port, instal
                              setup_logging, start_metrics_server, announce_ready)
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.security import daemon_security
 from shardline.services.transport import get_transport
 
@@ -266,6 +269,9 @@ def main(argv=None) -> int:
         if args.checkpoint_dir and not args.node_id and data_port == 0:
             raise ShardlineConfigError("checkpoint_dir needs a stable node id: set node_id (the default, host name and "
                                        "data port, changes from run to run when the data port is 0)")
+        if args.max_inflight_bytes < args.max_payload_bytes:
+            raise ShardlineConfigError(f"max_inflight_bytes ({args.max_inflight_bytes}) must be at least "
+                                       f"max_payload_bytes ({args.max_payload_bytes}): one largest frame must fit")
         # Every bind: gRPC, data plane, metrics (on the listen host; its port does not matter to the policy).
         security = daemon_security(args, {"listen": args.listen, "data_listen": format_host_port(data_host, data_port),
                                           "metrics": format_host_port(host, args.metrics_port)})
@@ -284,18 +290,32 @@ def main(argv=None) -> int:
     def fetch_job(name):
         return client.get_job(name)
 
-    limits = frame.FrameLimits(max_payload_bytes=args.max_payload_bytes)
     node_holder: dict = {}
     ps_metrics = M.PSMetrics()
+    M.INFLIGHT_LIMIT.set(args.max_inflight_bytes)
+    hangups = DisconnectWatcher()
+    policy = ConnectionPolicy(limits=frame.FrameLimits(max_payload_bytes=args.max_payload_bytes),
+                              cluster_token=cluster_token, payload_timeout=args.payload_timeout,
+                              budget=PayloadBudget(args.max_inflight_bytes, on_change=M.INFLIGHT_BYTES.set),
+                              hangups=hangups)
 
     def on_connection(sock, peer):
         M.CONNECTIONS.inc()
         try:
-            serve_connection(sock, peer, node_holder["node"], limits, ps_metrics, cluster_token)
+            serve_connection(sock, peer, node_holder["node"], policy, ps_metrics)
         finally:
             M.CONNECTIONS.dec()
 
-    listener = transport.listen(data_host, data_port, on_connection)
+    def refuse_connection(sock, peer):
+        M.CONNECTIONS_REFUSED.inc()
+        policy.complaints.log(logging.WARNING, f"max_connections:{peer.rpartition(':')[0]}",
+                              "turned away a data-plane connection from %s: %d open (max_connections)",
+                              peer, args.max_connections)
+        frame.send_frame(sock, frame.error_header(0, dp.RESOURCE_EXHAUSTED, f"PS node has {args.max_connections} "
+                                                  f"data-plane connections open (max_connections); retry later"))
+
+    listener = transport.listen(data_host, data_port, on_connection, max_connections=args.max_connections,
+                                refuse=refuse_connection)
     node_id = args.node_id or f"{socket.gethostname()}-{listener.port}"
     try:
         ckdir = open_checkpoint_dir(args.checkpoint_dir, node_id)
@@ -360,6 +380,7 @@ def main(argv=None) -> int:
     serving_done.set()
     node.replicator.links.close()
     listener.close()
+    hangups.close()
     server.stop(grace=2).wait(5)
     client.close()
     log.info("stopped in %.2f s", time.monotonic() - started)

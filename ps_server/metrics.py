@@ -43,6 +43,11 @@ REQUEST_PAYLOAD_BYTES = Histogram("shardline_ps_request_payload_bytes",
                                   "Tensor payload bytes moved by one successful request (received plus sent)",
                                   ["op"], buckets=PAYLOAD_BUCKETS)
 CONNECTIONS = Gauge("shardline_ps_dataplane_connections", "Open data-plane connections")
+CONNECTIONS_REFUSED = Counter("shardline_ps_dataplane_connections_refused_total",
+                              "Data-plane connections turned away because the node had max_connections open")
+INFLIGHT_BYTES = Gauge("shardline_ps_inflight_payload_bytes",
+                       "Bytes of payload buffers data-plane connections hold (bounded by max_inflight_bytes)")
+INFLIGHT_LIMIT = Gauge("shardline_ps_inflight_payload_limit_bytes", "The node's max_inflight_bytes")
 APPLY_SECONDS = Histogram("shardline_ps_optimizer_apply_seconds",
                           "Time to apply one optimizer update on this node (BSP: a whole step; ASP: one push)",
                           ["job_name"], buckets=APPLY_BUCKETS)

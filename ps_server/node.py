@@ -14,9 +14,12 @@ from typing import Callable
 
 import torch
 
+from shardline.ps_server.admission import NameMisses
 from shardline.ps_server.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
+from shardline.services.errors import ShardlineError
+from shardline.services.names import JOB_NAME_RE
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
@@ -28,6 +31,22 @@ MAX_PULL_WAIT_SECONDS = 600.0
 # Longest pushes to a block taken over from a live primary wait for its handover (it is asked at
 # once; a primary that stopped answering meanwhile is not waited for longer).
 HANDOVER_TIMEOUT_SECONDS = 3.0
+
+
+# Ops whose frames carry tensor bytes; every other op's payload must be empty.
+_PAYLOAD_OPS = frozenset({dp.OP_INIT, dp.OP_PUSH, dp.OP_REPLICATE})
+
+
+def _refuse_duplicates(header: frame.FrameHeader) -> None:
+    """A frame names each block once: a repeated reference could only make the node reserve (and
+    read) the same block's bytes again."""
+    seen = set()
+    for ref in header.blocks:
+        key = (ref.tensor, ref.index)
+        if key in seen:
+            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
+                                                 f"more than once")
+        seen.add(key)
 
 
 class NotOwner(StoreError):
@@ -54,6 +73,7 @@ class PSNode:
                  fetch_routing: Callable[[], common_pb2.RoutingTable], *, metrics=None, checkpointer=None):
         self.node_id = node_id
         self.store = NodeStore()
+        self.name_misses = NameMisses()
         self._fetch_job = fetch_job
         self._fetch_routing = fetch_routing
         self._routing = RoutingView.empty()
@@ -139,15 +159,30 @@ class PSNode:
             self.replicator.hand_over(job, handovers)
 
     # --- jobs -------------------------------------------------------------------------------
-    def job(self, name: str) -> JobStore:
+    def job(self, name: str, *, trust_misses: bool = True) -> JobStore:
+        """The job ``name``, asking the dispatcher for a job this node does not hold yet.
+
+        Raises StoreError UNKNOWN_JOB for a name that is invalid or that the dispatcher does not
+        know (remembered for ``name_misses.ttl_seconds``, unless ``trust_misses`` is False: the job's
+        creator and peer nodes know it exists), UNAVAILABLE when the dispatcher cannot be asked."""
         job = self.store.get(name)
         if job is not None:
             return job
         if not name:
             raise StoreError("UNKNOWN_JOB", "frame names no job")
-        info = self._fetch_job(name)
-        if info is None:
+        if not JOB_NAME_RE.fullmatch(name):
+            raise StoreError("UNKNOWN_JOB", f"no job is named {name[:200]!r}: a job name is 1..128 characters of "
+                                            f"[A-Za-z0-9._-]")
+        if trust_misses and name in self.name_misses:
             raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+        try:
+            info = self._fetch_job(name)
+        except ShardlineError as exc:
+            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} cannot look job {name!r} up: {exc}") from None
+        if info is None:
+            self.name_misses.add(name)
+            raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+        self.name_misses.discard(name)
         return self.add_job(info.spec, info.uid)
 
     def add_job(self, spec: common_pb2.JobSpec, uid: str, restored=None) -> JobStore:
@@ -226,12 +261,16 @@ class PSNode:
             return
         if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL, dp.OP_REPLICATE, dp.OP_SYNC):
             raise StoreError("INVALID_ARGUMENT", f"op {dp.Op.Name(header.op)} is not a request")
+        if header.payload_bytes and header.op not in _PAYLOAD_OPS:
+            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} carries no payload, the frame claims "
+                                                 f"{header.payload_bytes} bytes")
         peer_op = header.op in (dp.OP_REPLICATE, dp.OP_SYNC)
         if peer_op and self.replicator is None:
             raise StoreError("INVALID_ARGUMENT", f"node {self.node_id!r} does not replicate")
         if not self.serving.is_set() and not peer_op:
             raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
-        job = self.job(header.job)
+        _refuse_duplicates(header)
+        job = self.job(header.job, trust_misses=not (peer_op or header.op == dp.OP_INIT))
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
@@ -239,7 +278,14 @@ class PSNode:
             raise NotOwner(f"{'node ' + repr(header.node) if peer_op else 'client'} routes with epoch {header.epoch}, "
                            f"node is at epoch {routing.epoch}", routing.epoch)
         if peer_op:
-            return  # copies are checked block by block as they are installed (replication.py)
+            # Copies are checked block by block as they are installed (replication.py); here only
+            # that the payload is no larger than copies of these blocks can be.
+            for ref in header.blocks:
+                numel = job.expected_numel(ref.tensor, ref.index)
+                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover):
+                    raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
+                                                         f"elements, more than a copy of this block holds")
+            return
         for ref in header.blocks:
             numel = job.expected_numel(ref.tensor, ref.index)
             if routing.owner(job.name, ref.tensor, ref.index) != self.node_id:
@@ -264,6 +310,11 @@ class PSNode:
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
+    def _copy_numel_bound(self, job: JobStore, numel: int, handover: bool) -> int:
+        if handover or self.replicator is None:
+            return numel  # a handover carries a gradient sum
+        return self.replicator.codec(job).packed_numel(numel)
+
     def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
         return frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job, epoch=self._routing.epoch)
 
@@ -283,8 +334,11 @@ class PSNode:
             self.metrics.apply(job.name, time.perf_counter() - started)
         return reply
 
-    def handle(self, header: frame.FrameHeader, payload) -> tuple[frame.FrameHeader, list]:
-        """Run a prechecked request other than PUSH. ``payload`` holds ``header.payload_bytes`` bytes."""
+    def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None
+               ) -> tuple[frame.FrameHeader, list]:
+        """Run a prechecked request other than PUSH. ``payload`` holds ``header.payload_bytes`` bytes.
+
+        ``cancelled`` set (the client hung up) ends a waiting pull: ConnectionAbortedError."""
         reply = self._reply(header)
         if header.op == dp.OP_PING:
             return reply, []
@@ -322,7 +376,12 @@ class PSNode:
         try:
             keys = [(ref.tensor, ref.index) for ref in header.blocks]
             job.wait_for_step(header.min_step, timeout, keys,
-                              interrupted=lambda: self._routing.epoch > header.epoch)
+                              interrupted=lambda: self._routing.epoch > header.epoch or (
+                                  cancelled is not None and cancelled.is_set()))
+        except StoreError:
+            if cancelled is not None and cancelled.is_set():
+                raise ConnectionAbortedError("the client closed the connection while its pull waited") from None
+            raise
         finally:
             if self.metrics is not None:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)

@@ -361,6 +361,16 @@ OPTIONS: tuple[Option, ...] = (
            default_text="the --listen host, a free port"),
     Option("max_payload_bytes", "size", "Largest data-plane frame payload the node accepts; bigger frames "
            "get TOO_LARGE and the connection is closed.", ("ps",), default=DEFAULT_MAX_PAYLOAD_BYTES, above=0),
+    Option("payload_timeout", "float", "A data-plane frame's header and payload must arrive within this long of "
+           "its first byte (and a reply must be taken within it); a peer that stalls is dropped and what its "
+           "frame reserved is freed.", ("ps",), default=60.0, above=0, unit="s"),
+    Option("max_inflight_bytes", "size", "Bound on the bytes of payload buffers all data-plane connections of "
+           "the node hold at once; a frame that would exceed it waits up to payload_timeout, then gets "
+           "RESOURCE_EXHAUSTED (its client retries). At least max_payload_bytes.", ("ps",),
+           default=4 * 1024 ** 3, above=0),
+    Option("max_connections", "int", "Most data-plane connections the node keeps open; further ones are "
+           "answered RESOURCE_EXHAUSTED and closed (metric shardline_ps_dataplane_connections_refused_total).",
+           ("ps",), default=1024, minimum=1),
     Option("checkpoint_dir", "path", "Directory of this node's checkpoints (safetensors + JSON manifests, "
            "one folder per job). Created if missing and checked writable at start; the node restores every "
            "job found there before it serves. Unset: no checkpoints, a restart loses the node's blocks.",

@@ -28,6 +28,8 @@ log = logging.getLogger("shardline")
 
 # Bound on a single control-plane message; data moves on the binary data plane.
 GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Calls a server runs or queues at once; more get RESOURCE_EXHAUSTED instead of growing its queue.
+GRPC_MAX_CONCURRENT_RPCS = 1024
 
 
 def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:
@@ -189,6 +191,7 @@ def create_grpc_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         interceptors=interceptors,
+        maximum_concurrent_rpcs=GRPC_MAX_CONCURRENT_RPCS,
         options=[
             ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),

@@ -15,6 +15,7 @@ tensor bytes.
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -117,36 +118,47 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         raise FrameError(f"blocks add up to {total} bytes but the header claims payload_bytes={header.payload_bytes}")
 
 
-def recv_exactly_into(sock, view: memoryview) -> None:
-    """Fill ``view`` from ``sock``. Raises ConnectionError if the peer closes first."""
+def recv_exactly_into(sock, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view`` from ``sock``. Raises ConnectionError if the peer closes first and, with a
+    ``deadline`` (``time.monotonic()`` value), TimeoutError once it has passed: however slowly the
+    bytes trickle in, the read ends then (the socket's timeout is left changed)."""
     got = 0
     n = len(view)
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{got} of {n} bytes arrived in time")
+            sock.settimeout(left)
         r = sock.recv_into(view[got:], n - got)
         if r == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += r
 
 
-def recv_header(sock, limits: FrameLimits = DEFAULT_LIMITS) -> FrameHeader:
-    """Read and validate one frame's prefix and header (not its payload)."""
+def recv_header(sock, limits: FrameLimits = DEFAULT_LIMITS, deadline: float | None = None) -> FrameHeader:
+    """Read and validate one frame's prefix and header (not its payload), by ``deadline`` if given."""
     prefix = bytearray(PREFIX.size)
-    recv_exactly_into(sock, memoryview(prefix))
+    recv_exactly_into(sock, memoryview(prefix), deadline)
     header_len = decode_prefix(prefix, limits)
     body = bytearray(header_len)
-    recv_exactly_into(sock, memoryview(body))
+    recv_exactly_into(sock, memoryview(body), deadline)
     header = parse_header(body)
     validate_header(header, limits)
     return header
 
 
-def skip_bytes(sock, n: int, scratch: bytearray | None = None) -> None:
-    """Read and discard ``n`` payload bytes, keeping the stream aligned on frame boundaries."""
-    buf = scratch if scratch is not None and len(scratch) > 0 else bytearray(min(n, 1 << 20) or 1)
+SKIP_CHUNK_BYTES = 1 << 20
+
+
+def skip_bytes(sock, n: int, scratch: bytearray | None = None, deadline: float | None = None) -> None:
+    """Read and discard ``n`` payload bytes, keeping the stream aligned on frame boundaries
+    (through ``scratch`` if it is non-empty, else a buffer of at most SKIP_CHUNK_BYTES)."""
+    buf = scratch if scratch is not None and len(scratch) > 0 else bytearray(min(n, SKIP_CHUNK_BYTES) or 1)
     view = memoryview(buf)
     while n > 0:
         chunk = min(n, len(view))
-        recv_exactly_into(sock, view[:chunk])
+        recv_exactly_into(sock, view[:chunk], deadline)
         n -= chunk
 
 

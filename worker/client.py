@@ -40,6 +40,11 @@ log = logging.getLogger("shardline.worker")
 
 # A waiting pull is asked for in slices of this many seconds (the routing is checked in between).
 PULL_SLICE_SECONDS = 5.0
+# Replies that mean "this node is there but cannot take the request now": wait and try again
+# (stopping or restoring, a bound on connections or bytes in flight reached).
+_BUSY_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+# A PS node remembers that a job name does not exist for ps_server.admission.DEFAULT_MISS_TTL_SECONDS.
+UNKNOWN_JOB_RETRY_SECONDS = 1.2
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering.
 IO_TIMEOUT_SECONDS = 30.0
 
@@ -486,7 +491,7 @@ class Client:
                         self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
                                                               _ranks_in(exc.remote_message))
                         raise self._lost from None
-                    if exc.code != "UNAVAILABLE":
+                    if exc.code not in _BUSY_CODES:
                         raise
                     lost.append((node_id, exc))
                 except (ShardlineConnectionError, ConnectionError, OSError) as exc:
@@ -540,7 +545,7 @@ class Client:
                 node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
                 return self._resend_inflight(node_id, node_step)
             except RemoteError as exc:
-                if exc.code not in ("UNAVAILABLE", "NOT_OWNER"):
+                if exc.code not in _BUSY_CODES and exc.code != "NOT_OWNER":
                     raise
                 last = exc
             except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
@@ -572,7 +577,20 @@ class Client:
                  " and the commit" if inflight["committed"] else "", step)
         return node_step
 
-    def _exchange(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int, timeout: float) -> int:
+    def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
+        """One request to ``node_id`` (see _exchange_once); UNKNOWN_JOB for a job this client holds
+        is asked once more after a pause: the node may remember a miss of the name from just before
+        the job was created (it is forgotten after UNKNOWN_JOB_RETRY_SECONDS)."""
+        try:
+            return self._exchange_once(node_id, keys, op, *args)
+        except RemoteError as exc:
+            if exc.code != "UNKNOWN_JOB" or self.spec is None:
+                raise
+        time.sleep(UNKNOWN_JOB_RETRY_SECONDS)
+        return self._exchange_once(node_id, keys, op, *args)
+
+    def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
+                       timeout: float) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation)

@@ -1,6 +1,6 @@
 """Data-plane transports, one module each, chosen by name: ``tcp``, ``rdma`` or ``auto``.
 
-A transport provides ``listen(host, port, serve_connection) -> Listener`` and
+A transport provides ``listen(host, port, serve_connection, *, max_connections=0, refuse=None) -> Listener`` and
 ``connect(address, connect_timeout) -> Connection``. A Connection has the socket methods the frame
 codec needs (``recv_into``, ``sendall``, ``close``), so ``services.frame`` works unchanged over
 any of them. ``auto`` picks RDMA when an RDMA device is present and TCP otherwise.

@@ -41,9 +41,14 @@ def connect(address: str, connect_timeout: float = 10.0) -> socket.socket:
 
 
 class Listener:
-    """Accepts connections and runs ``serve_connection(sock, peer)`` on a thread for each."""
+    """Accepts connections and runs ``serve_connection(sock, peer)`` on a thread for each.
 
-    def __init__(self, host: str, port: int, serve_connection: Callable[[socket.socket, str], None]):
+    With ``max_connections``, a connection beyond that many open ones gets no thread: it is handed
+    to ``refuse(sock, peer)`` on the accepting thread (which must not block: tell the peer why
+    in a small write) and closed."""
+
+    def __init__(self, host: str, port: int, serve_connection: Callable[[socket.socket, str], None], *,
+                 max_connections: int = 0, refuse: Callable[[socket.socket, str], None] | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._sock = socket.socket(family, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -52,6 +57,8 @@ class Listener:
         self.host = host
         self.port = self._sock.getsockname()[1]
         self._serve = serve_connection
+        self.max_connections = max_connections
+        self._refuse = refuse
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = threading.Event()
@@ -75,9 +82,25 @@ class Listener:
                 return
             _tune(conn)
             with self._lock:
-                self._conns.add(conn)
+                full = bool(self.max_connections) and len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._turn_away(conn, f"{peer[0]}:{peer[1]}")
+                continue
             threading.Thread(target=self._run, args=(conn, f"{peer[0]}:{peer[1]}"),
                              name=f"dataplane-{peer[1]}", daemon=True).start()
+
+    def _turn_away(self, conn: socket.socket, peer: str) -> None:
+        try:
+            conn.settimeout(0.2)
+            if self._refuse is not None:
+                self._refuse(conn, peer)
+            conn.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+        finally:
+            conn.close()
 
     def _run(self, conn: socket.socket, peer: str) -> None:
         try:
@@ -108,5 +131,5 @@ class Listener:
                 pass
 
 
-def listen(host: str, port: int, serve_connection) -> Listener:
-    return Listener(host, port, serve_connection)
+def listen(host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
+    return Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse)

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from shardline.ps_server.dataplane import serve_connection
+from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.services import auth, frame
 from shardline.services.errors import RemoteError, ShardlineConfigError
@@ -58,7 +58,8 @@ class _Transport:
 def serve(server_token):
     node = PSNode("n1", lambda name: None, lambda: common_pb2.RoutingTable(epoch=1))
     a, b = socket.socketpair()
-    t = threading.Thread(target=serve_connection, args=(a, "test", node, frame.DEFAULT_LIMITS, None, server_token), daemon=True)
+    t = threading.Thread(target=serve_connection, args=(a, "test", node, ConnectionPolicy(cluster_token=server_token)),
+                         daemon=True)
     t.start()
     return b, t
 
