@@ -60,7 +60,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 ** 3       # services.frame.DEFAULT_LIMITS.max_
 
 
 def parse_address_list(value: str, *, what: str = "cluster") -> list[str]:
-    """``"a:7000,b:7000"`` -> ``["a:7000", "b:7000"]``; each must be HOST:PORT; no empty entries."""
+    """``"a:7000,b:7000"`` -> ``["a:7000", "b:7000"]``; each must be HOST:PORT (port > 0: addresses to
+    connect to); no empty entries."""
     from shardline.services.daemon import parse_host_port
 
     if not isinstance(value, str) or not value.strip():
@@ -69,7 +70,9 @@ def parse_address_list(value: str, *, what: str = "cluster") -> list[str]:
     if any(not p for p in parts):
         raise ShardlineConfigError(f"{what} has an empty entry: {value!r}")
     for part in parts:
-        parse_host_port(part, what=what)
+        if parse_host_port(part, what=what)[1] == 0:
+            raise ShardlineConfigError(f"{what} needs the dispatcher's port (port 0 only means 'pick one' when "
+                                       f"binding), got {value!r}")
     if len(set(parts)) != len(parts):
         raise ShardlineConfigError(f"{what} lists an address twice: {value!r}")
     return parts
