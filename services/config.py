@@ -384,6 +384,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("result_file", "path", "Write the training result here as JSON.", ("worker",)),
     Option("pull_timeout", "float", "How long one step may wait for the slowest worker (server-side pull "
            "wait).", ("worker",), default=600.0, above=0, unit="s"),
+    Option("straggler_warning_seconds", "float", "A step still waiting this long for other workers logs a "
+           "WARNING on every waiting worker naming the ranks that have not committed it and the PS nodes "
+           "waiting for them, then again at doubling intervals (up to 5 min); the pull_timeout error names "
+           "them too. 0 = no warning.", ("worker",), default=30.0, minimum=0, unit="s"),
     Option("recovery_timeout", "float", "How long a worker waits for a PS node that failed (restart, failover "
            "to a replica) before it gives up.", ("worker",), default=120.0, above=0, unit="s"),
     Option("block_elements", "int", "Block size, in fp32 elements, of jobs this worker creates (262144 = "

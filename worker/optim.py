@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from shardline.services.errors import ShardlineConfigError
-from shardline.worker.client import Client
+from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 
 
 def _env_int(name: str, default: int) -> int:
@@ -44,6 +44,10 @@ class PSOptimizer:
     prepares its next batch while the slowest finishes) until the parameters are next used: any
     ``nn.Module`` forward, ``zero_grad()``, ``step()`` or ``wait()`` first waits for it. Code that
     reads the parameters outside a module's forward must call ``wait()``. ``close()`` when done.
+    ``straggler_warning_seconds``: a step still waiting this long for other ranks logs a WARNING
+    naming the ranks that have not committed it (0: no warning); when ``pull_timeout`` runs out,
+    StepTimeoutError names them. A wrong ``cluster`` fails at once (ShardlineConfigError); an
+    unreachable one logs a WARNING after 5 s and fails after ``connect_timeout``.
     Remaining keyword arguments are the optimizer's hyperparameters with torch.optim's names.
     """
 
@@ -52,7 +56,8 @@ class PSOptimizer:
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
                  connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
                  prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
-                 worker_lease_timeout: float | None = None, on_worker_failure: str | None = None, **optimizer_kwargs):
+                 worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
+                 straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -74,7 +79,7 @@ class PSOptimizer:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
                              connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token,
-                             recovery_timeout=recovery_timeout)
+                             recovery_timeout=recovery_timeout, straggler_warning_seconds=straggler_warning_seconds)
         created = False
         if self.rank == 0:
             created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,
