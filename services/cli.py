@@ -239,7 +239,7 @@ def _connect_dispatcher(args: argparse.Namespace):
         raise _UsageError(str(exc)) from None
     client = DispatcherClient(cluster, rpc_timeout=args.timeout, cluster_token=token)
     try:
-        client.wait_until_reachable(args.timeout)
+        client.wait_until_reachable(args.timeout, timeout_name="--timeout")
     except ShardlineError:
         client.close()
         raise

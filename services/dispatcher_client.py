@@ -215,7 +215,7 @@ class DispatcherClient:
                 pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
 
     def wait_until_reachable(self, connect_timeout: float, *, stop: threading.Event | None = None,
-                             warn_after: float = REACHABLE_WARNING_SECONDS) -> None:
+                             warn_after: float = REACHABLE_WARNING_SECONDS, timeout_name: str = "connect_timeout") -> None:
         """Retry until a dispatcher answers as the leader (its health service says SERVING; daemons
         may start in any order); a leader a follower names is learned. Raises ShardlineTimeoutError
         naming the addresses and why they did not answer.
@@ -224,7 +224,8 @@ class DispatcherClient:
         after ``warn_after`` seconds (then again, less and less often) says what is retried and why
         it fails (connection refused, a host name DNS cannot resolve, no answer). A host name that
         does not resolve is retried like a refused connection: DNS names of daemons started together
-        may appear only once their hosts are up. ``stop`` set: raise ShardlineConnectionError at once."""
+        may appear only once their hosts are up. ``stop`` set: raise ShardlineConnectionError at once.
+        ``timeout_name``: what the messages call ``connect_timeout`` (the caller's option name)."""
         started = time.monotonic()
         deadline = started + connect_timeout
         pause = RETRY_PAUSE_SECONDS
@@ -253,15 +254,15 @@ class DispatcherClient:
             now = time.monotonic()
             if now + pause >= deadline:
                 raise ShardlineTimeoutError(f"{self._describe()} not reachable within {connect_timeout:g} s "
-                                            f"(connect_timeout): {_reasons_text(reasons)}")
+                                            f"({timeout_name}): {_reasons_text(reasons)}")
             if stop is not None and stop.is_set():
                 raise ShardlineConnectionError(f"stopped while waiting for the {self._describe()}")
             if len(reasons) and pause == RETRY_PAUSE_SECONDS:
-                log.info("waiting for the %s (%s); retrying for up to %g s (connect_timeout)", self._describe(),
-                         _reasons_text(reasons), connect_timeout)
+                log.info("waiting for the %s (%s); retrying for up to %g s (%s)", self._describe(),
+                         _reasons_text(reasons), connect_timeout, timeout_name)
             if now >= warn_at:
-                log.warning("%s still not reachable after %.0f s: %s; retrying until connect_timeout (%g s) runs out",
-                            self._describe(), now - started, _reasons_text(reasons), connect_timeout)
+                log.warning("%s still not reachable after %.0f s: %s; retrying until %s (%g s) runs out",
+                            self._describe(), now - started, _reasons_text(reasons), timeout_name, connect_timeout)
                 warn_every = min(warn_every * 2, MAX_REACHABLE_WARNING_INTERVAL_SECONDS)
                 warn_at = now + warn_every
             if stop is not None:

@@ -417,9 +417,9 @@ class Client:
                 if now >= deadline:
                     raise self._step_timeout(collecting, total, exc) from None
                 if warn_at is not None and now >= warn_at:
-                    report = self.stragglers(collecting)
+                    _, who = self._who_is_missing(collecting)
                     log.warning("job %s: step %d still waits after %.0f s (pull_timeout %g s): %s", self.job,
-                                collecting, now - started, total, report.describe())
+                                collecting, now - started, total, who)
                     warn_every = max(warn_every, min(2 * warn_every, MAX_STRAGGLER_WARNING_INTERVAL_SECONDS))
                     warn_at = now + warn_every
                 self.refresh_routing()
@@ -441,17 +441,25 @@ class Client:
         known = {int(w.rank): lease_text(w) for w in leases}
         return straggler_report(step, self.spec.world_size, answers, known)
 
+    def _who_is_missing(self, step: int) -> tuple[StragglerReport | None, str]:
+        """``stragglers(step)`` and its description; (None, why) if asking failed (the warning or
+        the timeout goes out all the same)."""
+        try:
+            report = self.stragglers(step)
+        except Exception as err:  # noqa: BLE001 - a report is extra information, never a new failure
+            return None, f"asking the PS nodes who is missing failed: {err}"
+        return report, report.describe()
+
     def _step_timeout(self, step: int | None, total: float, exc: RemoteError) -> ShardlineTimeoutError:
         """The error of a pull that waited ``pull_timeout`` (``exc``: the last slice's TIMEOUT)."""
         if step is None:  # not a BSP step: an SSP/ASP pull or one of an explicit min_step 0
             return ShardlineTimeoutError(f"job {self.job!r}: pull waited {total:g} s in all (pull_timeout): "
                                          f"{exc.remote_message}")
-        try:
-            report = self.stragglers(step)
-        except ShardlineError as err:
-            report, why = None, f"{exc.remote_message} (asking the nodes who is missing failed: {err})"
-        else:
-            why = report.describe() if report.missing or report.complete or report.unreachable else exc.remote_message
+        report, why = self._who_is_missing(step)
+        if report is None:
+            why = f"{exc.remote_message} ({why})"
+        elif not (report.missing or report.complete or report.unreachable):
+            why = exc.remote_message  # the nodes moved on meanwhile: what the last one said
         return StepTimeoutError(f"job {self.job!r}: step {step} was not applied within {total:g} s (pull_timeout): "
                                 f"{why}", ranks=report.missing if report is not None else (), step=step)
 
