@@ -132,3 +132,40 @@ def test_a_missing_rank_is_named_by_the_warning_the_error_and_status(cluster, ca
     rows = {tuple(line.split()[:3]) for line in status.stdout.splitlines() if line.startswith("straggler ")}
     assert ("straggler", "0", "alive") in rows and ("straggler", "1", "waiting") in rows, status.stdout
     assert "never connected" in status.stdout, status.stdout
+
+
+def test_every_waiting_worker_names_the_missing_rank(cluster, caplog):
+    """World size 3, ranks 0 and 1 run (threads of this process), rank 2 never comes: both waiting
+    workers log the WARNING naming rank 2 and both fail naming it."""
+    caplog.set_level(logging.WARNING, logger="shardline.worker")
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        try:
+            opt = PSOptimizer(model.named_parameters(), cluster=cluster.address, job="straggler-3", optimizer="sgd",
+                              lr=0.1, world_size=3, rank=rank, straggler_warning_seconds=1, pull_timeout=3,
+                              transport="tcp")
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertions below
+            errors[rank] = exc
+            return
+        try:
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+        except BaseException as exc:  # noqa: BLE001
+            errors[rank] = exc
+        finally:
+            opt.close()
+
+    threads = [threading.Thread(target=run, args=(rank,), name=f"rank-{rank}") for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    for rank in (0, 1):
+        assert isinstance(errors.get(rank), StepTimeoutError) and errors[rank].ranks == (2,), errors
+    warned = {r.threadName for r in caplog.records
+              if r.levelno == logging.WARNING and "ranks [2] did not commit step 0" in r.getMessage()}
+    assert warned == {"rank-0", "rank-1"}, [(r.threadName, r.getMessage()) for r in caplog.records]
