@@ -133,8 +133,9 @@ class Client:
         self.pull_timeout = pull_timeout
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
-        self._transport = get_transport(transport)
+        # A wrong address fails here, at once; an unreachable one is retried (with a WARNING) below.
         self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=cluster_token)
+        self._transport = get_transport(transport)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
