@@ -337,17 +337,18 @@ def main(argv=None) -> int:
     server, grpc_port, health = create_server(args.listen, node, cluster_token=cluster_token, tls=security.server_tls)
     _, metrics_port = start_metrics_server(host, args.metrics_port)
     try:
-        client.wait_until_reachable(args.connect_timeout)
+        client.wait_until_reachable(args.connect_timeout, stop=stop)  # logs that it waits, and why
         node.refresh_routing()
         if ckdir is not None:
             restore_all(ckdir, node_id=node_id, get_job=client.get_job, restore_job_rpc=client.restore_job,
                         live_step=peer_job_steps(node, cluster_token, security.tls_ca), add_job=node.add_job,
                         metrics=ps_metrics, before_job=lambda job: _extend_systemd_timeout(f"restoring job {job}"))
     except ShardlineError as exc:
-        log.error("cannot join cluster %s: %s", args.cluster, exc)
+        stopped = stop.is_set()  # SIGTERM while it waited for the dispatcher: a clean stop
+        (log.info if stopped else log.error)("cannot join cluster %s: %s", args.cluster, exc)
         listener.close()
         server.stop(0)
-        return 1
+        return 0 if stopped else 1
 
     registration = dict(node_id=node_id, rack=args.rack, grpc_address=format_host_port(host, grpc_port),
                         data_address=listener.address, capacity=args.capacity, incarnation=os.urandom(8).hex(),

@@ -17,10 +17,11 @@ Every daemon and worker gets a cluster token: ``--cluster-token-file``, else a n
 Exit codes: 0 done, 1 a daemon failed or timed out, 2 bad arguments, 130 interrupted.
 
 ``status`` asks a dispatcher for its cluster status: nodes (id, rack, address, state, heartbeat
-age, blocks, bytes, virtual nodes, share of the key space), the ring epoch, and jobs (name, sync,
-world size, tensors, parameters, ready) and how it is secured (token, TLS; daemons running
-``allow_insecure`` come first, as WARNING lines), as tables or, with ``--json``, as one JSON object.
-Every command takes ``--cluster-token-file`` and ``--tls-ca-file`` (default
+age, blocks, bytes, virtual nodes, share of the key space), the ring epoch, jobs (name, sync,
+world size, tensors, parameters, ready), each job's ranks (alive, lost or never connected, the
+step each last reported and how long ago) and how the cluster is secured (token, TLS; daemons
+running ``allow_insecure`` come first, as WARNING lines), as tables or, with ``--json``, as one
+JSON object. Every command takes ``--cluster-token-file`` and ``--tls-ca-file`` (default
 ``$SHARDLINE_CLUSTER_TOKEN_FILE``, ``$SHARDLINE_TLS_CA_FILE``).
 """
 
@@ -108,6 +109,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
     """
     progress = progress or {}
     from shardline.services.ring import HashRing
+    from shardline.services.stragglers import lost_for_seconds
 
     vnodes = {n.node_id: int(n.vnodes) for n in status.routing.nodes if n.vnodes > 0}
     share = HashRing(vnodes).share() if vnodes else {}
@@ -130,10 +132,14 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
         steps = {node: jobs_on_node[j.spec.name] for node, jobs_on_node in sorted(progress.items())
                  if j.spec.name in jobs_on_node}
         now_ms = time.time() * 1000
-        workers = [{"rank": int(w.rank), "state": w.state, "incarnation": w.incarnation, "step": int(w.step),
-                    "heartbeat_age_seconds": round(w.age_seconds, 3),
-                    "lost_for_seconds": round((now_ms - w.lost_unix_ms) / 1000, 1) if w.state == "lost" else None}
-                   for w in status.workers if w.job == j.spec.name]
+        workers = []
+        for w in status.workers:
+            if w.job == j.spec.name:
+                lost_for = lost_for_seconds(w, now_ms)
+                workers.append({"rank": int(w.rank), "state": w.state, "incarnation": w.incarnation,
+                                "connected": bool(w.incarnation), "step": int(w.step),
+                                "heartbeat_age_seconds": round(w.age_seconds, 3),
+                                "lost_for_seconds": round(lost_for, 1) if lost_for is not None else None})
         jobs.append({
             "name": j.spec.name, "sync": j.spec.sync, "world_size": int(j.spec.world_size),
             "step": min(steps.values()) if steps else None, "steps_by_node": steps,
@@ -202,6 +208,9 @@ def render_status(data: dict) -> str:
                  j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
         lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "CHECKPOINT", "TENSORS",
                                              "PARAMS", "READY"], rows, right={3, 4, 5, 6, 7})]
+        workers = render_workers(data["jobs"])
+        if workers:
+            lines += ["", "workers:", workers]
         for j in data["jobs"]:
             for w in j.get("workers", []):
                 if w["state"] == "lost":
@@ -210,6 +219,30 @@ def render_status(data: dict) -> str:
     else:
         lines += ["", "jobs: none"]
     return "\n".join(lines)
+
+
+def render_workers(jobs: list[dict]) -> str:
+    """Each job's ranks (0..world_size-1) as the dispatcher's leases see them: state, the step a
+    worker last reported and how long ago it did. '' if no job has a lease."""
+    rows = []
+    for j in jobs:
+        by_rank = {w["rank"]: w for w in j.get("workers", [])}
+        if not by_rank:
+            continue
+        for rank in range(max(j["world_size"], max(by_rank) + 1)):
+            w = by_rank.get(rank)
+            if w is None:  # released (finished or stopped), or not seen by this dispatcher (a new leader)
+                rows.append([j["name"], rank, "no lease", "-", "-", "finished, or not seen since this dispatcher started"])
+                continue
+            if not w.get("connected", True):
+                state, step, seen = ("lost" if w["state"] == "lost" else "waiting"), "-", "never"
+                note = "never connected"
+            else:
+                state, step, seen, note = w["state"], w["step"], f"{w['heartbeat_age_seconds']:.1f}s ago", ""
+            rows.append([j["name"], rank, state, step, seen, note])
+    if not rows:
+        return ""
+    return format_table(["JOB", "RANK", "STATE", "STEP", "LAST HEARTBEAT", "NOTE"], rows, right={1, 3, 4})
 
 
 class _UsageError(Exception):
@@ -236,7 +269,7 @@ def _connect_dispatcher(args: argparse.Namespace):
         raise _UsageError(str(exc)) from None
     client = DispatcherClient(cluster, rpc_timeout=args.timeout, cluster_token=token, tls_ca=tls_ca)
     try:
-        client.wait_until_reachable(args.timeout)
+        client.wait_until_reachable(args.timeout, timeout_name="--timeout")
     except ShardlineError:
         client.close()
         raise

@@ -60,7 +60,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 ** 3       # services.frame.DEFAULT_LIMITS.max_
 
 
 def parse_address_list(value: str, *, what: str = "cluster") -> list[str]:
-    """``"a:7000,b:7000"`` -> ``["a:7000", "b:7000"]``; each must be HOST:PORT; no empty entries."""
+    """``"a:7000,b:7000"`` -> ``["a:7000", "b:7000"]``; each must be HOST:PORT (port > 0: addresses to
+    connect to); no empty entries."""
     from shardline.services.daemon import parse_host_port
 
     if not isinstance(value, str) or not value.strip():
@@ -69,7 +70,9 @@ def parse_address_list(value: str, *, what: str = "cluster") -> list[str]:
     if any(not p for p in parts):
         raise ShardlineConfigError(f"{what} has an empty entry: {value!r}")
     for part in parts:
-        parse_host_port(part, what=what)
+        if parse_host_port(part, what=what)[1] == 0:
+            raise ShardlineConfigError(f"{what} needs the dispatcher's port (port 0 only means 'pick one' when "
+                                       f"binding), got {value!r}")
     if len(set(parts)) != len(parts):
         raise ShardlineConfigError(f"{what} lists an address twice: {value!r}")
     return parts
@@ -394,6 +397,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("result_file", "path", "Write the training result here as JSON.", ("worker",)),
     Option("pull_timeout", "float", "How long one step may wait for the slowest worker (server-side pull "
            "wait).", ("worker",), default=600.0, above=0, unit="s"),
+    Option("straggler_warning_seconds", "float", "A step still waiting this long for other workers logs a "
+           "WARNING on every waiting worker naming the ranks that have not committed it and the PS nodes "
+           "waiting for them, then again at doubling intervals (up to 5 min); the pull_timeout error names "
+           "them too. 0 = no warning.", ("worker",), default=30.0, minimum=0, unit="s"),
     Option("recovery_timeout", "float", "How long a worker waits for a PS node that failed (restart, failover "
            "to a replica) before it gives up.", ("worker",), default=120.0, above=0, unit="s"),
     Option("block_elements", "int", "Block size, in fp32 elements, of jobs this worker creates (262144 = "

@@ -10,9 +10,11 @@ and exits 0.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -32,19 +34,50 @@ GRPC_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 GRPC_MAX_CONCURRENT_RPCS = 1024
 
 
+_HOST_NAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+
+
+def _is_ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_host_port(value: str, *, what: str = "address") -> tuple[str, int]:
-    """Parse ``HOST:PORT`` (IPv6 as ``[::1]:PORT``). Raises ShardlineConfigError quoting the value."""
+    """Parse ``HOST:PORT`` (IPv6 as ``[::1]:PORT``). Raises ShardlineConfigError quoting the value.
+
+    Strict on purpose: the value goes to gRPC and sockets afterwards, and gRPC reads a target it
+    does not understand its own way (no port means port 443, ``dns:`` a URI scheme) and then
+    retries in silence. The host is a name or IPv4 address (letters, digits, ``.-_``) or a bracketed
+    IPv6 address; the port is ASCII digits."""
     if not isinstance(value, str) or ":" not in value:
         raise ShardlineConfigError(f"{what} must be HOST:PORT, got {value!r}")
-    host, _, port_text = value.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not host:
-        raise ShardlineConfigError(f"{what} must be HOST:PORT with a host, got {value!r}")
-    try:
-        port = int(port_text)
-    except ValueError:
-        raise ShardlineConfigError(f"{what} port must be an integer, got {value!r}") from None
+    if value.startswith("["):
+        close = value.find("]")
+        if close < 0 or value[close + 1:close + 2] != ":":
+            raise ShardlineConfigError(f"{what} must be [IPV6]:PORT, got {value!r}")
+        host, port_text = value[1:close], value[close + 2:]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise ShardlineConfigError(f"{what}: {host!r} in brackets is no IPv6 address, got {value!r}") from None
+    else:
+        host, _, port_text = value.rpartition(":")
+        if ":" in host:
+            if _is_ipv6(value) or _is_ipv6(host):
+                raise ShardlineConfigError(f"{what} must be HOST:PORT with an IPv6 host in brackets ([::1]:7000), "
+                                           f"got {value!r}")
+            raise ShardlineConfigError(f"{what} must be HOST:PORT (no scheme or path), got {value!r}")
+        if not host:
+            raise ShardlineConfigError(f"{what} must be HOST:PORT with a host, got {value!r}")
+        if not _HOST_NAME.match(host):
+            raise ShardlineConfigError(f"{what} must be HOST:PORT with a host name or IP address as host "
+                                       f"(no scheme, path or spaces), got {value!r}")
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ShardlineConfigError(f"{what} port must be an integer, got {value!r}")
+    port = int(port_text)
     if not 0 <= port <= 65535:
         raise ShardlineConfigError(f"{what} port must be in 0..65535, got {value!r}")
     return host, port

@@ -18,6 +18,7 @@ made once, as it always was.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -37,6 +38,8 @@ from shardline.services.errors import (
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from shardline.services.security import tls_hint
 
+log = logging.getLogger("shardline.client")
+
 # Trailing metadata of a follower's UNAVAILABLE reply: the leader's address ('' while none is known).
 LEADER_METADATA_KEY = "shardline-leader"
 # How long one try may wait for an answer when other addresses could answer instead (a paused
@@ -47,6 +50,10 @@ RETRY_PAUSE_SECONDS = 0.05
 MAX_RETRY_PAUSE_SECONDS = 0.5
 # A try with less time left than this could not get an answer: the last error is raised instead.
 MIN_ATTEMPT_SECONDS = 0.05
+# wait_until_reachable: a WARNING says what is retried once it failed this long, then at doubling
+# intervals up to the maximum.
+REACHABLE_WARNING_SECONDS = 5.0
+MAX_REACHABLE_WARNING_INTERVAL_SECONDS = 60.0
 # A restarted dispatcher is dialled again within this (gRPC's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
@@ -66,6 +73,32 @@ def _translate(exc: grpc.RpcError, what: str, tls: bool = False) -> ShardlineErr
         return NotLeaderError(f"{what}: {exc.details()} ({exc.code().name})", leader)
     cls = _ERRORS.get(exc.code(), ShardlineError)
     return cls(f"{what}: {exc.details()} ({exc.code().name}){tls_hint(exc.details(), tls)}")
+
+
+def unreachable_reason(exc: grpc.RpcError, address: str = "") -> str:
+    """Why the dispatcher at ``address`` did not answer, in an operator's words, from gRPC's error."""
+    code, details = exc.code(), (exc.details() or "")
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return "no answer in time (overloaded, paused or not a Shardline dispatcher?)"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        lowered = details.lower()
+        if "connection refused" in lowered:
+            return "connection refused (nothing listens there yet)"
+        if "resolv" in lowered or "dns" in lowered or "domain name not found" in lowered:
+            what = details.rsplit(": ", 1)[-1].rstrip("]").strip() if ": " in details else details
+            host = address.rpartition(":")[0].strip("[]") or "the host name"
+            return f"DNS cannot resolve {host!r} ({what})"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"the cluster token is missing or wrong ({details})"
+    return f"{details or code.name} ({code.name})"
+
+
+def _reasons_text(reasons: dict[str, str]) -> str:
+    if not reasons:
+        return "no answer"
+    if len(reasons) == 1:
+        return next(iter(reasons.values()))
+    return "; ".join(f"{address}: {why}" for address, why in reasons.items())
 
 
 def leader_hint(exc: grpc.RpcError) -> str | None:
@@ -185,13 +218,23 @@ class DispatcherClient:
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
 
-    def wait_until_reachable(self, connect_timeout: float) -> None:
+    def wait_until_reachable(self, connect_timeout: float, *, stop: threading.Event | None = None,
+                             warn_after: float = REACHABLE_WARNING_SECONDS, timeout_name: str = "connect_timeout") -> None:
         """Retry until a dispatcher answers as the leader (its health service says SERVING; daemons
         may start in any order); a leader a follower names is learned. Raises ShardlineTimeoutError
-        naming the addresses."""
-        deadline = time.monotonic() + connect_timeout
+        naming the addresses and why they did not answer.
+
+        Not silent: the first failed try logs at INFO that it waits (and for how long), and a WARNING
+        after ``warn_after`` seconds (then again, less and less often) says what is retried and why
+        it fails (connection refused, a host name DNS cannot resolve, no answer). A host name that
+        does not resolve is retried like a refused connection: DNS names of daemons started together
+        may appear only once their hosts are up. ``stop`` set: raise ShardlineConnectionError at once.
+        ``timeout_name``: what the messages call ``connect_timeout`` (the caller's option name)."""
+        started = time.monotonic()
+        deadline = started + connect_timeout
         pause = RETRY_PAUSE_SECONDS
-        hint = ""
+        warn_at, warn_every = started + warn_after, warn_after
+        reasons: dict[str, str] = {}
         while True:
             with self._lock:
                 first = self._leader
@@ -202,18 +245,40 @@ class DispatcherClient:
                     reply = health_pb2_grpc.HealthStub(self._channel(address)).Check(
                         health_pb2.HealthCheckRequest(service=""), timeout=max(0.1, min(2.0, remaining)))
                 except grpc.RpcError as exc:
-                    hint = tls_hint(exc.details(), self._tls_ca is not None) or hint
+                    reasons[address] = unreachable_reason(exc, address) + tls_hint(exc.details(), self._tls_ca is not None)
                     continue
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
                     with self._lock:
                         self._leader = address
+                    if reasons:
+                        log.info("dispatcher at %s answers (after %.1f s)", address, time.monotonic() - started)
                     return
+                reasons[address] = "a follower (no leader elected yet)"
                 self._learn_leader_from(address, remaining)
-            if time.monotonic() + pause >= deadline:
-                what = "dispatcher at" if len(self.addresses) == 1 else "no leader among the dispatchers at"
-                raise ShardlineTimeoutError(f"{what} {self.address} not reachable within {connect_timeout:g} s{hint}")
-            time.sleep(pause)
+            now = time.monotonic()
+            if now + pause >= deadline:
+                raise ShardlineTimeoutError(f"{self._describe()} not reachable within {connect_timeout:g} s "
+                                            f"({timeout_name}): {_reasons_text(reasons)}")
+            if stop is not None and stop.is_set():
+                raise ShardlineConnectionError(f"stopped while waiting for the {self._describe()}")
+            if len(reasons) and pause == RETRY_PAUSE_SECONDS:
+                log.info("waiting for the %s (%s); retrying for up to %g s (%s)", self._describe(),
+                         _reasons_text(reasons), connect_timeout, timeout_name)
+            if now >= warn_at:
+                log.warning("%s still not reachable after %.0f s: %s; retrying until %s (%g s) runs out",
+                            self._describe(), now - started, _reasons_text(reasons), timeout_name, connect_timeout)
+                warn_every = min(warn_every * 2, MAX_REACHABLE_WARNING_INTERVAL_SECONDS)
+                warn_at = now + warn_every
+            if stop is not None:
+                stop.wait(pause)
+            else:
+                time.sleep(pause)
             pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
+
+    def _describe(self) -> str:
+        with self._lock:
+            many = len(self.addresses) > 1
+            return f"{'leader among the dispatchers' if many else 'dispatcher'} at {','.join(self.addresses)}"
 
     def _learn_leader_from(self, follower: str, remaining: float) -> None:
         """Ask a follower (health NOT_SERVING) who leads; a leader not listed yet is added and asked next."""

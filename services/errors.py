@@ -19,6 +19,17 @@ class ShardlineTimeoutError(ShardlineError, TimeoutError):
     """An operation did not finish within its ``*_timeout``."""
 
 
+class StepTimeoutError(ShardlineTimeoutError):
+    """A BSP step was not applied within ``pull_timeout``; ``ranks`` are the ranks that had not
+    committed it (empty if every rank had: the nodes waited for replicas or a handover), ``step``
+    the step."""
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), step: int | None = None):
+        super().__init__(message)
+        self.ranks = tuple(ranks)
+        self.step = step
+
+
 class ShardlineStateError(ShardlineError):
     """An operation is not valid in the current state (e.g. a push for a step the node is not at)."""
 

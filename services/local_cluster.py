@@ -371,9 +371,11 @@ class LocalCluster:
             time.sleep(0.05)
 
     def add_node(self, node_id: str | None = None, rack: str = "default", capacity: float = 1.0, *,
-                 wait: bool = True, env: dict[str, str] | None = None, **flags) -> DaemonHandle:
+                 wait: bool = True, env: dict[str, str] | None = None, cluster: str | None = None,
+                 **flags) -> DaemonHandle:
         """Start a PS node (``ps-<i>``) registered with the dispatcher. ``node_id`` defaults to its name,
-        so a restarted node comes back under the same id."""
+        so a restarted node comes back under the same id. ``cluster``: the dispatcher address to give
+        it instead of :attr:`address` (a node started before its dispatcher)."""
         with self._lock:
             name = f"ps-{self._next_ps}"
             while name in self.handles:
@@ -381,7 +383,7 @@ class LocalCluster:
                 name = f"ps-{self._next_ps}"
             self._next_ps += 1
             node_flags = {"node_id": node_id or name, "rack": rack, "capacity": capacity, **flags}
-            handle = self._make_handle(name, "ps", ["--cluster", self.address], node_flags, env)
+            handle = self._make_handle(name, "ps", ["--cluster", cluster or self.address], node_flags, env)
         return self._start(handle, wait)
 
     def add_worker(self, job_file: str | os.PathLike, rank: int, world_size: int, *, wait: bool = True,

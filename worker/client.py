@@ -27,17 +27,21 @@ from shardline.services import failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.tensor_checks import all_finite, is_all_zero
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
-from shardline.services.dispatcher_client import DispatcherClient
+from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
 from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
-                             ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError)
+                             ShardlineError, ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError,
+                             StepTimeoutError)
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
+from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
 from shardline.services.transport import get_transport
 
 log = logging.getLogger("shardline.worker")
 
+# One GetCommits/GetNodeStatus call of the straggler report may take this long.
+STRAGGLER_QUERY_TIMEOUT_SECONDS = 2.0
 # A waiting pull is asked for in slices of this many seconds (the routing is checked in between).
 PULL_SLICE_SECONDS = 5.0
 # Replies that mean "this node is there but cannot take the request now": wait and try again
@@ -45,6 +49,10 @@ PULL_SLICE_SECONDS = 5.0
 _BUSY_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 # A PS node remembers that a job name does not exist for ps_server.admission.DEFAULT_MISS_TTL_SECONDS.
 UNKNOWN_JOB_RETRY_SECONDS = 1.2
+# A BSP step still waiting after straggler_warning_seconds logs who it waits for, then again at
+# doubling intervals up to this.
+MAX_STRAGGLER_WARNING_INTERVAL_SECONDS = 300.0
+DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering.
 IO_TIMEOUT_SECONDS = 30.0
 
@@ -92,6 +100,11 @@ class Client:
     switched), the client resends the step's pushes of blocks whose primary changed to the new
     primaries and, if it had committed, commits again on every node at the new epoch.
 
+    Stragglers: a BSP pull still waiting after ``straggler_warning_seconds`` (0: never) logs a
+    WARNING naming the ranks that have not committed the step and the PS nodes waiting for them
+    (asked over gRPC), again at doubling intervals; when ``pull_timeout`` runs out,
+    StepTimeoutError (a ShardlineTimeoutError) names them.
+
     Leases: while it trains the client renews its lease of (job, rank) with the dispatcher; if the
     job fails because another rank was lost (``on_worker_failure: fail``), its next request raises
     ShardlineWorkerLostError naming the rank.
@@ -104,7 +117,13 @@ class Client:
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
                  max_retries: int = 5, cluster_token: bytes | None = None, recovery_timeout: float = 120.0,
-                 tls_ca: bytes | None = None):
+                 tls_ca: bytes | None = None,
+                 straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS):
+        if isinstance(straggler_warning_seconds, bool) or not isinstance(straggler_warning_seconds, (int, float)) \
+                or not math.isfinite(straggler_warning_seconds) or straggler_warning_seconds < 0:
+            raise ShardlineConfigError(f"straggler_warning_seconds must be a finite number >= 0 (0: no warning), "
+                                       f"got {straggler_warning_seconds!r}")
+        self.straggler_warning_seconds = float(straggler_warning_seconds)
         self.job = job
         self.recovery_timeout = recovery_timeout
         # The BSP step in flight: what this worker sent for it, kept until the next step begins.
@@ -115,14 +134,15 @@ class Client:
         self._lost: ShardlineWorkerLostError | None = None
         self._lease: threading.Thread | None = None
         self._closed = threading.Event()
-        self.cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)
+        self.cluster_token, self.tls_ca = client_credentials(cluster_token, tls_ca)
         self.rank = rank
         self.pull_timeout = pull_timeout
         self.connect_timeout = connect_timeout
         self.max_retries = max_retries
-        self._transport = get_transport(transport)
+        # A wrong address fails here, at once; an unreachable one is retried (with a WARNING) below.
         self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=self.cluster_token,
-                                           tls_ca=tls_ca)
+                                           tls_ca=self.tls_ca)
+        self._transport = get_transport(transport)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
@@ -205,10 +225,17 @@ class Client:
     def wait_ready(self, timeout: float | None = None) -> common_pb2.JobSpec:
         """Wait until the job exists and its creator initialized it."""
         timeout = self.connect_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline, warn_at = started + timeout, started + REACHABLE_WARNING_SECONDS
         while self.dispatcher.get_job(self.job) is None:
-            if time.monotonic() > deadline:
-                raise ShardlineTimeoutError(f"job {self.job!r} was not created within {timeout:g} s")
+            now = time.monotonic()
+            if now > deadline:
+                raise ShardlineTimeoutError(f"job {self.job!r} was not created within {timeout:g} s (connect_timeout): "
+                                            f"rank 0 creates it; is rank 0 running against {self.dispatcher.address}?")
+            if warn_at is not None and now >= warn_at:
+                log.warning("job %r does not exist on the cluster at %s yet: waiting up to %g s (connect_timeout) "
+                            "for rank 0 to create it", self.job, self.dispatcher.address, timeout)
+                warn_at = None
             time.sleep(0.1)
         info = self.dispatcher.wait_job_ready(self.job, max(0.1, deadline - time.monotonic()))
         self._load_spec(info.spec)
@@ -378,20 +405,71 @@ class Client:
         # worker sees every node reach the step (and notices a node that restarted behind it).
         every_node = not keys or (self.sync == "bsp" and min_step > 0)
         total = timeout or self.pull_timeout
-        deadline = time.monotonic() + total
+        started = time.monotonic()
+        deadline = started + total
+        # A BSP pull of a new step waits for the slowest rank's commit of the step before it.
+        collecting = min_step - 1 if self.sync == "bsp" and min_step > 0 else None
+        warn_every = self.straggler_warning_seconds if collecting is not None else 0.0
+        warn_at = started + warn_every if warn_every > 0 else None
         # The wait is asked for in slices: between two, the client looks at the routing again (a
         # node that stopped answering, e.g. paused, is found out by the socket timeout meanwhile).
         while True:
-            wait = max(0.0, min(PULL_SLICE_SECONDS, deadline - time.monotonic()))
+            until = deadline if warn_at is None else min(deadline, warn_at)
+            wait = max(0.0, min(PULL_SLICE_SECONDS, until - time.monotonic()))
             try:
                 return self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=wait or 0.001, all_nodes=every_node)
             except RemoteError as exc:
                 if exc.code != "TIMEOUT":
                     raise
-                if time.monotonic() >= deadline:
-                    raise RemoteError("TIMEOUT", f"{exc.remote_message}; waited {total:g} s in all (pull_timeout)",
-                                      epoch=exc.epoch, step=exc.step) from None
+                now = time.monotonic()
+                if now >= deadline:
+                    raise self._step_timeout(collecting, total, exc) from None
+                if warn_at is not None and now >= warn_at:
+                    _, who = self._who_is_missing(collecting)
+                    log.warning("job %s: step %d still waits after %.0f s (pull_timeout %g s): %s", self.job,
+                                collecting, now - started, total, who)
+                    warn_every = max(warn_every, min(2 * warn_every, MAX_STRAGGLER_WARNING_INTERVAL_SECONDS))
+                    warn_at = now + warn_every
                 self.refresh_routing()
+
+    def stragglers(self, step: int) -> StragglerReport:
+        """Who BSP ``step`` waits for: every PS node of the routing table is asked which ranks'
+        commits of it it holds; the dispatcher's leases tell what is known of the missing ranks."""
+        nodes = {node_id: info.grpc_address for node_id, info in self.routing.nodes.items()}
+        answers = ask_commits(nodes, self.job, step, cluster_token=self.cluster_token, tls_ca=self.tls_ca,
+                              timeout=min(STRAGGLER_QUERY_TIMEOUT_SECONDS, self.dispatcher.rpc_timeout))
+        report = straggler_report(step, self._require_spec().world_size, answers)
+        if not report.missing:
+            return report
+        try:
+            leases = [w for w in self.dispatcher.cluster_status().workers if w.job == self.job]
+        except ShardlineError as exc:  # the report goes out without what the dispatcher knows
+            log.debug("no worker leases for the straggler report: %s", exc)
+            return report
+        known = {int(w.rank): lease_text(w) for w in leases}
+        return straggler_report(step, self.spec.world_size, answers, known)
+
+    def _who_is_missing(self, step: int) -> tuple[StragglerReport | None, str]:
+        """``stragglers(step)`` and its description; (None, why) if asking failed (the warning or
+        the timeout goes out all the same)."""
+        try:
+            report = self.stragglers(step)
+        except Exception as err:  # noqa: BLE001 - a report is extra information, never a new failure
+            return None, f"asking the PS nodes who is missing failed: {err}"
+        return report, report.describe()
+
+    def _step_timeout(self, step: int | None, total: float, exc: RemoteError) -> ShardlineTimeoutError:
+        """The error of a pull that waited ``pull_timeout`` (``exc``: the last slice's TIMEOUT)."""
+        if step is None:  # not a BSP step: an SSP/ASP pull or one of an explicit min_step 0
+            return ShardlineTimeoutError(f"job {self.job!r}: pull waited {total:g} s in all (pull_timeout): "
+                                         f"{exc.remote_message}")
+        report, why = self._who_is_missing(step)
+        if report is None:
+            why = f"{exc.remote_message} ({why})"
+        elif not (report.missing or report.complete or report.unreachable):
+            why = exc.remote_message  # the nodes moved on meanwhile: what the last one said
+        return StepTimeoutError(f"job {self.job!r}: step {step} was not applied within {total:g} s (pull_timeout): "
+                                f"{why}", ranks=report.missing if report is not None else (), step=step)
 
     def consistent_pull(self, names=None, *, attempts: int = 50) -> tuple[int, dict[str, torch.Tensor]]:
         """``(step, tensors)``: every tensor as of one same step, also while a BSP job trains (a node

@@ -92,7 +92,8 @@ def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
     return PSOptimizer(named_parameters, transport=args.transport, pull_timeout=args.pull_timeout,
                        connect_timeout=args.connect_timeout, rpc_timeout=args.rpc_timeout,
                        recovery_timeout=args.recovery_timeout, block_elements=args.block_elements,
-                       prefetch_window=args.prefetch_window, **kwargs)
+                       prefetch_window=args.prefetch_window,
+                       straggler_warning_seconds=args.straggler_warning_seconds, **kwargs)
 
 
 class _Tracker:

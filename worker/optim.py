@@ -15,7 +15,7 @@ from typing import Iterable
 import torch
 
 from shardline.services.errors import ShardlineConfigError
-from shardline.worker.client import Client
+from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 
 
 def _env_int(name: str, default: int) -> int:
@@ -46,6 +46,10 @@ class PSOptimizer:
     reads the parameters outside a module's forward must call ``wait()``. ``close()`` when done.
     ``cluster_token``/``tls_ca`` default to the files named by ``SHARDLINE_CLUSTER_TOKEN_FILE`` /
     ``SHARDLINE_TLS_CA_FILE`` (what ``shardline up`` prints), else none.
+    ``straggler_warning_seconds``: a step still waiting this long for other ranks logs a WARNING
+    naming the ranks that have not committed it (0: no warning); when ``pull_timeout`` runs out,
+    StepTimeoutError names them. A wrong ``cluster`` fails at once (ShardlineConfigError); an
+    unreachable one logs a WARNING after 5 s and fails after ``connect_timeout``.
     Remaining keyword arguments are the optimizer's hyperparameters with torch.optim's names.
     """
 
@@ -55,7 +59,8 @@ class PSOptimizer:
                  connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
                  prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
                  worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
-                 tls_ca: bytes | None = None, **optimizer_kwargs):
+                 tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
+                 **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -77,7 +82,8 @@ class PSOptimizer:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
                              connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token,
-                             recovery_timeout=recovery_timeout, tls_ca=tls_ca)
+                             recovery_timeout=recovery_timeout, tls_ca=tls_ca,
+                             straggler_warning_seconds=straggler_warning_seconds)
         created = False
         if self.rank == 0:
             created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,

@@ -152,7 +152,8 @@ def test_a_missing_rank_is_named_when_the_pull_times_out(tmp_path):
                                             env=env)
         output, _ = workers[0][0].communicate(timeout=60)
         assert workers[0][0].returncode != 0
-        assert "TIMEOUT" in output and "ranks [1] did not commit step 3" in output, output
+        assert "StepTimeoutError" in output and "pull_timeout" in output, output
+        assert "ranks [1] did not commit step 3 (PS nodes ps0, ps1 wait for them); rank 1: lost" in output, output
         status = subprocess.run([*CLI, "status", "--cluster", cluster.address], capture_output=True, text=True,
                                 timeout=30)
         assert "job wait-for-rank: rank 1 missing for" in status.stdout, status.stdout
