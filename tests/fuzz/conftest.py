@@ -43,12 +43,6 @@ if os.environ.get("SHARDLINE_FUZZ_EXAMPLES"):
     settings.load_profile("override")
 
 
-def scaled(n: int) -> int:
-    """An example count ``n`` relative to the ci profile's 60: live-cluster properties, which cost
-    a round trip per example, ask for fewer than the pure codec ones."""
-    return max(1, n * settings().max_examples // 60)
-
-
 # Short enough that a stalled frame is dropped within one health check's patience.
 PAYLOAD_TIMEOUT = 2.0
 

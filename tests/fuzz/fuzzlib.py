@@ -6,6 +6,7 @@ from __future__ import annotations
 import struct
 
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 
 from shardline.services import frame
@@ -16,6 +17,12 @@ U64_MAX = 2**64 - 1
 ITEMSIZE = {dp.FLOAT32: 4, dp.FLOAT16: 2, dp.BFLOAT16: 2}
 WIRE_DTYPES = sorted(ITEMSIZE)
 ALL_OPS = sorted(dp.Op.values())
+
+
+def scaled(n: int) -> int:
+    """An example count ``n`` relative to the ci profile's 60 (tests/fuzz/conftest.py), for
+    properties that ask for fewer examples than the profile's (each costs a round trip)."""
+    return max(1, n * settings().max_examples // 60)
 
 
 class ByteStream:
