@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 PROTOS     := $(wildcard protos/*.proto)
 PB_STAMP   := services/pb/.generated
 
-.PHONY: all venv protos system-deps test test-unit test-integration demo bench chaos clean distclean
+.PHONY: all venv protos system-deps test test-unit test-integration fuzz demo bench chaos clean distclean
 
 all: protos
 
@@ -43,6 +43,13 @@ test-unit: protos
 
 test-integration: protos
 	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+# Longer fuzzing than make test's bounded run of tests/fuzz (hypothesis profile "ci": a fixed seed,
+# few examples): profile "fuzz", fresh seeds, FUZZ_EXAMPLES examples per property (the live-PS
+# ones a quarter of that or more); a failure is kept in .hypothesis/ and tried first next time.
+FUZZ_EXAMPLES ?= 3000
+fuzz: protos
+	SHARDLINE_FUZZ_PROFILE=fuzz SHARDLINE_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest -q -o timeout=3600 tests/fuzz $(PYTEST_ARGS)
 
 demo: protos
 	$(VENV)/bin/shardline up --ps 2 --workers 2 --job examples/demo_job.yaml
