@@ -185,8 +185,8 @@ class _Connection:
     def run(self, header, view):
         """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""
         hangups = self.policy.hangups
-        if header.op != dp.OP_PULL or hangups is None or not header.wait_timeout_seconds:
-            return self.node.handle(header, view)
+        if header.op != dp.OP_PULL or hangups is None or not header.min_step:
+            return self.node.handle(header, view)  # nothing to wait for
         cancelled = threading.Event()
         node = self.node
 

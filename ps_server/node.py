@@ -8,6 +8,7 @@ that will be refused); ``handle`` runs the operation on the received payload. Bo
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from typing import Callable
@@ -300,8 +301,10 @@ class PSNode:
                                  f"block {ref.tensor}[{ref.index}] has {numel} elements, frame sends {ref.numel}")
             if header.op == dp.OP_INIT and ref.dtype != dp.FLOAT32:
                 raise StoreError("INVALID_ARGUMENT", f"initial values of {ref.tensor!r} must be float32")
-        if header.op == dp.OP_PULL and header.payload_bytes:
-            raise StoreError("INVALID_ARGUMENT", "a pull request carries no payload")
+        if header.op == dp.OP_PULL and not (math.isfinite(header.wait_timeout_seconds)
+                                            and header.wait_timeout_seconds >= 0):
+            raise StoreError("INVALID_ARGUMENT", f"wait_timeout_seconds must be a finite number >= 0 (0: the default "
+                                                 f"wait), got {header.wait_timeout_seconds!r}")
         if header.op == dp.OP_PULL and not header.blocks and self.replicator is not None \
                 and self.replicator.fetching(job.name):
             # the job step it would report describes none of the blocks it is taking over yet
