@@ -70,6 +70,13 @@ def wait_until(predicate, timeout: float, what: str):
         time.sleep(0.05)
 
 
+def waiting_pull(job: str, epoch: int, min_step: int, wait: float = 300.0) -> frame.FrameHeader:
+    """A pull of block 0 of ``w`` that waits for ``min_step`` (which never comes)."""
+    h = frame.FrameHeader(op=dp.OP_PULL, request_id=1, job=job, epoch=epoch, min_step=min_step, wait_timeout_seconds=wait)
+    h.blocks.append(dp.BlockRef(tensor="w", index=0))
+    return h
+
+
 def make_job(c, name: str, numel: int, world_size: int = 4):
     client = connect(c.address, job=name)
     client.init({"w": torch.zeros(numel)}, optimizer="sgd", lr=1.0, world_size=world_size)
@@ -153,10 +160,7 @@ def test_twenty_abandoned_waiting_pulls_release_threads_and_fds_within_two_secon
         socks = []
         for _ in range(20):
             s = data_socket(ps)
-            h = frame.FrameHeader(op=dp.OP_PULL, request_id=1, job="waits", epoch=client.routing.epoch, min_step=50,
-                                  wait_timeout_seconds=300)
-            h.blocks.append(dp.BlockRef(tensor="w", index=0))
-            frame.send_frame(s, h)
+            frame.send_frame(s, waiting_pull("waits", client.routing.epoch, 50))
             socks.append(s)
         wait_until(lambda: threads(ps.pid) >= base_threads + 20, 10, "20 pulls wait on the node")
         for s in socks:
@@ -260,10 +264,7 @@ def test_a_ps_stopped_with_clients_connected_logs_no_traceback(tmp_path):
         client = connect(c.address, job="stop")
         client.init({"w": torch.zeros(BLOCK)}, optimizer="sgd", lr=1.0, world_size=2)
         waiting = data_socket(ps)
-        h = frame.FrameHeader(op=dp.OP_PULL, request_id=1, job="stop", epoch=client.routing.epoch, min_step=3,
-                              wait_timeout_seconds=60)
-        h.blocks.append(dp.BlockRef(tensor="w", index=0))
-        frame.send_frame(waiting, h)
+        frame.send_frame(waiting, waiting_pull("stop", client.routing.epoch, 3, wait=60))
         time.sleep(0.3)
         assert c.stop(ps) == 0
         log = open(ps.log_path).read()

@@ -205,15 +205,21 @@ def test_unknown_and_invalid_job_names_are_answered_and_the_connection_stays_usa
         s.close()
 
 
+def push_of_block_0(rank: int, times: int = 1) -> frame.FrameHeader:
+    """A PUSH header naming block 0 of ``w`` ``times`` times (its payload is the caller's)."""
+    h = frame.FrameHeader(op=dp.OP_PUSH, request_id=3, job="j", epoch=1, step=0, rank=rank, weight=1.0)
+    for _ in range(times):
+        h.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=16, nbytes=64))
+    h.payload_bytes = times * 64
+    return h
+
+
 def test_duplicate_block_references_are_refused_before_anything_is_reserved():
     budget = PayloadBudget(1 << 30)
     s = Served(ConnectionPolicy(payload_timeout=1.0, budget=budget))
     try:
         s.init()
-        h = frame.FrameHeader(op=dp.OP_PUSH, request_id=3, job="j", epoch=1, step=0, rank=0, weight=1.0)
-        for _ in range(256):
-            h.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=16, nbytes=64))
-        h.payload_bytes = 256 * 64
+        h = push_of_block_0(rank=0, times=256)
         s.sock.sendall(frame.encode_prefix_and_header(h))  # the payload never comes
         reply = frame.recv_header(s.sock)
         assert reply.code == dp.INVALID_ARGUMENT and "more than once" in reply.message
@@ -235,9 +241,7 @@ def test_a_stalled_payload_frees_its_reservation_after_the_payload_timeout():
     s = Served(ConnectionPolicy(payload_timeout=0.5, budget=budget))
     try:
         s.init()
-        h = frame.FrameHeader(op=dp.OP_PUSH, request_id=3, job="j", epoch=1, step=0, rank=1, weight=1.0)
-        h.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=16, nbytes=64))
-        h.payload_bytes = 64
+        h = push_of_block_0(rank=1)
         s.sock.sendall(frame.encode_prefix_and_header(h) + b"\0" * 10)
         deadline = time.monotonic() + 0.4
         while budget.in_use == 0 and time.monotonic() < deadline:
