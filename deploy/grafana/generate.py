@@ -292,7 +292,14 @@ def build() -> dict:
     ], unit="percentunit", description="Share of the ring's virtual nodes (about the share of keys) each PS node owns."), w=8)
     g.add(timeseries("Data-plane connections", [
         ("shardline_ps_dataplane_connections", "{{instance}}"),
-    ], description="Open data-plane connections per PS node (one per worker and node in use)."), w=8)
+        (f"sum by (instance) (increase(shardline_ps_dataplane_connections_refused_total[{RATE}]))",
+         "refused {{instance}}"),
+    ], description="Open data-plane connections per PS node (one per worker and node in use), and connections "
+                   "turned away at max_connections."), w=8)
+    g.add(timeseries("Payload buffers in flight", [
+        ("shardline_ps_inflight_payload_bytes / shardline_ps_inflight_payload_limit_bytes", "{{instance}}"),
+    ], unit="percentunit", description="Share of max_inflight_bytes that data-plane connections hold in payload "
+                                       "buffers; at 100% frames wait, then get RESOURCE_EXHAUSTED."), w=8)
     g.add(timeseries("Heartbeat failures and node deaths", [
         (f"sum by (instance) (increase(shardline_ps_heartbeat_failures_total[{RATE}]))", "failed heartbeats {{instance}}"),
         (f"sum(increase(shardline_nodes_declared_dead_total[{RATE}]))", "nodes declared dead"),
