@@ -25,12 +25,7 @@ class DisconnectWatcher:
     def __init__(self):
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[], None]] = {}
-        self._epoll = None
-        self._wake_r = self._wake_w = -1
-        self._thread: threading.Thread | None = None
         self._closed = False
-
-    def _start(self) -> None:
         self._epoll = select.epoll()
         self._wake_r, self._wake_w = os.pipe()
         self._epoll.register(self._wake_r, select.EPOLLIN)
@@ -49,8 +44,6 @@ class DisconnectWatcher:
         with self._lock:
             if self._closed:
                 return None
-            if self._epoll is None:
-                self._start()
             self._callbacks[fd] = on_disconnect
             try:
                 self._epoll.register(fd, _HANGUP)
@@ -63,7 +56,7 @@ class DisconnectWatcher:
         if handle is None:
             return
         with self._lock:
-            if self._callbacks.pop(handle, None) is not None and self._epoll is not None:
+            if self._callbacks.pop(handle, None) is not None and not self._closed:
                 try:
                     self._epoll.unregister(handle)
                 except OSError:
@@ -99,11 +92,11 @@ class DisconnectWatcher:
 
     def close(self) -> None:
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            started = self._epoll is not None
-        if started:
-            os.write(self._wake_w, b"x")
-            self._thread.join(timeout=2)
-            self._epoll.close()
-            os.close(self._wake_r)
-            os.close(self._wake_w)
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=2)
+        self._epoll.close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
