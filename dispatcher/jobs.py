@@ -133,24 +133,51 @@ def _check_real(value: float, what: str, *, low: float = 0.0, below: float | Non
         raise ShardlineConfigError(f"{what} must be finite and {bound}, got {value!r}")
 
 
-def _validate_optimizer(opt: common_pb2.OptimizerSpec) -> None:
+def _validate_optimizer(opt: common_pb2.OptimizerSpec, what: str = "optimizer") -> None:
     # Ranges are the ones torch.optim enforces, so a job the PS accepts is one torch would run.
     if opt.kind not in OPTIMIZERS:
-        raise ShardlineConfigError(f"optimizer.kind must be one of {', '.join(OPTIMIZERS)}, got {opt.kind!r}")
-    _check_real(opt.lr, "optimizer.lr")
-    _check_real(opt.weight_decay, "optimizer.weight_decay")
+        raise ShardlineConfigError(f"{what}.kind must be one of {', '.join(OPTIMIZERS)}, got {opt.kind!r}")
+    _check_real(opt.lr, f"{what}.lr")
+    _check_real(opt.weight_decay, f"{what}.weight_decay")
     if opt.kind == "sgd":
-        _check_real(opt.momentum, "optimizer.momentum")
-        _check_real(opt.dampening, "optimizer.dampening")
+        _check_real(opt.momentum, f"{what}.momentum")
+        _check_real(opt.dampening, f"{what}.dampening")
         if opt.nesterov and (opt.momentum <= 0 or opt.dampening != 0):
             raise ShardlineConfigError(
-                "optimizer.nesterov needs momentum > 0 and dampening 0, "
+                f"{what}.nesterov needs momentum > 0 and dampening 0, "
                 f"got momentum={opt.momentum!r}, dampening={opt.dampening!r}"
             )
     else:
-        _check_real(opt.beta1, "optimizer.beta1", below=1.0)
-        _check_real(opt.beta2, "optimizer.beta2", below=1.0)
-        _check_real(opt.eps, "optimizer.eps")
+        _check_real(opt.beta1, f"{what}.beta1", below=1.0)
+        _check_real(opt.beta2, f"{what}.beta2", below=1.0)
+        _check_real(opt.eps, f"{what}.eps")
+
+
+def _state_layout(opt: common_pb2.OptimizerSpec) -> tuple:
+    """What decides the shape of a block's optimizer state: SGD keeps a momentum buffer only with
+    momentum, Adam a max buffer only with amsgrad."""
+    return ("momentum", opt.momentum != 0) if opt.kind == "sgd" else ("amsgrad", opt.amsgrad)
+
+
+def _validate_param_groups(spec: common_pb2.JobSpec) -> None:
+    groups = spec.param_groups
+    for i, group in enumerate(groups):
+        _validate_optimizer(group, f"param_groups[{i}]")
+        if group.kind != spec.optimizer.kind:
+            raise ShardlineConfigError(f"param_groups[{i}].kind is {group.kind!r} but the job's optimizer is "
+                                       f"{spec.optimizer.kind!r}: every group uses the job's optimizer")
+        if _state_layout(group) != _state_layout(groups[0]):
+            what, _ = _state_layout(group)
+            raise ShardlineConfigError(
+                f"param_groups[{i}] and param_groups[0] differ in whether {what} is used ({what}: "
+                f"{getattr(group, what)!r} vs {getattr(groups[0], what)!r}); the groups of one job must agree on it "
+                f"(it decides the optimizer state every block keeps)")
+    if groups and groups[0] != spec.optimizer:
+        raise ShardlineConfigError("optimizer must equal param_groups[0] (the job's defaults are its first group)")
+    for tensor in spec.tensors:
+        if tensor.group >= max(1, len(groups)):
+            raise ShardlineConfigError(f"tensor {tensor.name!r} names parameter group {tensor.group}, the job has "
+                                       f"{max(1, len(groups))}")
 
 
 def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
@@ -168,6 +195,7 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
         out.block_elements = DEFAULT_BLOCK_ELEMENTS
     validate_block_elements(out.block_elements)
     _validate_optimizer(out.optimizer)
+    _validate_param_groups(out)
     if out.replication > MAX_REPLICATION:
         raise ShardlineConfigError(f"replication must be in 1..{MAX_REPLICATION} (0: the dispatcher's default), "
                                    f"got {out.replication!r}")
@@ -215,6 +243,14 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
         found = differs(f"optimizer.{field}", getattr(existing.optimizer, field), getattr(requested.optimizer, field))
         if found:
             return found
+    if len(existing.param_groups) != len(requested.param_groups):
+        return (f"the job has {max(1, len(existing.param_groups))} parameter groups but the request has "
+                f"{max(1, len(requested.param_groups))}")
+    for i, (a, b) in enumerate(zip(existing.param_groups, requested.param_groups)):
+        for field in _OPTIMIZER_FIELDS:
+            found = differs(f"param_groups[{i}].{field}", getattr(a, field), getattr(b, field))
+            if found:
+                return found
     old = {t.name: t for t in existing.tensors}
     new = {t.name: t for t in requested.tensors}
     missing = sorted(old.keys() - new.keys())
@@ -227,6 +263,7 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
             ("shape", list(tensor.shape), list(other.shape)),
             ("dtype", tensor.dtype, other.dtype),
             ("trainable", tensor.trainable, other.trainable),
+            ("group", tensor.group, other.group),
         ):
             found = differs(f"tensor {name!r} {field}", a, b)
             if found:

@@ -196,7 +196,8 @@ def peer_commits(node: PSNode, token: bytes | None, tls_ca: bytes | None = None)
                         ps_pb2.GetCommitsRequest(job=job, step=step), timeout=PEER_STATUS_TIMEOUT_SECONDS)
             except Exception:  # noqa: BLE001 - an unreachable peer has nothing to tell
                 continue
-            records.append(({c.rank: (c.weight, c.epoch) for c in reply.commits}, reply.lr if reply.has_lr else None))
+            lrs = tuple(reply.group_lrs) if reply.group_lrs else (reply.lr if reply.has_lr else None)
+            records.append(({c.rank: (c.weight, c.epoch) for c in reply.commits}, lrs))
         return records
 
     return ask

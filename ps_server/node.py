@@ -38,6 +38,13 @@ HANDOVER_TIMEOUT_SECONDS = 3.0
 _PAYLOAD_OPS = frozenset({dp.OP_INIT, dp.OP_PUSH, dp.OP_REPLICATE})
 
 
+def header_lrs(header: frame.FrameHeader):
+    """The learning rates a commit or ASP push names: one per parameter group, one for every group, or None."""
+    if header.group_lrs:
+        return tuple(header.group_lrs)
+    return header.lr if header.has_lr else None
+
+
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
     read) the same block's bytes again."""
@@ -326,8 +333,7 @@ class PSNode:
         job = self.job(header.job)
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
                 for ref in header.blocks]
-        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch,
-                                   lr=header.lr if header.has_lr else None)
+        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header))
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
         reply = self._reply(header)
@@ -365,7 +371,7 @@ class PSNode:
             reply.step = job.step
             return reply, []
         if header.op == dp.OP_COMMIT:
-            lr = header.lr if header.has_lr else None
+            lr = header_lrs(header)
             epoch = header.epoch
             if self.metrics is None:
                 reply.step = job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch)

@@ -57,7 +57,7 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         if job is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"node {self._node.node_id!r} does not hold job {request.job!r}")
         commits, lr = job.commits_of(int(request.step))
-        reply = ps_pb2.StepCommits(step=request.step, has_lr=lr is not None, lr=lr or 0.0)
+        reply = ps_pb2.StepCommits(step=request.step, group_lrs=lr or ())
         for rank, (weight, epoch) in sorted(commits.items()):
             reply.commits.add(rank=rank, weight=weight, epoch=epoch)
         return reply

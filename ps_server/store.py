@@ -43,6 +43,9 @@ from shardline.services.errors import ShardlineError
 from shardline.services.tensor_checks import all_finite
 from shardline.services.pb import common_pb2
 
+# A step's learning rates, one per parameter group; None: each group's own lr.
+LRs = tuple[float, ...] | None
+
 
 # How long a push waits for another rank's in-flight push of the same block (only a stalled
 # sender holds one that long; the data plane also times out stalled payloads).
@@ -64,6 +67,7 @@ class TensorMeta:
     numel: int
     trainable: bool
     blocks: int
+    group: int = 0       # the parameter group whose hyperparameters step it
 
 
 @dataclass(eq=False)
@@ -115,7 +119,7 @@ class PushTicket:
     resent: list = field(default_factory=list)   # True: the rank already pushed this block this step (ignored)
     error: "StoreError | None" = None
     done: bool = False
-    lr: float | None = None    # ASP: lr override for this update
+    lr: "LRs" = None          # ASP: lr override for this update, one per parameter group
 
 
 @dataclass(frozen=True)
@@ -158,17 +162,21 @@ class JobStore:
         self.block_elements = int(spec.block_elements)
         self.allow_nonfinite = spec.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
         self.optimizer_config = OptimizerConfig.from_proto(spec.optimizer)
-        self.optimizer = make_optimizer(self.optimizer_config)
+        # One optimizer per parameter group (torch.optim's param_groups); their state layouts agree
+        # (checked when the job is created), so one block codec and checkpoint format serve all.
+        self.group_optimizers = [make_optimizer(OptimizerConfig.from_proto(g)) for g in spec.param_groups] or [
+            make_optimizer(self.optimizer_config)]
+        self.optimizer = self.group_optimizers[0]
         self.tensors: dict[str, TensorMeta] = {}
         for t in spec.tensors:
             numel = math.prod(t.shape)
             self.tensors[t.name] = TensorMeta(t.name, tuple(t.shape), numel, t.trainable,
-                                              num_blocks(numel, self.block_elements))
+                                              num_blocks(numel, self.block_elements), int(t.group))
         self.blocks: dict[tuple[str, int], Block] = {}
         self.step = 0                 # BSP: the first step whose commits are not complete
         # step -> rank -> (weight, epoch of its latest commit); kept while a block still collects it
         self.commits: dict[int, dict[int, tuple[float, int]]] = {}
-        self.step_lrs: dict[int, float | None] = {}   # lr override named by each step's commits
+        self.step_lrs: dict[int, LRs] = {}   # lr override named by each step's commits
         self.push_weights: dict[int, dict[int, float]] = {}
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
@@ -232,6 +240,21 @@ class JobStore:
                 created += 1
         return created
 
+    def group_lrs(self, lr: "float | tuple | list | None") -> "LRs":
+        """A step's learning rates as one per parameter group: None (the groups' own), one number
+        (every group; what a single-group client sends) or one per group. Raises INVALID_ARGUMENT."""
+        if lr is None:
+            return None
+        groups = len(self.group_optimizers)
+        lrs = (lr,) * groups if isinstance(lr, (int, float)) else tuple(lr)
+        if len(lrs) != groups:
+            raise StoreError("INVALID_ARGUMENT", f"job {self.name!r} has {groups} parameter groups, the request names "
+                                                 f"{len(lrs)} learning rates")
+        for value in lrs:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+                raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {value!r}")
+        return tuple(float(v) for v in lrs)
+
     def _check_rank_and_weight(self, rank: int, weight: float) -> None:
         if not (math.isfinite(weight) and weight > 0):
             raise StoreError("INVALID_ARGUMENT", f"weight must be a finite number > 0, got {weight!r}")
@@ -268,9 +291,7 @@ class JobStore:
             if not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"gradient for {ref.tensor}[{ref.index}] must have {numel} elements, got {ref.numel}")
-        if lr is not None and not (math.isfinite(lr) and lr >= 0):
-            raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
-        ticket = PushTicket(rank, step, weight, refs, lr=lr)
+        ticket = PushTicket(rank, step, weight, refs, lr=self.group_lrs(lr))
         with self.cond:
             self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
@@ -405,17 +426,17 @@ class JobStore:
                 self.check_received(ticket, n)
         return self.finish_push(ticket)
 
-    def commit(self, rank: int, step: int, weight: float, lr: float | None = None, epoch: int = 0) -> int:
+    def commit(self, rank: int, step: int, weight: float, lr: float | tuple | None = None, epoch: int = 0) -> int:
         """BSP: rank finished step ``step`` on every node. Applies what the step completes. Returns the job step.
 
-        ``lr`` overrides the job's learning rate for this step (schedules); all ranks must agree.
+        ``lr`` overrides the job's learning rates for this step (schedules): one per parameter group,
+        or one number for every group (see group_lrs); all ranks must agree.
         ``epoch`` is the routing epoch the rank committed at: a block this node took over at a
         later epoch waits for commits at that epoch (the rank resent the step's pushes first).
         A resent commit (its reply was lost, the rank resends after a routing change, or the step
         was applied meanwhile) is acknowledged again.
         """
-        if lr is not None and not (math.isfinite(lr) and lr >= 0):
-            raise StoreError("INVALID_ARGUMENT", f"lr must be a finite number >= 0, got {lr!r}")
+        lr = self.group_lrs(lr)
         if self.sync != "bsp":
             raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP; job {self.name!r} is {self.sync!r}")
         self._check_rank_and_weight(rank, weight)
@@ -444,7 +465,7 @@ class JobStore:
             self._apply_ready(step)
             return self.step
 
-    def adopt_commits(self, step: int, commits: dict[int, tuple[float, int]], lr: float | None) -> int:
+    def adopt_commits(self, step: int, commits: dict[int, tuple[float, int]], lr: "LRs | float") -> int:
         """Commits of ``step`` learned from another node (a rank died between its commits to the
         nodes: every commit means the rank finished pushing everywhere). Returns the job step."""
         with self.cond:
@@ -455,7 +476,7 @@ class JobStore:
                 if rank not in record and 0 <= rank < self.world_size:
                     record[rank] = (weight, epoch)
             if step not in self.step_lrs:
-                self.step_lrs[step] = lr
+                self.step_lrs[step] = self.group_lrs(lr)
             self._apply_ready(step)
             return self.step
 
@@ -473,13 +494,14 @@ class JobStore:
 
         ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
         total = sum(weight for weight, _epoch in record.values())
-        lr = self.step_lrs.get(step)
-        for _key, block in ready:
+        lrs = self.step_lrs.get(step)
+        for key, block in ready:
             if block.pushed_by:
                 grad = None
                 if block.has_grad:
                     grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
-                self.optimizer.step(block.value, grad, block.state, lr=lr)
+                group = self.tensors[key[0]].group
+                self.group_optimizers[group].step(block.value, grad, block.state, lr=None if lrs is None else lrs[group])
                 block.version = step + 1
             block.step = step + 1
             block.since_epoch = 0
@@ -511,7 +533,7 @@ class JobStore:
             for s in [s for s in table if s < oldest - 1]:  # keep the last applied step's record for adoption
                 del table[s]
 
-    def commits_of(self, step: int) -> tuple[dict[int, tuple[float, int]], float | None]:
+    def commits_of(self, step: int) -> tuple[dict[int, tuple[float, int]], "LRs"]:
         """The commit record of ``step`` (for a node that missed a rank's commit), and its lr."""
         with self.cond:
             return dict(self.commits.get(step, {})), self.step_lrs.get(step)
@@ -524,8 +546,10 @@ class JobStore:
 
     def _apply_asp(self, ticket: "PushTicket") -> None:
         new_version = self.step + 1
-        for block, dest in zip(ticket.blocks, ticket.dests):
-            self.optimizer.step(block.value, None if dest is None else dest.to(torch.float32), block.state, lr=ticket.lr)
+        for ref, block, dest in zip(ticket.refs, ticket.blocks, ticket.dests):
+            group = self.tensors[ref.tensor].group
+            self.group_optimizers[group].step(block.value, None if dest is None else dest.to(torch.float32), block.state,
+                                              lr=None if ticket.lr is None else ticket.lr[group])
             block.version = new_version
         self.step = new_version
         for block in self.blocks.values():

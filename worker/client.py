@@ -147,8 +147,9 @@ class Client:
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
         self.step: int | None = None
-        # Learning rate sent with each commit (BSP) or push (ASP); None: the job's own lr.
-        self.lr: float | None = None
+        # Learning rate sent with each commit (BSP) or push (ASP): one number (every group), one per
+        # parameter group (a tuple), or None: the job's own.
+        self.lr: float | tuple[float, ...] | None = None
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -186,23 +187,32 @@ class Client:
              world_size: int = 1, block_elements: int | None = None, trainable: dict[str, bool] | None = None,
              allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
+             param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
              **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
-        Returns True if this call created the job (and so wrote the initial values). A job that
-        exists must have the same tensors (names and shapes), or ShardlineStateError is raised.
+        ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
+        are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
+        index of each tensor (default 0). Returns True if this call created the job (and so wrote
+        the initial values). A job that exists must have the same tensors (names, shapes, groups),
+        or ShardlineStateError is raised.
         """
         from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
 
-        opt = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
+        groups = [OptimizerConfig.from_kwargs(optimizer, **g) for g in param_groups or ()]
+        opt = groups[0] if groups else OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
+        tensor_groups = tensor_groups or {}
         trainable = trainable or {}
         spec = common_pb2.JobSpec(name=self.job, optimizer=opt.to_proto(), sync=sync, world_size=world_size,
                                   block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite,
                                   replication=replication or 0,
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
                                   on_worker_failure=on_worker_failure or "")
+        if len(groups) > 1:
+            spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():
-            spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True))
+            spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True),
+                             group=tensor_groups.get(name, 0) if len(groups) > 1 else 0)
         resp = self.dispatcher.create_job(spec)
         if resp.created:
             self._load_spec(resp.job.spec)
@@ -673,7 +683,10 @@ class Client:
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation)
         if self.lr is not None and (op == dp.OP_COMMIT or (op == dp.OP_PUSH and self.spec.sync == "asp")):
-            header.has_lr, header.lr = True, self.lr
+            if isinstance(self.lr, tuple):
+                header.group_lrs.extend(self.lr)
+            else:
+                header.has_lr, header.lr = True, self.lr
         payloads = []
         expected: dict[tuple[str, int], object] = {}
         for name, index in keys:

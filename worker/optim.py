@@ -7,6 +7,7 @@ changed straight into the parameters. The optimizer math runs on the PS nodes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,8 @@ from typing import Iterable
 
 import torch
 
-from shardline.services.errors import ShardlineConfigError
+from shardline.ps_server.optimizer import OptimizerConfig
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 
 
@@ -28,12 +30,70 @@ def _env_int(name: str, default: int) -> int:
         raise ShardlineConfigError(f"environment variable {name} must be an integer, got {value!r}") from None
 
 
-class PSOptimizer:
-    """Optimizer whose state and update live on the parameter servers.
+def tuple_or(value):
+    """A list (betas restored from a state dict or JSON) compares as the tuple torch.optim keeps."""
+    return tuple(value) if isinstance(value, list) else value
 
-    ``named_parameters``: (name, parameter) pairs, as ``model.named_parameters()`` gives. Frozen
-    parameters (``requires_grad=False``) are registered too, so workers that did not create the job
-    get them from the cluster; they never change, so after the first pull they cost nothing.
+
+def _named_groups(params) -> list[dict]:
+    """``params`` as torch.optim param-group dicts whose "params" are (name, parameter) pairs.
+
+    Accepts a module, an iterable of (name, parameter) pairs, or a list of group dicts whose
+    "params" is a module or such pairs. Plain tensors have no names: a clear error says what to pass.
+    """
+    what = ("PSOptimizer needs named parameters (the cluster stores them by name): pass the model, "
+            "model.named_parameters(), or param groups whose \"params\" are (name, parameter) pairs")
+    if isinstance(params, torch.Tensor):
+        raise ShardlineConfigError(f"{what}; got a single tensor")
+    if isinstance(params, torch.nn.Module):
+        return [{"params": list(params.named_parameters())}]
+    items = list(params)
+    if not items:
+        raise ShardlineConfigError("PSOptimizer got no parameters")
+    if all(isinstance(i, dict) for i in items):
+        groups = []
+        for i, group in enumerate(items):
+            group = dict(group)
+            if "params" not in group:
+                raise ShardlineConfigError(f"param group {i} has no \"params\"")
+            members = group["params"]
+            members = list(members.named_parameters()) if isinstance(members, torch.nn.Module) else list(members)
+            if not all(_is_named(m) for m in members):
+                raise ShardlineConfigError(f"{what}; param group {i} lists unnamed parameters")
+            group["params"] = members
+            groups.append(group)
+        return groups
+    if all(_is_named(i) for i in items):
+        return [{"params": items}]
+    raise ShardlineConfigError(f"{what}; got {type(items[0]).__name__} items (model.parameters()?)")
+
+
+def _is_named(item) -> bool:
+    return (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor))
+
+
+class PSOptimizer(torch.optim.Optimizer):
+    """A ``torch.optim.Optimizer`` whose state and update live on the parameter servers.
+
+    ``params``: the model, ``model.named_parameters()``, or a list of param-group dicts whose
+    ``"params"`` are (name, parameter) pairs, with per-group options (``lr``, ``weight_decay``,
+    ``betas``, ``eps``, ``momentum``...: torch.optim's names for ``optimizer``). The other keyword
+    arguments of the optimizer are every group's defaults. Each group's hyperparameters are stepped
+    on the PS, exactly as ``torch.optim.<Opt>`` steps the same groups. Frozen parameters
+    (``requires_grad=False``) are registered too, so workers that did not create the job get them
+    from the cluster; they never change, so after the first pull they cost nothing.
+
+    Learning rates: LR schedulers from ``torch.optim.lr_scheduler`` (or code) set
+    ``param_groups[i]["lr"]``; each step's commit carries every group's lr to the servers. The other
+    hyperparameters are fixed when the job is created: changing one later raises
+    ShardlineConfigError at ``step()`` (e.g. OneCycleLR needs ``cycle_momentum=False``). The job's
+    tensors and groups are fixed too: ``add_param_group`` after construction is refused.
+
+    ``state_dict()`` holds what a training script restores with its own checkpoint: the job name,
+    its version (steps applied) and every group's hyperparameters (the scheduler's lr included);
+    the optimizer state itself (moments, momentum buffers) stays on the cluster, which checkpoints
+    it. ``load_state_dict`` restores the groups' hyperparameters of the same job.
 
     Rank 0 creates the job from its parameters if the cluster lacks it; every other rank (and every
     rank of a resumed job) starts from the values the cluster holds.
@@ -50,10 +110,9 @@ class PSOptimizer:
     naming the ranks that have not committed it (0: no warning); when ``pull_timeout`` runs out,
     StepTimeoutError names them. A wrong ``cluster`` fails at once (ShardlineConfigError); an
     unreachable one logs a WARNING after 5 s and fails after ``connect_timeout``.
-    Remaining keyword arguments are the optimizer's hyperparameters with torch.optim's names.
     """
 
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], cluster: str, job: str, *,
+    def __init__(self, params, cluster: str, job: str, *,
                  optimizer: str = "adamw", sync: str = "bsp", world_size: int | None = None, rank: int | None = None,
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
                  connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
@@ -65,17 +124,23 @@ class PSOptimizer:
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
                 f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
+        defaults_config = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
+        self.kind = defaults_config.kind
+        self._hyper_keys = tuple(defaults_config.torch_kwargs())  # what the servers step with
+        self._constructed = False
+        super().__init__(_named_groups(params), defaults_config.torch_kwargs())
+        self._group_configs = [self._group_config(i, g) for i, g in enumerate(self.param_groups)]
+        self._constructed = True
         self.prefetch_window = prefetch_window
         self._pending = None        # background pull of the last step (prefetch_window 1)
         self._pending_lock = threading.Lock()
         self._hook = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-prefetch")
-        self.params = list(named_parameters)
-        if not self.params:
-            raise ShardlineConfigError("PSOptimizer got no parameters")
+        self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
             raise ShardlineConfigError("parameter names must be unique")
+        groups_of = {name: i for i, g in enumerate(self.param_groups) for name in g["param_names"]}
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -85,18 +150,23 @@ class PSOptimizer:
                              recovery_timeout=recovery_timeout, tls_ca=tls_ca,
                              straggler_warning_seconds=straggler_warning_seconds)
         created = False
+        several = len(self.param_groups) > 1
         if self.rank == 0:
-            created = self.client.init({n: p.detach() for n, p in self.params}, optimizer=optimizer, sync=sync,
-                             world_size=self.world_size, block_elements=block_elements,
-                             trainable={n: p.requires_grad for n, p in self.params},
-                             allow_nonfinite=allow_nonfinite, replication=replication,
-                             worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
-                             **optimizer_kwargs)
+            created = self.client.init(
+                {n: p.detach() for n, p in self.params}, optimizer=self.kind, sync=sync,
+                world_size=self.world_size, block_elements=block_elements,
+                trainable={n: p.requires_grad for n, p in self.params},
+                allow_nonfinite=allow_nonfinite, replication=replication,
+                worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
+                param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
+                tensor_groups=groups_of if several else None,
+                **({} if several else self._group_configs[0].torch_kwargs()))
         else:
             self.client.wait_ready(connect_timeout)
         spec = self.client.spec
         if spec.world_size != self.world_size:
             raise ShardlineConfigError(f"job {job!r} has world_size {spec.world_size}, this worker says {self.world_size}")
+        self._check_job_groups(spec, groups_of)
         # Pulls land directly in parameters that are contiguous CPU fp32; others go through the cache.
         self._copy_back = []
         for name, p in self.params:
@@ -107,9 +177,75 @@ class PSOptimizer:
                 self._copy_back.append((name, p))
         self.client.join([n for n, _ in self.params])
         self._sync_copies()
-        # One group, as torch.optim has: schedules set param_groups[0]["lr"] (or call set_lr) and
-        # the next step's commit carries it to the servers.
-        self.param_groups = [{"params": [p for _, p in self.params], "lr": float(spec.optimizer.lr)}]
+
+    # --- param groups -----------------------------------------------------------------------
+    def _group_config(self, index: int, group: dict) -> OptimizerConfig:
+        hyper = {k: tuple_or(group[k]) for k in self._hyper_keys}
+        try:
+            return OptimizerConfig.from_kwargs(self.kind, **hyper)
+        except ShardlineConfigError as exc:
+            raise ShardlineConfigError(f"param group {index}: {exc}") from None
+
+    def _check_job_groups(self, spec, groups_of: dict[str, int]) -> None:
+        """A worker that did not create the job must group its parameters as the job does, with
+        the same hyperparameters (the servers step with the job's)."""
+        from shardline.ps_server.optimizer import OptimizerConfig as Config
+
+        job_groups = [Config.from_proto(g) for g in spec.param_groups] or [Config.from_proto(spec.optimizer)]
+        if len(job_groups) != len(self.param_groups):
+            raise ShardlineConfigError(f"job {spec.name!r} has {len(job_groups)} parameter groups, this worker has "
+                                       f"{len(self.param_groups)}")
+        for t in spec.tensors:
+            if t.name in groups_of and groups_of[t.name] != t.group:
+                raise ShardlineConfigError(f"job {spec.name!r} steps {t.name!r} in parameter group {t.group}, this "
+                                           f"worker has it in group {groups_of[t.name]}")
+        for i, (theirs, mine) in enumerate(zip(job_groups, self._group_configs)):
+            if dataclasses.replace(theirs, lr=mine.lr) != mine:
+                raise ShardlineConfigError(f"job {spec.name!r} parameter group {i} has hyperparameters "
+                                           f"{theirs.torch_kwargs()}, this worker {mine.torch_kwargs()}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group while the optimizer is built (torch.optim's constructor calls this); the
+        job's tensors are fixed once it exists, so later calls raise ShardlineStateError."""
+        if getattr(self, "_constructed", False):
+            raise ShardlineStateError("the job's tensors and parameter groups are fixed once it exists: pass every "
+                                      "group (frozen parameters included, with requires_grad=False) to PSOptimizer")
+        super().add_param_group(param_group)
+
+    def _step_lrs(self) -> float | tuple[float, ...]:
+        """Every group's lr for this step; any other hyperparameter changed since creation is an error."""
+        for i, (group, config) in enumerate(zip(self.param_groups, self._group_configs)):
+            for key in self._hyper_keys:
+                if key != "lr" and tuple_or(group[key]) != getattr(config, key):
+                    raise ShardlineConfigError(
+                        f"param_groups[{i}][{key!r}] changed from {getattr(config, key)!r} to {group[key]!r}: only lr can "
+                        f"change during training (each step carries it); the other hyperparameters are fixed when the "
+                        f"job is created (OneCycleLR: pass cycle_momentum=False)")
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                lr = lr.item()
+            if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
+                raise ShardlineConfigError(f"param_groups[{i}]['lr'] must be a number >= 0, got {lr!r}")
+        lrs = tuple(float(g["lr"]) for g in self.param_groups)
+        return lrs if len(lrs) > 1 else lrs[0]
+
+    def state_dict(self) -> dict:
+        """torch's optimizer state-dict layout (``state`` stays empty: the moments live on the
+        cluster) plus ``"shardline"``: the job, its version and the optimizer kind."""
+        out = super().state_dict()
+        out["shardline"] = {"job": self.client.job, "version": self.version, "optimizer": self.kind}
+        return out
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the groups' hyperparameters (a scheduler's lr) saved by :meth:`state_dict` for the
+        same job; the cluster keeps the optimizer state and the version (``opt.version``)."""
+        info = state_dict.get("shardline")
+        if not isinstance(info, dict) or info.get("job") != self.client.job:
+            raise ShardlineStateError(f"this state dict is not of a PSOptimizer of job {self.client.job!r} "
+                                      f"(it names {info.get('job') if isinstance(info, dict) else None!r})")
+        rest = {k: v for k, v in state_dict.items() if k != "shardline"}
+        super().load_state_dict(rest)
+        self._step_lrs()  # the same fixed hyperparameters, else a clear error now
 
     def _sync_copies(self) -> None:
         with torch.no_grad():
@@ -121,26 +257,33 @@ class PSOptimizer:
         """The job step whose parameters the model holds (with a pull pending: once ``wait()`` returns)."""
         return self.client.step or 0
 
-    def step(self, weight: float | None = None) -> int:
-        """Push gradients, commit (BSP), wait for the applied step and pull changed blocks.
+    def step(self, closure=None, *, weight: float | None = None):
+        """Push gradients, commit (BSP) with every group's lr, wait for the applied step and pull
+        changed blocks.
 
         ``weight`` is this worker's weight in the mean over workers (default 1); pass the number of
-        tokens of an imbalanced batch. Returns the new version.
+        tokens of an imbalanced batch. Returns the closure's loss if one is given (torch.optim's
+        contract), else the new version.
         """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         self.wait()
+        lrs = self._step_lrs()
         grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
-        self.client.lr = float(self.param_groups[0]["lr"])
+        self.client.lr = lrs
         self.client.push(grads, weight=1.0 if weight is None else float(weight))
         if self.prefetch_window == 0:
             self._pull()
-            return self.version
-        # The pull of the new version runs while the caller prepares the next batch; whatever reads
-        # the parameters next (a module's forward, zero_grad, step, wait) waits for it first.
-        with self._pending_lock:
-            self._pending = self._executor.submit(self._pull)
-        if self._hook is None:
-            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _a: self.wait())
-        return self.version
+        else:
+            # The pull of the new version runs while the caller prepares the next batch; whatever
+            # reads the parameters next (a module's forward, zero_grad, step, wait) waits for it first.
+            with self._pending_lock:
+                self._pending = self._executor.submit(self._pull)
+            if self._hook is None:
+                self._hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _a: self.wait())
+        return loss if closure is not None else self.version
 
     def _pull(self) -> None:
         self.client.pull_changed()
@@ -161,23 +304,19 @@ class PSOptimizer:
 
     @property
     def lr(self) -> float:
+        """The first group's learning rate."""
         return self.param_groups[0]["lr"]
 
     def set_lr(self, lr: float) -> None:
-        """Learning rate for the following steps (all workers of a BSP job must set the same)."""
+        """Learning rate of every group for the following steps (all workers of a BSP job must set the same)."""
         if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr >= 0):
             raise ShardlineConfigError(f"lr must be a number >= 0, got {lr!r}")
-        self.param_groups[0]["lr"] = float(lr)
+        for group in self.param_groups:
+            group["lr"] = float(lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.wait()
-        for _, p in self.params:
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.zero_()
+        super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
         try:

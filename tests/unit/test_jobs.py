@@ -427,3 +427,41 @@ def test_a_bad_stored_job_is_named(recording_store, mutate, fragment):
     with pytest.raises(StateStoreError) as err:
         JobRegistry(store=recording_store)
     assert "'job/a'" in str(err.value) and fragment in str(err.value)
+
+
+def grouped_spec(*groups: common_pb2.OptimizerSpec, tensor_group: int = 1) -> common_pb2.JobSpec:
+    spec = make_spec()
+    spec.param_groups.extend(groups)
+    spec.optimizer.CopyFrom(groups[0])
+    spec.tensors[1].group = tensor_group
+    return spec
+
+
+ADAMW = dict(kind="adamw", lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def test_param_groups_are_validated_and_compared(jobs):
+    ok = grouped_spec(common_pb2.OptimizerSpec(weight_decay=0.01, **ADAMW),
+                      common_pb2.OptimizerSpec(weight_decay=0.0, **{**ADAMW, "lr": 1e-5}))
+    record, created = jobs.create(ok)
+    assert created and len(record.spec.param_groups) == 2 and record.spec.tensors[1].group == 1
+    other = grouped_spec(common_pb2.OptimizerSpec(weight_decay=0.01, **ADAMW),
+                         common_pb2.OptimizerSpec(weight_decay=0.1, **{**ADAMW, "lr": 1e-5}))
+    with pytest.raises(ShardlineStateError, match=r"param_groups\[1\].weight_decay"):
+        jobs.create(other)
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    (grouped_spec(common_pb2.OptimizerSpec(**ADAMW), common_pb2.OptimizerSpec(**{**ADAMW, "lr": -1.0})),
+     "param_groups[1].lr"),
+    (grouped_spec(common_pb2.OptimizerSpec(**ADAMW), common_pb2.OptimizerSpec(**{**ADAMW, "kind": "sgd"})),
+     "every group uses the job's optimizer"),
+    (grouped_spec(common_pb2.OptimizerSpec(**ADAMW), common_pb2.OptimizerSpec(amsgrad=True, **ADAMW)),
+     "amsgrad"),
+    (grouped_spec(common_pb2.OptimizerSpec(**ADAMW), common_pb2.OptimizerSpec(**ADAMW), tensor_group=2),
+     "names parameter group 2, the job has 2"),
+])
+def test_invalid_param_groups_are_refused_saying_why(jobs, spec, fragment):
+    with pytest.raises(ShardlineConfigError) as err:
+        jobs.create(spec)
+    assert fragment in str(err.value)

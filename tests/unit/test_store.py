@@ -277,3 +277,46 @@ def test_commit_lr_overrides_the_job_lr_and_must_agree():
         opt.param_groups[0]["lr"] = lr
         opt.step()
         assert torch.equal(values(store, "a", (4, 5)), ref.detach())
+
+
+def test_param_groups_step_with_their_own_hyperparameters_and_lrs_like_torch():
+    """Two groups with different lr and weight decay, and a per-group lr override on the commit,
+    equal torch.optim.AdamW on the same groups."""
+    groups = [dict(lr=0.05, weight_decay=0.1), dict(lr=0.01, weight_decay=0.0)]
+    spec = make_job(world_size=1)
+    spec.param_groups.extend(OptimizerConfig.from_kwargs("adamw", **g).to_proto() for g in groups)
+    spec.optimizer.CopyFrom(spec.param_groups[0])
+    spec.tensors[1].group = 1
+    torch.manual_seed(3)
+    values = {"a": torch.randn(4, 5), "b": torch.randn(3), "frozen": torch.randn(2)}
+    store = JobStore(spec)
+    init_store(store, values)
+    ref = {k: v.clone().requires_grad_(k != "frozen") for k, v in values.items()}
+    opt = torch.optim.AdamW([{"params": [ref["a"]], **groups[0]}, {"params": [ref["b"]], **groups[1]}])
+    for step, lrs in enumerate([(0.05, 0.01), (0.02, 0.005), None]):
+        grads = {"a": torch.randn(4, 5), "b": torch.randn(3)}
+        store.push(0, step, 1.0, items_for("a", grads["a"]) + items_for("b", grads["b"]))
+        store.commit(0, step, 1.0, lr=lrs)
+        for g, lr in zip(opt.param_groups, lrs or (0.02, 0.005)):  # None: the groups' lrs as last set
+            g["lr"] = lr
+        if lrs is None:
+            for g, base in zip(opt.param_groups, groups):
+                g["lr"] = base["lr"]
+        ref["a"].grad, ref["b"].grad = grads["a"], grads["b"]
+        opt.step()
+    for name in ("a", "b"):
+        got = torch.cat([store.blocks[(name, s.index)].value for s in block_slices(values[name].numel(), BLOCK)])
+        assert torch.equal(got, ref[name].detach().reshape(-1)), name
+
+
+def test_group_learning_rates_are_validated():
+    spec = make_job(world_size=1)
+    spec.param_groups.extend([OptimizerConfig.from_kwargs("sgd", lr=0.1).to_proto()] * 2)
+    spec.optimizer.CopyFrom(spec.param_groups[0])
+    store = JobStore(spec)
+    assert store.group_lrs(0.5) == (0.5, 0.5)
+    assert store.group_lrs([0.1, 0.2]) == (0.1, 0.2)
+    with pytest.raises(StoreError, match="2 parameter groups, the request names 3"):
+        store.group_lrs((0.1, 0.2, 0.3))
+    with pytest.raises(StoreError, match="finite number"):
+        store.group_lrs((0.1, float("nan")))

@@ -1,0 +1,184 @@
+"""PSOptimizer is a torch.optim.Optimizer: param groups with their own hyperparameters, LR
+schedulers, state_dict, zero_grad; under BSP with 2 workers it equals single-process torch.optim
+on the concatenated batch (issue: "Drop into real post-training code")."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from shardline import PSOptimizer
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
+
+STEPS = 10
+WORLD = 2
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.embed = nn.Embedding(24, 8)
+        self.norm = nn.LayerNorm(8)
+        self.hidden = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.hidden(self.norm(self.embed(tokens).mean(1)))))
+
+
+def batch(step: int, rank: int, n: int = 5):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    tokens = torch.randint(0, 24, (n, 3), generator=g)
+    return tokens, tokens[:, 0] % 4
+
+
+def groups_of(model, named: bool):
+    """The usual split: no weight decay on biases and norms, a lower lr for the embedding."""
+    decay, no_decay, embed = [], [], []
+    for name, p in model.named_parameters():
+        item = (name, p) if named else p
+        if name.startswith("embed"):
+            embed.append(item)
+        elif name.endswith("bias") or name.startswith("norm"):
+            no_decay.append(item)
+        else:
+            decay.append(item)
+    return [{"params": decay, "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0},
+            {"params": embed, "lr": 0.02, "weight_decay": 0.05}]
+
+
+HYPER = dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8)
+
+
+def schedule(opt):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+
+
+def reference() -> dict[str, torch.Tensor]:
+    model = Net()
+    opt = torch.optim.AdamW(groups_of(model, named=False), **HYPER)
+    sched = schedule(opt)
+    for step in range(STEPS):
+        parts = [batch(step, r) for r in range(WORLD)]
+        tokens = torch.cat([p[0] for p in parts])
+        targets = torch.cat([p[1] for p in parts])
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        opt.step()
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def run_rank(address, job, rank, model, results, errors):
+    try:
+        opt = PSOptimizer(groups_of(model, named=True), cluster=address, job=job, optimizer="adamw",
+                          world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60, **HYPER)
+        assert isinstance(opt, torch.optim.Optimizer)
+        sched = schedule(opt)
+        for step in range(opt.version, STEPS):
+            tokens, targets = batch(step, rank)
+            opt.zero_grad()
+            # each rank holds half of the global batch: equal weights give the batch mean
+            nn.functional.cross_entropy(model(tokens), targets).backward()
+            opt.step()
+            sched.step()
+        results[rank] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, opt.state_dict())
+        opt.close()
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+        errors.append(exc)
+
+
+def test_param_groups_and_a_scheduler_under_bsp_equal_single_process_adamw(cluster):
+    results, errors = {}, []
+    models = [Net() for _ in range(WORLD)]  # built here: Net() seeds the global RNG, threads would interleave draws
+    threads = [threading.Thread(target=run_rank, args=(cluster.address, "groups", r, models[r], results, errors))
+               for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    expected = reference()
+    initial = Net().state_dict()
+    for rank, (values, _state) in results.items():
+        for name, want in expected.items():
+            diff = (values[name] - want).abs().max().item()
+            assert diff <= 1e-6, f"rank {rank} {name}: max abs diff {diff}"
+            assert not torch.equal(values[name], initial[name]), f"{name} never moved"
+    state = results[0][1]
+    assert state["shardline"] == {"job": "groups", "version": STEPS, "optimizer": "adamw"}
+    assert [g["weight_decay"] for g in state["param_groups"]] == [0.1, 0.0, 0.05]
+    assert state["param_groups"][2]["param_names"] == ["embed.weight"]
+
+
+def test_plain_parameters_get_an_error_that_says_what_to_pass():
+    model = Net()
+    with pytest.raises(ShardlineConfigError, match="named_parameters"):
+        PSOptimizer(model.parameters(), cluster="127.0.0.1:1", job="x")
+    with pytest.raises(ShardlineConfigError, match="param group 0 lists unnamed"):
+        PSOptimizer([{"params": list(model.parameters())}], cluster="127.0.0.1:1", job="x")
+    with pytest.raises(ShardlineConfigError, match="param group 1"):
+        PSOptimizer([{"params": [("a", model.out.bias)]}, {"params": [("b", model.out.weight)], "lr": -1.0}],
+                    cluster="127.0.0.1:1", job="x")
+
+
+def test_schedulers_state_dict_zero_grad_and_fixed_hyperparameters(cluster):
+    model = Net()
+    opt = PSOptimizer(model, cluster=cluster.address, job="optimizer-api", optimizer="sgd", lr=0.1, momentum=0.9,
+                      block_elements=32, connect_timeout=30)
+    try:
+        lambda_sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+        tokens, targets = batch(0, 0)
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        assert opt.step() == 1
+        lambda_sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+        opt.zero_grad(set_to_none=False)
+        assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+
+        saved = opt.state_dict()
+        assert saved["state"] == {} and saved["shardline"]["version"] == 1
+        opt.param_groups[0]["lr"] = 1.0
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0]["lr"] == pytest.approx(0.05), "the scheduler's lr is restored"
+        other = dict(saved, shardline={**saved["shardline"], "job": "another"})
+        with pytest.raises(ShardlineStateError, match="optimizer-api"):
+            opt.load_state_dict(other)
+
+        with pytest.raises(ShardlineStateError, match="fixed once it exists"):
+            opt.add_param_group({"params": [("extra", nn.Parameter(torch.zeros(2)))]})
+        opt.param_groups[0]["momentum"] = 0.5
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        with pytest.raises(ShardlineConfigError, match="only lr can change"):
+            opt.step()
+        opt.param_groups[0]["momentum"] = 0.9
+        closure_calls = []
+
+        def closure():
+            closure_calls.append(1)
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(model(tokens), targets)
+            loss.backward()
+            return loss
+
+        loss = opt.step(closure)
+        assert closure_calls and isinstance(loss, torch.Tensor) and opt.version == 2
+    finally:
+        opt.close()
+
+
+def test_a_worker_whose_groups_differ_from_the_jobs_is_refused(cluster):
+    model = Net()
+    creator = PSOptimizer(groups_of(model, named=True), cluster=cluster.address, job="group-mismatch",
+                          optimizer="adamw", world_size=2, rank=0, block_elements=32, connect_timeout=30, **HYPER)
+    try:
+        with pytest.raises(ShardlineConfigError, match="parameter groups"):
+            PSOptimizer(Net().named_parameters(), cluster=cluster.address, job="group-mismatch", optimizer="adamw",
+                        world_size=2, rank=1, block_elements=32, connect_timeout=30, **HYPER)
+    finally:
+        creator.close()
