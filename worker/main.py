@@ -34,7 +34,7 @@ from shardline.services.daemon import (add_common_args, format_host_port, instal
                              setup_logging, start_metrics_server, announce_ready, create_grpc_server)
 from shardline.services.errors import ShardlineConfigError, ShardlineError
 from shardline.services.security import daemon_security
-from shardline.worker.metrics import WorkerMetrics
+from shardline.worker.metrics import TaskMetrics
 
 log = logging.getLogger("shardline.worker")
 
@@ -97,8 +97,9 @@ def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
 
 
 class _Tracker:
-    """Sits between run_training and the real optimizer/progress display: updates metrics, records
-    what a stopped run still reports, and raises StopTraining at step boundaries after a stop."""
+    """Sits between run_training and the real optimizer/progress display: updates the task's metrics
+    (loss, tokens; the PSOptimizer records the step metrics), records what a stopped run still
+    reports, and raises StopTraining at step boundaries after a stop."""
 
     def __init__(self, stop: threading.Event, spec, rank: int, world_size: int, display):
         self.stop = stop
@@ -114,7 +115,7 @@ class _Tracker:
         self.version = 0
         self._step_started: float | None = None
         self._task = spec.sft_task()
-        self.metrics = WorkerMetrics(spec.name, rank)
+        self.metrics = TaskMetrics(spec.name, rank)
 
     # -- the progress protocol of run_training --
     def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None,
@@ -129,7 +130,6 @@ class _Tracker:
             self.tokens_per_s = tokens_per_s
         if version is not None:
             self.version = version
-            self.metrics.version.set(version)
         tr = self.spec.train
         # The batch is a pure function of (seed, step, rank): recount its tokens for the counter.
         batch = make_batch(self._task.seed, step - 1, self.rank, self.world_size, tr.batch_size, self._task)
@@ -147,12 +147,11 @@ class _Tracker:
 
 
 class _StoppableOptimizer:
-    """PSOptimizer with metrics and a stop check before each step starts."""
+    """PSOptimizer with a stop check before each step starts."""
 
     def __init__(self, opt, tracker: _Tracker):
         self.opt = opt
         self.tracker = tracker
-        self._t0: float | None = None
 
     @property
     def version(self) -> int:
@@ -164,16 +163,10 @@ class _StoppableOptimizer:
     def zero_grad(self) -> None:
         if self.tracker.stop.is_set():
             raise StopTraining()
-        self._t0 = time.perf_counter()
         self.opt.zero_grad()
 
     def step(self, weight: float | None = None) -> int:
-        version = self.opt.step(weight=weight)
-        self.tracker.metrics.steps.inc()
-        if self._t0 is not None:
-            self.tracker.metrics.step_seconds.observe(time.perf_counter() - self._t0)
-        self.tracker.metrics.version.set(version)
-        return version
+        return self.opt.step(weight=weight)
 
 
 def _samples_table(before, after) -> str:
@@ -262,7 +255,6 @@ def main(argv: list[str] | None = None) -> int:
                                  worker_lease_timeout=tr.worker_lease_timeout, **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version
-        tracker.metrics.version.set(opt.version)
         n_params = sum(p.numel() for _, p in named_parameters)
         n_train = sum(p.numel() for _, p in named_parameters if p.requires_grad)
         log.info("rank %d/%d joined job %s on %s at version %d: %s parameters (%s trainable), %s, %s, %d steps",

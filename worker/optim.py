@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable
 
@@ -17,7 +18,9 @@ import torch
 
 from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
+from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
+from shardline.worker import metrics
 
 
 def _env_int(name: str, default: int) -> int:
@@ -110,6 +113,13 @@ class PSOptimizer(torch.optim.Optimizer):
     naming the ranks that have not committed it (0: no warning); when ``pull_timeout`` runs out,
     StepTimeoutError names them. A wrong ``cluster`` fails at once (ShardlineConfigError); an
     unreachable one logs a WARNING after 5 s and fails after ``connect_timeout``.
+
+    Metrics (docs/metrics.md, worker/metrics.py): every step is recorded in prometheus-client's
+    default registry (a script's own exporter shows them): ``shardline_worker_steps_total``, step
+    time, push/pull bytes, pull wait and version, labelled with the job and rank.
+    ``metrics_port=N`` also serves that registry on ``metrics_host:N`` (0: a free port; the address
+    is ``opt.metrics_address``) until ``close()``; a ``metrics_host`` other than loopback needs a
+    cluster token.
     """
 
     def __init__(self, params, cluster: str, job: str, *,
@@ -119,12 +129,17 @@ class PSOptimizer(torch.optim.Optimizer):
                  prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
                  worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
                  tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
+                 metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
                 f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
         defaults_config = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
+        cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)
+        if metrics_port is not None:  # refuse a bad metrics address before joining the job
+            metrics.check_bind(metrics_host, metrics_port, has_token=cluster_token is not None)
+        self._metrics_server, self.metrics_address = None, None
         self.kind = defaults_config.kind
         self._hyper_keys = tuple(defaults_config.torch_kwargs())  # what the servers step with
         self._constructed = False
@@ -177,6 +192,15 @@ class PSOptimizer(torch.optim.Optimizer):
                 self._copy_back.append((name, p))
         self.client.join([n for n, _ in self.params])
         self._sync_copies()
+        self._metrics = metrics.StepMetrics(job, self.rank)
+        self._metrics.transferred(self.client.stats, self.version)
+        if metrics_port is not None:
+            try:
+                self._metrics_server, self.metrics_address = metrics.serve(
+                    metrics_host, metrics_port, has_token=self.client.cluster_token is not None)
+            except BaseException:
+                self.close()
+                raise
 
     # --- param groups -----------------------------------------------------------------------
     def _group_config(self, index: int, group: dict) -> OptimizerConfig:
@@ -275,7 +299,9 @@ class PSOptimizer(torch.optim.Optimizer):
         self.client.lr = lrs
         self.client.push(grads, weight=1.0 if weight is None else float(weight))
         if self.prefetch_window == 0:
+            started = time.perf_counter()
             self._pull()
+            self._metrics.waited(time.perf_counter() - started)
         else:
             # The pull of the new version runs while the caller prepares the next batch; whatever
             # reads the parameters next (a module's forward, zero_grad, step, wait) waits for it first.
@@ -283,11 +309,13 @@ class PSOptimizer(torch.optim.Optimizer):
                 self._pending = self._executor.submit(self._pull)
             if self._hook is None:
                 self._hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _a: self.wait())
+        self._metrics.stepped()
         return loss if closure is not None else self.version
 
     def _pull(self) -> None:
         self.client.pull_changed()
         self._sync_copies()
+        self._metrics.transferred(self.client.stats, self.version)
 
     @property
     def pending(self) -> bool:
@@ -300,7 +328,9 @@ class PSOptimizer(torch.optim.Optimizer):
         with self._pending_lock:
             pending, self._pending = self._pending, None
         if pending is not None:
+            started = time.perf_counter()
             pending.result()  # re-raises the pull's error in the training thread
+            self._metrics.waited(time.perf_counter() - started)
 
     @property
     def lr(self) -> float:
@@ -315,6 +345,7 @@ class PSOptimizer(torch.optim.Optimizer):
             group["lr"] = float(lr)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._metrics.start()
         self.wait()
         super().zero_grad(set_to_none=set_to_none)
 
@@ -327,6 +358,10 @@ class PSOptimizer(torch.optim.Optimizer):
                 self._hook = None
             self._executor.shutdown(wait=True)
             self.client.close()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
+                self._metrics_server = None
 
     def __enter__(self):
         return self

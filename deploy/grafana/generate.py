@@ -276,6 +276,16 @@ def build() -> dict:
     g.add(timeseries("Worker versions per rank", [
         (f"shardline_worker_version{{{JOB}}}", "{{job_name}} rank {{rank}}"),
     ], description="Version (job step) of the parameters each worker holds."))
+    g.add(timeseries("Worker push / pull throughput", [
+        (f"sum by (job_name) (rate(shardline_worker_push_bytes_total{{{JOB}}}[{RATE}]))", "{{job_name}} push"),
+        (f"sum by (job_name) (rate(shardline_worker_pull_bytes_total{{{JOB}}}[{RATE}]))", "{{job_name}} pull"),
+    ], unit="Bps", description="Tensor payload bytes per second a job's workers push (gradients; all-zero blocks "
+                               "are free) and pull (changed blocks only), as the workers count them."))
+    g.add(timeseries("Worker pull wait", quantiles("shardline_worker_pull_wait_seconds", "job_name", "{{job_name}}", JOB,
+                                                   qs=(("p50", 0.5), ("p99", 0.99))),
+                     unit="s", description="Time a worker's training thread waited for a step's pull after its commit: "
+                                           "the slowest worker, the update on the PS nodes and the transfer (with "
+                                           "prefetch_window 1, what the next forward still waited)."))
 
     g.row("Storage and ring")
     g.add(timeseries("Blocks per node", [

@@ -9,7 +9,7 @@ from prometheus_client import REGISTRY
 from shardline.dispatcher import metrics as DM
 from shardline.dispatcher.membership import NodeRecord
 from shardline.ps_server import metrics as PM
-from shardline.worker.metrics import WorkerMetrics
+from shardline.worker import metrics as WM
 
 
 def sample(name, **labels):
@@ -146,18 +146,92 @@ def test_dispatcher_servicer_publishes_membership():
 
 # --- worker --------------------------------------------------------------------------------------
 
-def test_worker_metrics_bind_job_and_rank():
-    m = WorkerMetrics("unit-job", 3)
+def test_worker_task_metrics_bind_job_and_rank():
+    m = WM.TaskMetrics("unit-job", 3)
     labels = {"job_name": "unit-job", "rank": "3"}
     assert math.isnan(REGISTRY.get_sample_value("shardline_worker_loss", labels))  # no step yet: a gap, not 0
-    assert REGISTRY.get_sample_value("shardline_worker_steps_total", labels) == 0
-    m.steps.inc()
     m.loss.set(2.5)
-    m.version.set(4)
     m.tokens.inc(100)
-    m.step_seconds.observe(0.2)
-    assert REGISTRY.get_sample_value("shardline_worker_steps_total", labels) == 1
     assert REGISTRY.get_sample_value("shardline_worker_loss", labels) == 2.5
-    assert REGISTRY.get_sample_value("shardline_worker_version", labels) == 4
     assert REGISTRY.get_sample_value("shardline_worker_tokens_total", labels) == 100
-    assert REGISTRY.get_sample_value("shardline_worker_step_seconds_count", labels) == 1
+
+
+def test_step_metrics_record_a_psoptimizer_flow(monkeypatch):
+    """What PSOptimizer calls, in its order: construction (the first pull), then per step zero_grad,
+    push, the pull after the commit, the end of step()."""
+    clock = [100.0]
+    monkeypatch.setattr(WM.time, "perf_counter", lambda: clock[0])
+    labels = {"job_name": "unit-flow", "rank": "1"}
+    stats = SimpleNamespace(pushed_bytes=0, pulled_bytes=4096)     # the client's running totals
+    m = WM.StepMetrics("unit-flow", 1)
+    for name in ("shardline_worker_steps_total", "shardline_worker_push_bytes_total",
+                 "shardline_worker_pull_bytes_total", "shardline_worker_version",
+                 "shardline_worker_step_seconds_count", "shardline_worker_pull_wait_seconds_count"):
+        assert REGISTRY.get_sample_value(name, labels) == 0, name   # visible before the first step
+    m.transferred(stats, version=0)
+    for step in range(3):
+        m.start()                                  # zero_grad()
+        clock[0] += 0.5                            # forward, backward
+        stats.pushed_bytes += 1000                 # push, commit
+        clock[0] += 0.25                           # the pull waits for the step, then moves 200 bytes
+        stats.pulled_bytes += 200
+        m.waited(0.25)
+        m.transferred(stats, version=step + 1)
+        m.stepped()
+    assert sample("shardline_worker_steps_total", **labels) == 3
+    assert sample("shardline_worker_step_seconds_count", **labels) == 3
+    assert sample("shardline_worker_step_seconds_sum", **labels) == pytest.approx(3 * 0.75)
+    assert sample("shardline_worker_pull_wait_seconds_count", **labels) == 3
+    assert sample("shardline_worker_pull_wait_seconds_sum", **labels) == pytest.approx(0.75)
+    assert sample("shardline_worker_push_bytes_total", **labels) == 3000
+    assert sample("shardline_worker_pull_bytes_total", **labels) == 4096 + 600
+    assert sample("shardline_worker_version", **labels) == 3
+    # Without zero_grad the step runs from the end of the previous one.
+    clock[0] += 2.0
+    m.stepped()
+    assert sample("shardline_worker_step_seconds_sum", **labels) == pytest.approx(3 * 0.75 + 2.0)
+    # A second optimizer of the same job and rank in this process shares the series (no clash).
+    again = WM.StepMetrics("unit-flow", 1)
+    again.transferred(SimpleNamespace(pushed_bytes=10, pulled_bytes=0), version=4)
+    assert sample("shardline_worker_push_bytes_total", **labels) == 3010
+    assert sample("shardline_worker_version", **labels) == 4
+
+
+def test_worker_metric_labels_are_bounded():
+    for metric in WM.LIBRARY_METRICS + WM.DAEMON_METRICS:
+        assert metric._labelnames == ("job_name", "rank"), metric
+
+
+def test_library_metrics_endpoint_follows_the_bind_policy():
+    from shardline.services.errors import ShardlineConfigError
+
+    with pytest.raises(ShardlineConfigError, match="refusing to serve metrics on 0.0.0.0:9400.*cluster token"):
+        WM.check_bind("0.0.0.0", 9400, has_token=False)
+    WM.check_bind("0.0.0.0", 9400, has_token=True)
+    WM.check_bind("127.0.0.1", 0, has_token=False)
+    WM.check_bind("localhost", 9400, has_token=False)
+    for port in (-1, 65536, "9400", True, 1.5):
+        with pytest.raises(ShardlineConfigError, match="metrics_port"):
+            WM.check_bind("127.0.0.1", port, has_token=False)
+    with pytest.raises(ShardlineConfigError, match="refusing"):
+        WM.serve("::", 0, has_token=False)
+
+
+def test_library_serves_the_default_registry():
+    import urllib.request
+
+    WM.StepMetrics("unit-serve", 0).stepped()
+    server, address = WM.serve("127.0.0.1", 0, has_token=False)
+    try:
+        host, port = address.rsplit(":", 1)
+        assert host == "127.0.0.1" and int(port) > 0
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+        assert 'shardline_worker_steps_total{job_name="unit-serve",rank="0"} 1.0' in text
+        from shardline.services.errors import ShardlineConfigError
+
+        with pytest.raises(ShardlineConfigError, match="cannot serve metrics on 127.0.0.1"):
+            WM.serve("127.0.0.1", int(port), has_token=False)   # taken
+    finally:
+        server.shutdown()
+        server.server_close()

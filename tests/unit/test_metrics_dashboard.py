@@ -137,3 +137,30 @@ def test_exported_series_and_unresolved_names():
     bogus = {**exported, "shardline_g_bucket": "gauge", "shardline_g_sum": "gauge"}
     assert gen.unresolved_names({"shardline_g_bucket", "shardline_g_sum"}, bogus) == [
         "shardline_g_bucket (is a gauge, not a histogram)", "shardline_g_sum (is a gauge, not a histogram or summary)"]
+
+
+def _exported_names(metrics) -> dict[str, str]:
+    """Sample names PromQL selects for prometheus-client metric objects -> the metric's name."""
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    return {m._name + s: m._name for m in metrics for s in suffixes[m._type]}
+
+
+def test_worker_panels_work_for_library_users(dashboard):
+    """Every worker series a panel queries is defined in worker/metrics.py; all but the daemon's task
+    metrics (loss, tokens) are what PSOptimizer records, and no panel mixes the two kinds."""
+    from shardline.worker import metrics as WM
+
+    library, daemon = _exported_names(WM.LIBRARY_METRICS), _exported_names(WM.DAEMON_METRICS)
+    worker_panels = {}
+    for p in panels(dashboard):
+        names = set().union(*(gen.promql_metric_names(t["expr"]) for t in p["targets"]))
+        names = {n for n in names if n.startswith("shardline_worker_")}
+        if names:
+            worker_panels[p["title"]] = names
+    queried = set().union(*worker_panels.values())
+    assert queried <= set(library) | set(daemon), sorted(queried - set(library) - set(daemon))
+    assert {library[n] for n in queried if n in library} == {m._name for m in WM.LIBRARY_METRICS}  # all on show
+    daemon_panels = {title for title, names in worker_panels.items() if names & set(daemon)}
+    assert daemon_panels == {"Loss", "Tokens per second"}
+    for title in daemon_panels:
+        assert worker_panels[title] <= set(daemon), title
