@@ -9,9 +9,12 @@ those blocks, in float64) and waits. The share goes to every other primary of th
 (``ReportGradNorm``, with the sender's routing epoch); each node combines the shares of every
 primary at its own epoch, in node-id order (so every node computes the same coefficient), and
 steps. A routing change makes every node compute its share again over its new blocks and send it
-at the new epoch; shares of other epochs are never combined. A primary that never reports (dead,
-its blocks not yet taken over) holds the step: after ``STALL_WARNING_SECONDS`` the node logs which
-primaries it waits for.
+at the new epoch; shares of other epochs are never combined. A node that already stepped answers a
+share that comes after (a late one, or one of a newer epoch) with the coefficient it used, and the
+asker steps with the same: the step is taken with one coefficient everywhere even when a share
+was lost or the ring changed in between. A primary that never reports (dead, its blocks not yet
+taken over) holds the step: after ``STALL_WARNING_SECONDS`` the node sends its share again and
+logs which primaries it waits for.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ class GradNormExchange:
         self._lock = threading.Lock()
         self._shares: dict[tuple[str, int], dict[str, tuple[int, float]]] = {}
         self._since: dict[tuple[str, int], float] = {}
+        self._decided: dict[tuple[str, int], float] = {}   # coefficients peers stepped with
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="grad-norm")
 
     def attach(self, job: JobStore) -> None:
@@ -86,9 +90,24 @@ class GradNormExchange:
                       peer, exc)
 
     def receive(self, share: ps_pb2.GradNormShare) -> None:
-        """A peer's share (ReportGradNorm)."""
+        """A peer's share, or the coefficient it stepped with (ReportGradNorm)."""
+        key = (share.job, int(share.step))
+        if share.decided:
+            with self._lock:
+                self._decided[key] = float(share.coef)
+            self.try_apply(*key)
+            return
         self._record(share.job, int(share.step), share.node, int(share.epoch), float(share.sum_squares))
-        self.try_apply(share.job, int(share.step))
+        job = self.node.store.get(share.job)
+        coef = job.decided_coef(int(share.step)) if job is not None else None
+        if coef is not None:  # stepped already: the late sender takes the same coefficient
+            info = self.node.routing.nodes.get(share.node)
+            if info is not None:
+                answer = ps_pb2.GradNormShare(job=share.job, step=share.step, node=self.node.node_id, decided=True,
+                                              coef=coef, epoch=self.node.routing.epoch)
+                self._pool.submit(self._deliver, share.node, info.grpc_address, answer)
+            return
+        self.try_apply(*key)
 
     def _record(self, job: str, step: int, node: str, epoch: int, share: float) -> None:
         with self._lock:
@@ -103,24 +122,43 @@ class GradNormExchange:
         view = self.node.routing
         expected = primaries_of(view, job)
         with self._lock:
+            coef = self._decided.get((job_name, step))
             shares = self._shares.get((job_name, step), {})
             got = {n: s for n, (epoch, s) in shares.items() if epoch == view.epoch}
-        if self.node.node_id not in got or not expected <= got.keys():
-            self._warn_if_stalled(job_name, step, expected - got.keys())
+        if coef is None:
+            if self.node.node_id not in got or not expected <= got.keys():
+                self._stalled(job, step, expected - got.keys())
+                return
+            coef = clip_coefficient(job.max_grad_norm, math.fsum(got[n] for n in sorted(expected)))
+        job.apply_clipped(step, coef)  # a no-op until this node's own share is known
+        if job.decided_coef(step) is None:
             return
-        total = math.fsum(got[n] for n in sorted(expected))
-        job.apply_clipped(step, clip_coefficient(job.max_grad_norm, total))
         with self._lock:
-            for key in [k for k in self._shares if k[0] == job_name and k[1] <= step]:
-                self._shares.pop(key, None)
-                self._since.pop(key, None)
+            for table in (self._shares, self._since, self._decided):
+                for key in [k for k in table if k[0] == job_name and k[1] <= step]:
+                    table.pop(key, None)
 
-    def _warn_if_stalled(self, job: str, step: int, missing: set) -> None:
+    def _stalled(self, job: JobStore, step: int, missing: set) -> None:
+        """Still waiting: past STALL_WARNING_SECONDS, send this node's share again to the primaries
+        missing (a share may have been lost) and say whom the step waits for."""
         with self._lock:
-            since = self._since.get((job, step))
-        if since is not None and missing and time.monotonic() - since > STALL_WARNING_SECONDS:
-            log.warning("job %s step %d waits %.0f s for the gradient-norm shares of %s", job, step,
-                        time.monotonic() - since, ", ".join(sorted(missing)))
+            since = self._since.get((job.name, step))
+            own = self._shares.get((job.name, step), {}).get(self.node.node_id)
+        if since is None or not missing or time.monotonic() - since <= STALL_WARNING_SECONDS:
+            return
+        log.warning("job %s step %d waits %.0f s for the gradient-norm shares of %s", job.name, step,
+                    time.monotonic() - since, ", ".join(sorted(missing)))
+        view = self.node.routing
+        if own is not None and own[0] == view.epoch:
+            message = ps_pb2.GradNormShare(job=job.name, step=step, epoch=own[0], node=self.node.node_id,
+                                           sum_squares=own[1])
+            for peer in sorted(missing):
+                info = view.nodes.get(peer)
+                if info is not None:
+                    self._pool.submit(self._deliver, peer, info.grpc_address, message)
+        timer = threading.Timer(STALL_WARNING_SECONDS, self.try_apply, args=(job.name, step))
+        timer.daemon = True
+        timer.start()
 
     def on_routing_change(self) -> None:
         """Blocks may have changed primaries: every clipped step not applied yet is shared again."""

@@ -558,6 +558,11 @@ class JobStore:
                 del self.norm_shares[step]
                 self._apply_ready(step)
 
+    def decided_coef(self, step: int) -> float | None:
+        """The clip coefficient this node stepped ``step`` with (None: not stepped with one, or forgotten)."""
+        with self.cond:
+            return self.clip_coefs.get(step)
+
     def apply_clipped(self, step: int, coef: float) -> int:
         """Every primary's share of ``step`` is known: step it with the mean gradient times ``coef``
         (min(1, max_grad_norm / (norm + 1e-6)), as clip_grad_norm_). Returns the job step."""
