@@ -14,8 +14,9 @@ Two sections:
 * **timed**: one forward+backward of a small TinyGPT (worker/model.py) per sequence of each rank's
   part, run one part after the other in this process and timed (the fastest of ``--time-reps``
   runs per part); the cost model the balanced split uses is fitted on this machine first
-  (``CostModel.measure`` on the same model). Reports max / mean of the measured per-rank seconds,
-  naive vs KK. The machine is shared and noisy; compare the ratios of one run.
+  (``CostModel.measure`` on the same model). Reports max / mean of the measured per-rank seconds:
+  naive, KK by token count, KK by the fitted cost. The machine is shared and noisy; compare the
+  ratios of one run.
 
 tests/unit/test_balance.py drives ``timed_imbalance`` too (with fewer batches).
 """
@@ -90,12 +91,12 @@ def forward_backward(model, generator):
 
 
 def timed_imbalance(batches: int = 5, batch_size: int = 32, world_size: int = 4, *, reps: int = 2,
-                    seed: int = 0, threads: int = 1) -> dict:
+                    measure_repeats: int = 5, seed: int = 0, threads: int = 1) -> dict:
     """Measured compute imbalance, naive vs balanced: for each of ``batches`` random global
     minibatches, run every rank's part (one forward+backward per sequence) one part after the
-    other, timing each part (fastest of ``reps``; naive and balanced interleaved), and take max /
-    mean of the per-rank seconds. The balanced split uses KK with a cost model measured first on
-    the same model. ``threads`` torch threads during the run (restored after)."""
+    other, timing each part (fastest of ``reps``; the splits interleaved), and take max / mean of
+    the per-rank seconds. Splits: naive, KK by token count (``kk_tokens``) and KK by a cost model
+    measured first on the same model (``kk``). ``threads`` torch threads during the run (restored after)."""
     import torch
 
     from shardline.worker.balance import CostModel, balanced_split, imbalance
@@ -106,14 +107,15 @@ def timed_imbalance(batches: int = 5, batch_size: int = 32, world_size: int = 4,
         model = tiny_model(seed)
         run = forward_backward(model, torch.Generator().manual_seed(seed))
         t0 = time.perf_counter()
-        cost = CostModel.measure(run, repeats=3, warmup=1)
+        cost = CostModel.measure(run, repeats=measure_repeats, warmup=1)
         measure_s = time.perf_counter() - t0
-        per_method: dict[str, list[float]] = {NAIVE: [], "kk": []}
-        part_seconds: dict[str, list[list[float]]] = {NAIVE: [], "kk": []}
+        per_method: dict[str, list[float]] = {NAIVE: [], "kk": [], "kk_tokens": []}
+        part_seconds: dict[str, list[list[float]]] = {m: [] for m in per_method}
         for b in range(batches):
             lengths = sample_lengths(batch_size, seed * 1_000_003 + 7 + b)
             splits = {NAIVE: balanced_split(lengths, world_size, method=NAIVE),
-                      "kk": balanced_split(lengths, world_size, cost=cost, method="kk")}
+                      "kk": balanced_split(lengths, world_size, cost=cost, method="kk"),
+                      "kk_tokens": balanced_split(lengths, world_size, method="kk")}
             best = {m: [math.inf] * world_size for m in splits}
             for r in range(reps):
                 for m in (splits if r % 2 == 0 else reversed(list(splits))):
@@ -132,19 +134,30 @@ def timed_imbalance(batches: int = 5, batch_size: int = 32, world_size: int = 4,
         "batches": batches, "batch_size": batch_size, "world_size": world_size, "reps": reps, "threads": threads,
         "cost_model": cost.as_dict(), "measure_seconds": round(measure_s, 3),
         "naive": summary(per_method[NAIVE]), "kk": summary(per_method["kk"]),
-        "naive_per_batch": per_method[NAIVE], "kk_per_batch": per_method["kk"],
+        "kk_tokens": summary(per_method["kk_tokens"]),
+        "per_batch": {"naive" if m == NAIVE else m: v for m, v in per_method.items()},
         "part_seconds": part_seconds,
     }
 
 
+def loadavg() -> list[float] | None:
+    try:
+        return [float(x) for x in Path("/proc/loadavg").read_text().split()[:3]]
+    except OSError:
+        return None
+
+
 def run(args) -> dict:
+    from run import machine_info  # bench/run.py: the same machine fields in every result
+
     t0 = time.monotonic()
-    result = {"config": {"batches": args.batches, "batch_sizes": args.batch_sizes, "world_sizes": list(WORLD_SIZES),
+    result = {"machine": machine_info(), "loadavg_start": loadavg(), "command": sys.argv, "config": {"batches": args.batches, "batch_sizes": args.batch_sizes, "world_sizes": list(WORLD_SIZES),
                          "timed_batches": args.timed_batches, "workload": "lognormal(ln 64, 1) clipped to [16, 512]"},
               "cost": cost_imbalance(args.batches, args.batch_sizes)}
     if args.timed_batches:
         result["timed"] = timed_imbalance(args.timed_batches, args.timed_batch_size, args.timed_world_size,
                                           reps=args.time_reps)
+    result["loadavg_end"] = loadavg()
     result["wall_seconds"] = round(time.monotonic() - t0, 1)
     return result
 
@@ -160,10 +173,10 @@ def print_table(result: dict) -> None:
         c = t["cost_model"]
         print(f"\ntimed forward+backward, TinyGPT, {t['batches']} batches of {t['batch_size']} on {t['world_size']} ranks"
               f" (cost fitted: c0={c['c0']:.3g} s, c1={c['c1']:.3g} s/token, c2={c['c2']:.3g} s/token^2)")
-        for m, label in (("naive", "naive"), ("kk", "KK, fitted cost")):
+        for m, label in (("naive", "naive"), ("kk_tokens", "KK, token cost"), ("kk", "KK, fitted cost")):
             s = t[m]
             print(f"  {label:<16} max/mean of measured seconds: mean {s['mean']:.3f}, min {s['min']:.3f}, max {s['max']:.3f}")
-    print(f"wall {result['wall_seconds']} s")
+    print(f"wall {result['wall_seconds']} s, load {result['loadavg_start']} -> {result['loadavg_end']}")
 
 
 def main(argv=None) -> int:
@@ -175,7 +188,7 @@ def main(argv=None) -> int:
     p.add_argument("--timed-batches", type=int, default=None, help="timed minibatches (default 10, quick 3; 0 skips)")
     p.add_argument("--timed-batch-size", type=int, default=32)
     p.add_argument("--timed-world-size", type=int, default=4)
-    p.add_argument("--time-reps", type=int, default=2, help="timed runs per rank part (the fastest counts)")
+    p.add_argument("--time-reps", type=int, default=3, help="timed runs per rank part (the fastest counts)")
     args = p.parse_args(argv)
     args.batches = args.batches if args.batches is not None else (20 if args.quick else 200)
     args.timed_batches = args.timed_batches if args.timed_batches is not None else (3 if args.quick else 10)
