@@ -29,7 +29,8 @@ STEP_SECONDS = Histogram("shardline_worker_step_seconds",
                          _LABELS, buckets=STEP_BUCKETS)
 VERSION = Gauge("shardline_worker_version", "Job step (version) of the parameters this worker holds", _LABELS)
 PUSH_BYTES = Counter("shardline_worker_push_bytes_total",
-                     "Gradient payload bytes this worker pushed (all-zero blocks go as flags, without payload)", _LABELS)
+                     "Gradient payload bytes this worker pushed (all-zero blocks go as flags, without payload)",
+                     _LABELS)
 PULL_BYTES = Counter("shardline_worker_pull_bytes_total",
                      "Parameter payload bytes this worker pulled (changed blocks only)", _LABELS)
 PULL_WAIT_SECONDS = Histogram("shardline_worker_pull_wait_seconds",
