@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
-GENERIC_NAMES = ("services", "worker", "dispatcher", "ps_server", "protos")
+GENERIC_NAMES = ("services", "worker", "jobs", "dispatcher", "ps_server", "protos")
 STEP_TIMEOUT = 600
 
 pytestmark = pytest.mark.slow
