@@ -5,6 +5,7 @@ The model and tokenizer are built locally by tests/hf_fixtures.py; nothing is do
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import pytest
@@ -224,3 +225,18 @@ def test_bfloat16_runs_the_model_in_bf16(hf_dir):
     res = run_local(spec)
     assert {p.dtype for p in res.model.parameters()} == {torch.bfloat16}
     assert all(math.isfinite(x) for x in res.losses), res.losses
+
+
+def test_the_example_job_file_is_valid_next_to_a_model(hf_dir, tmp_path):
+    import shutil
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    shutil.copy(os.path.join(root, "examples", "hf_sft_job.yaml"), tmp_path / "job.yaml")
+    os.symlink(hf_dir / "llama", tmp_path / "hf-model")
+    shutil.copy(hf_dir / "chat.jsonl", tmp_path / "sft.jsonl")
+    spec = load_job(tmp_path / "job.yaml")
+    assert spec.model.dtype == "bfloat16" and spec.data.format == "messages" and spec.lora.r == 16
+    workload = HFWorkload(spec)
+    trainable = [n for n, p in workload.model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * 4 * 2  # 2 layers x 4 projections x (A, B)
+    assert workload.batch(0, 1, 2, 4).n_target_tokens > 0
