@@ -51,8 +51,10 @@ def build_tokenizer(words: Iterable[str] | None = None):
 
 
 def build_tiny_llama(directory: str | Path, *, hidden: int = 48, layers: int = 2, heads: int = 4,
-                     seed: int = 0, tie: bool = True) -> Path:
-    """Save a random LlamaForCausalLM (float32) and its tokenizer into ``directory``; return it."""
+                     seed: int = 0, tie: bool = True, init_std: float = 0.02) -> Path:
+    """Save a random LlamaForCausalLM (float32) and its tokenizer into ``directory``; return it.
+    ``init_std``: the weights' init scale; with a larger one than Llama's 0.02 the frozen (tied)
+    head of a random base spans logits wide enough for LoRA adapters alone to fit the task."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
@@ -65,7 +67,7 @@ def build_tiny_llama(directory: str | Path, *, hidden: int = 48, layers: int = 2
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads // 2,
                          max_position_embeddings=128, pad_token_id=tokenizer.pad_token_id,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=tie)
+                         tie_word_embeddings=tie, initializer_range=init_std)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
