@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON_SYS) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[test,hf]" "$(TORCH_SPEC)"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -20,7 +20,8 @@ import time
 import torch
 
 from shardline.services.errors import ShardlineConfigError
-from shardline.worker.job import load_job, run_local
+from shardline.jobs.runner import run_local
+from shardline.jobs.spec import load_job
 from shardline.worker.progress import Progress
 
 

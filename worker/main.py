@@ -5,7 +5,7 @@
 ``--rank``/``--world-size`` default to the ``RANK``/``WORLD_SIZE`` environment variables (as torchrun
 sets them), else 0/1. The worker builds the job's model, joins the job with a ``PSOptimizer`` (rank 0
 creates it if the cluster lacks it), writes the ready file ``{"pid", "grpc", "metrics", "job", "rank",
-"world_size"}``, trains with :func:`worker.job.run_training` while showing progress (loss, tokens/s,
+"world_size"}``, trains with :func:`shardline.jobs.runner.run_training` while showing progress (loss, tokens/s,
 version) on stderr, prints the before/after sample answers and a final ``done:`` line on stdout, and
 with ``--result-file PATH`` writes a JSON result (``status``, losses, throughput, accuracy, samples,
 transfer counters) that ``shardline up`` reads for its summary.
@@ -114,14 +114,11 @@ class _Tracker:
         self.tokens_per_s = 0.0
         self.version = 0
         self._step_started: float | None = None
-        self._task = spec.sft_task()
         self.metrics = TaskMetrics(spec.name, rank)
 
     # -- the progress protocol of run_training --
     def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None,
-               version: int | None = None) -> None:
-        from shardline.worker.tasks import PAD, make_batch
-
+               version: int | None = None, tokens: int | None = None) -> None:
         self.steps_done = step
         if loss is not None:
             self.losses.append(loss)
@@ -131,11 +128,9 @@ class _Tracker:
         if version is not None:
             self.version = version
         tr = self.spec.train
-        # The batch is a pure function of (seed, step, rank): recount its tokens for the counter.
-        batch = make_batch(self._task.seed, step - 1, self.rank, self.world_size, tr.batch_size, self._task)
-        n = int((batch.input_ids != PAD).sum())
-        self.tokens += n
-        self.metrics.tokens.inc(n)
+        if tokens:
+            self.tokens += tokens
+            self.metrics.tokens.inc(tokens)
         if self.display is not None:
             self.display.update(step, loss=loss, tokens_per_s=tokens_per_s, version=version)
         if self.stop.is_set() and step < tr.steps:
@@ -169,12 +164,6 @@ class _StoppableOptimizer:
         return self.opt.step(weight=weight)
 
 
-def _samples_table(before, after) -> str:
-    from shardline.worker.tasks import format_samples
-
-    return format_samples(before, after)
-
-
 def _write_json(path: str | None, data: dict) -> None:
     if not path:
         return
@@ -201,9 +190,13 @@ def main(argv: list[str] | None = None) -> int:
         # gRPC health and metrics bind the listen host (the metrics port does not matter to the policy)
         security = daemon_security(args, {"listen": args.listen, "metrics": format_host_port(host, args.metrics_port)})
         cluster_token = security.token
-        from shardline.worker.job import load_job
+        from shardline.jobs.spec import load_job
 
         spec = load_job(args.job)
+        if spec.model.is_hf:  # fail before joining the cluster when the extra is missing
+            from shardline.jobs.models.hf import require_hf
+
+            require_hf()
         if args.steps is not None:
             spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, steps=args.steps))
     except ShardlineConfigError as exc:
@@ -212,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from shardline.worker.job import run_training
+    from shardline.jobs.runner import run_training
     from shardline.worker.optim import PSOptimizer
     from shardline.worker.progress import Progress
 

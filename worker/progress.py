@@ -67,7 +67,7 @@ class Progress:
         return " ".join(parts)
 
     def update(self, step: int, loss: float | None = None, tokens_per_s: float | None = None,
-               version: int | None = None) -> None:
+               version: int | None = None, tokens: int | None = None) -> None:
         if self._closed:
             return
         last = step >= self.total

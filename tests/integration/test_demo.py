@@ -126,7 +126,8 @@ def test_interrupted_up_resumes_and_reaches_the_same_result(tmp_path):
     """Ctrl-C in the middle of `shardline up`, then the same command again: it resumes the job where
     it stopped (same data order, lr schedule at the right step) and ends where an uninterrupted run
     ends, against the single-process reference."""
-    from shardline.worker.job import load_job, run_local
+    from shardline.jobs.runner import run_local
+    from shardline.jobs.spec import load_job
 
     job_file = tmp_path / "resume.yaml"
     job_file.write_text(DEMO_SHORT.read_text().replace("name: demo-short", "name: demo-resume")

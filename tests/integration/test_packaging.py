@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
-GENERIC_NAMES = ("services", "worker", "dispatcher", "ps_server", "protos")
+GENERIC_NAMES = ("services", "worker", "jobs", "dispatcher", "ps_server", "protos")
 STEP_TIMEOUT = 600
 
 pytestmark = pytest.mark.slow
@@ -129,3 +129,20 @@ def test_installed_cluster_trains(installed):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     out = run([python, "-c", code], cwd=elsewhere, timeout=120, env=env).stdout
     assert out.strip().splitlines()[-1] == "[0.0, 0.0, 0.0, 0.0]", out
+
+
+def test_a_hugging_face_job_without_the_extra_names_it(installed):
+    """The wheel alone (no `hf` extra) imports the job modules; a job that needs transformers says
+    which extra to install."""
+    python, _wheel, elsewhere = installed
+    code = textwrap.dedent("""
+        import shardline.jobs.runner
+        from shardline.jobs.models.hf import require_hf
+        from shardline.services.errors import ShardlineConfigError
+        try:
+            require_hf()
+        except ShardlineConfigError as exc:
+            print(exc)
+    """)
+    out = run([python, "-c", code], cwd=elsewhere).stdout
+    assert "pip install 'shardline[hf]'" in out, out

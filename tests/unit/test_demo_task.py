@@ -12,15 +12,16 @@ import pytest
 import torch
 
 from shardline.services.errors import ShardlineConfigError
-from shardline.worker.job import (
-    LocalOptimizer, TrainSpec, load_job, make_local_optimizer, parse_job, run_local, run_training,
-)
-from shardline.worker.model import LoRALinear, TinyGPT, mark_only_lora_trainable
-from shardline.worker.progress import Progress, format_rate
-from shardline.worker.tasks import (
+from shardline.jobs.data.batch import IGNORE
+from shardline.jobs.data.synthetic import (
     BOS, EOS, PAD, TOKENIZER, SFTTask, evaluate, generate, is_heldout, make_batch, masked_lm_loss,
     sample_answers,
 )
+from shardline.jobs.models.tinygpt import LoRALinear, TinyGPT, mark_only_lora_trainable
+from shardline.jobs.runner import LocalOptimizer, make_local_optimizer, run_local, run_training
+from shardline.jobs.spec import TrainSpec, load_job, parse_job
+from shardline.jobs.workloads import build_model
+from shardline.worker.progress import Progress, format_rate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASK = SFTTask("reverse", 1, 6, seed=3)
@@ -73,11 +74,13 @@ def test_loss_mask_counts_only_answer_tokens():
     assert batch.input_ids.shape == batch.targets.shape == batch.loss_mask.shape
     assert batch.n_target_tokens == int(batch.loss_mask.sum()) == sum(len(a) + 1 for _, a in examples)
     for row, (prompt, answer) in enumerate(examples):
-        seq = TOKENIZER.encode(prompt, bos=True) + TOKENIZER.encode(answer, eos=True)
+        p = TOKENIZER.encode(prompt, bos=True)
+        seq = p + TOKENIZER.encode(answer, eos=True)
         n = len(seq) - 1
         assert batch.input_ids[row, :n].tolist() == seq[:-1]
-        assert batch.targets[row, :n].tolist() == seq[1:]
-        assert (batch.input_ids[row, n:] == PAD).all()
+        # Targets are the next token's label: IGNORE on prompt tokens and padding.
+        assert batch.targets[row, :n].tolist() == [IGNORE] * (len(p) - 1) + seq[len(p):]
+        assert (batch.input_ids[row, n:] == PAD).all() and (batch.targets[row, n:] == IGNORE).all()
         masked = batch.targets[row][batch.loss_mask[row]].tolist()
         assert masked == TOKENIZER.encode(answer, eos=True)  # the answer and EOS, nothing else
     # Lengths vary: the batch is padded to its longest sequence, shorter rows are padded.
@@ -196,7 +199,7 @@ def test_generate_and_evaluate_run_on_an_untrained_model():
 def test_example_job_files_are_valid(name):
     spec = load_job(os.path.join(ROOT, "examples", name))
     assert spec.train.sync == "bsp" and spec.train.weight_by_tokens
-    model = spec.build_model()
+    model = build_model(spec)
     assert model.max_seq_len >= spec.sft_task().max_seq_len()
     if name.startswith("lora"):
         assert spec.model.lora_rank > 0

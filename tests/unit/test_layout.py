@@ -1,5 +1,5 @@
 """Every import of our own code names the `shardline` namespace: the wheel installs no `services`,
-`worker`, `dispatcher` or `ps_server`, so a bare import would break (or pick up a user's module)."""
+`worker`, `jobs`, `dispatcher` or `ps_server`, so a bare import would break (or pick up a user's module)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-OWN = {"services", "worker", "dispatcher", "ps_server", "protos"}
+OWN = {"services", "worker", "dispatcher", "ps_server", "protos", "jobs"}
 
 
 def python_files() -> list[Path]:
@@ -49,3 +49,28 @@ def test_package_dir_covers_every_source_package():
             rel = init.parent.relative_to(REPO / folder)
             package = ".".join([name, *rel.parts])
             assert package in listed, f"{init.parent} is package {package}, missing from [tool.setuptools] packages"
+
+
+def test_jobs_is_a_package_of_its_own():
+    """The job runner, models and data live in `jobs/` (shardline.jobs); `worker/` keeps the client
+    library and the daemon, which uses them."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    assert config["package-dir"]["shardline.jobs"] == "jobs"
+    for package in ("shardline.jobs", "shardline.jobs.models", "shardline.jobs.data"):
+        assert package in config["packages"], package
+    for module in ("spec.py", "runner.py", "workloads.py", "models/tinygpt.py", "models/hf.py",
+                   "data/batch.py", "data/synthetic.py", "data/jsonl.py"):
+        assert (REPO / "jobs" / module).is_file(), module
+    assert not {"job.py", "model.py", "tasks.py"} & {p.name for p in (REPO / "worker").iterdir()}
+
+
+def test_hugging_face_is_imported_lazily():
+    """Importing the job modules (as every worker daemon does) loads neither transformers nor peft."""
+    import sys
+
+    code = ("import sys, shardline.jobs.runner, shardline.jobs.spec, shardline.jobs.models.hf, shardline.jobs.data.jsonl, "
+            "shardline.worker.main; print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,7 +1,8 @@
-"""Job files: the YAML schema a worker runs, and the training loop that runs it.
+"""Job files: the YAML schema a worker runs.
 
-A job file has four sections; every key is optional except ``job.name``, unknown keys are errors
-that name the key, and bad values are quoted in the error (``ShardlineConfigError``)::
+A job file has up to six sections; every key is optional except ``job.name`` (and ``data.path``
+when there is a data section), unknown keys are errors that name the key, and bad values are
+quoted in the error (``ShardlineConfigError``). The built-in model and task::
 
     job:   {name: demo-reverse}
     model: {d_model: 128, n_layers: 2, n_heads: 4, max_seq_len: null, dropout: 0.0,
@@ -14,45 +15,44 @@ that name the key, and bad values are quoted in the error (``ShardlineConfigErro
             log_every: 10, seed: 0, lr_schedule: constant, warmup_steps: 0, min_lr_ratio: 0.1,
             replication: 0, on_worker_failure: wait, worker_lease_timeout: 30}
 
-``train.batch_size`` is per worker. ``train.seed`` seeds the model init (the same on every rank),
-``task.seed`` the data. :func:`run_training` is the per-rank loop; it takes a ``make_optimizer``
-factory so the same loop drives a local ``torch.optim`` optimizer (:func:`make_local_optimizer`) or
-a parameter-server ``PSOptimizer``.
+A Hugging Face model (a local ``save_pretrained`` directory; needs ``shardline[hf]``) trains on a
+JSONL file instead, optionally through LoRA adapters (peft)::
+
+    model: {hf_path: DIR, dtype: float32}   # or bfloat16; no other model key applies
+    lora:  {r: 8, alpha: 16, dropout: 0.0, target_modules: null}   # null: peft's default for the model
+    data:  {path: FILE.jsonl, format: prompt_completion, max_length: 512, seed: 0}   # or messages
+
+Relative ``hf_path`` and ``data.path`` resolve against the job file's directory. ``train.batch_size``
+is per worker. ``train.seed`` seeds the model init (the same on every rank), ``task.seed`` /
+``data.seed`` the data order.
 """
 
 from __future__ import annotations
 
 import difflib
-import logging
 import math
 import os
 import re
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
-import torch
-import torch.nn.functional as F
 import yaml
 
+from shardline.jobs.data.jsonl import FORMATS as DATA_FORMATS
+from shardline.jobs.data.synthetic import TASK_KINDS, TOKENIZER, SFTTask
+from shardline.jobs.models.tinygpt import LORA_EXTRA_GROUPS
 from shardline.services.errors import ShardlineConfigError
-from shardline.worker.model import LORA_EXTRA_GROUPS, TinyGPT, count_parameters, mark_only_lora_trainable
-from shardline.worker.tasks import (
-    PAD, TASK_KINDS, TOKENIZER, SFTTask, evaluate, format_samples, make_batch, sample_answers,
-    sample_prompts,
-)
 
 __all__ = [
-    "JobSection", "ModelSpec", "TaskSpec", "TrainSpec", "JobSpec", "TrainResult", "LocalOptimizer",
-    "load_job", "parse_job", "run_training", "run_local", "make_local_optimizer", "OPTIMIZERS", "SYNC_MODES",
-    "LR_SCHEDULES",
+    "JobSection", "ModelSpec", "LoraSpec", "TaskSpec", "DataSpec", "TrainSpec", "JobSpec", "load_job",
+    "parse_job", "OPTIMIZERS", "SYNC_MODES", "LR_SCHEDULES", "MODEL_DTYPES",
 ]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SYNC_MODES = ("bsp", "asp", "ssp")
 LR_SCHEDULES = ("constant", "cosine", "linear")
-log = logging.getLogger("shardline.worker")
+MODEL_DTYPES = ("float32", "bfloat16")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -75,6 +75,35 @@ class ModelSpec:
     lora_rank: int = 0
     lora_alpha: float = 16.0
     lora_also_train: tuple[str, ...] = ()
+    hf_path: str | None = None         # a local Hugging Face directory instead of the built-in model
+    dtype: str = "float32"             # the Hugging Face model's compute dtype
+
+    @property
+    def is_hf(self) -> bool:
+        return self.hf_path is not None
+
+
+# The keys of ModelSpec that describe the built-in TinyGPT (none applies with hf_path).
+TINY_MODEL_KEYS = ("d_model", "n_layers", "n_heads", "max_seq_len", "dropout", "tie_weights", "vocab_size",
+                   "lora_rank", "lora_alpha", "lora_also_train")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """LoRA adapters (peft) on a Hugging Face model: only they train."""
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] | str | None = None   # None: peft's default for the architecture
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """SFT examples from a JSONL file, tokenized with the model directory's tokenizer."""
+    path: str
+    format: str = "prompt_completion"
+    max_length: int = 512
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +172,8 @@ class JobSpec:
     model: ModelSpec = field(default_factory=ModelSpec)
     task: TaskSpec = field(default_factory=TaskSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
+    lora: LoraSpec | None = None
+    data: DataSpec | None = None
     source: str = "<job>"
 
     @property
@@ -163,18 +194,12 @@ class JobSpec:
             "seed": self.train.seed,
         }
 
-    def build_model(self) -> TinyGPT:
-        """The job's model, initialized from ``train.seed`` (identical on every rank), with LoRA
-        trainability applied."""
-        model = TinyGPT(**self.model_kwargs())
-        if self.model.lora_rank > 0:
-            mark_only_lora_trainable(model, self.model.lora_also_train)
-        return model
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("source")
         d["model"]["lora_also_train"] = list(self.model.lora_also_train)
+        if self.lora is not None and isinstance(self.lora.target_modules, tuple):
+            d["lora"]["target_modules"] = list(self.lora.target_modules)
         d["train"]["betas"] = list(self.train.betas)
         return d
 
@@ -256,6 +281,24 @@ def _betas(v: Any) -> tuple[float, float]:
         raise ValueError(f"expected a list of two numbers in [0, 1), got {v!r}") from None
 
 
+def _path(v: Any) -> str:
+    if not isinstance(v, str) or not v.strip() or "\0" in v:
+        raise ValueError(f"expected a path, got {v!r}")
+    return v
+
+
+def _opt_path(v: Any) -> str | None:
+    return None if v is None else _path(v)
+
+
+def _target_modules(v: Any) -> tuple[str, ...] | str | None:
+    if v is None or v == "all-linear":
+        return v
+    if not isinstance(v, list) or not v or not all(isinstance(x, str) and x for x in v):
+        raise ValueError(f"expected a list of module names, all-linear or null, got {v!r}")
+    return tuple(dict.fromkeys(v))
+
+
 def _groups(v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
@@ -277,6 +320,20 @@ _SCHEMA: dict[str, tuple[type, dict[str, tuple[Callable[[Any], Any], Any]]]] = {
         "lora_rank": (_int(0, 1024), ModelSpec.lora_rank),
         "lora_alpha": (_float(0.0, lo_open=True), ModelSpec.lora_alpha),
         "lora_also_train": (_groups, ()),
+        "hf_path": (_opt_path, None),
+        "dtype": (_choice(MODEL_DTYPES), ModelSpec.dtype),
+    }),
+    "lora": (LoraSpec, {
+        "r": (_int(1, 4096), LoraSpec.r),
+        "alpha": (_float(0.0, lo_open=True), LoraSpec.alpha),
+        "dropout": (_float(0.0, 1.0, hi_open=True), LoraSpec.dropout),
+        "target_modules": (_target_modules, None),
+    }),
+    "data": (DataSpec, {
+        "path": (_path, _REQUIRED),
+        "format": (_choice(DATA_FORMATS), DataSpec.format),
+        "max_length": (_int(2, 1 << 20), DataSpec.max_length),
+        "seed": (_int(0), DataSpec.seed),
     }),
     "task": (TaskSpec, {
         "kind": (_choice(TASK_KINDS), TaskSpec.kind),
@@ -342,8 +399,13 @@ def _parse_section(source: str, name: str, raw: Any):
     return cls(**values)
 
 
-def parse_job(data: dict | str, source: str = "<job>") -> JobSpec:
-    """Validate a job given as a mapping or YAML text. Raises ShardlineConfigError."""
+# Sections that may be absent altogether (JobSpec holds None for them).
+_OPTIONAL_SECTIONS = ("lora", "data")
+
+
+def parse_job(data: dict | str, source: str = "<job>", base_dir: str | os.PathLike | None = None) -> JobSpec:
+    """Validate a job given as a mapping or YAML text. Relative paths resolve against ``base_dir``
+    (the job file's directory; default: the working directory). Raises ShardlineConfigError."""
     if isinstance(data, str):
         try:
             data = yaml.safe_load(data)
@@ -356,14 +418,43 @@ def parse_job(data: dict | str, source: str = "<job>") -> JobSpec:
             raise _unknown(source, "", key, _SCHEMA)
     if "job" not in data:
         raise _err(source, "job", "required section is missing")
-    sections = {name: _parse_section(source, name, data.get(name)) for name in _SCHEMA}
+    sections = {name: _parse_section(source, name, data.get(name)) for name in _SCHEMA
+                if name not in _OPTIONAL_SECTIONS or name in data}
     spec = JobSpec(source=source, **sections)
-    _cross_check(spec)
-    return spec
+    _cross_check(spec, data)
+    return _resolve_paths(spec, base_dir)
 
 
-def _cross_check(spec: JobSpec) -> None:
+def _raw_keys(data: dict, section: str) -> list[str]:
+    raw = data.get(section)
+    return list(raw) if isinstance(raw, dict) else []
+
+
+def _cross_check(spec: JobSpec, data: dict) -> None:
     s, m, t, tr = spec.source, spec.model, spec.task, spec.train
+    if tr.warmup_steps > tr.steps:
+        raise _err(s, "train.warmup_steps", f"must be <= train.steps ({tr.steps!r}), got {tr.warmup_steps!r}")
+    if tr.staleness and tr.sync != "ssp":
+        raise _err(s, "train.staleness", f"only applies with train.sync: ssp, got {tr.staleness!r}")
+    if m.is_hf:
+        for key in _raw_keys(data, "model"):
+            if key in TINY_MODEL_KEYS:
+                raise _err(s, f"model.{key}", f"describes the built-in model and does not apply with model.hf_path "
+                                               f"({m.hf_path!r}), got {data['model'][key]!r}")
+        if "task" in data:
+            raise _err(s, "task", f"the built-in task does not apply with model.hf_path ({m.hf_path!r}); "
+                                  f"give a data section, got {data['task']!r}")
+        if spec.data is None:
+            raise _err(s, "data", f"required with model.hf_path ({m.hf_path!r}): "
+                                  f"{{path: FILE.jsonl, format: prompt_completion|messages}}")
+        return
+    if "dtype" in _raw_keys(data, "model"):
+        raise _err(s, "model.dtype", f"only applies with model.hf_path, got {m.dtype!r}")
+    if spec.lora is not None:
+        raise _err(s, "lora", f"only applies with model.hf_path (the built-in model takes model.lora_rank), "
+                              f"got {data['lora']!r}")
+    if spec.data is not None:
+        raise _err(s, "data", f"only applies with model.hf_path (whose tokenizer reads it), got {data['data']!r}")
     if t.min_digits > t.max_digits:
         raise _err(s, "task.min_digits", f"must be <= task.max_digits ({t.max_digits!r}), got {t.min_digits!r}")
     if m.d_model % m.n_heads:
@@ -376,10 +467,21 @@ def _cross_check(spec: JobSpec) -> None:
         raise _err(s, "model.vocab_size", f"must be >= {TOKENIZER.vocab_size} (the tokenizer's), got {m.vocab_size!r}")
     if m.lora_also_train and m.lora_rank == 0:
         raise _err(s, "model.lora_also_train", f"only applies with model.lora_rank > 0, got {list(m.lora_also_train)!r}")
-    if tr.warmup_steps > tr.steps:
-        raise _err(s, "train.warmup_steps", f"must be <= train.steps ({tr.steps!r}), got {tr.warmup_steps!r}")
-    if tr.staleness and tr.sync != "ssp":
-        raise _err(s, "train.staleness", f"only applies with train.sync: ssp, got {tr.staleness!r}")
+
+
+def _resolve_paths(spec: JobSpec, base_dir: str | os.PathLike | None) -> JobSpec:
+    """Absolute hf_path and data.path, checked to exist (a missing one is named before any import)."""
+    if not spec.model.is_hf:
+        return spec
+    base = os.path.abspath(base_dir if base_dir is not None else os.getcwd())
+    resolve = lambda p: os.path.normpath(os.path.join(base, os.path.expanduser(p)))  # noqa: E731
+    hf_path, data_path = resolve(spec.model.hf_path), resolve(spec.data.path)
+    if not os.path.isfile(os.path.join(hf_path, "config.json")):
+        what = "is not a directory" if not os.path.isdir(hf_path) else "has no config.json (not a save_pretrained directory)"
+        raise _err(spec.source, "model.hf_path", f"{hf_path} {what}, got {spec.model.hf_path!r}")
+    if not os.path.isfile(data_path):
+        raise _err(spec.source, "data.path", f"{data_path} is not a file, got {spec.data.path!r}")
+    return replace(spec, model=replace(spec.model, hf_path=hf_path), data=replace(spec.data, path=data_path))
 
 
 def load_job(path: str | os.PathLike) -> JobSpec:
@@ -389,235 +491,6 @@ def load_job(path: str | os.PathLike) -> JobSpec:
             text = f.read()
     except OSError as exc:
         raise ShardlineConfigError(f"cannot read job file {str(path)!r}: {exc.strerror}") from None
-    return parse_job(text, source=os.path.basename(str(path)))
+    return parse_job(text, source=os.path.basename(str(path)), base_dir=os.path.dirname(os.path.abspath(path)))
 
 
-# -- optimizers -----------------------------------------------------------------------------------
-
-class StepOptimizer(Protocol):
-    def step(self, weight: float | None = None) -> Any: ...
-    def zero_grad(self) -> Any: ...
-
-
-NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
-
-
-class LocalOptimizer:
-    """A ``torch.optim`` optimizer with the ``step(weight=...)`` signature of ``PSOptimizer``
-    (``weight`` is ignored: one process has nothing to average). Frozen parameters are left out."""
-
-    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], train: TrainSpec):
-        params = [p for _, p in named_parameters if p.requires_grad]
-        if not params:
-            raise ShardlineConfigError("the model has no trainable parameters")
-        if train.optimizer == "sgd":
-            self.optimizer = torch.optim.SGD(params, lr=train.lr, momentum=train.momentum,
-                                             weight_decay=train.weight_decay)
-        else:
-            cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
-            self.optimizer = cls(params, lr=train.lr, betas=tuple(train.betas), eps=train.eps,
-                                 weight_decay=train.weight_decay)
-        self.version = 0
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    def step(self, weight: float | None = None) -> None:
-        self.optimizer.step()
-        self.version += 1
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-
-def make_local_optimizer(train: TrainSpec) -> Callable[[NamedParams], LocalOptimizer]:
-    """A ``make_optimizer`` factory for :func:`run_training` that trains in this process."""
-    return lambda named_parameters: LocalOptimizer(named_parameters, train)
-
-
-def _lr_setter(opt: Any) -> Callable[[float], None] | None:
-    if hasattr(opt, "param_groups"):
-        def set_groups(lr: float) -> None:
-            for g in opt.param_groups:
-                g["lr"] = lr
-        return set_groups
-    if callable(getattr(opt, "set_lr", None)):
-        return opt.set_lr
-    return None
-
-
-# -- training -------------------------------------------------------------------------------------
-
-@dataclass
-class TrainResult:
-    job_name: str
-    rank: int
-    world_size: int
-    steps: int
-    losses: list[float]
-    final_loss: float
-    train_seconds: float
-    tokens: int                 # non-padding input tokens this process trained on
-    target_tokens: int          # answer tokens (the ones the loss counts)
-    tokens_per_s: float
-    n_params: int
-    n_trainable: int
-    before_accuracy: float | None = None   # the lead rank (rank 0) only
-    after_accuracy: float | None = None
-    before_samples: list[dict] | None = None
-    after_samples: list[dict] | None = None
-    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
-    eval_seconds: float = 0.0
-    start_step: int = 0                    # > 0: a resumed job (the steps before ran earlier)
-    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready fields (everything but the model)."""
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "model"}
-        d["losses"] = list(self.losses)
-        d["accuracy_curve"] = [list(x) for x in self.accuracy_curve]
-        return d
-
-    def summary(self) -> str:
-        lines = [
-            f"job {self.job_name}: {self.steps} steps on {self.world_size} worker(s), "
-            f"final loss {self.final_loss:.4f}, {self.train_seconds:.1f} s, "
-            f"{self.tokens_per_s:,.0f} tok/s (rank {self.rank})",
-        ]
-        if self.before_accuracy is not None and self.after_accuracy is not None:
-            lines.append(f"exact-match accuracy on held-out examples: "
-                         f"{100 * self.before_accuracy:.1f}% before -> {100 * self.after_accuracy:.1f}% after")
-        table = format_samples(self.before_samples, self.after_samples)
-        if table:
-            lines.append(table)
-        return "\n".join(lines)
-
-
-EVAL_SEED_OFFSET = 7_777  # the eval stream's seed is task.seed + this
-
-
-def run_training(job_spec: JobSpec, make_optimizer: Callable[[NamedParams], StepOptimizer], rank: int,
-                 world_size: int, progress: Any = None) -> TrainResult:
-    """Train rank ``rank`` of ``world_size`` on its shard of the job's data.
-
-    Each step: ``zero_grad()``, forward/backward of the mean loss over this rank's answer tokens,
-    then ``step(weight=n_target_tokens)`` (``weight=None`` unless ``train.weight_by_tokens``), so a
-    parameter server's weighted mean of the ranks' gradients is the gradient of the concatenated
-    batch. The model is built from ``train.seed`` on every rank; rank 0 also measures accuracy and
-    sample answers before and after training. ``progress``: an object with
-    ``update(step, loss=, tokens_per_s=, version=)`` (and optionally ``close()``), e.g.
-    :class:`worker.progress.Progress`, or None.
-    """
-    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ShardlineConfigError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
-    return _train(job_spec, make_optimizer, [rank], world_size, progress)
-
-
-def run_local(job_spec: JobSpec, world_size: int = 1, progress: Any = None,
-              make_optimizer: Callable[[NamedParams], StepOptimizer] | None = None) -> TrainResult:
-    """One process doing what ``world_size`` BSP workers do together: every step it trains on all
-    ranks' batches with the parameter server's weighting (token-weighted or equal per rank), with
-    ``torch.optim``. The reference the cluster must match."""
-    if world_size < 1:
-        raise ShardlineConfigError(f"world_size must be >= 1, got {world_size!r}")
-    return _train(job_spec, make_optimizer or make_local_optimizer(job_spec.train),
-                  list(range(world_size)), world_size, progress)
-
-
-def _step_loss(model: torch.nn.Module, batches: list, weight_by_tokens: bool) -> torch.Tensor:
-    """Σ_r w_r·mean_r / Σ_r w_r over the ranks' batches in one forward pass, where mean_r is the
-    mean loss over rank r's answer tokens and w_r its token count (or 1)."""
-    if len(batches) == 1:
-        b = batches[0]
-        ids, tgt, mask = b.input_ids, b.targets, b.loss_mask.float() / b.n_target_tokens
-    else:
-        t = max(b.input_ids.shape[1] for b in batches)
-        pad = lambda x, v: F.pad(x, (0, t - x.shape[1]), value=v)  # noqa: E731
-        w = [float(b.n_target_tokens) if weight_by_tokens else 1.0 for b in batches]
-        ids = torch.cat([pad(b.input_ids, PAD) for b in batches])
-        tgt = torch.cat([pad(b.targets, PAD) for b in batches])
-        mask = torch.cat([pad(b.loss_mask.float(), 0.0) * (wr / sum(w) / b.n_target_tokens)
-                          for b, wr in zip(batches, w)])
-    logits = model(ids)
-    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-    return (per_token * mask.reshape(-1)).sum()
-
-
-def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, progress: Any) -> TrainResult:
-    tr = spec.train
-    task = spec.sft_task()
-    lead = 0 in ranks
-    if spec.model.dropout > 0:
-        torch.manual_seed(tr.seed * 1_000_003 + ranks[0])  # dropout masks differ per rank
-    model = spec.build_model()
-    n_params = count_parameters(model)
-    n_trainable = count_parameters(model, trainable_only=True)
-    eval_seed = task.seed + EVAL_SEED_OFFSET
-    prompts = sample_prompts(task, tr.sample_prompts, seed=eval_seed) if lead else []
-
-    result = TrainResult(job_name=spec.name, rank=ranks[0], world_size=world_size, steps=tr.steps, losses=[],
-                         final_loss=float("nan"), train_seconds=0.0, tokens=0, target_tokens=0,
-                         tokens_per_s=0.0, n_params=n_params, n_trainable=n_trainable, model=model)
-    # The optimizer may replace the weights (a PSOptimizer of a resumed job pulls what the cluster
-    # holds), so "before" is measured after it exists.
-    opt = make_optimizer(list(model.named_parameters()))
-    set_lr = _lr_setter(opt)
-    if tr.has_schedule and set_lr is None:
-        raise ShardlineConfigError(
-            f"{spec.source}: train.lr_schedule: the optimizer {type(opt).__name__} cannot change its "
-            f"learning rate (no param_groups or set_lr), so use lr_schedule: constant and warmup_steps: 0")
-    t_eval = time.perf_counter()
-    if lead:
-        result.before_samples = sample_answers(model, prompts, task) if prompts else []
-        result.before_accuracy = evaluate(model, tr.eval_examples, eval_seed, task)
-        result.accuracy_curve.append((0, result.before_accuracy))
-    result.eval_seconds += time.perf_counter() - t_eval
-    model.train()
-    train_seconds = 0.0
-    # A resumed job continues where the cluster stopped: its step is the number of steps applied,
-    # and step k trains on the same batches and lr as in an uninterrupted run.
-    start = getattr(opt, "version", 0)
-    start = start if isinstance(start, int) and start > 0 else 0
-    result.start_step = min(start, tr.steps)
-    if start:
-        log.info("resuming job %s at step %d of %d", spec.name, min(start, tr.steps), tr.steps)
-    try:
-        for step in range(result.start_step, tr.steps):
-            t0 = time.perf_counter()
-            if tr.has_schedule:
-                set_lr(tr.lr_at(step))
-            batches = [make_batch(task.seed, step, r, world_size, tr.batch_size, task) for r in ranks]
-            n_target = sum(b.n_target_tokens for b in batches)
-            opt.zero_grad()
-            loss = _step_loss(model, batches, tr.weight_by_tokens)
-            loss.backward()
-            opt.step(weight=float(n_target) if tr.weight_by_tokens else None)
-            loss_value = float(loss.detach())
-            train_seconds += time.perf_counter() - t0
-            result.losses.append(loss_value)
-            result.tokens += sum(int((b.input_ids != PAD).sum()) for b in batches)
-            result.target_tokens += n_target
-            if progress is not None:
-                version = getattr(opt, "version", None)
-                progress.update(step + 1, loss=loss_value, tokens_per_s=result.tokens / max(train_seconds, 1e-9),
-                                version=version if isinstance(version, int) else step + 1)
-            if lead and tr.eval_every and (step + 1) % tr.eval_every == 0 and step + 1 < tr.steps:
-                t_eval = time.perf_counter()
-                result.accuracy_curve.append((step + 1, evaluate(model, tr.eval_examples, eval_seed, task)))
-                result.eval_seconds += time.perf_counter() - t_eval
-    finally:
-        close = getattr(progress, "close", None)
-        if callable(close):
-            close()
-
-    result.train_seconds = train_seconds
-    result.tokens_per_s = result.tokens / max(train_seconds, 1e-9)
-    result.final_loss = result.losses[-1] if result.losses else float("nan")
-    if lead:
-        t_eval = time.perf_counter()
-        result.after_samples = sample_answers(model, prompts, task) if prompts else []
-        result.after_accuracy = evaluate(model, tr.eval_examples, eval_seed, task)
-        result.accuracy_curve.append((tr.steps, result.after_accuracy))
-        result.eval_seconds += time.perf_counter() - t_eval
-    return result

@@ -26,10 +26,10 @@ import random
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
+
+from shardline.jobs.data.batch import IGNORE, Batch, collate
 
 __all__ = [
     "CharTokenizer", "TOKENIZER", "PAD", "BOS", "EOS", "TASK_KINDS", "SFTTask", "DEFAULT_TASK",
@@ -179,30 +179,14 @@ class SFTTask:
 DEFAULT_TASK = SFTTask()
 
 
-class Batch(NamedTuple):
-    input_ids: torch.Tensor      # [B, T] int64, right-padded with PAD
-    targets: torch.Tensor        # [B, T] int64, the next token (PAD beyond each sequence)
-    loss_mask: torch.Tensor      # [B, T] bool, True exactly at answer and EOS targets
-    n_target_tokens: int         # loss_mask.sum()
-
-
 def _collate(examples: Sequence[tuple[str, str]]) -> Batch:
-    seqs, prompt_lens = [], []
+    """``[BOS] prompt answer [EOS]`` per example; the loss counts the answer and EOS."""
+    encoded = []
     for prompt, answer in examples:
         p = TOKENIZER.encode(prompt, bos=True)
-        seqs.append(p + TOKENIZER.encode(answer, eos=True))
-        prompt_lens.append(len(p))
-    t = max(len(s) for s in seqs) - 1
-    input_ids = torch.full((len(seqs), t), PAD, dtype=torch.long)
-    targets = torch.full((len(seqs), t), PAD, dtype=torch.long)
-    loss_mask = torch.zeros((len(seqs), t), dtype=torch.bool)
-    for i, (s, pl) in enumerate(zip(seqs, prompt_lens)):
-        n = len(s) - 1
-        input_ids[i, :n] = torch.tensor(s[:-1])
-        targets[i, :n] = torch.tensor(s[1:])
-        # Target at position j is s[j+1]; answer tokens start at s[pl], i.e. position pl - 1.
-        loss_mask[i, pl - 1 : n] = True
-    return Batch(input_ids, targets, loss_mask, int(loss_mask.sum()))
+        a = TOKENIZER.encode(answer, eos=True)
+        encoded.append((p + a, [IGNORE] * len(p) + a))
+    return collate(encoded, pad_id=PAD)
 
 
 def make_batch(seed: int, step: int, rank: int, world_size: int, batch_size: int,

@@ -1,0 +1,1 @@
+"""Models a job trains: ``tinygpt`` (built in) and ``hf`` (a local Hugging Face directory, optional LoRA)."""

@@ -1,0 +1,259 @@
+"""The per-rank training loop of a job (:mod:`shardline.jobs.spec`).
+
+:func:`run_training` is the per-rank loop; it takes a ``make_optimizer`` factory so the same loop
+drives a local ``torch.optim`` optimizer (:func:`make_local_optimizer`) or a parameter-server
+``PSOptimizer``. :func:`run_local` is one process doing what ``world_size`` BSP workers do together:
+the reference a cluster must match.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from shardline.jobs.data.batch import IGNORE, Batch
+from shardline.jobs.data.synthetic import format_samples
+from shardline.jobs.models.tinygpt import count_parameters
+from shardline.jobs.spec import JobSpec, TrainSpec
+from shardline.jobs.workloads import Workload, build_workload
+from shardline.services.errors import ShardlineConfigError
+
+__all__ = ["TrainResult", "LocalOptimizer", "run_training", "run_local", "make_local_optimizer"]
+
+log = logging.getLogger("shardline.jobs")
+
+
+# -- optimizers -----------------------------------------------------------------------------------
+
+class StepOptimizer(Protocol):
+    def step(self, weight: float | None = None) -> Any: ...
+    def zero_grad(self) -> Any: ...
+
+
+NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+
+
+class LocalOptimizer:
+    """A ``torch.optim`` optimizer with the ``step(weight=...)`` signature of ``PSOptimizer``
+    (``weight`` is ignored: one process has nothing to average). Frozen parameters are left out."""
+
+    def __init__(self, named_parameters: Iterable[tuple[str, torch.nn.Parameter]], train: TrainSpec):
+        params = [p for _, p in named_parameters if p.requires_grad]
+        if not params:
+            raise ShardlineConfigError("the model has no trainable parameters")
+        if train.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(params, lr=train.lr, momentum=train.momentum,
+                                             weight_decay=train.weight_decay)
+        else:
+            cls = torch.optim.AdamW if train.optimizer == "adamw" else torch.optim.Adam
+            self.optimizer = cls(params, lr=train.lr, betas=tuple(train.betas), eps=train.eps,
+                                 weight_decay=train.weight_decay)
+        self.version = 0
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self, weight: float | None = None) -> None:
+        self.optimizer.step()
+        self.version += 1
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+def make_local_optimizer(train: TrainSpec) -> Callable[[NamedParams], LocalOptimizer]:
+    """A ``make_optimizer`` factory for :func:`run_training` that trains in this process."""
+    return lambda named_parameters: LocalOptimizer(named_parameters, train)
+
+
+def _lr_setter(opt: Any) -> Callable[[float], None] | None:
+    if hasattr(opt, "param_groups"):
+        def set_groups(lr: float) -> None:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        return set_groups
+    if callable(getattr(opt, "set_lr", None)):
+        return opt.set_lr
+    return None
+
+
+# -- training -------------------------------------------------------------------------------------
+
+@dataclass
+class TrainResult:
+    job_name: str
+    rank: int
+    world_size: int
+    steps: int
+    losses: list[float]
+    final_loss: float
+    train_seconds: float
+    tokens: int                 # non-padding input tokens this process trained on
+    target_tokens: int          # answer tokens (the ones the loss counts)
+    tokens_per_s: float
+    n_params: int
+    n_trainable: int
+    before_accuracy: float | None = None   # the lead rank (rank 0) only
+    after_accuracy: float | None = None
+    before_samples: list[dict] | None = None
+    after_samples: list[dict] | None = None
+    accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
+    eval_seconds: float = 0.0
+    start_step: int = 0                    # > 0: a resumed job (the steps before ran earlier)
+    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (everything but the model)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "model"}
+        d["losses"] = list(self.losses)
+        d["accuracy_curve"] = [list(x) for x in self.accuracy_curve]
+        return d
+
+    def summary(self) -> str:
+        lines = [
+            f"job {self.job_name}: {self.steps} steps on {self.world_size} worker(s), "
+            f"final loss {self.final_loss:.4f}, {self.train_seconds:.1f} s, "
+            f"{self.tokens_per_s:,.0f} tok/s (rank {self.rank})",
+        ]
+        if self.before_accuracy is not None and self.after_accuracy is not None:
+            lines.append(f"exact-match accuracy on held-out examples: "
+                         f"{100 * self.before_accuracy:.1f}% before -> {100 * self.after_accuracy:.1f}% after")
+        table = format_samples(self.before_samples, self.after_samples)
+        if table:
+            lines.append(table)
+        return "\n".join(lines)
+
+
+def run_training(job_spec: JobSpec, make_optimizer: Callable[[NamedParams], StepOptimizer], rank: int,
+                 world_size: int, progress: Any = None) -> TrainResult:
+    """Train rank ``rank`` of ``world_size`` on its shard of the job's data.
+
+    Each step: ``zero_grad()``, forward/backward of the mean loss over this rank's loss tokens,
+    then ``step(weight=n_target_tokens)`` (``weight=None`` unless ``train.weight_by_tokens``), so a
+    parameter server's weighted mean of the ranks' gradients is the gradient of the concatenated
+    batch. The model is built from ``train.seed`` on every rank; rank 0 also measures accuracy and
+    sample answers before and after training (the built-in task only). ``progress``: an object with
+    ``update(step, loss=, tokens_per_s=, version=, tokens=)`` (``tokens``: the step's input tokens;
+    optionally ``close()``), e.g. :class:`shardline.worker.progress.Progress`, or None.
+    """
+    if not isinstance(world_size, int) or world_size < 1 or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ShardlineConfigError(f"need 0 <= rank < world_size, got rank={rank!r} world_size={world_size!r}")
+    return _train(job_spec, make_optimizer, [rank], world_size, progress)
+
+
+def run_local(job_spec: JobSpec, world_size: int = 1, progress: Any = None,
+              make_optimizer: Callable[[NamedParams], StepOptimizer] | None = None) -> TrainResult:
+    """One process doing what ``world_size`` BSP workers do together: every step it trains on all
+    ranks' batches with the parameter server's weighting (token-weighted or equal per rank), with
+    ``torch.optim``. The reference the cluster must match."""
+    if world_size < 1:
+        raise ShardlineConfigError(f"world_size must be >= 1, got {world_size!r}")
+    return _train(job_spec, make_optimizer or make_local_optimizer(job_spec.train),
+                  list(range(world_size)), world_size, progress)
+
+
+def _step_loss(workload: Workload, batches: list[Batch], weight_by_tokens: bool) -> torch.Tensor:
+    """Σ_r w_r·mean_r / Σ_r w_r over the ranks' batches in one forward pass, where mean_r is the
+    mean loss over rank r's loss tokens and w_r their count (or 1)."""
+    if len(batches) == 1:
+        b = batches[0]
+        ids, tgt, mask = b.input_ids, b.targets, b.loss_mask.float() / b.n_target_tokens
+    else:
+        t = max(b.input_ids.shape[1] for b in batches)
+        pad = lambda x, v: F.pad(x, (0, t - x.shape[1]), value=v)  # noqa: E731
+        w = [float(b.n_target_tokens) if weight_by_tokens else 1.0 for b in batches]
+        ids = torch.cat([pad(b.input_ids, b.pad_id) for b in batches])
+        tgt = torch.cat([pad(b.targets, IGNORE) for b in batches])
+        mask = torch.cat([pad(b.loss_mask.float(), 0.0) * (wr / sum(w) / b.n_target_tokens)
+                          for b, wr in zip(batches, w)])
+    logits = workload.logits(ids)
+    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+    return (per_token * mask.reshape(-1)).sum()
+
+
+def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, progress: Any) -> TrainResult:
+    tr = spec.train
+    lead = 0 in ranks
+    torch.manual_seed(tr.seed * 1_000_003 + ranks[0])  # dropout masks differ per rank
+    workload = build_workload(spec, lead)
+    model = workload.model
+    n_params = count_parameters(model)
+    n_trainable = count_parameters(model, trainable_only=True)
+
+    result = TrainResult(job_name=spec.name, rank=ranks[0], world_size=world_size, steps=tr.steps, losses=[],
+                         final_loss=float("nan"), train_seconds=0.0, tokens=0, target_tokens=0,
+                         tokens_per_s=0.0, n_params=n_params, n_trainable=n_trainable, model=model)
+    # The optimizer may replace the weights (a PSOptimizer of a resumed job pulls what the cluster
+    # holds), so "before" is measured after it exists.
+    opt = make_optimizer(list(model.named_parameters()))
+    set_lr = _lr_setter(opt)
+    if tr.has_schedule and set_lr is None:
+        raise ShardlineConfigError(
+            f"{spec.source}: train.lr_schedule: the optimizer {type(opt).__name__} cannot change its "
+            f"learning rate (no param_groups or set_lr), so use lr_schedule: constant and warmup_steps: 0")
+
+    def measure(at_step: int, samples: str | None) -> None:
+        t_eval = time.perf_counter()
+        if samples is not None:
+            setattr(result, samples, workload.samples())
+        accuracy = workload.evaluate()
+        if accuracy is not None:
+            if samples == "before_samples":
+                result.before_accuracy = accuracy
+            elif samples == "after_samples":
+                result.after_accuracy = accuracy
+            result.accuracy_curve.append((at_step, accuracy))
+        result.eval_seconds += time.perf_counter() - t_eval
+
+    if lead:
+        measure(0, "before_samples")
+    model.train()
+    train_seconds = 0.0
+    # A resumed job continues where the cluster stopped: its step is the number of steps applied,
+    # and step k trains on the same batches and lr as in an uninterrupted run.
+    start = getattr(opt, "version", 0)
+    start = start if isinstance(start, int) and start > 0 else 0
+    result.start_step = min(start, tr.steps)
+    if start:
+        log.info("resuming job %s at step %d of %d", spec.name, min(start, tr.steps), tr.steps)
+    try:
+        for step in range(result.start_step, tr.steps):
+            t0 = time.perf_counter()
+            if tr.has_schedule:
+                set_lr(tr.lr_at(step))
+            batches = [workload.batch(step, r, world_size, tr.batch_size) for r in ranks]
+            n_target = sum(b.n_target_tokens for b in batches)
+            n_tokens = sum(b.n_tokens for b in batches)
+            opt.zero_grad()
+            loss = _step_loss(workload, batches, tr.weight_by_tokens)
+            loss.backward()
+            opt.step(weight=float(n_target) if tr.weight_by_tokens else None)
+            loss_value = float(loss.detach())
+            train_seconds += time.perf_counter() - t0
+            result.losses.append(loss_value)
+            result.tokens += n_tokens
+            result.target_tokens += n_target
+            if progress is not None:
+                version = getattr(opt, "version", None)
+                progress.update(step + 1, loss=loss_value, tokens_per_s=result.tokens / max(train_seconds, 1e-9),
+                                version=version if isinstance(version, int) else step + 1, tokens=n_tokens)
+            if lead and tr.eval_every and (step + 1) % tr.eval_every == 0 and step + 1 < tr.steps:
+                measure(step + 1, None)
+    finally:
+        close = getattr(progress, "close", None)
+        if callable(close):
+            close()
+
+    result.train_seconds = train_seconds
+    result.tokens_per_s = result.tokens / max(train_seconds, 1e-9)
+    result.final_loss = result.losses[-1] if result.losses else float("nan")
+    if lead:
+        measure(tr.steps, "after_samples")
+    return result
