@@ -167,10 +167,11 @@ class PSOptimizer(torch.optim.Optimizer):
         if spec.world_size != self.world_size:
             raise ShardlineConfigError(f"job {job!r} has world_size {spec.world_size}, this worker says {self.world_size}")
         self._check_job_groups(spec, groups_of)
-        # Pulls land directly in parameters that are contiguous CPU fp32; others go through the cache.
+        # Pulls land directly in parameters that are contiguous CPU fp32 or bf16 (bf16 ones are pulled
+        # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []
         for name, p in self.params:
-            if p.dtype == torch.float32 and p.device.type == "cpu" and p.data.is_contiguous():
+            if self.client.bindable(p.data):
                 # The creator's parameters are exactly what it initialized the job with.
                 self.client.bind(name, p.data, same_contents=created)
             else:
