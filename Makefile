@@ -57,6 +57,7 @@ demo: protos
 bench: protos
 	$(PY) bench/run.py --out bench/results/latest.json
 	$(PY) bench/checkpoint.py --out bench/results/checkpoint.json
+	$(PY) bench/balance.py --out bench/results/balance.json
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
 # of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.

@@ -196,6 +196,9 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     validate_block_elements(out.block_elements)
     _validate_optimizer(out.optimizer)
     _validate_param_groups(out)
+    _check_real(out.max_grad_norm, "max_grad_norm")
+    if out.max_grad_norm and out.sync != "bsp":
+        raise ShardlineConfigError(f"max_grad_norm clips the mean gradient of a BSP step; job sync is {out.sync!r}")
     if out.replication > MAX_REPLICATION:
         raise ShardlineConfigError(f"replication must be in 1..{MAX_REPLICATION} (0: the dispatcher's default), "
                                    f"got {out.replication!r}")
@@ -235,7 +238,7 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
         return None if a == b else f"{field} is {a!r} but the request has {b!r}"
 
     for field in ("sync", "world_size", "block_elements", "allow_nonfinite", "replication",
-                  "worker_lease_timeout_seconds", "on_worker_failure"):
+                  "worker_lease_timeout_seconds", "on_worker_failure", "max_grad_norm"):
         found = differs(field, getattr(existing, field), getattr(requested, field))
         if found:
             return found

@@ -25,6 +25,7 @@ from shardline.ps_server.checkpointer import Checkpointer
 from shardline.ps_server.commit_relay import CommitRelay
 from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.disconnects import DisconnectWatcher
+from shardline.ps_server.grad_norm import GradNormExchange
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
@@ -203,6 +204,25 @@ def peer_commits(node: PSNode, token: bytes | None, tls_ca: bytes | None = None)
     return ask
 
 
+def grad_norm_sender(token: bytes | None, tls_ca: bytes | None = None) -> Callable[[str, object], None]:
+    """``send(address, share)`` for the gradient-norm exchange: one channel per peer, kept (a share
+    goes out every clipped step)."""
+    from shardline.services.daemon import grpc_channel
+    from shardline.services.pb import ps_pb2_grpc
+
+    stubs: dict[str, object] = {}
+    lock = threading.Lock()
+
+    def send(address: str, share) -> None:
+        with lock:
+            stub = stubs.get(address)
+            if stub is None:
+                stub = stubs[address] = ps_pb2_grpc.ParameterServerStub(grpc_channel(address, token, tls_ca=tls_ca))
+        stub.ReportGradNorm(share, timeout=PEER_STATUS_TIMEOUT_SECONDS)
+
+    return send
+
+
 def _extend_systemd_timeout(what: str) -> None:
     """Under systemd, say what the node is doing and push its start/stop timeout out (one job's
     restore or final checkpoint may take long on a large node)."""
@@ -328,6 +348,7 @@ def main(argv=None) -> int:
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
     node.replicator = Replicator(node, PeerLinks(lambda peer: node.routing.address_of(peer), transport, cluster_token),
                                  metrics=ps_metrics)
+    node.grad_norms = GradNormExchange(node, grad_norm_sender(cluster_token, security.tls_ca))
     heartbeats: HeartbeatLoop | None = None
     if ckdir is not None:
         node.checkpointer = Checkpointer(ckdir, node_id, every_steps=args.checkpoint_every_steps,
@@ -383,6 +404,7 @@ def main(argv=None) -> int:
     node.replicator.links.close()
     listener.close()
     hangups.close()
+    node.grad_norms.close()
     server.stop(grace=2).wait(5)
     client.close()
     log.info("stopped in %.2f s", time.monotonic() - started)

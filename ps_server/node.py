@@ -104,6 +104,7 @@ class PSNode:
         self.metrics = metrics
         self.checkpointer = checkpointer
         self.replicator = None
+        self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
         self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
         self._settled_epoch = 0
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
@@ -130,6 +131,8 @@ class PSNode:
                 self.assign_roles(job, old)
                 with job.cond:
                     job.cond.notify_all()  # waiting pulls check the epoch again
+            if self.grad_norms is not None:
+                self.grad_norms.on_routing_change()
 
     def refresh_routing(self) -> RoutingView:
         self.update_routing(self._fetch_routing())
@@ -218,6 +221,8 @@ class PSNode:
                 self.checkpointer.attach(job, spec, restored)
             if self.replicator is not None:
                 self.replicator.attach(job)
+            if self.grad_norms is not None:
+                self.grad_norms.attach(job)
             created.append(job)
 
         job = self.store.add(spec, uid, on_create=setup)

@@ -52,6 +52,12 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
     def DropJob(self, request, context):
         return ps_pb2.DropJobReply(dropped=self._node.drop_job(request.job, request.uid))
 
+    def ReportGradNorm(self, request, context):
+        if self._node.grad_norms is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"node {self._node.node_id!r} does not clip gradients")
+        self._node.grad_norms.receive(request)
+        return ps_pb2.GradNormAck()
+
     def GetCommits(self, request, context):
         job = self._node.store.get(request.job)
         if job is None:

@@ -177,6 +177,14 @@ class JobStore:
         # step -> rank -> (weight, epoch of its latest commit); kept while a block still collects it
         self.commits: dict[int, dict[int, tuple[float, int]]] = {}
         self.step_lrs: dict[int, LRs] = {}   # lr override named by each step's commits
+        # Global gradient clipping (max_grad_norm > 0): this node's share of a step's squared norm
+        # once every block it applies can take the step, and the clip coefficient once every
+        # primary's share is known (ps_server/grad_norm.py gathers them).
+        self.max_grad_norm = float(spec.max_grad_norm)
+        self.norm_shares: dict[int, float] = {}
+        self.clip_coefs: dict[int, float] = {}
+        # Called as hook(job, step, sum_squares) under the lock when this node's share of a step is known.
+        self.norm_hooks: list[Callable[["JobStore", int, float], None]] = []
         self.push_weights: dict[int, dict[int, float]] = {}
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
@@ -494,12 +502,20 @@ class JobStore:
 
         ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
         total = sum(weight for weight, _epoch in record.values())
+        coef = 1.0
+        if self.max_grad_norm and ready:
+            coef = self.clip_coefs.get(step)
+            if coef is None:
+                self._share_norm(step, ready, total)
+                return
         lrs = self.step_lrs.get(step)
         for key, block in ready:
             if block.pushed_by:
                 grad = None
                 if block.has_grad:
                     grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
+                    if coef < 1.0:
+                        grad.mul_(coef)
                 group = self.tensors[key[0]].group
                 self.group_optimizers[group].step(block.value, grad, block.state, lr=None if lrs is None else lrs[group])
                 block.version = step + 1
@@ -519,6 +535,44 @@ class JobStore:
         self._forget_old_steps()
         self.cond.notify_all()
 
+    def _share_norm(self, step: int, ready: list, total: float) -> None:
+        """With clipping, a step waits for the global norm: once every block this node applies can
+        take it, compute this node's share (sum of squares of the mean gradient, in float64) and
+        hand it to the norm hooks. Call with the lock held."""
+        pending = sum(1 for b in self.blocks.values() if b.primary and b.step == step)
+        if len(ready) < pending or step in self.norm_shares:
+            return  # the norm spans every block: wait for the rest (handovers) / already shared
+        share = 0.0
+        for _key, block in ready:
+            if block.pushed_by and block.has_grad:
+                share += float(block.grad_buf.double().square().sum()) / (total * total)
+        self.norm_shares[step] = share
+        for hook in self.norm_hooks:
+            hook(self, step, share)
+
+    def reshare_norms(self) -> None:
+        """The blocks this node applies changed (a routing change): shares of steps not applied yet
+        are computed again over the new blocks (and sent again, at the new epoch)."""
+        with self.cond:
+            for step in [s for s in self.norm_shares if s not in self.clip_coefs]:
+                del self.norm_shares[step]
+                self._apply_ready(step)
+
+    def decided_coef(self, step: int) -> float | None:
+        """The clip coefficient this node stepped ``step`` with (None: not stepped with one, or forgotten)."""
+        with self.cond:
+            return self.clip_coefs.get(step)
+
+    def apply_clipped(self, step: int, coef: float) -> int:
+        """Every primary's share of ``step`` is known: step it with the mean gradient times ``coef``
+        (min(1, max_grad_norm / (norm + 1e-6)), as clip_grad_norm_). Returns the job step."""
+        with self.cond:
+            if step in self.clip_coefs or step not in self.norm_shares:
+                return self.step
+            self.clip_coefs[step] = coef
+            self._apply_ready(step)
+            return self.step
+
     def mark_visible(self, blocks: list, step: int) -> None:
         """The replicas acknowledged ``blocks`` at ``step``: pulls may see them."""
         with self.cond:
@@ -529,7 +583,7 @@ class JobStore:
     def _forget_old_steps(self) -> None:
         oldest = min((b.step for b in self.blocks.values() if b.primary), default=self.step)
         oldest = min(oldest, self.step)
-        for table in (self.commits, self.step_lrs, self.push_weights):
+        for table in (self.commits, self.step_lrs, self.push_weights, self.norm_shares, self.clip_coefs):
             for s in [s for s in table if s < oldest - 1]:  # keep the last applied step's record for adoption
                 del table[s]
 

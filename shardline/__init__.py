@@ -3,6 +3,7 @@
 For training scripts::
 
     from shardline import PSOptimizer, connect
+    from shardline import balanced_split, CostModel, micro_batches, rank_weights   # imbalanced batches
 
 The wheel installs this one top-level package; the source folders of the tree map under it
 (``services/`` is ``shardline.services``, ``ps_server/`` is ``shardline.ps_server``,
@@ -21,6 +22,12 @@ _EXPORTS = {
     "PSOptimizer": "shardline.worker.optim",
     "Client": "shardline.worker.client",
     "connect": "shardline.worker.client",
+    # length-aware balancing of a global minibatch across ranks (worker/balance.py)
+    "balanced_split": "shardline.worker.balance",
+    "CostModel": "shardline.worker.balance",
+    "micro_batches": "shardline.worker.balance",
+    "rank_weights": "shardline.worker.balance",
+    "plan_rank": "shardline.worker.balance",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -192,9 +192,11 @@ class Client:
              allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
-             **optimizer_kwargs) -> bool:
+             max_grad_norm: float | None = None, **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
+        ``max_grad_norm`` (BSP): the PS nodes clip each step's mean gradient by its global norm
+        before the optimizer step, as ``clip_grad_norm_`` on one process would.
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
         are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
         index of each tensor (default 0). Returns True if this call created the job (and so wrote
@@ -211,7 +213,7 @@ class Client:
                                   block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite,
                                   replication=replication or 0,
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
-                                  on_worker_failure=on_worker_failure or "")
+                                  on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0)
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():

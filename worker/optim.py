@@ -84,6 +84,12 @@ class PSOptimizer(torch.optim.Optimizer):
     (``requires_grad=False``) are registered too, so workers that did not create the job get them
     from the cluster; they never change, so after the first pull they cost nothing.
 
+    Gradient clipping: ``max_grad_norm`` (BSP) makes the PS nodes clip each step's *mean*
+    gradient by its global norm over every tensor before the optimizer step, which is what
+    ``clip_grad_norm_`` followed by ``step()`` does on one process. Do not call ``clip_grad_norm_``
+    on a worker's gradient as well: it clips the local gradient, not the mean (with the
+    ``transformers.Trainer``, set ``max_grad_norm=0`` in its arguments and pass it here).
+
     Learning rates: LR schedulers from ``torch.optim.lr_scheduler`` (or code) set
     ``param_groups[i]["lr"]``; each step's commit carries every group's lr to the servers. The other
     hyperparameters are fixed when the job is created: changing one later raises
@@ -119,7 +125,7 @@ class PSOptimizer(torch.optim.Optimizer):
                  prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
                  worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
                  tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
-                 **optimizer_kwargs):
+                 max_grad_norm: float | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -159,7 +165,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 allow_nonfinite=allow_nonfinite, replication=replication,
                 worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
                 param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
-                tensor_groups=groups_of if several else None,
+                tensor_groups=groups_of if several else None, max_grad_norm=max_grad_norm,
                 **({} if several else self._group_configs[0].torch_kwargs()))
         else:
             self.client.wait_ready(connect_timeout)
@@ -167,6 +173,9 @@ class PSOptimizer(torch.optim.Optimizer):
         if spec.world_size != self.world_size:
             raise ShardlineConfigError(f"job {job!r} has world_size {spec.world_size}, this worker says {self.world_size}")
         self._check_job_groups(spec, groups_of)
+        if max_grad_norm is not None and float(max_grad_norm) != spec.max_grad_norm:
+            raise ShardlineConfigError(f"job {job!r} clips gradients at max_grad_norm {spec.max_grad_norm:g} (0: not at "
+                                       f"all), this worker asks for {max_grad_norm!r}")
         # Pulls land directly in parameters that are contiguous CPU fp32 or bf16 (bf16 ones are pulled
         # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []

@@ -57,7 +57,9 @@ def schedule(opt):
     return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
 
 
-def reference() -> dict[str, torch.Tensor]:
+def reference(max_grad_norm: float | None = None, norms: list | None = None) -> dict[str, torch.Tensor]:
+    """Single process: torch.optim.AdamW on the same groups and schedule, each step on the
+    concatenation of every rank's batch (and clip_grad_norm_ before the step)."""
     model = Net()
     opt = torch.optim.AdamW(groups_of(model, named=False), **HYPER)
     sched = schedule(opt)
@@ -67,15 +69,20 @@ def reference() -> dict[str, torch.Tensor]:
         targets = torch.cat([p[1] for p in parts])
         opt.zero_grad()
         nn.functional.cross_entropy(model(tokens), targets).backward()
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            if norms is not None:
+                norms.append(float(norm))
         opt.step()
         sched.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_rank(address, job, rank, model, results, errors):
+def run_rank(address, job, rank, model, results, errors, **extra):
     try:
         opt = PSOptimizer(groups_of(model, named=True), cluster=address, job=job, optimizer="adamw",
-                          world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60, **HYPER)
+                          world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60,
+                          **HYPER, **extra)
         assert isinstance(opt, torch.optim.Optimizer)
         sched = schedule(opt)
         for step in range(opt.version, STEPS):
@@ -91,27 +98,48 @@ def run_rank(address, job, rank, model, results, errors):
         errors.append(exc)
 
 
-def test_param_groups_and_a_scheduler_under_bsp_equal_single_process_adamw(cluster):
+def run_ranks(address, job, **extra):
     results, errors = {}, []
     models = [Net() for _ in range(WORLD)]  # built here: Net() seeds the global RNG, threads would interleave draws
-    threads = [threading.Thread(target=run_rank, args=(cluster.address, "groups", r, models[r], results, errors))
+    threads = [threading.Thread(target=run_rank, args=(address, job, r, models[r], results, errors), kwargs=extra)
                for r in range(WORLD)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     assert not errors, errors
-    expected = reference()
+    return results
+
+
+def assert_equal(results, expected, tol=1e-6):
     initial = Net().state_dict()
     for rank, (values, _state) in results.items():
         for name, want in expected.items():
             diff = (values[name] - want).abs().max().item()
-            assert diff <= 1e-6, f"rank {rank} {name}: max abs diff {diff}"
+            assert diff <= tol, f"rank {rank} {name}: max abs diff {diff}"
             assert not torch.equal(values[name], initial[name]), f"{name} never moved"
+
+
+def test_param_groups_and_a_scheduler_under_bsp_equal_single_process_adamw(cluster):
+    results = run_ranks(cluster.address, "groups")
+    assert_equal(results, reference())
     state = results[0][1]
     assert state["shardline"] == {"job": "groups", "version": STEPS, "optimizer": "adamw"}
     assert [g["weight_decay"] for g in state["param_groups"]] == [0.1, 0.0, 0.05]
     assert state["param_groups"][2]["param_names"] == ["embed.weight"]
+
+
+def test_max_grad_norm_clips_the_mean_gradient_across_nodes_like_clip_grad_norm(cluster):
+    """Groups, a schedule and global clipping together: the PS nodes clip the mean gradient by its
+    norm over every block of both nodes, as clip_grad_norm_ on the concatenated batch does."""
+    max_norm = 0.3
+    norms: list[float] = []
+    expected = reference(max_grad_norm=max_norm, norms=norms)
+    assert sum(n > max_norm for n in norms) >= STEPS // 2, f"the norm should clip most steps: {norms}"
+    placement_nodes = len(cluster.nodes)
+    assert placement_nodes == 2
+    results = run_ranks(cluster.address, "clipped", max_grad_norm=max_norm)
+    assert_equal(results, expected)
 
 
 def test_plain_parameters_get_an_error_that_says_what_to_pass():
