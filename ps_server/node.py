@@ -57,6 +57,20 @@ def _refuse_duplicates(header: frame.FrameHeader) -> None:
         seen.add(key)
 
 
+def _check_want_dtypes(header: frame.FrameHeader) -> None:
+    """Only a pull names the dtype it wants a block in, and only one of frame.PULL_DTYPES."""
+    for ref in header.blocks:
+        if not ref.want_dtype:
+            continue
+        if header.op != dp.OP_PULL:
+            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names want_dtype for block "
+                                                 f"{ref.tensor[:200]}[{ref.index}]: only pulls do")
+        if ref.want_dtype not in frame.PULL_DTYPES:
+            name = dp.DType.Name(ref.want_dtype) if ref.want_dtype in dp.DType.values() else str(ref.want_dtype)
+            raise StoreError("INVALID_ARGUMENT", f"pull asks block {ref.tensor[:200]}[{ref.index}] in dtype {name}; "
+                                                 f"nodes send FLOAT32 or BFLOAT16")
+
+
 class NotOwner(StoreError):
     def __init__(self, message: str, epoch: int):
         super().__init__("NOT_OWNER", message)
@@ -283,6 +297,7 @@ class PSNode:
         if not self.serving.is_set() and not peer_op:
             raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
         _refuse_duplicates(header)
+        _check_want_dtypes(header)
         job = self.job(header.job, trust_misses=not (peer_op or header.op == dp.OP_INIT))
         routing = self._routing
         if header.epoch > routing.epoch:
@@ -400,7 +415,8 @@ class PSNode:
             if self.metrics is not None:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
-        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp")
+        dtypes = [frame.PULL_DTYPES[ref.want_dtype] for ref in header.blocks]
+        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp", dtypes=dtypes)
         reply.step = step
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
         reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step

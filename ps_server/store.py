@@ -833,21 +833,30 @@ class JobStore:
                     raise StoreError("NOT_OWNER", f"block {key[0]}[{key[1]}] is no longer applied by this node")
             return self.step
 
-    def changed_blocks(self, wanted: list[tuple[str, int, int | None]], *, copy: bool) -> tuple[int, list[tuple[str, int, int, torch.Tensor]]]:
+    def changed_blocks(self, wanted: list[tuple[str, int, int | None]], *, copy: bool,
+                       dtypes: list[torch.dtype] | None = None) -> tuple[int, list[tuple[str, int, int, torch.Tensor]]]:
         """Blocks whose version is newer than the client's (``None`` = client has nothing).
 
         Returns (job step, [(tensor, index, version, value)]). ``copy`` snapshots values under the
         lock (needed in ASP, where another push may step a block while it is being sent).
+        ``dtypes`` (one per wanted block, default float32) is what each value is returned in: a
+        block wanted in another dtype is a converted copy of the fp32 master (``.to()``: round to
+        nearest even), made under the lock with ``copy``, else after it (BSP: no step is applied
+        while the pulls of a step are served, which is also why the fp32 masters go out as they are).
+        The copies are the reply's buffer: half the bytes of the fp32 values for bfloat16.
         """
+        dtypes = dtypes or [torch.float32] * len(wanted)
         for tensor, index, _ in wanted:
             self.expected_numel(tensor, index)
         with self.cond:
-            out = []
-            for tensor, index, have in wanted:
+            changed = []
+            for (tensor, index, have), dtype in zip(wanted, dtypes):
                 block = self._block(tensor, index)
                 if have is None or block.version > have:
-                    out.append((tensor, index, block.version, block.value.clone() if copy else block.value))
-            return self.step, out
+                    value = block.value.to(dtype, copy=True) if copy else block.value
+                    changed.append((tensor, index, block.version, value, dtype))
+            step = self.step
+        return step, [(tensor, index, version, value.to(dtype)) for tensor, index, version, value, dtype in changed]
 
 
 class NodeStore:

@@ -36,6 +36,10 @@ BlockRef = dp.BlockRef
 ITEMSIZE = {dp.FLOAT32: 4, dp.FLOAT16: 2, dp.BFLOAT16: 2}
 TORCH_DTYPE = {dp.FLOAT32: torch.float32, dp.FLOAT16: torch.float16, dp.BFLOAT16: torch.bfloat16}
 WIRE_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
+# What a pull may ask its blocks in (BlockRef.want_dtype; unset means FLOAT32). Nodes keep fp32
+# masters and convert a reply's copy on the fly with torch's ``.to()`` (round to nearest even), so a
+# bf16 puller holds exactly ``master.to(torch.bfloat16)``.
+PULL_DTYPES = {dp.DTYPE_UNSPECIFIED: torch.float32, dp.FLOAT32: torch.float32, dp.BFLOAT16: torch.bfloat16}
 KNOWN_OPS = frozenset(dp.Op.values()) - {dp.OP_UNSPECIFIED}
 
 

@@ -4,10 +4,13 @@ Locating blocks is local: the client fetches the routing table from the dispatch
 same CityHash64 ring as the PS nodes, and talks to each owning node over one data-plane
 connection. A ``NOT_OWNER`` reply makes it refresh routing and resend only the refused blocks.
 
-The client keeps an L1 cache: one flat fp32 tensor per job tensor plus the version of each block
-it holds. Pulls name those versions, so nodes send only blocks that changed (delta pull), and the
+The client keeps an L1 cache: one flat tensor per job tensor plus the version of each block it
+holds. Pulls name those versions, so nodes send only blocks that changed (delta pull), and the
 reply payload is received straight into the cached tensor (``bind`` lets that tensor be a model
-parameter, so pulls land in the parameter itself).
+parameter, so pulls land in the parameter itself). The cache is fp32, or bf16 for a tensor bound
+to a bf16 parameter: its pulls ask for bf16 (the node converts its fp32 master, round to nearest
+even), so the parameter holds exactly ``master.to(torch.bfloat16)`` and half the bytes travel.
+Gradients are pushed in their own dtype (bf16 gradients as bf16; the nodes accumulate in fp32).
 """
 
 from __future__ import annotations
@@ -55,7 +58,8 @@ MAX_STRAGGLER_WARNING_INTERVAL_SECONDS = 300.0
 DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering.
 IO_TIMEOUT_SECONDS = 30.0
-
+# What a tensor's cache (and so a bound parameter) may be: pulls ask the nodes for this dtype.
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
@@ -253,18 +257,25 @@ class Client:
         self._load_spec(info.spec)
         return info.spec
 
-    def bind(self, name: str, tensor: torch.Tensor, *, same_contents: bool = False) -> None:
-        """Make ``tensor`` (contiguous CPU float32 of the tensor's shape) the cache of ``name``.
+    @staticmethod
+    def bindable(tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` can be a cache (see bind): contiguous, on the CPU, float32 or bfloat16."""
+        return tensor.dtype in CACHE_DTYPES and tensor.device.type == "cpu" and tensor.is_contiguous()
 
-        Pulls then write into it directly. Unless ``same_contents`` (the caller guarantees it holds
-        exactly the cached values), its contents are unknown, so the next pull transfers every block
-        of it once.
+    def bind(self, name: str, tensor: torch.Tensor, *, same_contents: bool = False) -> None:
+        """Make ``tensor`` (contiguous CPU float32 or bfloat16 of the tensor's shape) the cache of ``name``.
+
+        Pulls then write into it directly, in its dtype: a bfloat16 tensor receives the nodes'
+        bf16 conversion of the fp32 masters. Unless ``same_contents`` (the caller guarantees it
+        holds exactly the cached values, converted to its dtype), its contents are unknown, so the
+        next pull transfers every block of it once.
         """
         self._require_spec()
         if name not in self._shapes:
             raise ShardlineConfigError(f"job {self.job!r} has no tensor {name!r}")
-        if tensor.dtype != torch.float32 or tensor.device.type != "cpu" or not tensor.is_contiguous():
-            raise ShardlineConfigError(f"bind({name!r}) needs a contiguous CPU float32 tensor, got {tensor.dtype} on {tensor.device}")
+        if not self.bindable(tensor):
+            raise ShardlineConfigError(f"bind({name!r}) needs a contiguous CPU float32 or bfloat16 tensor, got "
+                                       f"{tensor.dtype} on {tensor.device}")
         if tuple(tensor.shape) != self._shapes[name]:
             raise ShardlineConfigError(f"bind({name!r}): shape {tuple(tensor.shape)} != job shape {self._shapes[name]}")
         self._values[name] = tensor.view(-1)
@@ -705,9 +716,11 @@ class Client:
                 v = self._values[name][s.start:s.stop]
                 header.blocks.append(frame.block_ref(name, index, v))
                 payloads.append(frame.tensor_bytes(v))
-            else:  # pull
+            else:  # pull, in the cache's dtype (unset: FLOAT32)
                 have = self._versions.get((name, index))
-                header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None))
+                want = frame.WIRE_DTYPE[self._values[name].dtype]
+                header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None,
+                                                 want_dtype=0 if want == dp.FLOAT32 else want))
                 expected[(name, index)] = s
         conn = self._conn(node_id)
         with conn.lock:
@@ -736,14 +749,16 @@ class Client:
         return reply.step
 
     def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
-        """Receive a pull reply's payload straight into the cached tensors, validating each block first."""
+        """Receive a pull reply's payload straight into the cached tensors, validating each block
+        first: one the pull asked for, once, in the cache's dtype (so a reply is never larger than
+        what was asked)."""
         for ref in reply.blocks:
-            s = expected.get((ref.tensor, ref.index))
-            if s is None or ref.dtype != dp.FLOAT32 or ref.numel != s.numel or ref.zero:
+            s = expected.pop((ref.tensor, ref.index), None)
+            dest = None if s is None else self._values[ref.tensor][s.start:s.stop]
+            if dest is None or ref.dtype != frame.WIRE_DTYPE[dest.dtype] or ref.numel != s.numel or ref.zero:
                 conn.close()
                 self._conns.pop(node_id, None)
                 raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {ref.tensor}[{ref.index}]")
-            dest = self._values[ref.tensor][s.start:s.stop]
             frame.recv_exactly_into(conn.sock, frame.tensor_bytes(dest))
             self._versions[(ref.tensor, ref.index)] = ref.version
             self.stats.pulled_bytes += ref.nbytes

@@ -191,10 +191,11 @@ class PSOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and float(max_grad_norm) != spec.max_grad_norm:
             raise ShardlineConfigError(f"job {job!r} clips gradients at max_grad_norm {spec.max_grad_norm:g} (0: not at "
                                        f"all), this worker asks for {max_grad_norm!r}")
-        # Pulls land directly in parameters that are contiguous CPU fp32; others go through the cache.
+        # Pulls land directly in parameters that are contiguous CPU fp32 or bf16 (bf16 ones are pulled
+        # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []
         for name, p in self.params:
-            if p.dtype == torch.float32 and p.device.type == "cpu" and p.data.is_contiguous():
+            if self.client.bindable(p.data):
                 # The creator's parameters are exactly what it initialized the job with.
                 self.client.bind(name, p.data, same_contents=created)
             else:
