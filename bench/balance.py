@@ -11,7 +11,7 @@ Two sections:
 * **cost**: per-rank sums of a cost model, over ``--batches`` random global minibatches of
   ``--batch-sizes`` sequences, on 2, 4 and 8 ranks; with the token count as the cost (what the
   split balances) and the split made by it.
-* **timed**: one forward+backward of a small TinyGPT (worker/model.py) per sequence of each rank's
+* **timed**: one forward+backward of a small TinyGPT (jobs/models/tinygpt.py) per sequence of each rank's
   part, run one part after the other in this process and timed (the fastest of ``--time-reps``
   runs per part); the cost model the balanced split uses is fitted on this machine first
   (``CostModel.measure`` on the same model). Reports max / mean of the measured per-rank seconds:
@@ -73,7 +73,7 @@ def cost_imbalance(batches: int, batch_sizes, world_sizes=WORLD_SIZES, seed: int
 
 def tiny_model(seed: int = 0):
     """The timed section's model: TinyGPT, 2 layers, d_model 64, vocab 256, up to 512 tokens."""
-    from shardline.worker.model import TinyGPT
+    from shardline.jobs.models.tinygpt import TinyGPT
 
     return TinyGPT(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_seq_len=512, seed=seed)
 

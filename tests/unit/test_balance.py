@@ -25,7 +25,7 @@ from shardline.services.errors import ShardlineConfigError
 from shardline.worker.balance import (
     METHODS, CostModel, RankWeight, balanced_split, imbalance, micro_batches, part_costs, plan_rank, rank_weights,
 )
-from shardline.worker.model import TinyGPT
+from shardline.jobs.models.tinygpt import TinyGPT
 
 ROOT = Path(__file__).resolve().parents[2]
 
