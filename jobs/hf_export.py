@@ -90,7 +90,8 @@ class HFExporter:
         self.out = Path(out_dir)
         self.dtype = dtype
         if not self.source.is_dir():
-            raise ShardlineConfigError(f"--from-model {str(from_model)!r} is not a directory (a local save_pretrained model)")
+            raise ShardlineConfigError(f"--from-model {str(from_model)!r} is not a directory "
+                                       f"(a local save_pretrained model)")
         if self.out.exists() and (not self.out.is_dir() or any(self.out.iterdir())):
             raise ShardlineConfigError(f"--hf-dir {str(out_dir)!r} exists and is not an empty directory; remove it "
                                        f"or name another")
@@ -99,7 +100,8 @@ class HFExporter:
         try:
             self.config = self.transformers.AutoConfig.from_pretrained(str(self.source), local_files_only=True)
         except (OSError, ValueError) as exc:
-            raise ShardlineConfigError(f"--from-model: cannot load a model config from {str(self.source)!r}: {exc}") from None
+            raise ShardlineConfigError(f"--from-model: cannot load a model config from {str(self.source)!r}: "
+                                       f"{exc}") from None
         source_dtype = getattr(self.config, "dtype", None)
         self.source_dtype = source_dtype if isinstance(source_dtype, torch.dtype) else torch.float32
         self._skeleton: torch.nn.Module | None = None
@@ -112,7 +114,8 @@ class HFExporter:
                 try:
                     self._skeleton = self.transformers.AutoModelForCausalLM.from_config(self.config)
                 except (OSError, ValueError) as exc:
-                    raise ShardlineConfigError(f"--from-model: {str(self.source)!r} is not a causal LM: {exc}") from None
+                    raise ShardlineConfigError(f"--from-model: {str(self.source)!r} is not a causal LM: "
+                                               f"{exc}") from None
         return self._skeleton
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -242,8 +245,8 @@ class HFExporter:
             want = lora.target_modules
             want = sorted([want] if isinstance(want, str) else want) if want is not None else None
             if lora.r != r or (want is not None and want != targets):
-                raise HFExportError(f"the job file's lora section (r {lora.r}, target_modules {want}) does not match the "
-                                    f"job's adapters (r {r}, target_modules {targets})")
+                raise HFExportError(f"the job file's lora section (r {lora.r}, target_modules {want}) does not "
+                                    f"match the job's adapters (r {r}, target_modules {targets})")
             alpha = lora.alpha if alpha is None else alpha
             dropout = lora.dropout if dropout is None else dropout
         if alpha is None:

@@ -462,7 +462,8 @@ def _export_hf(args: argparse.Namespace) -> int:
     if not args.job:
         raise _UsageError("--job NAME (or --job-file) is required")
     if not args.from_model:
-        raise _UsageError("--hf-dir needs --from-model DIR (the source model), or a --job-file whose model.hf_path names it")
+        raise _UsageError("--hf-dir needs --from-model DIR (the source model), or a --job-file whose "
+                          "model.hf_path names it")
     started = time.monotonic()
     dtype = getattr(torch, EXPORT_DTYPES[args.dtype]) if args.dtype else None
     exporter = HFExporter(args.from_model, args.hf_dir, dtype)  # checks DIR and OUT before any pull
@@ -889,7 +890,8 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the checkpoint (default 300)")
     ck.set_defaults(func=cmd_checkpoint)
 
-    ex = sub.add_parser("export", help="write a job's full tensors to one safetensors file, or a Hugging Face directory",
+    ex = sub.add_parser("export", help="write a job's full tensors to one safetensors file or a Hugging Face "
+                                       "directory",
                         description="From a running cluster (--cluster) or offline from the PS nodes' checkpoint "
                                     "directories (--checkpoint-dir, once per node). --out: one file that loads with "
                                     "safetensors.torch.load_file and model.load_state_dict. --hf-dir with "
