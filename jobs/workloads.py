@@ -1,8 +1,10 @@
 """A job's model paired with its data: what :mod:`shardline.jobs.runner` trains.
 
-A workload holds the built model and answers ``batch(step, rank, world_size, batch_size)`` (rank
-``rank``'s share of the step's global batch, see :mod:`shardline.jobs.data.batch`) and
-``logits(input_ids)``. The built-in one also measures exact-match accuracy and sample answers.
+A workload holds the built model and answers ``examples_at(start, count)`` (global examples of its
+data stream as ``(ids, labels)``, the same in every process; the length-balanced sampler of
+:mod:`shardline.jobs.runner` reads a step's whole global batch with it), ``batch(step, rank,
+world_size, batch_size)`` (rank ``rank``'s contiguous share of the step's global batch, collated, see
+:mod:`shardline.jobs.data.batch`) and ``logits(input_ids)``. The built-in one also measures exact-match accuracy and sample answers.
 
 * :class:`SyntheticWorkload`: TinyGPT (optional LoRA) on the self-generated task.
 * :class:`HFWorkload`: a local Hugging Face model (optional LoRA through peft) on a JSONL file.
@@ -14,8 +16,8 @@ from typing import Any
 
 import torch
 
-from shardline.jobs.data.batch import Batch
-from shardline.jobs.data.synthetic import evaluate, make_batch, sample_answers, sample_prompts
+from shardline.jobs.data.batch import Batch, collate
+from shardline.jobs.data.synthetic import PAD, evaluate, sample_answers, sample_prompts, train_examples
 from shardline.jobs.models.tinygpt import TinyGPT, mark_only_lora_trainable
 from shardline.jobs.spec import JobSpec
 
@@ -24,11 +26,23 @@ __all__ = ["Workload", "SyntheticWorkload", "HFWorkload", "build_workload", "bui
 EVAL_SEED_OFFSET = 7_777  # the eval stream's seed is task.seed + this
 
 
+Example = tuple[list[int], list[int]]
+
+
 class Workload:
     model: torch.nn.Module
+    pad_id: int = 0
+
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        raise NotImplementedError
+
+    def collate(self, examples: list[Example]) -> Batch:
+        return collate(examples, pad_id=self.pad_id)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
-        raise NotImplementedError
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        return self.collate(self.examples_at((step * world_size + rank) * batch_size, batch_size))
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -58,8 +72,10 @@ class SyntheticWorkload(Workload):
         self.eval_seed = self.task.seed + EVAL_SEED_OFFSET
         self.prompts = sample_prompts(self.task, spec.train.sample_prompts, seed=self.eval_seed) if lead else []
 
-    def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
-        return make_batch(self.task.seed, step, rank, world_size, batch_size, self.task)
+    pad_id = PAD
+
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        return train_examples(self.task, start, count)
 
     def evaluate(self) -> float:
         return evaluate(self.model, self.eval_examples, self.eval_seed, self.task)
@@ -76,10 +92,11 @@ class HFWorkload(Workload):
         m, d = spec.model, spec.data
         self.tokenizer: Any = load_tokenizer(m.hf_path)
         self.data = JsonlSFT(d.path, d.format, d.max_length, d.seed, self.tokenizer)
+        self.pad_id = self.data.pad_id
         self.model = load_model(m.hf_path, m.dtype, spec.lora, seed=spec.train.seed)
 
-    def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
-        return self.data.batch(step, rank, world_size, batch_size)
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        return self.data.examples_at(start, count)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Right padding only: a causal model never attends to it, so no attention mask is needed
