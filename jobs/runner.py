@@ -129,8 +129,6 @@ class TrainResult:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "model"}
         d["losses"] = list(self.losses)
         d["accuracy_curve"] = [list(x) for x in self.accuracy_curve]
-        for k in ("compute_seconds", "step_tokens", "step_micro_batches"):
-            d[k] = list(d[k])
         return d
 
     def summary(self) -> str:
@@ -155,7 +153,8 @@ def run_training(job_spec: JobSpec, make_optimizer: Callable[[NamedParams], Step
     Each step: ``zero_grad()``, forward/backward of the mean loss over this rank's loss tokens,
     then ``step(weight=n_target_tokens)`` (``weight=None`` unless ``train.weight_by_tokens``), so a
     parameter server's weighted mean of the ranks' gradients is the gradient of the concatenated
-    batch. The model is built from ``train.seed`` on every rank; rank 0 also measures accuracy and
+    batch; with ``train.balance: tokens`` the rank's part of the balanced global minibatch instead
+    (module docstring). The model is built from ``train.seed`` on every rank; rank 0 also measures accuracy and
     sample answers before and after training (the built-in task only). ``progress``: an object with
     ``update(step, loss=, tokens_per_s=, version=, tokens=)`` (``tokens``: the step's input tokens;
     optionally ``close()``), e.g. :class:`shardline.worker.progress.Progress`, or None.

@@ -4,7 +4,8 @@ A workload holds the built model and answers ``examples_at(start, count)`` (glob
 data stream as ``(ids, labels)``, the same in every process; the length-balanced sampler of
 :mod:`shardline.jobs.runner` reads a step's whole global batch with it), ``batch(step, rank,
 world_size, batch_size)`` (rank ``rank``'s contiguous share of the step's global batch, collated, see
-:mod:`shardline.jobs.data.batch`) and ``logits(input_ids)``. The built-in one also measures exact-match accuracy and sample answers.
+:mod:`shardline.jobs.data.batch`) and ``logits(input_ids)``. The built-in one also measures
+exact-match accuracy and sample answers.
 
 * :class:`SyntheticWorkload`: TinyGPT (optional LoRA) on the self-generated task.
 * :class:`HFWorkload`: a local Hugging Face model (optional LoRA through peft) on a JSONL file.
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from shardline.jobs.data.batch import Batch, collate
-from shardline.jobs.data.synthetic import PAD, evaluate, sample_answers, sample_prompts, train_examples
+from shardline.jobs.data.synthetic import PAD, evaluate, make_batch, sample_answers, sample_prompts, train_examples
 from shardline.jobs.models.tinygpt import TinyGPT, mark_only_lora_trainable
 from shardline.jobs.spec import JobSpec
 
@@ -40,9 +41,7 @@ class Workload:
         return collate(examples, pad_id=self.pad_id)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-        return self.collate(self.examples_at((step * world_size + rank) * batch_size, batch_size))
+        raise NotImplementedError
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
@@ -65,6 +64,8 @@ def build_model(spec: JobSpec) -> TinyGPT:
 
 
 class SyntheticWorkload(Workload):
+    pad_id = PAD
+
     def __init__(self, spec: JobSpec, lead: bool):
         self.task = spec.sft_task()
         self.model = build_model(spec)
@@ -72,10 +73,11 @@ class SyntheticWorkload(Workload):
         self.eval_seed = self.task.seed + EVAL_SEED_OFFSET
         self.prompts = sample_prompts(self.task, spec.train.sample_prompts, seed=self.eval_seed) if lead else []
 
-    pad_id = PAD
-
     def examples_at(self, start: int, count: int) -> list[Example]:
         return train_examples(self.task, start, count)
+
+    def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
+        return make_batch(self.task.seed, step, rank, world_size, batch_size, self.task)
 
     def evaluate(self) -> float:
         return evaluate(self.model, self.eval_examples, self.eval_seed, self.task)
@@ -97,6 +99,9 @@ class HFWorkload(Workload):
 
     def examples_at(self, start: int, count: int) -> list[Example]:
         return self.data.examples_at(start, count)
+
+    def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
+        return self.data.batch(step, rank, world_size, batch_size)
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Right padding only: a causal model never attends to it, so no attention mask is needed

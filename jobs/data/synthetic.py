@@ -33,8 +33,8 @@ from shardline.jobs.data.batch import IGNORE, Batch, collate
 
 __all__ = [
     "CharTokenizer", "TOKENIZER", "PAD", "BOS", "EOS", "TASK_KINDS", "SFTTask", "DEFAULT_TASK",
-    "Batch", "encode_example", "train_examples", "make_batch", "masked_lm_loss", "generate", "generate_batch", "eval_examples",
-    "evaluate", "sample_answers", "sample_prompts", "format_samples",
+    "Batch", "encode_example", "train_examples", "make_batch", "masked_lm_loss", "generate", "generate_batch",
+    "eval_examples", "evaluate", "sample_answers", "sample_prompts", "format_samples",
 ]
 
 

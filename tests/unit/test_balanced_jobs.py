@@ -9,7 +9,6 @@ import math
 import threading
 
 import pytest
-import torch
 
 from shardline.jobs.runner import balanced_plans, run_local, run_training
 from shardline.jobs.spec import parse_job
