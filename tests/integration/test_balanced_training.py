@@ -105,7 +105,7 @@ def test_balance_evens_the_per_rank_compute_on_lognormal_lengths(tmp_path, capsy
 
     build_tiny_llama(tmp_path / "llama", hidden=128)
     write_jsonl(tmp_path / "train.jsonl", lognormal_records(256, seed=1, median_words=24, sigma=1.0))
-    steps = 20
+    steps = 12
     base = {"model": {"hf_path": "llama"}, "data": {"path": "train.jsonl", "max_length": 128, "seed": 0},
             "train": {"steps": steps, "batch_size": 8, "optimizer": "adamw", "lr": 0.01, "log_every": 10}}
     report = {}
