@@ -76,7 +76,7 @@ def main(argv=None) -> int:
 
     model.train()
     for step in range(opt.version, args.steps):
-        examples = [data.examples[data.index(step * args.global_batch + i)] for i in range(args.global_batch)]
+        examples = data.examples_at(step * args.global_batch, args.global_batch)  # the same on every rank
         lengths = [len(ids) for ids, _labels in examples]
         loss_tokens = [sum(1 for t in labels[1:] if t != -100) for _ids, labels in examples]
         plan = plan_rank(lengths, world, rank, loss_tokens=loss_tokens, micro_batch_tokens=args.micro_batch_tokens)

@@ -4,6 +4,13 @@
 drives a local ``torch.optim`` optimizer (:func:`make_local_optimizer`) or a parameter-server
 ``PSOptimizer``. :func:`run_local` is one process doing what ``world_size`` BSP workers do together:
 the reference a cluster must match.
+
+With ``train.balance: tokens`` every rank reads the step's whole global minibatch (the same
+sequences on every rank: ``global_batch_size`` of them, default ``batch_size`` x world size, at
+offset ``step`` x that in the data stream), splits it with :func:`shardline.worker.balance.plan_rank`
+(the same split on every rank, no communication), backpropagates ``loss_scale`` x the summed loss
+of each of its microbatches and steps with the plan's weight; a rank whose part is empty still steps
+(it only commits). The PS's weighted mean is then the gradient of the whole minibatch's token mean.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from shardline.jobs.models.tinygpt import count_parameters
 from shardline.jobs.spec import JobSpec, TrainSpec
 from shardline.jobs.workloads import Workload, build_workload
 from shardline.services.errors import ShardlineConfigError
+from shardline.worker.balance import RankPlan, plan_rank
 
-__all__ = ["TrainResult", "LocalOptimizer", "run_training", "run_local", "make_local_optimizer"]
+__all__ = ["TrainResult", "LocalOptimizer", "run_training", "run_local", "make_local_optimizer", "balanced_plans"]
 
 log = logging.getLogger("shardline.jobs")
 
@@ -107,6 +115,13 @@ class TrainResult:
     accuracy_curve: list[tuple[int, float]] = field(default_factory=list)
     eval_seconds: float = 0.0
     start_step: int = 0                    # > 0: a resumed job (the steps before ran earlier)
+    # Per step, this process's share of the work (what the balancing evens out): forward+backward
+    # seconds (not the optimizer step, which includes waiting for the other ranks), input tokens
+    # and the number of microbatches.
+    compute_seconds: list[float] = field(default_factory=list)
+    step_tokens: list[int] = field(default_factory=list)
+    step_micro_batches: list[int] = field(default_factory=list)
+    balance: str = "none"
     model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -138,7 +153,8 @@ def run_training(job_spec: JobSpec, make_optimizer: Callable[[NamedParams], Step
     Each step: ``zero_grad()``, forward/backward of the mean loss over this rank's loss tokens,
     then ``step(weight=n_target_tokens)`` (``weight=None`` unless ``train.weight_by_tokens``), so a
     parameter server's weighted mean of the ranks' gradients is the gradient of the concatenated
-    batch. The model is built from ``train.seed`` on every rank; rank 0 also measures accuracy and
+    batch; with ``train.balance: tokens`` the rank's part of the balanced global minibatch instead
+    (module docstring). The model is built from ``train.seed`` on every rank; rank 0 also measures accuracy and
     sample answers before and after training (the built-in task only). ``progress``: an object with
     ``update(step, loss=, tokens_per_s=, version=, tokens=)`` (``tokens``: the step's input tokens;
     optionally ``close()``), e.g. :class:`shardline.worker.progress.Progress`, or None.
@@ -159,6 +175,12 @@ def run_local(job_spec: JobSpec, world_size: int = 1, progress: Any = None,
                   list(range(world_size)), world_size, progress)
 
 
+def _token_losses(workload: Workload, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy of the model's next-token predictions, flattened (0 where IGNORE)."""
+    logits = workload.logits(input_ids)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+
+
 def _step_loss(workload: Workload, batches: list[Batch], weight_by_tokens: bool) -> torch.Tensor:
     """Σ_r w_r·mean_r / Σ_r w_r over the ranks' batches in one forward pass, where mean_r is the
     mean loss over rank r's loss tokens and w_r their count (or 1)."""
@@ -173,9 +195,65 @@ def _step_loss(workload: Workload, batches: list[Batch], weight_by_tokens: bool)
         tgt = torch.cat([pad(b.targets, IGNORE) for b in batches])
         mask = torch.cat([pad(b.loss_mask.float(), 0.0) * (wr / sum(w) / b.n_target_tokens)
                           for b, wr in zip(batches, w)])
-    logits = workload.logits(ids)
-    per_token = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
-    return (per_token * mask.reshape(-1)).sum()
+    return (_token_losses(workload, ids, tgt) * mask.reshape(-1)).sum()
+
+
+def _loss_tokens(labels: Sequence[int]) -> int:
+    """Tokens of an example the loss counts: labels after the first that are not IGNORE."""
+    return sum(1 for x in labels[1:] if x != IGNORE)
+
+
+def balanced_plans(train: TrainSpec, examples: Sequence[tuple[Sequence[int], Sequence[int]]], ranks: Sequence[int],
+                   world_size: int) -> dict[int, RankPlan]:
+    """The plans of ``ranks`` for one global minibatch (``examples``, the same on every rank):
+    :func:`plan_rank` with the job's cost model, method and microbatch bound. A sequence's length is
+    its model input (``len(ids) - 1``); microbatches count padded tokens, as :func:`collate` pads."""
+    lengths = [len(ids) - 1 for ids, _ in examples]
+    loss_tokens = [_loss_tokens(labels) for _, labels in examples]
+    return {r: plan_rank(lengths, world_size, r, loss_tokens=loss_tokens, cost=train.cost,
+                         method=train.balance_method, micro_batch_tokens=train.micro_batch_tokens, padded=True)
+            for r in ranks}
+
+
+@dataclass
+class _StepWork:
+    loss: float            # the token-mean loss of what this process computed (nan: no loss tokens)
+    weight: float | None   # what to pass to step(weight=...)
+    tokens: int            # input tokens
+    target_tokens: int     # loss tokens
+    micro_batches: int
+
+
+def _naive_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int], world_size: int) -> _StepWork:
+    batches = [workload.batch(step, r, world_size, tr.batch_size) for r in ranks]
+    n_target = sum(b.n_target_tokens for b in batches)
+    loss = _step_loss(workload, batches, tr.weight_by_tokens)
+    loss.backward()
+    return _StepWork(float(loss.detach()), float(n_target) if tr.weight_by_tokens else None,
+                     sum(b.n_tokens for b in batches), n_target, 1)
+
+
+def _balanced_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int], world_size: int) -> _StepWork:
+    """Backpropagate this process's parts of the step's balanced global minibatch. One rank of a
+    cluster backpropagates ``loss_scale * S_r`` (the PS takes the weighted mean); a process that
+    runs every rank (``run_local``) applies the PS's mean itself, ``Σ_r w_r·loss_scale_r·S_r / Σ_r w_r``."""
+    size = tr.global_batch(world_size)
+    examples = workload.examples_at(step * size, size)
+    plans = balanced_plans(tr, examples, ranks, world_size)
+    total_weight = sum(p.weight for p in plans.values()) if len(ranks) == world_size else None
+    loss_sum, tokens, n_mb = 0.0, 0, 0
+    for plan in plans.values():
+        scale = plan.loss_scale if total_weight is None else plan.weight * plan.loss_scale / total_weight
+        for mb in plan.micro_batches:
+            b = workload.collate([examples[i] for i in mb])
+            summed = (_token_losses(workload, b.input_ids, b.targets) * b.loss_mask.reshape(-1).float()).sum()
+            (scale * summed).backward()
+            loss_sum += float(summed.detach())
+            tokens += b.n_tokens
+            n_mb += 1
+    target = sum(p.loss_tokens for p in plans.values())
+    weight = plans[ranks[0]].weight if total_weight is None else total_weight
+    return _StepWork(loss_sum / target if target else float("nan"), weight, tokens, target, n_mb)
 
 
 def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, progress: Any) -> TrainResult:
@@ -223,23 +301,25 @@ def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, pro
     result.start_step = min(start, tr.steps)
     if start:
         log.info("resuming job %s at step %d of %d", spec.name, min(start, tr.steps), tr.steps)
+    compute_step = _balanced_step if tr.balanced else _naive_step
+    result.balance = tr.balance
     try:
         for step in range(result.start_step, tr.steps):
             t0 = time.perf_counter()
             if tr.has_schedule:
                 set_lr(tr.lr_at(step))
-            batches = [workload.batch(step, r, world_size, tr.batch_size) for r in ranks]
-            n_target = sum(b.n_target_tokens for b in batches)
-            n_tokens = sum(b.n_tokens for b in batches)
             opt.zero_grad()
-            loss = _step_loss(workload, batches, tr.weight_by_tokens)
-            loss.backward()
-            opt.step(weight=float(n_target) if tr.weight_by_tokens else None)
-            loss_value = float(loss.detach())
+            t_compute = time.perf_counter()
+            work = compute_step(workload, tr, step, ranks, world_size)
+            result.compute_seconds.append(time.perf_counter() - t_compute)
+            opt.step(weight=work.weight)
+            loss_value, n_tokens = work.loss, work.tokens
             train_seconds += time.perf_counter() - t0
             result.losses.append(loss_value)
             result.tokens += n_tokens
-            result.target_tokens += n_target
+            result.target_tokens += work.target_tokens
+            result.step_tokens.append(n_tokens)
+            result.step_micro_batches.append(work.micro_batches)
             if progress is not None:
                 version = getattr(opt, "version", None)
                 progress.update(step + 1, loss=loss_value, tokens_per_s=result.tokens / max(train_seconds, 1e-9),

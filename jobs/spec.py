@@ -13,7 +13,9 @@ quoted in the error (``ShardlineConfigError``). The built-in model and task::
             betas: [0.9, 0.98], eps: 1.0e-8, momentum: 0.0, sync: bsp, staleness: 0,
             weight_by_tokens: true, eval_examples: 200, eval_every: 0, sample_prompts: 6,
             log_every: 10, seed: 0, lr_schedule: constant, warmup_steps: 0, min_lr_ratio: 0.1,
-            replication: 0, on_worker_failure: wait, worker_lease_timeout: 30}
+            replication: 0, on_worker_failure: wait, worker_lease_timeout: 30,
+            balance: none, balance_method: kk, micro_batch_tokens: null, cost: null,
+            global_batch_size: null}   # the last four only with balance: tokens
 
 A Hugging Face model (a local ``save_pretrained`` directory; needs ``shardline[hf]``) trains on a
 JSONL file instead, optionally through LoRA adapters (peft)::
@@ -25,6 +27,13 @@ JSONL file instead, optionally through LoRA adapters (peft)::
 Relative ``hf_path`` and ``data.path`` resolve against the job file's directory. ``train.batch_size``
 is per worker. ``train.seed`` seeds the model init (the same on every rank), ``task.seed`` /
 ``data.seed`` the data order.
+
+``train.balance: tokens`` balances each step's global minibatch (``global_batch_size`` sequences,
+default ``batch_size`` x world size: the same sequences as without balancing) over the ranks by
+the cost ``c0 + c1*L + c2*L**2`` of a sequence of ``L`` tokens (``cost: {c0, c1, c2}`` or
+``[c0, c1, c2]``; default the token count), with ``balance_method`` (``kk`` Karmarkar-Karp or
+``lpt``), and runs each rank's part in microbatches of at most ``micro_batch_tokens`` padded
+tokens (null: one microbatch); see :mod:`shardline.worker.balance` and docs/jobs.md.
 """
 
 from __future__ import annotations
@@ -43,16 +52,21 @@ from shardline.jobs.data.jsonl import FORMATS as DATA_FORMATS
 from shardline.jobs.data.synthetic import TASK_KINDS, TOKENIZER, SFTTask
 from shardline.jobs.models.tinygpt import LORA_EXTRA_GROUPS
 from shardline.services.errors import ShardlineConfigError
+from shardline.worker.balance import CostModel
 
 __all__ = [
     "JobSection", "ModelSpec", "LoraSpec", "TaskSpec", "DataSpec", "TrainSpec", "JobSpec", "load_job",
-    "parse_job", "OPTIMIZERS", "SYNC_MODES", "LR_SCHEDULES", "MODEL_DTYPES",
+    "parse_job", "OPTIMIZERS", "SYNC_MODES", "LR_SCHEDULES", "MODEL_DTYPES", "BALANCE_MODES", "BALANCE_METHODS",
 ]
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SYNC_MODES = ("bsp", "asp", "ssp")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 MODEL_DTYPES = ("float32", "bfloat16")
+BALANCE_MODES = ("none", "tokens")
+BALANCE_METHODS = ("kk", "lpt")
+# The train keys that only apply with balance: tokens.
+BALANCE_KEYS = ("balance_method", "micro_batch_tokens", "cost", "global_batch_size")
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -138,6 +152,19 @@ class TrainSpec:
     replication: int = 0                 # copies of every block; 0: the dispatcher's default
     on_worker_failure: str = "wait"      # or "fail": a lost rank fails the job
     worker_lease_timeout: float = 30.0
+    balance: str = "none"                # "tokens": length-balanced global minibatches
+    balance_method: str = "kk"
+    micro_batch_tokens: int | None = None   # None: a rank's whole part is one microbatch
+    cost: CostModel | None = None        # None: the token count (CostModel.tokens())
+    global_batch_size: int | None = None  # None: batch_size x world size
+
+    @property
+    def balanced(self) -> bool:
+        return self.balance == "tokens"
+
+    def global_batch(self, world_size: int) -> int:
+        """Sequences in one step's global minibatch with balance: tokens."""
+        return self.global_batch_size or self.batch_size * world_size
 
     def optimizer_kwargs(self) -> dict[str, Any]:
         """The optimizer's hyperparameters, named as ``PSOptimizer``/``torch.optim`` name them."""
@@ -299,6 +326,19 @@ def _target_modules(v: Any) -> tuple[str, ...] | str | None:
     return tuple(dict.fromkeys(v))
 
 
+def _cost(v: Any) -> CostModel | None:
+    if v is None:
+        return None
+    if v == "measure":
+        raise ValueError("measure is not available to the worker daemon (every rank must use the same "
+                         "coefficients): fit them once with shardline.CostModel.measure and give "
+                         "{c0: .., c1: .., c2: ..}, got 'measure'")
+    try:
+        return CostModel.from_config(v)
+    except ShardlineConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _groups(v: Any) -> tuple[str, ...]:
     if v is None:
         return ()
@@ -364,6 +404,11 @@ _SCHEMA: dict[str, tuple[type, dict[str, tuple[Callable[[Any], Any], Any]]]] = {
         "replication": (_int(0, 16), TrainSpec.replication),
         "on_worker_failure": (_choice(("wait", "fail")), TrainSpec.on_worker_failure),
         "worker_lease_timeout": (_float(0.0, lo_open=True), TrainSpec.worker_lease_timeout),
+        "balance": (_choice(BALANCE_MODES), TrainSpec.balance),
+        "balance_method": (_choice(BALANCE_METHODS), TrainSpec.balance_method),
+        "micro_batch_tokens": (_opt_int(1), None),
+        "cost": (_cost, None),
+        "global_batch_size": (_opt_int(1), None),
     }),
 }
 
@@ -436,6 +481,13 @@ def _cross_check(spec: JobSpec, data: dict) -> None:
         raise _err(s, "train.warmup_steps", f"must be <= train.steps ({tr.steps!r}), got {tr.warmup_steps!r}")
     if tr.staleness and tr.sync != "ssp":
         raise _err(s, "train.staleness", f"only applies with train.sync: ssp, got {tr.staleness!r}")
+    if not tr.balanced:
+        for key in _raw_keys(data, "train"):
+            if key in BALANCE_KEYS:
+                raise _err(s, f"train.{key}", f"only applies with train.balance: tokens, got {data['train'][key]!r}")
+    elif not tr.weight_by_tokens:
+        raise _err(s, "train.weight_by_tokens", "train.balance: tokens pushes with weight = each rank's loss tokens "
+                                                "(so the mean is the whole minibatch's gradient), got False")
     if m.is_hf:
         for key in _raw_keys(data, "model"):
             if key in TINY_MODEL_KEYS:

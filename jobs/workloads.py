@@ -1,8 +1,11 @@
 """A job's model paired with its data: what :mod:`shardline.jobs.runner` trains.
 
-A workload holds the built model and answers ``batch(step, rank, world_size, batch_size)`` (rank
-``rank``'s share of the step's global batch, see :mod:`shardline.jobs.data.batch`) and
-``logits(input_ids)``. The built-in one also measures exact-match accuracy and sample answers.
+A workload holds the built model and answers ``examples_at(start, count)`` (global examples of its
+data stream as ``(ids, labels)``, the same in every process; the length-balanced sampler of
+:mod:`shardline.jobs.runner` reads a step's whole global batch with it), ``batch(step, rank,
+world_size, batch_size)`` (rank ``rank``'s contiguous share of the step's global batch, collated, see
+:mod:`shardline.jobs.data.batch`) and ``logits(input_ids)``. The built-in one also measures
+exact-match accuracy and sample answers.
 
 * :class:`SyntheticWorkload`: TinyGPT (optional LoRA) on the self-generated task.
 * :class:`HFWorkload`: a local Hugging Face model (optional LoRA through peft) on a JSONL file.
@@ -14,8 +17,8 @@ from typing import Any
 
 import torch
 
-from shardline.jobs.data.batch import Batch
-from shardline.jobs.data.synthetic import evaluate, make_batch, sample_answers, sample_prompts
+from shardline.jobs.data.batch import Batch, collate
+from shardline.jobs.data.synthetic import PAD, evaluate, make_batch, sample_answers, sample_prompts, train_examples
 from shardline.jobs.models.tinygpt import TinyGPT, mark_only_lora_trainable
 from shardline.jobs.spec import JobSpec
 
@@ -24,8 +27,18 @@ __all__ = ["Workload", "SyntheticWorkload", "HFWorkload", "build_workload", "bui
 EVAL_SEED_OFFSET = 7_777  # the eval stream's seed is task.seed + this
 
 
+Example = tuple[list[int], list[int]]
+
+
 class Workload:
     model: torch.nn.Module
+    pad_id: int = 0
+
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        raise NotImplementedError
+
+    def collate(self, examples: list[Example]) -> Batch:
+        return collate(examples, pad_id=self.pad_id)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
         raise NotImplementedError
@@ -51,12 +64,17 @@ def build_model(spec: JobSpec) -> TinyGPT:
 
 
 class SyntheticWorkload(Workload):
+    pad_id = PAD
+
     def __init__(self, spec: JobSpec, lead: bool):
         self.task = spec.sft_task()
         self.model = build_model(spec)
         self.eval_examples = spec.train.eval_examples
         self.eval_seed = self.task.seed + EVAL_SEED_OFFSET
         self.prompts = sample_prompts(self.task, spec.train.sample_prompts, seed=self.eval_seed) if lead else []
+
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        return train_examples(self.task, start, count)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
         return make_batch(self.task.seed, step, rank, world_size, batch_size, self.task)
@@ -76,7 +94,11 @@ class HFWorkload(Workload):
         m, d = spec.model, spec.data
         self.tokenizer: Any = load_tokenizer(m.hf_path)
         self.data = JsonlSFT(d.path, d.format, d.max_length, d.seed, self.tokenizer)
+        self.pad_id = self.data.pad_id
         self.model = load_model(m.hf_path, m.dtype, spec.lora, seed=spec.train.seed)
+
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        return self.data.examples_at(start, count)
 
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
         return self.data.batch(step, rank, world_size, batch_size)

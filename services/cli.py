@@ -4,6 +4,8 @@
     shardline status --cluster HOST:PORT[,HOST:PORT...] [--json]
     shardline checkpoint --cluster HOST:PORT --job NAME
     shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --out FILE [--dtype bf16]
+    shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --hf-dir OUT --from-model DIR
+                     [--job-file FILE | --lora-alpha X --lora-dropout P] [--dtype bf16]
     shardline job delete --cluster HOST:PORT NAME
     shardline drain --cluster HOST:PORT NODE_ID
 
@@ -379,14 +381,11 @@ EXPORT_DTYPES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "b
                  "fp16": "float16", "float16": "float16"}
 
 
-def _export(args: argparse.Namespace) -> int:
-    import torch
-    from safetensors.torch import save_file
-
-    dtype = getattr(torch, EXPORT_DTYPES[args.dtype])
+def _job_tensors(args: argparse.Namespace) -> tuple[int, dict, str]:
+    """``(step, {name: float32 tensor}, where from)`` of ``--job``: from a running cluster
+    (``--cluster``, one consistent step) or offline from ``--checkpoint-dir``s."""
     if args.checkpoint_dir and args.cluster:
         raise _UsageError("give either --cluster (a running cluster) or --checkpoint-dir (offline), not both")
-    started = time.monotonic()
     if args.checkpoint_dir:
         from shardline.ps_server.checkpoint import CheckpointError, read_job_tensors
 
@@ -394,31 +393,89 @@ def _export(args: argparse.Namespace) -> int:
             step, _spec, tensors = read_job_tensors(args.checkpoint_dir, args.job, step=args.step)
         except CheckpointError as exc:
             raise ShardlineError(str(exc)) from None
-        source = f"{len(args.checkpoint_dir)} checkpoint dir(s)"
-    else:
-        if args.step is not None:
-            raise _UsageError("--step applies to --checkpoint-dir exports (a running cluster exports its current step)")
-        from shardline.worker.client import connect
+        return step, tensors, f"{len(args.checkpoint_dir)} checkpoint dir(s)"
+    if args.step is not None:
+        raise _UsageError("--step applies to --checkpoint-dir exports (a running cluster exports its current step)")
+    from shardline.worker.client import connect
 
-        dispatcher = _connect_dispatcher(args)
+    dispatcher = _connect_dispatcher(args)
+    try:
+        if dispatcher.get_job(args.job) is None:
+            raise ShardlineError(f"no job named {args.job!r} on the cluster at {args.cluster}")
+    finally:
         dispatcher.close()
-        client = connect(args.cluster, job=args.job, cluster_token=args.token, tls_ca=args.tls_ca,
-                         connect_timeout=args.timeout)
-        try:
-            client.wait_ready(args.timeout)
-            step, tensors = client.consistent_pull()
-        finally:
-            client.close()
-        source = f"cluster {args.cluster}"
+    client = connect(args.cluster, job=args.job, cluster_token=args.token, tls_ca=args.tls_ca,
+                     connect_timeout=args.timeout)
+    try:
+        client.wait_ready(args.timeout)
+        step, tensors = client.consistent_pull()
+    finally:
+        client.close()
+    return step, tensors, f"cluster {args.cluster}"
+
+
+def _export(args: argparse.Namespace) -> int:
+    import torch
+
+    if bool(args.out) == bool(args.hf_dir):
+        raise _UsageError("give one of --out F.safetensors and --hf-dir OUT")
+    if args.hf_dir:
+        return _export_hf(args)
+    hf_only = [flag for flag, value in (("--from-model", args.from_model), ("--job-file", args.job_file),
+                                        ("--lora-alpha", args.lora_alpha), ("--lora-dropout", args.lora_dropout))
+               if value is not None]
+    if hf_only:
+        raise _UsageError(f"{hf_only[0]} applies to --hf-dir exports")
+    if not args.job:
+        raise _UsageError("--job NAME is required")
+    from safetensors.torch import save_file
+
+    dtype_name = EXPORT_DTYPES[args.dtype or "fp32"]
+    started = time.monotonic()
+    step, tensors, source = _job_tensors(args)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + f".tmp.{os.getpid()}")
-    tensors = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
+    tensors = {name: t.to(getattr(torch, dtype_name)).contiguous() for name, t in tensors.items()}
     save_file(tensors, str(tmp), metadata={"shardline_job": args.job, "shardline_step": str(step)})
     os.replace(tmp, out)
     total = sum(t.numel() for t in tensors.values())
     print(f"job {args.job} at step {step} from {source}: {len(tensors)} tensors, {total:,} parameters "
-          f"({EXPORT_DTYPES[args.dtype]}) -> {out} in {time.monotonic() - started:.2f} s")
+          f"({dtype_name}) -> {out} in {time.monotonic() - started:.2f} s")
+    return EXIT_OK
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    """--hf-dir: the logic is jobs/hf_export.py; this resolves the flags (and --job-file defaults)."""
+    import torch
+
+    from shardline.jobs.hf_export import HFExporter
+
+    lora = None
+    if args.job_file:
+        from shardline.jobs.spec import load_job
+
+        spec = load_job(args.job_file)
+        args.job = args.job or spec.name
+        args.from_model = args.from_model or spec.model.hf_path
+        lora = spec.lora
+    if not args.job:
+        raise _UsageError("--job NAME (or --job-file) is required")
+    if not args.from_model:
+        raise _UsageError("--hf-dir needs --from-model DIR (the source model), or a --job-file whose "
+                          "model.hf_path names it")
+    started = time.monotonic()
+    dtype = getattr(torch, EXPORT_DTYPES[args.dtype]) if args.dtype else None
+    exporter = HFExporter(args.from_model, args.hf_dir, dtype)  # checks DIR and OUT before any pull
+    step, tensors, source = _job_tensors(args)
+    result = exporter.write(tensors, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout, lora=lora,
+                            metadata={"shardline_job": args.job, "shardline_step": str(step)})
+    what = (f"LoRA adapter (r {result.adapter_config['r']}, alpha {result.adapter_config['lora_alpha']:g}, "
+            f"target_modules {','.join(sorted(result.adapter_config['target_modules']))})"
+            if result.kind == "lora" else "model")
+    print(f"job {args.job} at step {step} from {source}: {what}, {result.tensors} tensors, {result.parameters:,} "
+          f"parameters ({str(result.dtype).removeprefix('torch.')}) -> {result.out}/ ({', '.join(result.files)}) "
+          f"in {time.monotonic() - started:.2f} s")
     return EXIT_OK
 
 
@@ -833,16 +890,33 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--wait", type=float, default=300.0, help="seconds to wait for the checkpoint (default 300)")
     ck.set_defaults(func=cmd_checkpoint)
 
-    ex = sub.add_parser("export", help="write a job's full tensors to one safetensors file",
+    ex = sub.add_parser("export", help="write a job's full tensors to one safetensors file or a Hugging Face "
+                                       "directory",
                         description="From a running cluster (--cluster) or offline from the PS nodes' checkpoint "
-                                    "directories (--checkpoint-dir, once per node). The file loads with "
-                                    "safetensors.torch.load_file and model.load_state_dict.")
+                                    "directories (--checkpoint-dir, once per node). --out: one file that loads with "
+                                    "safetensors.torch.load_file and model.load_state_dict. --hf-dir with "
+                                    "--from-model: a save_pretrained model directory, or for a LoRA job a peft "
+                                    "adapter directory (docs/jobs.md).")
     cluster_args(ex)
     ex.add_argument("--checkpoint-dir", action="append", default=[], metavar="DIR",
                     help="a PS node's checkpoint directory (repeat for every node of the cluster)")
-    ex.add_argument("--job", required=True, help="job name")
-    ex.add_argument("--out", required=True, help="output .safetensors file")
-    ex.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default="fp32", help="tensor dtype in the file (default fp32)")
+    ex.add_argument("--job", default=None, help="job name (required, unless --job-file names it)")
+    ex.add_argument("--out", default=None, help="output .safetensors file")
+    ex.add_argument("--hf-dir", default=None, metavar="OUT",
+                    help="output Hugging Face directory (must not exist or be empty)")
+    ex.add_argument("--from-model", default=None, metavar="DIR",
+                    help="--hf-dir: the local model directory the job was trained from (config and tokenizer are "
+                         "copied from it; the job's tensors must match it)")
+    ex.add_argument("--job-file", default=None, metavar="FILE",
+                    help="--hf-dir: the worker's job file: its job name, model.hf_path and lora section are the "
+                         "defaults of --job, --from-model, --lora-alpha and --lora-dropout")
+    ex.add_argument("--lora-alpha", type=float, default=None,
+                    help="--hf-dir of a LoRA job: the adapters' alpha (the cluster does not record it)")
+    ex.add_argument("--lora-dropout", type=float, default=None,
+                    help="--hf-dir of a LoRA job: the adapters' dropout for adapter_config.json (default 0)")
+    ex.add_argument("--dtype", choices=sorted(EXPORT_DTYPES), default=None,
+                    help="tensor dtype in the output (default: fp32; --hf-dir: the source model's dtype, fp32 "
+                         "for LoRA adapters)")
     ex.add_argument("--step", type=int, default=None, help="offline: this checkpointed step (default: the latest "
                                                             "every directory holds)")
     ex.set_defaults(func=cmd_export)

@@ -264,15 +264,18 @@ class DispatcherClient:
             if len(reasons) and pause == RETRY_PAUSE_SECONDS:
                 log.info("waiting for the %s (%s); retrying for up to %g s (%s)", self._describe(),
                          _reasons_text(reasons), connect_timeout, timeout_name)
+            # the pause ends early when the WARNING falls due within it: it comes on time
+            delay = min(pause, max(0.0, warn_at - now)) if warn_at > now else pause
+            if stop is not None:
+                stop.wait(delay)
+            else:
+                time.sleep(delay)
+            now = time.monotonic()
             if now >= warn_at:
                 log.warning("%s still not reachable after %.0f s: %s; retrying until %s (%g s) runs out",
                             self._describe(), now - started, _reasons_text(reasons), timeout_name, connect_timeout)
                 warn_every = min(warn_every * 2, MAX_REACHABLE_WARNING_INTERVAL_SECONDS)
                 warn_at = now + warn_every
-            if stop is not None:
-                stop.wait(pause)
-            else:
-                time.sleep(pause)
             pause = min(pause * 2, MAX_RETRY_PAUSE_SECONDS)
 
     def _describe(self) -> str:

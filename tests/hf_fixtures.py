@@ -12,6 +12,7 @@ with ``</s>``, and has a chat template ``<|role|> content`` with ``</s>`` after 
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Iterable
 from pathlib import Path
@@ -99,3 +100,20 @@ def write_jsonl(path: str | Path, records: Iterable[dict]) -> Path:
     path = Path(path)
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
+
+
+def lognormal_records(n: int = 64, seed: int = 0, median_words: float = 16.0, sigma: float = 1.0,
+                      max_words: int = 110) -> list[dict]:
+    """Prompt-completion records of the lookup task whose prompts are padded with filler words to a
+    lognormal number of words (``median_words``, ``sigma``; clipped to 0..``max_words``), so the
+    sequence lengths vary as post-training lengths do (one token per word)."""
+    rng = random.Random(seed)
+    items = list(FACTS.items())
+    filler = "please tell me what is the answer".split()
+    out = []
+    for _ in range(n):
+        k, v = rng.choice(items)
+        words = min(int(rng.lognormvariate(math.log(median_words), sigma)), max_words)
+        pad = " ".join(filler[i % len(filler)] for i in range(words))
+        out.append({"prompt": f"{pad} color of {k} ?".strip(), "completion": v})
+    return out

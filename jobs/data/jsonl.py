@@ -167,8 +167,11 @@ class JsonlSFT:
             self._perms[epoch] = perm
         return perm[pos]
 
+    def examples_at(self, start: int, count: int) -> list[Example]:
+        """Global examples ``start .. start + count - 1`` of the stream, as ``(ids, labels)``."""
+        return [self.examples[self.index(start + i)] for i in range(count)]
+
     def batch(self, step: int, rank: int, world_size: int, batch_size: int) -> Batch:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
-        base = (step * world_size + rank) * batch_size
-        return collate([self.examples[self.index(base + i)] for i in range(batch_size)], pad_id=self.pad_id)
+        return collate(self.examples_at((step * world_size + rank) * batch_size, batch_size), pad_id=self.pad_id)

@@ -33,8 +33,8 @@ from shardline.jobs.data.batch import IGNORE, Batch, collate
 
 __all__ = [
     "CharTokenizer", "TOKENIZER", "PAD", "BOS", "EOS", "TASK_KINDS", "SFTTask", "DEFAULT_TASK",
-    "Batch", "make_batch", "masked_lm_loss", "generate", "generate_batch", "eval_examples",
-    "evaluate", "sample_answers", "sample_prompts", "format_samples",
+    "Batch", "encode_example", "train_examples", "make_batch", "masked_lm_loss", "generate", "generate_batch",
+    "eval_examples", "evaluate", "sample_answers", "sample_prompts", "format_samples",
 ]
 
 
@@ -179,14 +179,16 @@ class SFTTask:
 DEFAULT_TASK = SFTTask()
 
 
-def _collate(examples: Sequence[tuple[str, str]]) -> Batch:
-    """``[BOS] prompt answer [EOS]`` per example; the loss counts the answer and EOS."""
-    encoded = []
-    for prompt, answer in examples:
-        p = TOKENIZER.encode(prompt, bos=True)
-        a = TOKENIZER.encode(answer, eos=True)
-        encoded.append((p + a, [IGNORE] * len(p) + a))
-    return collate(encoded, pad_id=PAD)
+def encode_example(prompt: str, answer: str) -> tuple[list[int], list[int]]:
+    """``([BOS] prompt answer [EOS], labels)``: the loss counts the answer and EOS."""
+    p = TOKENIZER.encode(prompt, bos=True)
+    a = TOKENIZER.encode(answer, eos=True)
+    return p + a, [IGNORE] * len(p) + a
+
+
+def train_examples(task: SFTTask, start: int, count: int) -> list[tuple[list[int], list[int]]]:
+    """Global training examples ``start .. start + count - 1``, encoded (``encode_example``)."""
+    return [encode_example(*task.train_example(start + i)) for i in range(count)]
 
 
 def make_batch(seed: int, step: int, rank: int, world_size: int, batch_size: int,
@@ -199,8 +201,7 @@ def make_batch(seed: int, step: int, rank: int, world_size: int, batch_size: int
     if batch_size < 1 or step < 0:
         raise ValueError(f"need batch_size >= 1 and step >= 0, got {batch_size!r}, {step!r}")
     task = SFTTask(task.kind, task.min_digits, task.max_digits, seed) if task else SFTTask(seed=seed)
-    base = (step * world_size + rank) * batch_size
-    return _collate([task.train_example(base + i) for i in range(batch_size)])
+    return collate(train_examples(task, (step * world_size + rank) * batch_size, batch_size), pad_id=PAD)
 
 
 def masked_lm_loss(logits: torch.Tensor, targets: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

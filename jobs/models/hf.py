@@ -24,15 +24,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 INSTALL_HINT = "pip install 'shardline[hf]'"
 
 
-def require_hf(*modules: str) -> list[Any]:
-    """Import ``modules`` (default transformers and peft) or fail naming the extra to install."""
+def require_hf(*modules: str, what: str = "a job with model.hf_path") -> list[Any]:
+    """Import ``modules`` (default transformers and peft) or fail naming the extra to install;
+    ``what`` names the feature that needs them."""
     out = []
     for name in modules or ("transformers", "peft"):
         try:
             out.append(importlib.import_module(name))
         except ImportError as exc:
-            raise ShardlineConfigError(
-                f"a job with model.hf_path needs {name}, which is not installed ({exc}); {INSTALL_HINT}") from None
+            raise ShardlineConfigError(f"{what} needs {name}, which is not installed ({exc}); {INSTALL_HINT}") from None
     return out
 
 
