@@ -171,7 +171,10 @@ def test_a_ps_restarted_after_the_change_restores_the_extended_job_and_training_
         pause = (UNFREEZE_AT + 2, threading.Barrier(WORLD + 1, timeout=120), threading.Event())
 
         def restart_a_node():
-            pause[1].wait()
+            try:
+                pause[1].wait()
+            except threading.BrokenBarrierError:
+                return  # a rank failed before the restart: run_ranks reports its error
             assert cluster.stop(nodes[1]) == 0
             cluster.restart(nodes[1])
             assert "restored job extended at step" in nodes[1].log_tail(300), nodes[1].log_tail()
