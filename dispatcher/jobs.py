@@ -16,7 +16,12 @@ tell data of a deleted incarnation from data of the current one. From heartbeats
 the job's ``holders``: node id -> its latest durable (checkpointed) step, or None while it has none.
 ``checkpoint_step`` is the minimum over the holders: the step a whole-cluster restart resumes at.
 
-Durability. Jobs (spec, readiness, uid, holders) and tombstones are written to the state store
+Revisions. ``extend`` adds a parameter group to a ready BSP job (PSOptimizer.add_param_group
+during training): the spec's next revision (services/extension.py), made once; every rank asks
+with the same extension, a different one for a made revision is refused naming the difference.
+``ready_revision`` is the newest revision whose new tensors their creator initialized.
+
+Durability. Jobs (spec, readiness, uid, holders, ready revision) and tombstones are written to the state store
 (``job/<name>``, ``tombstone/<uid>``) before a change becomes visible, and only when something
 changed. A registry built over a store with state has them back. A failed write raises
 StateStoreError and changes nothing.
