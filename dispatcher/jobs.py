@@ -16,7 +16,12 @@ tell data of a deleted incarnation from data of the current one. From heartbeats
 the job's ``holders``: node id -> its latest durable (checkpointed) step, or None while it has none.
 ``checkpoint_step`` is the minimum over the holders: the step a whole-cluster restart resumes at.
 
-Durability. Jobs (spec, readiness, uid, holders) and tombstones are written to the state store
+Revisions. ``extend`` adds a parameter group to a ready BSP job (PSOptimizer.add_param_group
+during training): the spec's next revision (services/extension.py), made once; every rank asks
+with the same extension, a different one for a made revision is refused naming the difference.
+``ready_revision`` is the newest revision whose new tensors their creator initialized.
+
+Durability. Jobs (spec, readiness, uid, holders, ready revision) and tombstones are written to the state store
 (``job/<name>``, ``tombstone/<uid>``) before a change becomes visible, and only when something
 changed. A registry built over a store with state has them back. A failed write raises
 StateStoreError and changes nothing.
@@ -42,6 +47,7 @@ from shardline.dispatcher.state_store import JOB_PREFIX, TOMBSTONE_PREFIX, State
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, ON_WORKER_FAILURE
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
+from shardline.services.extension import apply_extension, revision_of, state_layout
 from shardline.services.names import JOB_NAME_RE, validate_job_name  # noqa: F401 - part of this module's API
 from shardline.services.pb import common_pb2
 
@@ -74,6 +80,7 @@ class JobRecord:
     created_unix_ms: int
     uid: str
     holders: Mapping[str, int | None]
+    ready_revision: int = 0
 
     @property
     def name(self) -> str:
@@ -102,6 +109,7 @@ class _Job:
     created_ms: int
     uid: str
     holders: dict[str, int | None]
+    ready_revision: int = 0      # the newest revision whose new tensors are initialized
 
     def persisted(self) -> dict:
         """The value of key ``job/<name>``."""
@@ -111,13 +119,14 @@ class _Job:
             "created_unix_ms": self.created_ms,
             "uid": self.uid,
             "holders": dict(self.holders),
+            "ready_revision": self.ready_revision,
         }
 
     def record(self) -> JobRecord:
         spec = common_pb2.JobSpec()
         spec.CopyFrom(self.spec)
         return JobRecord(spec=spec, ready=self.ready, created_unix_ms=self.created_ms, uid=self.uid,
-                         holders=types.MappingProxyType(dict(self.holders)))
+                         holders=types.MappingProxyType(dict(self.holders)), ready_revision=self.ready_revision)
 
 
 def validate_uid(uid: object) -> str:
@@ -153,12 +162,6 @@ def _validate_optimizer(opt: common_pb2.OptimizerSpec, what: str = "optimizer") 
         _check_real(opt.eps, f"{what}.eps")
 
 
-def _state_layout(opt: common_pb2.OptimizerSpec) -> tuple:
-    """What decides the shape of a block's optimizer state: SGD keeps a momentum buffer only with
-    momentum, Adam a max buffer only with amsgrad."""
-    return ("momentum", opt.momentum != 0) if opt.kind == "sgd" else ("amsgrad", opt.amsgrad)
-
-
 def _validate_param_groups(spec: common_pb2.JobSpec) -> None:
     groups = spec.param_groups
     for i, group in enumerate(groups):
@@ -166,8 +169,8 @@ def _validate_param_groups(spec: common_pb2.JobSpec) -> None:
         if group.kind != spec.optimizer.kind:
             raise ShardlineConfigError(f"param_groups[{i}].kind is {group.kind!r} but the job's optimizer is "
                                        f"{spec.optimizer.kind!r}: every group uses the job's optimizer")
-        if _state_layout(group) != _state_layout(groups[0]):
-            what, _ = _state_layout(group)
+        if state_layout(group) != state_layout(groups[0]):
+            what, _ = state_layout(group)
             raise ShardlineConfigError(
                 f"param_groups[{i}] and param_groups[0] differ in whether {what} is used ({what}: "
                 f"{getattr(group, what)!r} vs {getattr(groups[0], what)!r}); the groups of one job must agree on it "
@@ -210,6 +213,9 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     if out.on_worker_failure not in ON_WORKER_FAILURE:
         raise ShardlineConfigError(f"on_worker_failure must be one of {', '.join(ON_WORKER_FAILURE)}, "
                                    f"got {out.on_worker_failure!r}")
+    for i, ext in enumerate(out.extensions):
+        if ext.revision != i + 1:
+            raise ShardlineConfigError(f"extensions[{i}] makes revision {ext.revision}, expected {i + 1}")
     seen: set[str] = set()
     for i, tensor in enumerate(out.tensors):
         if not TENSOR_NAME_RE.fullmatch(tensor.name):
@@ -274,6 +280,24 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
     return None
 
 
+def extension_difference(existing: common_pb2.JobExtension, requested: common_pb2.JobExtension) -> str | None:
+    """The first field where two extensions of one revision differ, described for a person; None if equal."""
+    if existing.step != requested.step:
+        return (f"it starts at step {existing.step}, this request at step {requested.step} (the ranks add the group "
+                f"before different steps)")
+    for field in _OPTIMIZER_FIELDS:
+        a, b = getattr(existing.group, field), getattr(requested.group, field)
+        if a != b:
+            return f"its group's {field} is {a!r}, this request's {b!r}"
+    if list(existing.unfreeze) != list(requested.unfreeze):
+        return f"it unfreezes {list(existing.unfreeze)!r}, this request {list(requested.unfreeze)!r}"
+    old = [(t.name, list(t.shape), t.trainable) for t in existing.tensors]
+    new = [(t.name, list(t.shape), t.trainable) for t in requested.tensors]
+    if old != new:
+        return f"it adds tensors (name, shape, trainable) {old!r}, this request {new!r}"
+    return None
+
+
 class JobRegistry:
     """Registered jobs by name and tombstones of deleted ones (module docstring: durability).
 
@@ -308,8 +332,11 @@ class JobRegistry:
             ready, created_ms = value["ready"], value["created_unix_ms"]
             if not isinstance(ready, bool) or not isinstance(created_ms, int):
                 raise ValueError(f"ready {ready!r} / created_unix_ms {created_ms!r}")
+            ready_revision = value.get("ready_revision", 0)  # absent in records written before revisions
+            if not isinstance(ready_revision, int) or not 0 <= ready_revision <= revision_of(spec):
+                raise ValueError(f"ready_revision {ready_revision!r} (the spec is at revision {revision_of(spec)})")
             return _Job(spec=normalize_spec(spec), ready=ready, created_ms=created_ms,
-                        uid=validate_uid(value["uid"]), holders=holders)
+                        uid=validate_uid(value["uid"]), holders=holders, ready_revision=ready_revision)
         except (KeyError, TypeError, ValueError, json_format.ParseError) as exc:
             raise StateStoreError(
                 f"state store {self.store.location}: key {JOB_PREFIX + name!r} holds a bad job record: {exc}"
@@ -349,8 +376,13 @@ class JobRegistry:
                         setattr(spec, field, getattr(existing.spec, field))
                 difference = spec_difference(existing.spec, spec)
                 if difference:
-                    raise ShardlineStateError(f"job {spec.name!r} already exists with a different spec: {difference}")
+                    revision = revision_of(existing.spec)
+                    extended = (f" (the job is at revision {revision}: parameter groups were added during training; "
+                                f"a worker that starts now passes the job's groups as they are)") if revision else ""
+                    raise ShardlineStateError(f"job {spec.name!r} already exists with a different spec: "
+                                              f"{difference}{extended}")
                 return existing.record(), False
+            del spec.extensions[:]  # a new job starts at revision 0; extend() makes the others
             if not spec.replication:
                 spec.replication = self.default_replication
             job = _Job(spec=spec, ready=False, created_ms=int(self._clock() * 1000), uid=self._new_uid(), holders={})
@@ -376,9 +408,47 @@ class JobRegistry:
                 raise ShardlineStateError(
                     f"job {spec.name!r} (uid {uid}) was deleted; node {node_id} must drop its checkpoint, not restore it"
                 )
-            job = _Job(spec=spec, ready=True, created_ms=int(self._clock() * 1000), uid=uid, holders={})
+            job = _Job(spec=spec, ready=True, created_ms=int(self._clock() * 1000), uid=uid, holders={},
+                       ready_revision=revision_of(spec))
             self._put(job)
             return job.record(), True
+
+    def extend(self, name: str, uid: str, ext: common_pb2.JobExtension) -> tuple[JobRecord, bool]:
+        """Make revision ``ext.revision`` of the job (a parameter group added during training);
+        ``(record, True)`` for the call that made it, ``(record, False)`` if the same extension
+        made it before (every rank asks). The revision is durable before it is visible; it is
+        ready at once unless it adds tensors (their creator initializes them, then ``mark_ready``).
+
+        Raises UnknownJobError, ShardlineStateError when ``uid`` is not the job's, the job is not
+        ready, the revision is not the next one, or another extension made it (naming the first
+        difference), ShardlineConfigError for an extension that does not fit the job.
+        """
+        validate_job_name(name)
+        if not isinstance(ext, common_pb2.JobExtension):
+            raise ShardlineConfigError(f"extension must be a JobExtension message, got {type(ext).__name__}")
+        with self._cond:
+            job = self._require(name)
+            if uid and job.uid != uid:
+                raise ShardlineStateError(f"job {name!r} is now uid {job.uid}, the extension is for uid {uid}")
+            if not job.ready:
+                raise ShardlineStateError(f"job {name!r} is not ready yet: its creator initializes it first")
+            current = revision_of(job.spec)
+            if 1 <= ext.revision <= current:
+                difference = extension_difference(job.spec.extensions[ext.revision - 1], ext)
+                if difference:
+                    raise ShardlineStateError(f"revision {ext.revision} of job {name!r} was made by another request: "
+                                              f"{difference} (every rank must add the same parameter group before "
+                                              f"the same step)")
+                return job.record(), False
+            if ext.revision > current + 1:
+                raise ShardlineStateError(f"job {name!r} is at revision {current}; the request makes revision "
+                                          f"{ext.revision}: it missed a parameter group the other ranks added")
+            spec = normalize_spec(apply_extension(job.spec, ext))
+            extended = dataclasses.replace(job, spec=spec,
+                                           ready_revision=ext.revision if not ext.tensors else job.ready_revision)
+            self._put(extended)
+            self._cond.notify_all()
+            return extended.record(), True
 
     def delete(self, name: str) -> JobRecord:
         """Remove the job and keep its uid as a tombstone; returns the removed record.
@@ -453,18 +523,24 @@ class JobRegistry:
         with self._cond:
             return self._require(name).record()
 
-    def mark_ready(self, name: str) -> JobRecord:
-        """Mark the job's tensors initialized and wake its waiters. Idempotent (writes only once)."""
+    def mark_ready(self, name: str, revision: int = 0) -> JobRecord:
+        """Mark the job's tensors (with ``revision``: also that revision's new tensors) initialized
+        and wake its waiters. Idempotent (writes only once). Raises ShardlineStateError for a
+        revision the job does not have."""
         validate_job_name(name)
         with self._cond:
             job = self._require(name)
-            if not job.ready:
-                self._put(dataclasses.replace(job, ready=True))
+            if isinstance(revision, bool) or not isinstance(revision, int) or not 0 <= revision <= revision_of(job.spec):
+                raise ShardlineStateError(f"job {name!r} is at revision {revision_of(job.spec)}; it has no revision "
+                                          f"{revision!r} to mark ready")
+            if not job.ready or revision > job.ready_revision:
+                self._put(dataclasses.replace(job, ready=True, ready_revision=max(job.ready_revision, revision)))
                 self._cond.notify_all()
             return self._jobs[name].record()
 
-    def wait_ready(self, name: str, timeout: float) -> JobRecord:
-        """Block until the job is ready, at most ``timeout`` seconds (0: just check).
+    def wait_ready(self, name: str, timeout: float, revision: int = 0) -> JobRecord:
+        """Block until the job is ready (with ``revision``: and that revision's new tensors are
+        initialized), at most ``timeout`` seconds (0: just check).
 
         Raises UnknownJobError if there is no such job (or it is deleted meanwhile) and
         ShardlineTimeoutError if it is not ready in time.
@@ -477,10 +553,11 @@ class JobRegistry:
 
             def settled() -> bool:
                 job = self._jobs.get(name)
-                return job is None or job.uid != uid or job.ready
+                return job is None or job.uid != uid or (job.ready and job.ready_revision >= revision)
 
             if not self._cond.wait_for(settled, timeout=timeout):
-                raise ShardlineTimeoutError(f"job {name!r} was not marked ready within {timeout:g} s")
+                what = f"revision {revision} of job {name!r}" if revision else f"job {name!r}"
+                raise ShardlineTimeoutError(f"{what} was not marked ready within {timeout:g} s")
             job = self._jobs.get(name)
             if job is None or job.uid != uid:
                 raise UnknownJobError(f"job {name!r} was deleted while waiting for it to be ready")

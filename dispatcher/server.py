@@ -89,7 +89,7 @@ def job_info(record: JobRecord) -> dispatcher_pb2.JobInfo:
     return dispatcher_pb2.JobInfo(
         spec=record.spec, ready=record.ready, created_unix_ms=record.created_unix_ms, uid=record.uid,
         has_checkpoint=record.has_checkpoint, checkpoint_step=record.checkpoint_step,
-        durable_steps=record.durable_steps,
+        durable_steps=record.durable_steps, ready_revision=record.ready_revision,
     )
 
 
@@ -408,11 +408,13 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             while True:
                 remaining = deadline - time.monotonic()
                 try:
-                    return job_info(state.jobs.wait_ready(request.name, max(0.0, min(WAIT_SLICE_SECONDS, remaining))))
+                    return job_info(state.jobs.wait_ready(request.name, max(0.0, min(WAIT_SLICE_SECONDS, remaining)),
+                                                          revision=request.revision))
                 except ShardlineTimeoutError:
                     if remaining <= WAIT_SLICE_SECONDS:
+                        what = f"revision {request.revision} of job" if request.revision else "job"
                         raise ShardlineTimeoutError(
-                            f"job {request.name!r} was not marked ready within {timeout:g} s"
+                            f"{what} {request.name!r} was not marked ready within {timeout:g} s"
                         ) from None
                 if self._stopping.is_set():
                     raise _Abort(grpc.StatusCode.UNAVAILABLE, "dispatcher is shutting down")
@@ -425,9 +427,23 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
 
     @_rpc
     def MarkJobReady(self, request, context):
-        record = self._leading().jobs.mark_ready(request.name)
-        log.info("job %s ready", record.name)
+        record = self._leading().jobs.mark_ready(request.name, request.revision)
+        if request.revision:
+            log.info("job %s revision %d ready", record.name, request.revision)
+        else:
+            log.info("job %s ready", record.name)
         return job_info(record)
+
+    @_rpc
+    def ExtendJob(self, request, context):
+        if not request.HasField("extension"):
+            raise ShardlineConfigError("ExtendJob needs an extension")
+        ext = request.extension
+        record, applied = self._leading().jobs.extend(request.name, request.uid, ext)
+        if applied:
+            log.info("job %s extended to revision %d from step %d: a parameter group with %d new tensor(s), %d "
+                     "unfrozen", record.name, ext.revision, ext.step, len(ext.tensors), len(ext.unfreeze))
+        return dispatcher_pb2.ExtendJobResponse(job=job_info(record), applied=applied)
 
     @_rpc
     def DeleteJob(self, request, context):

@@ -32,6 +32,9 @@ MAX_PULL_WAIT_SECONDS = 600.0
 # Longest pushes to a block taken over from a live primary wait for its handover (it is asked at
 # once; a primary that stopped answering meanwhile is not waited for longer).
 HANDOVER_TIMEOUT_SECONDS = 3.0
+# A frame naming a job revision the dispatcher did not have when last asked is refused without
+# asking again for this long (a sender cannot make the node query the dispatcher per frame).
+REVISION_MISS_SECONDS = 1.0
 
 
 # Ops whose frames carry tensor bytes; every other op's payload must be empty.
@@ -107,6 +110,8 @@ class PSNode:
         self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
         self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
         self._settled_epoch = 0
+        self._revision_lock = threading.Lock()
+        self._revision_misses: dict[str, tuple[float, int]] = {}  # job -> (when, revision the dispatcher had)
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
         self.serving = threading.Event()
         self.serving.set()
@@ -230,6 +235,34 @@ class PSNode:
             self.assign_roles(job)
         return job
 
+    def catch_up(self, job: JobStore, revision: int) -> JobStore:
+        """A frame names ``revision`` of ``job``, newer than this node holds: take the job's spec
+        from the dispatcher and extend the store (new tensors, unfrozen ones, new groups), then
+        place the new blocks (roles, copies to sync). Raises StoreError: UNAVAILABLE when the
+        dispatcher cannot be asked, INVALID_ARGUMENT when it does not have ``revision`` either."""
+        with self._revision_lock:
+            if job.revision >= revision:
+                return job
+            miss = self._revision_misses.get(job.name)
+            if miss is None or time.monotonic() - miss[0] >= REVISION_MISS_SECONDS or miss[1] >= revision:
+                try:
+                    info = self._fetch_job(job.name)
+                except ShardlineError as exc:
+                    raise StoreError("UNAVAILABLE", f"node {self.node_id!r} cannot look revision {revision} of job "
+                                                    f"{job.name!r} up: {exc}") from None
+                if info is not None and (not job.uid or not info.uid or info.uid == job.uid) \
+                        and job.extend(info.spec):
+                    log.info("job %s extended to revision %d (%d tensors, %d parameter groups)", job.name,
+                             job.revision, len(job.tensors), len(job.group_optimizers))
+                    self._revision_misses.pop(job.name, None)
+                    self.assign_roles(job, RoutingView.empty())  # the routing did not change: nothing moved
+                else:
+                    self._revision_misses[job.name] = (time.monotonic(), job.revision)
+            if job.revision < revision:
+                raise StoreError("INVALID_ARGUMENT", f"the frame names revision {revision} of job {job.name!r}; the "
+                                                     f"dispatcher has revision {job.revision}")
+        return job
+
     def on_synced(self, job: JobStore, primary: str) -> None:
         """A sync with ``primary`` completed: blocks this node applies may have arrived."""
         view = self._routing
@@ -299,6 +332,10 @@ class PSNode:
         _refuse_duplicates(header)
         _check_want_dtypes(header)
         job = self.job(header.job, trust_misses=not (peer_op or header.op == dp.OP_INIT))
+        if header.revision > job.revision:
+            self.catch_up(job, header.revision)
+        if header.op in (dp.OP_PUSH, dp.OP_COMMIT):
+            job.check_revision(header.rank, header.step, header.revision, "push" if header.op == dp.OP_PUSH else "commit")
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()

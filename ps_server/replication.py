@@ -297,7 +297,7 @@ class Replicator:
 
     def _header(self, op: int, job: JobStore, **fields) -> frame.FrameHeader:
         return frame.FrameHeader(op=op, request_id=next(self._request_ids), job=job.name,
-                                 epoch=self.node.routing.epoch, node=self.node.node_id, **fields)
+                                 epoch=self.node.routing.epoch, node=self.node.node_id, revision=job.revision, **fields)
 
     # apply hook (the job lock is held): send copies of what was applied, wait for the acks
     def on_applied(self, job: JobStore, step: int, items: list) -> bool:
@@ -357,8 +357,12 @@ class Replicator:
 
     def replicate_init(self, job: JobStore, keys: list) -> None:
         """Send the creator's initial values of ``keys`` to every copy holder and wait (they
-        become in sync for the job: a new job starts empty everywhere)."""
+        become in sync for the job: a new job starts empty everywhere). Blocks of a later revision
+        (tensors added during training) go to every copy holder too, but make in sync only those
+        that were: another holder may lack earlier steps of other blocks, and syncs once it learns
+        the revision."""
         placement = place(self.node.routing, job.spec)
+        holders = self.in_sync(job.name) if job.revision else None
         by_peer: dict[str, list] = {}
         with job.cond:
             for key in keys:
@@ -371,16 +375,16 @@ class Replicator:
                 payloads = [bytes(p) for p in payloads]
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
                                       payload_bytes=sum(r.nbytes for r in refs))
-                round_ = self._add_holder(job.name, peer)
+                round_ = self._add_holder(job.name, peer) if holders is None or peer in holders else None
                 event = threading.Event()
                 self.links.link(peer).send(_Send(header, payloads, self._init_done(job, peer, event, round_)))
                 waits.append(event)
         for event in waits:
             event.wait(self.links.timeout * 2)
 
-    def _init_done(self, job: JobStore, peer: str, event: threading.Event, round_: int):
+    def _init_done(self, job: JobStore, peer: str, event: threading.Event, round_: int | None):
         def done(error, _reply):
-            if error is not None:
+            if error is not None and round_ is not None:  # None: it was not made a holder by this
                 self.drop_holder(job.name, peer, f"initial values not replicated: {error}", round_)
             event.set()
         return done

@@ -39,7 +39,8 @@ import torch
 
 from shardline.ps_server.optimizer import OptimizerConfig, make_optimizer
 from shardline.services.blocks import block_slice, num_blocks
-from shardline.services.errors import ShardlineError
+from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.extension import replay, revision_of
 from shardline.services.tensor_checks import all_finite
 from shardline.services.pb import common_pb2
 
@@ -172,6 +173,7 @@ class JobStore:
             numel = math.prod(t.shape)
             self.tensors[t.name] = TensorMeta(t.name, tuple(t.shape), numel, t.trainable,
                                               num_blocks(numel, self.block_elements), int(t.group))
+        self.revision = revision_of(spec)   # the job revisions (extensions) this store holds
         self.blocks: dict[tuple[str, int], Block] = {}
         self.step = 0                 # BSP: the first step whose commits are not complete
         # step -> rank -> (weight, epoch of its latest commit); kept while a block still collects it
@@ -197,6 +199,49 @@ class JobStore:
         # through ``step``, as (key, block) pairs; returns True if copy holders must ack first
         # (then mark_visible makes them visible).
         self.apply_hooks: list[Callable[["JobStore", int, list], bool]] = []
+
+    def extend(self, spec: common_pb2.JobSpec) -> bool:
+        """Take the job's newer revision ``spec`` (the dispatcher's): its new tensors, its unfrozen
+        tensors trainable in their new group, the new groups' optimizers. Blocks of new tensors
+        arrive by OP_INIT or as copies; an unfrozen tensor's blocks keep their values and their
+        optimizer state, untouched while frozen, so its group starts from a fresh state as a new
+        torch.optim group does. Returns False if ``spec`` is not newer. Raises StoreError
+        INVALID_ARGUMENT if ``spec`` is not this job's spec plus revisions (services/extension.py)."""
+        with self.cond:
+            if revision_of(spec) <= self.revision:
+                return False
+            try:
+                replay(self.spec, spec)
+            except ShardlineConfigError as exc:
+                raise StoreError("INVALID_ARGUMENT", f"cannot extend job {self.name!r}: {exc}") from None
+            for t in spec.tensors:
+                meta = self.tensors.get(t.name)
+                if meta is None:
+                    numel = math.prod(t.shape)
+                    self.tensors[t.name] = TensorMeta(t.name, tuple(t.shape), numel, t.trainable,
+                                                      num_blocks(numel, self.block_elements), int(t.group))
+                else:
+                    meta.trainable, meta.group = t.trainable, int(t.group)
+            for group in spec.param_groups[len(self.group_optimizers):]:
+                self.group_optimizers.append(make_optimizer(OptimizerConfig.from_proto(group)))
+            self.spec = common_pb2.JobSpec()
+            self.spec.CopyFrom(spec)
+            self.revision = revision_of(spec)
+            self.cond.notify_all()
+            return True
+
+    def check_revision(self, rank: int, step: int, revision: int, what: str) -> None:
+        """A rank's push or commit of ``step`` sent at job ``revision``: one behind a revision that
+        trains from ``step`` or earlier did not add the parameter group the other ranks added
+        (BSP would average its missing gradients as zeros): INVALID_ARGUMENT."""
+        if revision >= self.revision:
+            return
+        missed = self.spec.extensions[revision]
+        if step >= missed.step:
+            raise StoreError("INVALID_ARGUMENT",
+                             f"rank {rank}'s {what} of step {step} is at revision {revision} of job {self.name!r}, which "
+                             f"is at revision {self.revision} since step {missed.step}: every rank must add the same "
+                             f"parameter group (add_param_group) before step {missed.step}")
 
     @property
     def committed(self) -> dict[int, float]:

@@ -309,12 +309,18 @@ class DispatcherClient:
     def create_job(self, spec: common_pb2.JobSpec) -> dispatcher_pb2.CreateJobResponse:
         return self._call("CreateJob", dispatcher_pb2.CreateJobRequest(spec=spec))
 
-    def wait_job_ready(self, name: str, timeout: float) -> dispatcher_pb2.JobInfo:
-        return self._call("WaitJobReady", dispatcher_pb2.WaitJobReadyRequest(name=name, timeout_seconds=timeout),
+    def wait_job_ready(self, name: str, timeout: float, revision: int = 0) -> dispatcher_pb2.JobInfo:
+        """Once the job is ready (``revision``: and that revision's new tensors are initialized)."""
+        return self._call("WaitJobReady", dispatcher_pb2.WaitJobReadyRequest(name=name, timeout_seconds=timeout,
+                                                                             revision=revision),
                           timeout=timeout + self.rpc_timeout, waits=True)
 
-    def mark_job_ready(self, name: str) -> dispatcher_pb2.JobInfo:
-        return self._call("MarkJobReady", dispatcher_pb2.MarkJobReadyRequest(name=name))
+    def mark_job_ready(self, name: str, revision: int = 0) -> dispatcher_pb2.JobInfo:
+        return self._call("MarkJobReady", dispatcher_pb2.MarkJobReadyRequest(name=name, revision=revision))
+
+    def extend_job(self, name: str, uid: str, extension: common_pb2.JobExtension) -> dispatcher_pb2.ExtendJobResponse:
+        """Make (or find made) revision ``extension.revision`` of the job (idempotent)."""
+        return self._call("ExtendJob", dispatcher_pb2.ExtendJobRequest(name=name, uid=uid, extension=extension))
 
     def cluster_status(self) -> dispatcher_pb2.ClusterStatus:
         return self._call("GetClusterStatus", dispatcher_pb2.GetClusterStatusRequest())

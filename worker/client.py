@@ -150,6 +150,7 @@ class Client:
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
+        self.uid = ""                      # the job incarnation (JobInfo.uid), once known
         self.step: int | None = None
         # Learning rate sent with each commit (BSP) or push (ASP): one number (every group), one per
         # parameter group (a tuple), or None: the job's own.
@@ -165,11 +166,13 @@ class Client:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
         info = self.dispatcher.get_job(job)
         if info is not None and info.ready:
-            self._load_spec(info.spec)
+            self._load_spec(info.spec, info.uid)
 
     # --- job set-up -------------------------------------------------------------------------
-    def _load_spec(self, spec: common_pb2.JobSpec) -> None:
+    def _load_spec(self, spec: common_pb2.JobSpec, uid: str = "") -> None:
+        """Take the job's spec (a later revision of it adds tensors: their caches start empty)."""
         self.spec = spec
+        self.uid = uid or self.uid
         for t in spec.tensors:
             shape = tuple(int(d) for d in t.shape)
             numel = math.prod(shape)
@@ -221,7 +224,7 @@ class Client:
                              group=tensor_groups.get(name, 0) if len(groups) > 1 else 0)
         resp = self.dispatcher.create_job(spec)
         if resp.created:
-            self._load_spec(resp.job.spec)
+            self._load_spec(resp.job.spec, resp.job.uid)
             for name, t in tensors.items():
                 self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
             self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=0)
@@ -254,8 +257,60 @@ class Client:
                 warn_at = None
             time.sleep(0.1)
         info = self.dispatcher.wait_job_ready(self.job, max(0.1, deadline - time.monotonic()))
-        self._load_spec(info.spec)
+        self._load_spec(info.spec, info.uid)
         return info.spec
+
+    @property
+    def revision(self) -> int:
+        """The job revision this client holds (JobSpec.extensions; 0 before any)."""
+        return len(self.spec.extensions) if self.spec is not None else 0
+
+    def extend(self, tensors: dict[str, torch.Tensor], *, unfreeze=(), group: dict | None = None,
+               trainable: dict[str, bool] | None = None, initialize: bool = False,
+               ready_timeout: float | None = None) -> bool:
+        """Add a parameter group to the BSP job before the step this client runs next: the job's
+        next revision (docs/architecture.md, "Extending a job"). Every rank calls this with the same
+        arguments before the same step; the dispatcher makes the revision once and refuses a rank
+        whose request differs, naming the difference.
+
+        ``tensors``: tensors new to the job, trainable unless ``trainable`` says otherwise;
+        ``unfreeze``: names of frozen tensors of the job that train in the new group; ``group``: its
+        hyperparameters (torch.optim names of the job's optimizer). With ``initialize`` (the job's
+        creator, rank 0) this client sends the new tensors' initial values and marks the revision
+        ready; the others wait for that, up to ``ready_timeout`` (default ``pull_timeout``), and
+        then pull them like any tensor. Returns True if this call made the revision.
+        """
+        from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+
+        spec = self._require_spec()
+        if spec.sync != "bsp":
+            raise ShardlineStateError(f"job {self.job!r} is {spec.sync!r}: parameter groups are added during training "
+                                      f"only to BSP jobs")
+        trainable = trainable or {}
+        step = self._current_step()
+        ext = common_pb2.JobExtension(revision=self.revision + 1, step=step, unfreeze=list(unfreeze),
+                                      group=OptimizerConfig.from_kwargs(spec.optimizer.kind, **(group or {})).to_proto())
+        for name, t in tensors.items():
+            ext.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True))
+        resp = self.dispatcher.extend_job(self.job, self.uid, ext)
+        log.info("job %s: revision %d (a parameter group from step %d: %d new tensor(s), %d unfrozen) %s", self.job,
+                 ext.revision, step, len(tensors), len(ext.unfreeze), "made" if resp.applied else "already made")
+        if not tensors:
+            self._load_spec(resp.job.spec, resp.job.uid)
+        elif initialize:
+            self._load_spec(resp.job.spec, resp.job.uid)
+            for name, t in tensors.items():
+                self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
+            self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=step)
+            for name in tensors:
+                for s in self._slices[name]:
+                    self._versions[(name, s.index)] = 0
+            self.dispatcher.mark_job_ready(self.job, ext.revision)
+        else:
+            timeout = self.pull_timeout if ready_timeout is None else ready_timeout
+            info = self.dispatcher.wait_job_ready(self.job, timeout, revision=ext.revision)
+            self._load_spec(info.spec, info.uid)
+        return resp.applied
 
     @staticmethod
     def bindable(tensor: torch.Tensor) -> bool:
@@ -694,7 +749,7 @@ class Client:
                        timeout: float) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
-                                   incarnation=self.incarnation)
+                                   incarnation=self.incarnation, revision=self.revision)
         if self.lr is not None and (op == dp.OP_COMMIT or (op == dp.OP_PUSH and self.spec.sync == "asp")):
             if isinstance(self.lr, tuple):
                 header.group_lrs.extend(self.lr)

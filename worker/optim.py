@@ -96,8 +96,13 @@ class PSOptimizer(torch.optim.Optimizer):
     Learning rates: LR schedulers from ``torch.optim.lr_scheduler`` (or code) set
     ``param_groups[i]["lr"]``; each step's commit carries every group's lr to the servers. The other
     hyperparameters are fixed when the job is created: changing one later raises
-    ShardlineConfigError at ``step()`` (e.g. OneCycleLR needs ``cycle_momentum=False``). The job's
-    tensors and groups are fixed too: ``add_param_group`` after construction is refused.
+    ShardlineConfigError at ``step()`` (e.g. OneCycleLR needs ``cycle_momentum=False``).
+
+    ``add_param_group`` during training (BSP): a new group of (name, parameter) pairs, tensors new
+    to the job and/or frozen ones (registered with ``requires_grad=False``, set to True before the
+    call) that train from now on; they leave the group they were registered in. Every rank must make
+    the same call before the same step (a rank that differs is refused, naming the difference; so is
+    a rank that skips it). The new group's optimizer state starts fresh, as in torch.optim.
 
     ``state_dict()`` holds what a training script restores with its own checkpoint: the job name,
     its version (steps applied) and every group's hyperparameters (the scheduler's lr included);
@@ -239,12 +244,61 @@ class PSOptimizer(torch.optim.Optimizer):
                                            f"{theirs.torch_kwargs()}, this worker {mine.torch_kwargs()}")
 
     def add_param_group(self, param_group: dict) -> None:
-        """Add a group while the optimizer is built (torch.optim's constructor calls this); the
-        job's tensors are fixed once it exists, so later calls raise ShardlineStateError."""
-        if getattr(self, "_constructed", False):
-            raise ShardlineStateError("the job's tensors and parameter groups are fixed once it exists: pass every "
-                                      "group (frozen parameters included, with requires_grad=False) to PSOptimizer")
-        super().add_param_group(param_group)
+        """Add a group: while the optimizer is built (torch.optim's constructor calls this), or
+        during training, where it makes the job's next revision on the cluster (class doc).
+
+        During training ``param_group["params"]`` are (name, parameter) pairs: names the job does not
+        have are new tensors (rank 0 sends their values, the other ranks wait for them and pull);
+        names of the job's frozen tensors are unfrozen into this group (their parameters must have
+        ``requires_grad=True`` now). From the next ``step()`` on their gradients are pushed and the
+        step carries this group's lr."""
+        if not getattr(self, "_constructed", False):
+            super().add_param_group(param_group)
+            return
+        self.wait()
+        group = _named_groups([param_group])[0]
+        members = group["params"]
+        names = [n for n, _ in members]
+        if not members:
+            raise ShardlineConfigError("add_param_group got no parameters")
+        if len(set(names)) != len(names):
+            raise ShardlineConfigError(f"add_param_group names a parameter twice: {sorted(names)}")
+        job_tensors = {t.name: t for t in self.client.spec.tensors}
+        mine = {name: p for name, p in self.params}
+        unfreeze, new = [], {}
+        for name, p in members:
+            tensor = job_tensors.get(name)
+            if tensor is None:
+                if any(p is q for q in mine.values()):
+                    raise ShardlineConfigError(f"parameter {name!r} is already in this optimizer under another name")
+                new[name] = p
+            elif tensor.trainable:
+                raise ShardlineConfigError(f"parameter {name!r} already trains in parameter group {tensor.group} of job "
+                                           f"{self.client.job!r}; only new or frozen parameters go in a new group")
+            elif not p.requires_grad:
+                raise ShardlineConfigError(f"parameter {name!r} is frozen in job {self.client.job!r} and still has "
+                                           f"requires_grad=False: set requires_grad=True to train it in the new group")
+            elif name not in mine or mine[name] is not p:
+                raise ShardlineConfigError(f"parameter {name!r} is not the tensor this optimizer registered under that name")
+            else:
+                unfreeze.append(name)
+        index = len(self.param_groups)
+        config = self._group_config(index, {**self.defaults, **{k: v for k, v in group.items() if k != "params"}})
+        self.client.extend({n: p.detach() for n, p in new.items()}, unfreeze=unfreeze, group=config.torch_kwargs(),
+                           trainable={n: p.requires_grad for n, p in new.items()}, initialize=self.rank == 0)
+        for old in self.param_groups:  # unfrozen parameters move to the new group
+            keep = [(n, p) for n, p in zip(old["param_names"], old["params"]) if n not in unfreeze]
+            old["param_names"], old["params"] = [n for n, _ in keep], [p for _, p in keep]
+        super().add_param_group(group)
+        self._group_configs.append(config)
+        self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
+        for name, p in new.items():
+            if self.client.bindable(p.data):
+                self.client.bind(name, p.data, same_contents=self.rank == 0)
+            else:
+                self._copy_back.append((name, p))
+        self._check_job_groups(self.client.spec, {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]})
+        self._pull()  # the other ranks receive the new tensors
 
     def _step_lrs(self) -> float | tuple[float, ...]:
         """Every group's lr for this step; any other hyperparameter changed since creation is an error."""
