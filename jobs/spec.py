@@ -331,8 +331,8 @@ def _cost(v: Any) -> CostModel | None:
         return None
     if v == "measure":
         raise ValueError("measure is not available to the worker daemon (every rank must use the same "
-                         "coefficients): fit them once with shardline.CostModel.measure and give "
-                         "{c0: .., c1: .., c2: ..}, got 'measure'")
+                         "coefficients): fit them once with `shardline fit-cost JOB_FILE` on a machine like the "
+                         "workers' and give the {c0: .., c1: .., c2: ..} it prints, got 'measure'")
     try:
         return CostModel.from_config(v)
     except ShardlineConfigError as exc:

@@ -369,6 +369,27 @@ def _drain(args: argparse.Namespace) -> int:
         client.close()
 
 
+def cmd_fit_cost(args: argparse.Namespace) -> int:
+    """Time the job's model on this machine and print the train.cost line for length balancing."""
+    import platform
+    import torch
+
+    from shardline.jobs.cost_fit import cost_line, fit_cost
+    from shardline.jobs.spec import load_job
+
+    try:
+        spec = load_job(args.job)
+        torch.set_num_threads(args.threads)
+        cost, lengths = fit_cost(spec, repeats=args.repeats)
+    except ShardlineError as exc:
+        print(f"shardline fit-cost: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"# fitted on {platform.node()} ({args.threads} torch thread(s)): one forward+backward of job "
+          f"{spec.name}'s model per sequence of {lengths[0]}..{lengths[-1]} tokens, fastest of {args.repeats}")
+    print(f"# put under train: (with balance: tokens)\n{cost_line(cost)}")
+    return 0
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     return _run_command("drain", _drain, args)
 
@@ -933,6 +954,13 @@ def build_parser() -> argparse.ArgumentParser:
     jb = sub.add_parser("job", help="manage jobs")
     jsub = jb.add_subparsers(dest="job_command", metavar="ACTION")
     jsub.required = True
+    fc = sub.add_parser("fit-cost", help="time a job's model on this machine and print the train.cost line "
+                                          "that length-balanced minibatches (balance: tokens) split by")
+    fc.add_argument("job", help="job file (YAML)")
+    fc.add_argument("--repeats", type=int, default=3, help="timings per length; the fastest counts (default 3)")
+    fc.add_argument("--threads", type=int, default=1, help="torch threads, as the workers will use (default 1)")
+    fc.set_defaults(func=cmd_fit_cost)
+
     jd = jsub.add_parser("delete", help="delete a job, its blocks and its checkpoints on every node")
     cluster_args(jd)
     jd.add_argument("name", help="job name")
