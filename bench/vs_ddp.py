@@ -1,0 +1,531 @@
+"""Shardline vs the peers: DDP (gloo), DDP with the balanced split, FSDP2 (``fully_shard`` on
+CPU/gloo) and Shardline BSP on the same post-training workload (issue 11).
+
+    .venv/bin/python bench/vs_ddp.py --out bench/results/vs_ddp.json     # full run
+    .venv/bin/python bench/vs_ddp.py --quick                              # smoke run (~1-2 min)
+
+Workload: 2 ranks, each its own process pinned to one core (``os.sched_setaffinity``, 1 torch
+thread); TinyGPT of 922,880 parameters (vocab 512, d_model 128, 4 layers, 4 heads, up to 512
+tokens, seed 0); AdamW; every step a global minibatch of 4 sequences per rank, lengths
+lognormal(ln 64, 1) clipped to [16, 512] (``--workload lognormal``) or all equal to that
+distribution's mean (``--workload balanced``); random token ids; a causal LM loss (labels = the
+next token). Every mode sees the same global minibatches and starts from the same weights.
+
+Modes (``--modes``):
+
+* ``ddp``: DistributedDataParallel, each rank takes its contiguous share of the global minibatch
+  and backpropagates its own token mean; DDP averages the ranks, so the gradient is the mean of
+  per-rank means (reference ``rank_mean``).
+* ``ddp_balanced``: the global minibatch split by ``shardline.balanced_split`` (KK by tokens);
+  rank r backpropagates ``world * S_r / T`` (S_r its summed token losses, T all tokens), so DDP's
+  average is the gradient of the global token mean (reference ``token_mean``).
+* ``fsdp2``: ``fully_shard`` on every block and the root, CPU/gloo, contiguous split and per-rank
+  means like ``ddp`` (reference ``rank_mean``).
+* ``shardline``: a LocalCluster (1 dispatcher + ``--ps`` PS nodes), PSOptimizer AdamW BSP, the
+  balanced split, each rank pushing with weight = its loss tokens (``rank_weights``) (reference
+  ``token_mean``).
+
+Per rank: tokens/s over the timed steps (every step after ``--warmup``), the share of step time
+spent waiting for communication (DDP: time blocked in the all-reduce, measured by a comm hook
+that runs each bucket's all-reduce synchronously; FSDP2: step time minus the same rank's
+compute on a local unsharded copy, measured in the same step; Shardline: time inside
+``opt.step()``), peak RSS (``ru_maxrss``) and the loss per step. The loss of a step is the
+token mean of the whole global minibatch before the update, so every mode's curve is comparable
+to a single-process reference (AdamW on the whole minibatch): ``token_mean`` (loss = S / T) or
+``rank_mean`` (loss = mean over the contiguous parts of each part's token mean). The JSON gives,
+per mode, the max abs difference from both and which one the mode should match.
+
+Repeats are interleaved (``--repeats N``; the mode order rotates every repeat). Ratios are
+relative to ``ddp`` in the same repeat; no absolute numbers are expected anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import math
+import os
+import platform
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from balance import sample_lengths  # noqa: E402
+from report import run_and_report  # noqa: E402
+
+MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline")
+MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+PER_RANK = 4
+MAX_LEN = 511  # a sequence of L tokens needs L + 1 ids (labels = next token); max_seq_len 512
+REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean", "shardline": "token_mean"}
+SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "shardline": "kk"}
+
+
+# --------------------------------------------------------------------------------------------
+# workload (the same in every process)
+# --------------------------------------------------------------------------------------------
+def balanced_length(seed: int) -> int:
+    lengths = sample_lengths(100_000, seed * 7 + 12345)
+    return min(MAX_LEN, round(statistics.fmean(lengths)))
+
+
+def global_batch(step: int, world: int, workload: str, seed: int) -> list[int]:
+    """The lengths of step ``step``'s global minibatch (``world * PER_RANK`` sequences)."""
+    n = world * PER_RANK
+    if workload == "balanced":
+        return [balanced_length(seed)] * n
+    return [min(MAX_LEN, L) for L in sample_lengths(n, seed * 1_000_003 + step)]
+
+
+def sequence_ids(step: int, index: int, length: int, seed: int, vocab: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + index)
+    return torch.randint(0, vocab, (1, length + 1), generator=g)
+
+
+def split_of(mode_split: str, lengths: list[int], world: int) -> list[list[int]]:
+    from shardline import balanced_split
+
+    return balanced_split(lengths, world, method=mode_split)
+
+
+def seq_loss_sum(model, ids):
+    import torch.nn.functional as F
+
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
+
+
+def pin(core: int) -> None:
+    import torch
+
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[core % len(cores)]} if core >= 0 else set(cores))
+    torch.set_num_threads(1)
+
+
+def die_with_parent() -> None:
+    try:  # PR_SET_PDEATHSIG = 1: SIGKILL this rank if the benchmark dies
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+# --------------------------------------------------------------------------------------------
+# one process: a rank of a mode, or the single-process reference
+# --------------------------------------------------------------------------------------------
+def run_reference(cfg: dict) -> dict:
+    """One process, AdamW on every step's whole global minibatch; both reference curves."""
+    import torch
+
+    from shardline.jobs.models.tinygpt import TinyGPT
+
+    pin(0)
+    out = {}
+    for kind in ("token_mean", "rank_mean"):
+        model = TinyGPT(**MODEL)
+        opt = torch.optim.AdamW(model.parameters(), **HYPER)
+        losses = []
+        for step in range(cfg["steps"]):
+            lengths = global_batch(step, cfg["world"], cfg["workload"], cfg["seed"])
+            parts = split_of("contiguous", lengths, cfg["world"])
+            T = sum(lengths)
+            opt.zero_grad()
+            total = 0.0
+            for part in parts:
+                t_r = sum(lengths[i] for i in part)
+                for i in part:
+                    s = seq_loss_sum(model, sequence_ids(step, i, lengths[i], cfg["seed"], MODEL["vocab_size"]))
+                    total += float(s.detach())
+                    scale = 1.0 / T if kind == "token_mean" else 1.0 / (t_r * len(parts))
+                    (s * scale).backward()
+            opt.step()
+            losses.append(total / T)
+        out[kind] = losses
+    return {"curves": out, "peak_rss_mib": peak_rss_mib()}
+
+
+def run_rank(cfg: dict) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from shardline import rank_weights
+    from shardline.jobs.models.tinygpt import TinyGPT
+
+    mode, rank, world = cfg["mode"], cfg["rank"], cfg["world"]
+    pin(rank)
+    model = TinyGPT(**MODEL)
+    wait_s = [0.0]
+    opt = None
+    local = None
+    uses_dist = mode != "shardline"
+    if uses_dist:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
+    if mode in ("ddp", "ddp_balanced"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model)
+
+        def timed_allreduce(state, bucket):
+            buf = bucket.buffer()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            wait_s[0] += time.perf_counter() - t0
+            buf.div_(world)
+            fut = torch.futures.Future()
+            fut.set_result(buf)
+            return fut
+
+        net.register_comm_hook(None, timed_allreduce)
+        opt = torch.optim.AdamW(net.parameters(), **HYPER)
+    elif mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        local = TinyGPT(**MODEL)  # the compute baseline: same part, no communication
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = model
+        opt = torch.optim.AdamW(net.parameters(), **HYPER)
+    elif mode == "shardline":
+        from shardline import PSOptimizer
+
+        net = model
+        opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw", sync="bsp",
+                          world_size=world, rank=rank, **HYPER)
+    else:
+        raise ValueError(mode)
+
+    losses_s, tokens, step_s, wait_per_step = [], [], [], []
+    for step in range(cfg["steps"]):
+        lengths = global_batch(step, world, cfg["workload"], cfg["seed"])
+        parts = split_of(SPLIT_OF[mode], lengths, world)
+        mine = parts[rank]
+        T = sum(lengths)
+        t_r = sum(lengths[i] for i in mine)
+        seqs = [sequence_ids(step, i, lengths[i], cfg["seed"], MODEL["vocab_size"]) for i in mine]
+        if mode == "ddp_balanced":
+            scale = world / T
+        elif mode == "shardline":
+            w = rank_weights(parts, lengths)[rank]
+            scale, weight = w.loss_scale, w.weight
+        else:
+            scale = 1.0 / t_r
+        baseline = None
+        if local is not None:  # FSDP2: time the same part on the local copy first, untimed in the step
+            t0 = time.perf_counter()
+            for ids in seqs:
+                (seq_loss_sum(local, ids) * scale).backward()
+            local.zero_grad(set_to_none=True)
+            baseline = time.perf_counter() - t0
+        wait_s[0] = 0.0
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        s_total = 0.0
+        for j, ids in enumerate(seqs):
+            last = j == len(seqs) - 1
+            if mode in ("ddp", "ddp_balanced") and not last:
+                with net.no_sync():
+                    s = seq_loss_sum(net, ids)
+                    (s * scale).backward()
+            else:
+                if mode == "fsdp2":
+                    net.set_requires_gradient_sync(last)
+                s = seq_loss_sum(net, ids)
+                (s * scale).backward()
+            s_total += float(s.detach())
+        if mode == "shardline":
+            ts = time.perf_counter()
+            opt.step(weight=weight)
+            wait_s[0] = time.perf_counter() - ts
+        else:
+            opt.step()
+        dt = time.perf_counter() - t0
+        if mode == "fsdp2":
+            wait_s[0] = max(0.0, dt - baseline)
+        losses_s.append(s_total)
+        tokens.append(t_r)
+        step_s.append(dt)
+        wait_per_step.append(wait_s[0])
+    if mode == "shardline":
+        opt.close()
+    if uses_dist:
+        dist.barrier()
+        dist.destroy_process_group()
+    return {"mode": mode, "rank": rank, "loss_sums": losses_s, "tokens": tokens, "step_seconds": step_s,
+            "wait_seconds": wait_per_step, "peak_rss_mib": peak_rss_mib()}
+
+
+def child_main(cfg_path: str, out_path: str) -> int:
+    die_with_parent()
+    cfg = json.loads(Path(cfg_path).read_text())
+    result = run_reference(cfg) if cfg["mode"] == "reference" else run_rank(cfg)
+    tmp = out_path + ".tmp"
+    Path(tmp).write_text(json.dumps(result))
+    os.replace(tmp, out_path)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# the orchestrator
+# --------------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Children:
+    """Every process the benchmark starts, stopped by pid in ``stop_all`` (SIGTERM, then SIGKILL)."""
+
+    def __init__(self):
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cfg: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
+        cfg_path, out_path, log = workdir / f"{name}.cfg.json", workdir / f"{name}.result.json", workdir / f"{name}.log"
+        cfg_path.write_text(json.dumps(cfg))
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        with open(log, "ab") as fh:
+            p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(cfg_path), str(out_path)],
+                                 stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.procs.append(p)
+        return p, out_path
+
+    def wait(self, procs, outs, timeout: float, logs: list[Path]) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        pending = list(procs)
+        while pending:
+            for p in list(pending):
+                code = p.poll()
+                if code is None:
+                    continue
+                pending.remove(p)
+                if code != 0:
+                    tails = "\n".join(f"--- {lg.name}\n" + "\n".join(lg.read_text(errors="replace").splitlines()[-25:])
+                                      for lg in logs)
+                    raise RuntimeError(f"a rank process exited with {code}:\n{tails}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rank processes did not finish in {timeout:g} s (logs in {logs[0].parent})")
+            time.sleep(0.02)
+        return [json.loads(o.read_text()) for o in outs]
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait()
+        self.procs = []
+
+
+def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cluster) -> dict:
+    world = args.world
+    base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
+    if mode == "shardline":
+        base.update(cluster=cluster.address, job=f"vsddp-{os.getpid()}-{repeat}")
+    else:
+        base["port"] = free_port()
+    started, outs, logs = [], [], []
+    for r in range(world):
+        name = f"r{repeat}-{mode}-rank{r}"
+        p, out = children.start(dict(base, rank=r), workdir, name)
+        started.append(p)
+        outs.append(out)
+        logs.append(workdir / f"{name}.log")
+    t0 = time.monotonic()
+    ranks = children.wait(started, outs, args.timeout, logs)
+    wall = time.monotonic() - t0
+    children.procs = [p for p in children.procs if p not in started]
+    return summarize_mode(mode, ranks, args, wall)
+
+
+def summarize_mode(mode: str, ranks: list[dict], args, wall: float) -> dict:
+    timed = range(min(args.warmup, args.steps - 1), args.steps)
+    per_rank = []
+    for r in ranks:
+        secs = sum(r["step_seconds"][s] for s in timed)
+        toks = sum(r["tokens"][s] for s in timed)
+        wait = sum(r["wait_seconds"][s] for s in timed)
+        per_rank.append({"rank": r["rank"], "tokens_per_s": toks / secs, "wait_share": wait / secs, "seconds": secs,
+                         "tokens": toks, "peak_rss_mib": r["peak_rss_mib"],
+                         "step_ms_median": 1e3 * statistics.median(r["step_seconds"][s] for s in timed)})
+    total_tokens = sum(p["tokens"] for p in per_rank)
+    slowest = max(p["seconds"] for p in per_rank)
+    losses = [sum(r["loss_sums"][s] for r in ranks) / sum(r["tokens"][s] for r in ranks) for s in range(args.steps)]
+    return {"mode": mode, "tokens_per_s": total_tokens / slowest, "wait_share_mean": statistics.fmean(p["wait_share"] for p in per_rank),
+            "wait_share_max": max(p["wait_share"] for p in per_rank), "peak_rss_mib_max": max(p["peak_rss_mib"] for p in per_rank),
+            "per_rank": per_rank, "losses": losses, "wall_seconds": wall}
+
+
+def machine_info() -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cores": os.cpu_count(), "affinity": sorted(os.sched_getaffinity(0))}
+    try:
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
+    except OSError:
+        pass
+    return info
+
+
+def run(args) -> dict:
+    from shardline.services.local_cluster import LocalCluster
+
+    t_start = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="shardline-vsddp-"))
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+    result: dict = {"machine": machine_info(), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
+                    "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
+                               "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
+                               "ps_nodes": args.ps, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
+                    "skipped": {}}
+    children = Children()
+    cluster = None
+    try:
+        p, out = children.start({"mode": "reference", "world": args.world, "steps": args.steps, "workload": args.workload,
+                                 "seed": args.seed}, workdir, "reference")
+        ref = children.wait([p], [out], args.timeout, [workdir / "reference.log"])[0]
+        children.procs = []
+        result["reference"] = ref
+        if "shardline" in modes:
+            cluster = LocalCluster(workdir / "daemons")
+            cluster.start_dispatcher()
+            nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
+            for n in nodes:
+                cluster.wait_ready(n)
+            cluster.wait_for_nodes(args.ps, timeout=30)
+        runs: dict[str, list[dict]] = {m: [] for m in modes}
+        for rep in range(args.repeats):
+            order = modes[rep % len(modes):] + modes[:rep % len(modes)]
+            for m in order:
+                if m in result["skipped"]:
+                    continue
+                try:
+                    res = run_mode(m, args, workdir, children, rep, cluster)
+                except RuntimeError as exc:
+                    if m == "fsdp2":  # never silently: the exact reason goes to the JSON
+                        result["skipped"][m] = str(exc)[-2000:]
+                        children.stop_all()
+                        continue
+                    raise
+                res["repeat"] = rep
+                runs[m].append(res)
+                if args.verbose:
+                    print(f"repeat {rep} {m}: {res['tokens_per_s']:.0f} tok/s, wait {res['wait_share_mean']:.1%}", flush=True)
+        result["runs"] = runs
+        result["summary"] = summarize(runs, ref["curves"], args)
+    finally:
+        children.stop_all()
+        if cluster is not None:
+            cluster.shutdown()
+            result["daemon_exit_codes"] = {h.name: h.returncode for h in cluster.handles.values()}
+    result["loadavg_end"] = os.getloadavg()
+    result["wall_seconds"] = time.monotonic() - t_start
+    return result
+
+
+def summarize(runs: dict, curves: dict, args) -> dict:
+    out = {}
+    base = {r["repeat"]: r for r in runs.get("ddp", [])}
+    for m, rs in runs.items():
+        if not rs:
+            continue
+        ratios = [r["tokens_per_s"] / base[r["repeat"]]["tokens_per_s"] for r in rs if r["repeat"] in base]
+        diffs = {k: max(max(abs(a - b) for a, b in zip(r["losses"], c)) for r in rs) for k, c in curves.items()}
+        out[m] = {
+            "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
+            "ratio_to_ddp_paired_median": statistics.median(ratios) if ratios else None,
+            "ratio_to_ddp_min": min(ratios) if ratios else None, "ratio_to_ddp_max": max(ratios) if ratios else None,
+            "wait_share_mean_median": statistics.median(r["wait_share_mean"] for r in rs),
+            "wait_share_max_median": statistics.median(r["wait_share_max"] for r in rs),
+            "peak_rss_mib_max": max(r["peak_rss_mib_max"] for r in rs),
+            "reference": REFERENCE_OF[m], "split": SPLIT_OF[m],
+            "loss_max_abs_diff": diffs, "loss_max_abs_diff_own_reference": diffs[REFERENCE_OF[m]],
+            "first_loss": rs[0]["losses"][0], "last_loss": rs[0]["losses"][-1],
+        }
+    return out
+
+
+def print_table(result: dict) -> None:
+    cfg = result["config"]
+    print(f"\nvs_ddp: workload {cfg['workload']}, {cfg['world']} ranks x {cfg['per_rank']} sequences, {cfg['steps']} steps "
+          f"({cfg['warmup']} warm-up), {cfg['repeats']} repeat(s), TinyGPT 922,880 params, AdamW")
+    print(f"{'mode':<13}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
+          f"{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
+    for m, s in result.get("summary", {}).items():
+        other = "rank_mean" if s["reference"] == "token_mean" else "token_mean"
+        ratio = s["ratio_to_ddp_paired_median"]
+        print(f"{m:<13}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
+              f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}{s['peak_rss_mib_max']:>9.0f}"
+              f"{s['reference']:>12}{s['loss_max_abs_diff_own_reference']:>12.2e}{s['loss_max_abs_diff'][other]:>11.2e}")
+    for m, why in result.get("skipped", {}).items():
+        print(f"{m}: skipped: {why.splitlines()[-1] if why else why}")
+    print(f"wall {result['wall_seconds']:.0f} s, load {result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}")
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child_main(argv[1], argv[2])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    ap.add_argument("--workload", choices=("lognormal", "balanced"), default="lognormal")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed first steps of every run (still in the loss curve)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run of a mode")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 2 warm-up, 1 repeat")
+    ap.add_argument("--out", help="write the JSON here (e.g. bench/results/vs_ddp.json)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup, args.repeats = 8, 2, 1
+    if args.steps < 2 or args.repeats < 1:
+        ap.error("--steps must be >= 2 and --repeats >= 1")
+    return run_and_report(run, print_table, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
