@@ -58,6 +58,8 @@ bench: protos
 	$(PY) bench/run.py --out bench/results/latest.json
 	$(PY) bench/checkpoint.py --out bench/results/checkpoint.json
 	$(PY) bench/balance.py --out bench/results/balance.json
+	$(PY) bench/vs_ddp.py --out bench/results/vs_ddp.json
+	$(PY) bench/vs_ddp.py --workload balanced --out bench/results/vs_ddp_balanced.json
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
 # of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.

@@ -68,7 +68,7 @@ MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline")
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4
-MAX_LEN = 511  # a sequence of L tokens needs L + 1 ids (labels = next token); max_seq_len 512
+MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token (its loss tokens)
 REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean", "shardline": "token_mean"}
 SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "shardline": "kk"}
 
@@ -77,8 +77,7 @@ SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "s
 # workload (the same in every process)
 # --------------------------------------------------------------------------------------------
 def balanced_length(seed: int) -> int:
-    lengths = sample_lengths(100_000, seed * 7 + 12345)
-    return min(MAX_LEN, round(statistics.fmean(lengths)))
+    return round(statistics.fmean(sample_lengths(100_000, seed * 7 + 12345, hi=MAX_LEN)))
 
 
 def global_batch(step: int, world: int, workload: str, seed: int) -> list[int]:
@@ -86,14 +85,18 @@ def global_batch(step: int, world: int, workload: str, seed: int) -> list[int]:
     n = world * PER_RANK
     if workload == "balanced":
         return [balanced_length(seed)] * n
-    return [min(MAX_LEN, L) for L in sample_lengths(n, seed * 1_000_003 + step)]
+    return sample_lengths(n, seed * 1_000_003 + step, hi=MAX_LEN)
+
+
+def loss_tokens(lengths: list[int]) -> list[int]:
+    return [L - 1 for L in lengths]
 
 
 def sequence_ids(step: int, index: int, length: int, seed: int, vocab: int):
     import torch
 
     g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + index)
-    return torch.randint(0, vocab, (1, length + 1), generator=g)
+    return torch.randint(0, vocab, (1, length), generator=g)
 
 
 def split_of(mode_split: str, lengths: list[int], world: int) -> list[list[int]]:
@@ -148,11 +151,12 @@ def run_reference(cfg: dict) -> dict:
         for step in range(cfg["steps"]):
             lengths = global_batch(step, cfg["world"], cfg["workload"], cfg["seed"])
             parts = split_of("contiguous", lengths, cfg["world"])
-            T = sum(lengths)
+            toks = loss_tokens(lengths)
+            T = sum(toks)
             opt.zero_grad()
             total = 0.0
             for part in parts:
-                t_r = sum(lengths[i] for i in part)
+                t_r = sum(toks[i] for i in part)
                 for i in part:
                     s = seq_loss_sum(model, sequence_ids(step, i, lengths[i], cfg["seed"], MODEL["vocab_size"]))
                     total += float(s.detach())
@@ -222,13 +226,14 @@ def run_rank(cfg: dict) -> dict:
         lengths = global_batch(step, world, cfg["workload"], cfg["seed"])
         parts = split_of(SPLIT_OF[mode], lengths, world)
         mine = parts[rank]
-        T = sum(lengths)
-        t_r = sum(lengths[i] for i in mine)
+        toks = loss_tokens(lengths)
+        T = sum(toks)
+        t_r = sum(toks[i] for i in mine)
         seqs = [sequence_ids(step, i, lengths[i], cfg["seed"], MODEL["vocab_size"]) for i in mine]
         if mode == "ddp_balanced":
             scale = world / T
         elif mode == "shardline":
-            w = rank_weights(parts, lengths)[rank]
+            w = rank_weights(parts, toks)[rank]
             scale, weight = w.loss_scale, w.weight
         else:
             scale = 1.0 / t_r
