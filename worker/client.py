@@ -341,17 +341,41 @@ class Client:
 
     # --- data path --------------------------------------------------------------------------
     def pull(self, names=None, *, min_step: int | None = None, timeout: float | None = None,
-             copy: bool = True) -> dict[str, torch.Tensor]:
-        """Fetch tensors (default: all of the job). Only blocks newer than the cached ones move.
+             copy: bool = True, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """Fetch tensors (default: all of the job, or the names of ``out``). Only blocks newer than
+        the cached ones move.
 
         BSP: waits server-side until the nodes are at ``min_step`` (default: this client's step).
         Returns tensors shaped like the job's; with ``copy=False`` they are views of the client's
-        cache, which later pulls overwrite in place (no 64 MB copy per pull).
+        cache, which later pulls overwrite in place (no 64 MB copy per pull). ``out``: the caller's
+        tensors (name -> a tensor of the job's shape, any float dtype, CPU) to fill and return,
+        reused from pull to pull, so no new memory is allocated (and faulted in) for the result.
+        Checked before anything is pulled: ShardlineConfigError names a wrong name, shape or dtype.
         """
+        if out is not None:
+            names = list(out) if names is None else names
+            self._check_out(out, self._names(names))
         names = self._names(names)
         self._pull(names, min_step=min_step, timeout=timeout)
         values = {n: self._values[n].view(self._shapes[n]) for n in names}
+        if out is not None:
+            with torch.no_grad():
+                for n in names:
+                    out[n].copy_(values[n])
+            return {n: out[n] for n in names}
         return {n: v.clone() for n, v in values.items()} if copy else values
+
+    def _check_out(self, out: dict, names: list[str]) -> None:
+        missing = [n for n in names if n not in out]
+        if missing or set(out) - set(names):
+            raise ShardlineConfigError(f"out= must hold exactly the pulled tensors {names}; it has {sorted(out)}")
+        for n in names:
+            t = out[n]
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_floating_point():
+                raise ShardlineConfigError(f"out[{n!r}] must be a floating-point CPU tensor, got {type(t).__name__}"
+                                           f"{'' if not isinstance(t, torch.Tensor) else f' {t.dtype} on {t.device}'}")
+            if tuple(t.shape) != self._shapes[n]:
+                raise ShardlineConfigError(f"out[{n!r}] has shape {tuple(t.shape)}, the job's tensor {self._shapes[n]}")
 
     def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, commit: bool = True) -> None:
         """Contribute gradients for the current step.

@@ -88,3 +88,33 @@ def test_not_owner_makes_client_refresh_routing(cluster):
         client.close()
         cluster.stop(node)
         cluster.wait_for_nodes(2, timeout=30)
+
+
+def test_pull_into_the_callers_tensors(cluster):
+    """pull(out=...) fills the caller's tensors (reused from pull to pull) and returns them; a wrong
+    name, shape or dtype is refused before anything is pulled."""
+    import pytest
+
+    from shardline.services.errors import ShardlineConfigError
+
+    creator = connect(cluster.address, job="pull-out")
+    w, b = torch.randn(4, 50), torch.randn(7)
+    creator.init({"w": w, "b": b}, optimizer="sgd", lr=0.5, block_elements=64)
+    reader = connect(cluster.address, job="pull-out")
+    out = {"w": torch.empty(4, 50), "b": torch.empty(7, dtype=torch.bfloat16)}
+    ptrs = {k: v.data_ptr() for k, v in out.items()}
+    got = reader.pull(out=out)
+    assert got["w"] is out["w"] and torch.equal(out["w"], w)
+    assert torch.equal(out["b"], b.to(torch.bfloat16))
+    creator.push({"w": torch.ones(4, 50), "b": None})
+    reader.pull(min_step=1, out=out)
+    assert torch.equal(out["w"], w - 0.5) and {k: v.data_ptr() for k, v in out.items()} == ptrs
+    before = reader.stats.pulled_bytes
+    for bad, match in (({"w": torch.empty(4, 51), "b": out["b"]}, "shape"),
+                       ({"w": torch.empty(4, 50, dtype=torch.int64), "b": out["b"]}, "floating-point"),
+                       ({"w": out["w"]}, None), ({"nope": torch.empty(1)}, "no tensor")):
+        with pytest.raises(ShardlineConfigError, match=match or "exactly"):
+            reader.pull(["w", "b"] if match is None else None, out=bad)
+    assert reader.stats.pulled_bytes == before, "a refused out= pulls nothing"
+    reader.close()
+    creator.close()
