@@ -73,14 +73,21 @@ class GradNormExchange:
         me = self.node.node_id
         self._record(job.name, step, me, view.epoch, share)
         message = ps_pb2.GradNormShare(job=job.name, step=step, epoch=view.epoch, node=me, sum_squares=share)
-        for peer in sorted(primaries_of(view, job) - {me}):
+        self._send_to(view, primaries_of(view, job) - {me}, message)
+        self._pool.submit(self.try_apply, job.name, step)
+        self._check_again(STALL_WARNING_SECONDS + 0.5, job.name, step)  # names the primaries missing by then
+
+    def _send_to(self, view, peers, message) -> None:
+        """Send ``message`` to each of ``peers`` (node ids of ``view``), off the caller's thread."""
+        for peer in sorted(peers):
             info = view.nodes.get(peer)
             if info is not None:
                 self._pool.submit(self._deliver, peer, info.grpc_address, message)
-        self._pool.submit(self.try_apply, job.name, step)
-        timer = threading.Timer(STALL_WARNING_SECONDS + 0.5, self.try_apply, args=(job.name, step))
+
+    def _check_again(self, delay: float, job_name: str, step: int) -> None:
+        timer = threading.Timer(delay, self.try_apply, args=(job_name, step))
         timer.daemon = True
-        timer.start()  # names the primaries still missing if the step is stuck by then
+        timer.start()
 
     def _deliver(self, peer: str, address: str, message) -> None:
         try:
@@ -101,11 +108,10 @@ class GradNormExchange:
         job = self.node.store.get(share.job)
         coef = job.decided_coef(int(share.step)) if job is not None else None
         if coef is not None:  # stepped already: the late sender takes the same coefficient
-            info = self.node.routing.nodes.get(share.node)
-            if info is not None:
-                answer = ps_pb2.GradNormShare(job=share.job, step=share.step, node=self.node.node_id, decided=True,
-                                              coef=coef, epoch=self.node.routing.epoch)
-                self._pool.submit(self._deliver, share.node, info.grpc_address, answer)
+            view = self.node.routing
+            answer = ps_pb2.GradNormShare(job=share.job, step=share.step, node=self.node.node_id, decided=True,
+                                          coef=coef, epoch=view.epoch)
+            self._send_to(view, {share.node}, answer)
             return
         self.try_apply(*key)
 
@@ -152,13 +158,8 @@ class GradNormExchange:
         if own is not None and own[0] == view.epoch:
             message = ps_pb2.GradNormShare(job=job.name, step=step, epoch=own[0], node=self.node.node_id,
                                            sum_squares=own[1])
-            for peer in sorted(missing):
-                info = view.nodes.get(peer)
-                if info is not None:
-                    self._pool.submit(self._deliver, peer, info.grpc_address, message)
-        timer = threading.Timer(STALL_WARNING_SECONDS, self.try_apply, args=(job.name, step))
-        timer.daemon = True
-        timer.start()
+            self._send_to(view, missing, message)
+        self._check_again(STALL_WARNING_SECONDS, job.name, step)
 
     def on_routing_change(self) -> None:
         """Blocks may have changed primaries: every clipped step not applied yet is shared again."""
