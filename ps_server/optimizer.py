@@ -43,6 +43,7 @@ from shardline.services.errors import ShardlineConfigError
 __all__ = [
     "KINDS",
     "OptimizerConfig",
+    "group_configs",
     "BlockOptimizer",
     "SGDBlockOptimizer",
     "AdamBlockOptimizer",
@@ -449,6 +450,11 @@ class AdamBlockOptimizer(BlockOptimizer):
         denom.div_(bias_correction2_sqrt).add_(c.eps)
 
         param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def group_configs(spec: Any) -> list["OptimizerConfig"]:
+    """A ``JobSpec``'s parameter groups as configs: its ``param_groups``, or its one ``optimizer``."""
+    return [OptimizerConfig.from_proto(g) for g in spec.param_groups] or [OptimizerConfig.from_proto(spec.optimizer)]
 
 
 def make_optimizer(config: OptimizerConfig | Any) -> BlockOptimizer:

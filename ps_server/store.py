@@ -37,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from shardline.ps_server.optimizer import OptimizerConfig, make_optimizer
+from shardline.ps_server.optimizer import OptimizerConfig, group_configs, make_optimizer
 from shardline.services.blocks import block_slice, num_blocks
 from shardline.services.errors import ShardlineConfigError, ShardlineError
 from shardline.services.extension import replay, revision_of
@@ -165,8 +165,7 @@ class JobStore:
         self.optimizer_config = OptimizerConfig.from_proto(spec.optimizer)
         # One optimizer per parameter group (torch.optim's param_groups); their state layouts agree
         # (checked when the job is created), so one block codec and checkpoint format serve all.
-        self.group_optimizers = [make_optimizer(OptimizerConfig.from_proto(g)) for g in spec.param_groups] or [
-            make_optimizer(self.optimizer_config)]
+        self.group_optimizers = [make_optimizer(c) for c in group_configs(spec)]
         self.optimizer = self.group_optimizers[0]
         self.tensors: dict[str, TensorMeta] = {}
         for t in spec.tensors:

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import torch
 
-from shardline.ps_server.optimizer import OptimizerConfig
+from shardline.ps_server.optimizer import OptimizerConfig, group_configs
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
@@ -228,9 +228,7 @@ class PSOptimizer(torch.optim.Optimizer):
     def _check_job_groups(self, spec, groups_of: dict[str, int]) -> None:
         """A worker that did not create the job must group its parameters as the job does, with
         the same hyperparameters (the servers step with the job's)."""
-        from shardline.ps_server.optimizer import OptimizerConfig as Config
-
-        job_groups = [Config.from_proto(g) for g in spec.param_groups] or [Config.from_proto(spec.optimizer)]
+        job_groups = group_configs(spec)
         if len(job_groups) != len(self.param_groups):
             raise ShardlineConfigError(f"job {spec.name!r} has {len(job_groups)} parameter groups, this worker has "
                                        f"{len(self.param_groups)}")
