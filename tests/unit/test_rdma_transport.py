@@ -1,0 +1,779 @@
+"""RDMA transport without a device: the exchange codec and its checks, registered buffer regions,
+credits, chunking and reassembly over a fake RC QP, the fallback decisions, timeouts; and one
+device test (marked ``rdma``) that runs a real two-process transfer where pyverbs sees a device.
+
+The fake (``FakeEndpoint``) behaves like a connected RC QP: a FIFO of posted receive buffers,
+sends landing in the peer's next posted buffer, completions on each side's queue. A send with
+no receive posted is an error here (on a device it would stall in RNR retries), so every test
+also checks that credits never let a sender overrun its peer.
+"""
+
+import logging
+import os
+import select
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections import deque
+
+import pytest
+import torch
+
+from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.ps_server.disconnects import DisconnectWatcher
+from shardline.ps_server.node import PSNode
+from shardline.services import frame
+from shardline.services.dataplane_client import DataPlaneConnection
+from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError)
+from shardline.services.pb import common_pb2, dispatcher_pb2
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.transport import get_transport, rdma, rdma_verbs, tcp
+from shardline.services.transport import rdma_exchange as rx
+from shardline.services.transport.rdma_pool import Credits, SlotRegion, spare_slots
+from shardline.services.transport.rdma_stream import (BULK, CREDIT, CREDIT_SENT, DATA, RECORD, SEND_DONE, Completion,
+                                                      RdmaConnection)
+
+PAGE = 4096
+
+
+# --- fakes --------------------------------------------------------------------------------------------
+class FakeMR:
+    def __init__(self, log, address, length):
+        self.lkey, self.rkey, self.address, self.length = len(log) + 1, 0, address, length
+        self.closed = False
+        self._log = log
+
+    def close(self):
+        self.closed = True
+        self._log.append(("dereg", self.address))
+
+
+class FakeRegistrar:
+    def __init__(self):
+        self.calls = []
+        self.log = []
+
+    def __call__(self, address, length):
+        self.calls.append((address, length))
+        return FakeMR(self.log, address, length)
+
+
+class FakeEndpoint:
+    """One side of a fake connected RC QP (implements rdma_stream.Verbs and the endpoint calls)."""
+
+    registry: dict = {}
+    next_qpn = [100]
+
+    def __init__(self, slot_bytes=PAGE, data_slots=4, send_slots=2, registrar=None):
+        self.registrar = registrar or FakeRegistrar()
+        spare = spare_slots(data_slots)
+        self.data_slots, self.spare = data_slots, spare
+        self.recv_region = SlotRegion(data_slots + spare, slot_bytes, self.registrar)
+        self.send_region = SlotRegion(send_slots, slot_bytes, self.registrar)
+        self.posted = deque()
+        self.cq = deque()
+        self.lock = threading.Lock()
+        self.peer = None
+        self.closed = False
+        self.max_posted_in_use = 0
+        FakeEndpoint.next_qpn[0] += 1
+        self.qp_num = FakeEndpoint.next_qpn[0]
+        FakeEndpoint.registry[self.qp_num] = self
+        for slot in range(data_slots + spare):
+            self.post_recv(slot)
+
+    def local_params(self):
+        r = self.recv_region
+        return rx.ConnParams(gid=bytes(16), lid=7, port=1, gid_index=0, qp_num=self.qp_num, psn=5, mtu=3,
+                             slot_bytes=r.slot_bytes, data_slots=self.data_slots, spare_slots=self.spare,
+                             ring_addr=r.address, ring_rkey=0, ring_bytes=r.nbytes)
+
+    def connect(self, peer_params, mtu):
+        self.peer = FakeEndpoint.registry[peer_params.qp_num]
+        self.mtu = mtu
+
+    def post_recv(self, slot):
+        with self.lock:
+            assert slot not in self.posted, f"slot {slot} posted twice"
+            self.posted.append(slot)
+
+    def _deliver(self, kind, payload):
+        with self.lock:
+            if not self.posted:
+                raise AssertionError("receiver not ready: a send found no posted receive buffer")
+            slot = self.posted.popleft()
+            in_use = self.recv_region.slots - len(self.posted)
+            self.max_posted_in_use = max(self.max_posted_in_use, in_use)
+            if kind == DATA:
+                assert len(payload) <= self.recv_region.slot_bytes
+                self.recv_region.slot_view(slot, len(payload))[:] = payload
+                self.cq.append(Completion(DATA, slot=slot, nbytes=len(payload)))
+            else:
+                self.cq.append(Completion(CREDIT, slot=slot, credits=payload))
+
+    def post_send(self, slot, nbytes):
+        self.peer._deliver(DATA, bytes(self.send_region.slot_view(slot, nbytes)))
+        with self.lock:
+            self.cq.append(Completion(SEND_DONE, slot=slot))
+
+    def post_credit(self, credits):
+        self.peer._deliver(CREDIT, credits)
+        with self.lock:
+            self.cq.append(Completion(CREDIT_SENT))
+
+    def poll(self, max_entries):
+        with self.lock:
+            return [self.cq.popleft() for _ in range(min(max_entries, len(self.cq)))]
+
+    def close(self):
+        self.closed = True
+        self.recv_region.close()
+        self.send_region.close()
+
+
+def connected_pair(slot_bytes=PAGE, data_slots=4, send_slots=2, inline_max=256, timeout=5.0):
+    """Two RdmaConnections over a socketpair and a fake QP pair (no exchange)."""
+    sa, sb = socket.socketpair()
+    ea = FakeEndpoint(slot_bytes, data_slots, send_slots)
+    eb = FakeEndpoint(slot_bytes, data_slots, send_slots)
+    ea.connect(eb.local_params(), 3)
+    eb.connect(ea.local_params(), 3)
+    a = RdmaConnection(sa, ea, Credits(data_slots, data_slots), peer="peer-b", peer_spare_slots=eb.spare,
+                       inline_max=inline_max)
+    b = RdmaConnection(sb, eb, Credits(data_slots, data_slots), peer="peer-a", peer_spare_slots=ea.spare,
+                       inline_max=inline_max)
+    a.settimeout(timeout)
+    b.settimeout(timeout)
+    return a, b, ea, eb
+
+
+def params(**kw):
+    base = dict(gid=bytes(range(16)), lid=3, port=1, gid_index=0, qp_num=0x1234, psn=0xABCDE, mtu=5, slot_bytes=1 << 20,
+                data_slots=16, spare_slots=4, ring_addr=0x7F0000000000, ring_rkey=0, ring_bytes=(1 << 20) * 20)
+    base.update(kw)
+    return rx.ConnParams(**base)
+
+
+# --- the exchange codec -----------------------------------------------------------------------------
+def test_exchange_round_trips():
+    p = params()
+    for kind in (rx.OFFER, rx.ACCEPT):
+        msg = rx.decode(rx.encode(kind, p))
+        assert msg.kind == kind and msg.params == p
+    assert rx.decode(rx.encode(rx.DECLINE, reason="no device here")) == rx.Message(rx.DECLINE, reason="no device here")
+    assert len(rx.encode(rx.DECLINE, reason="x" * 1000)) == rx.HEADER.size + rx.MAX_REASON_BYTES
+
+
+def test_exchange_magic_differs_from_a_frame():
+    head = frame.encode_prefix_and_header(frame.FrameHeader(op=dp.OP_HELLO))
+    assert head[:4] != rx.MAGIC
+    with pytest.raises(rx.ExchangeError, match="not an RDMA exchange"):
+        rx.decode_header(head[:rx.HEADER.size])
+
+
+def test_exchange_refuses_other_versions_and_kinds():
+    good = rx.encode(rx.OFFER, params())
+    with pytest.raises(rx.ExchangeVersionError, match="version 2 is not supported") as err:
+        rx.decode(good[:4] + bytes([2]) + good[5:])
+    assert err.value.version == 2
+    with pytest.raises(rx.ExchangeError, match="unknown message kind 9"):
+        rx.decode(good[:5] + bytes([9]) + good[6:])
+
+
+def test_exchange_refuses_sizes_from_the_header_alone():
+    with pytest.raises(rx.ExchangeError, match="DECLINE reason of 60000 bytes"):
+        rx.decode_header(rx.HEADER.pack(rx.MAGIC, rx.VERSION, rx.DECLINE, 60000))
+    with pytest.raises(rx.ExchangeError, match="OFFER body is 10 bytes"):
+        rx.decode_header(rx.HEADER.pack(rx.MAGIC, rx.VERSION, rx.OFFER, 10))
+    good = rx.encode(rx.OFFER, params())
+    with pytest.raises(rx.ExchangeError, match="its header says"):
+        rx.decode(good[:-1])
+    with pytest.raises(rx.ExchangeError, match="header is 3 bytes"):
+        rx.decode_header(good[:3])
+
+
+@pytest.mark.parametrize("field,value", [("qp_num", 1 << 24), ("qp_num", 0), ("psn", 1 << 24), ("mtu", 0), ("mtu", 6),
+                                         ("slot_bytes", 100), ("slot_bytes", 1 << 30), ("data_slots", 0),
+                                         ("spare_slots", 5000), ("ring_bytes", 12345), ("port", 0),
+                                         ("gid", b"short")])
+def test_exchange_refuses_out_of_range_fields(field, value):
+    bad = params(**{field: value})
+    with pytest.raises(rx.ExchangeError, match=field):
+        bad.validate()
+    # the same check on what arrives: pack the fields without validating
+    body = rx.PARAMS.pack(*[getattr(bad, f) if f != "gid" else bad.gid.ljust(16, b"\0")[:16]
+                            for f in rx.ConnParams.__dataclass_fields__]) if field != "gid" else None
+    if body is not None:
+        with pytest.raises(rx.ExchangeError, match=field):
+            rx.decode(rx.HEADER.pack(rx.MAGIC, rx.VERSION, rx.OFFER, len(body)) + body)
+
+
+def test_fallback_decision():
+    accept = rx.Message(rx.ACCEPT, params=params())
+    assert rx.decide(None, accept) == rx.Decision(True)
+    assert rx.decide("no device", accept) == rx.Decision(False, "no device")
+    assert not rx.decide(None, None).use_rdma and "does not speak" in rx.decide(None, None).reason
+    declined = rx.decide(None, rx.Message(rx.DECLINE, reason="busy"))
+    assert not declined.use_rdma and "declined RDMA: busy" in declined.reason
+    with pytest.raises(rx.ExchangeError, match="got OFFER"):
+        rx.decide(None, rx.Message(rx.OFFER, params=params()))
+    assert rx.negotiated_mtu(params(mtu=5), params(mtu=3)) == 3
+
+
+# --- registered regions and credits -------------------------------------------------------------------
+def test_slot_region_registers_once_and_frees_in_order():
+    reg = FakeRegistrar()
+    region = SlotRegion(4, PAGE, reg)
+    assert reg.calls == [(region.address, 4 * PAGE)]
+    region.slot_view(1)[:3] = b"abc"
+    assert bytes(region.slot_view(1, 3)) == b"abc" and bytes(region.slot_view(0, 3)) == b"\0\0\0"
+    assert region.slot_address(2) == region.address + 2 * PAGE
+    taken = [region.take() for _ in range(4)]
+    assert taken == [0, 1, 2, 3] and region.take() is None
+    region.give_back(2)
+    with pytest.raises(ShardlineConnectionError, match="slot 2 that is not in flight"):
+        region.give_back(2)
+    with pytest.raises(ShardlineConnectionError, match="slot 9"):
+        region.give_back(9)
+    region.close()
+    region.close()  # idempotent
+    assert reg.log == [("dereg", region.address)]
+
+
+def test_slot_region_checks_sizes_and_unmaps_when_registration_fails():
+    with pytest.raises(ShardlineConfigError, match="got 1000"):
+        SlotRegion(2, 1000, FakeRegistrar())
+    with pytest.raises(ShardlineConfigError, match="got 0"):
+        SlotRegion(0, PAGE, FakeRegistrar())
+
+    def failing(address, length):
+        raise OSError("ibv_reg_mr: cannot allocate memory")
+
+    with pytest.raises(OSError, match="ibv_reg_mr"):
+        SlotRegion(2, PAGE, failing)
+
+
+def test_credits_bound_the_sender_and_return_in_batches():
+    c = Credits(peer_data_slots=3, own_data_slots=4)
+    assert [c.take() for _ in range(4)] == [True, True, True, False]
+    c.grant(2)
+    with pytest.raises(ShardlineConnectionError, match="returned 2 RDMA credits with 1 outstanding"):
+        c.grant(2)
+    assert c.batch == 2
+    assert [c.consumed() for _ in range(4)] == [0, 2, 0, 2]
+    greedy = Credits(2, 2)
+    greedy.consumed(), greedy.consumed(), greedy.consumed()  # batch 1: each is returned at once
+    with pytest.raises(ShardlineConnectionError, match="more RDMA chunks than the 2 credits"):
+        strict = Credits(2, 2)
+        strict.batch = 99
+        [strict.consumed() for _ in range(3)]
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3, 7, 16, 100])
+def test_spare_slots_cover_every_credit_message_in_flight(slots):
+    # unabsorbed credit messages carry >= batch credits each and at most `slots` credits in all
+    batch = Credits(slots, slots).batch
+    assert spare_slots(slots) >= slots // batch + 1
+
+
+# --- the stream over a fake QP ------------------------------------------------------------------------
+def _frame_round_trip(a, b, tensors):
+    header = frame.FrameHeader(op=dp.OP_PUSH, job="j", step=1)
+    for i, t in enumerate(tensors):
+        header.blocks.append(frame.block_ref("w", i, t))
+    got = {}
+
+    def receive():
+        h = frame.recv_header(b)
+        got["header"] = h
+        got["tensors"] = []
+        for ref in h.blocks:
+            dest = torch.empty(ref.numel)
+            frame.recv_exactly_into(b, frame.tensor_bytes(dest), deadline=time.monotonic() + 10)
+            got["tensors"].append(dest)
+
+    t = threading.Thread(target=receive)
+    t.start()
+    frame.send_frame(a, header, [frame.tensor_bytes(x) for x in tensors])
+    t.join(20)
+    assert not t.is_alive()
+    return got
+
+
+def test_frames_chunk_through_few_small_buffers():
+    a, b, ea, eb = connected_pair(slot_bytes=PAGE, data_slots=2, send_slots=1)
+    tensors = [torch.randn(300_000), torch.randn(17), torch.randn(5000)]  # 1.2 MB: ~300 chunks of 4 KiB
+    got = _frame_round_trip(a, b, tensors)
+    assert got["header"].payload_bytes == sum(t.numel() * 4 for t in tensors)
+    for sent, received in zip(tensors, got["tensors"]):
+        assert torch.equal(sent, received)
+    assert a.stats["chunks_sent"] == b.stats["chunks_received"] > 290
+    assert a.stats["bulk_records"] == 2 and a.stats["inline_records"] == 2  # head, 17-float payload
+    assert eb.max_posted_in_use <= eb.recv_region.slots  # never overran (the fake raises if it would)
+    # and back the other way, over the same connection
+    back = _frame_round_trip(b, a, [tensors[0]])
+    assert torch.equal(back["tensors"][0], tensors[0])
+    a.close(), b.close()
+    assert ea.closed and eb.closed
+
+
+def test_reads_of_any_size_reassemble_the_stream():
+    a, b, _, _ = connected_pair(slot_bytes=PAGE, data_slots=3, send_slots=2)
+    data = os.urandom(50_000)
+    threading.Thread(target=a.sendall, args=(data,)).start()
+    out = bytearray()
+    sizes = [1, 7, 4095, 4097, 3, 10_000]
+    while len(out) < len(data):
+        buf = bytearray(sizes[len(out) % len(sizes)])
+        n = b.recv_into(buf)
+        assert n > 0
+        out += buf[:n]
+    assert bytes(out) == data
+
+
+def test_idle_side_is_not_woken_by_returned_credits():
+    a, b, _, _ = connected_pair(slot_bytes=PAGE, data_slots=2, send_slots=1)
+    data = os.urandom(20 * PAGE)
+    t = threading.Thread(target=a.sendall, args=(data,))
+    t.start()
+    buf = bytearray(len(data))
+    frame.recv_exactly_into(b, memoryview(buf))
+    t.join(5)
+    assert bytes(buf) == data
+    # The sender's descriptor (what the PS polls for its next frame) has nothing to read.
+    assert select.select([a.fileno()], [], [], 0.05)[0] == []
+    a.sendall(b"next")
+    assert select.select([b.fileno()], [], [], 1)[0] == [b.fileno()]
+
+
+def test_waiting_for_chunks_times_out_naming_the_peer():
+    a, b, _, _ = connected_pair(timeout=0.3)
+    a._sock.sendall(RECORD.pack(BULK, 10_000))  # a bulk record whose chunks never come
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="RDMA data from peer-a did not arrive within 0.3 s"):
+        b.recv_into(bytearray(100))
+    assert time.monotonic() - started < 2
+
+
+def test_sender_without_credits_times_out():
+    a, b, _, _ = connected_pair(slot_bytes=PAGE, data_slots=2, send_slots=2, timeout=0.3)
+    with pytest.raises(TimeoutError, match="RDMA credits from peer-b"):
+        a.sendall(bytes(3 * PAGE))  # b never reads: two chunks fit, the third waits
+
+
+def test_peer_hang_up_ends_a_wait():
+    a, b, _, _ = connected_pair(timeout=10)
+    a._sock.sendall(RECORD.pack(BULK, 10_000))
+    threading.Timer(0.1, a._sock.close).start()
+    started = time.monotonic()
+    with pytest.raises(ConnectionError, match="peer-a closed the connection"):
+        b.recv_into(bytearray(100))
+    assert time.monotonic() - started < 2
+
+
+def test_clean_close_between_records_reads_as_end_of_stream():
+    a, b, _, _ = connected_pair()
+    a.sendall(b"x" * 10)
+    a._sock.close()
+    buf = bytearray(10)
+    assert b.recv_into(buf) == 10 and b.recv_into(buf) == 0
+
+
+def test_failed_completion_and_malformed_records_end_the_connection():
+    a, b, ea, _ = connected_pair()
+    ea.cq.append(Completion(DATA, error="work completion status 12 (vendor error 129)"))
+    with pytest.raises(ShardlineConnectionError, match="peer-b failed: work completion status 12"):
+        a.sendall(bytes(PAGE))
+    a, b, _, _ = connected_pair()
+    a._sock.sendall(RECORD.pack(7, 10))
+    with pytest.raises(ShardlineConnectionError, match="malformed RDMA stream record from peer-a: kind 7"):
+        b.recv_into(bytearray(10))
+    a, b, _, eb = connected_pair()
+    a._sock.sendall(RECORD.pack(BULK, 10))
+    eb._deliver(DATA, bytes(100))  # a chunk longer than its record
+    with pytest.raises(ShardlineConnectionError, match="100 bytes from peer-a does not fit its record"):
+        b.recv_into(bytearray(10))
+
+
+def test_closed_connection_refuses_io():
+    a, b, _, _ = connected_pair()
+    a.close()
+    a.close()
+    with pytest.raises(OSError):
+        a.sendall(bytes(PAGE))
+
+
+# --- the exchange over a connection (socketpair; fake endpoints) ---------------------------------------
+def fake_endpoint_factory(fail=None):
+    made = []
+
+    def make(options, device, peer_spare=None):
+        if fail:
+            raise OSError(fail)
+        ep = FakeEndpoint(options.buffer_bytes, options.buffers, options.send_buffers)
+        made.append(ep)
+        return ep
+
+    make.made = made
+    return make
+
+
+def small_options(**kw):
+    base = dict(buffer_bytes=PAGE, buffers=4, send_buffers=2, inline_bytes=256, exchange_timeout=2.0)
+    base.update(kw)
+    return rdma.RdmaOptions(**base)
+
+
+def echo(conn, peer, seen):
+    seen.append(conn)
+    conn.settimeout(5)
+    header = frame.recv_header(conn, frame.FrameLimits(max_payload_bytes=1 << 30))
+    t = torch.empty(header.blocks[0].numel)
+    frame.recv_exactly_into(conn, frame.tensor_bytes(t))
+    frame.send_frame(conn, block_frame(header.request_id, t, dp.OP_REPLY), [frame.tensor_bytes(t)])
+
+
+def exchange(client_transport, server_transport, serve=echo):
+    cs, ss = socket.socketpair()
+    seen = []
+    server = threading.Thread(target=server_transport.serve, args=(ss, "client:1", lambda c, p: serve(c, p, seen)))
+    server.start()
+    try:
+        conn = client_transport._upgrade(cs, "node:7100", 5.0)
+    except BaseException:
+        cs.close()
+        server.join(5)
+        raise
+    return conn, seen, server
+
+
+def block_frame(request_id, t, op=dp.OP_PUSH):
+    header = frame.FrameHeader(op=op, request_id=request_id)
+    header.blocks.append(frame.block_ref("w", 0, t))
+    return header
+
+
+def round_trip(conn, numel=25_000):
+    payload = torch.randn(numel)
+    conn.settimeout(5)
+    frame.send_frame(conn, block_frame(3, payload), [frame.tensor_bytes(payload)])
+    reply = frame.recv_header(conn, frame.FrameLimits(max_payload_bytes=1 << 30))
+    back = torch.empty(reply.blocks[0].numel)
+    frame.recv_exactly_into(conn, frame.tensor_bytes(back))
+    assert reply.request_id == 3 and torch.equal(back, payload)
+
+
+def test_exchange_upgrades_both_sides_to_rdma():
+    cmake, smake = fake_endpoint_factory(), fake_endpoint_factory()
+    client = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=cmake)
+    node = rdma.RdmaTransport("fake0", options=small_options(buffers=6), make_endpoint=smake)
+    conn, seen, server = exchange(client, node)
+    assert isinstance(conn, RdmaConnection)
+    round_trip(conn)
+    server.join(5)
+    assert isinstance(seen[0], RdmaConnection) and conn.stats["chunks_sent"] > 20
+    assert cmake.made[0].peer is smake.made[0] and cmake.made[0].mtu == 3
+    assert smake.made[0].closed  # the node released its QP when the connection ended
+    # each endpoint registered exactly its two regions, once
+    assert len(cmake.made[0].registrar.calls) == 2 and len(smake.made[0].registrar.calls) == 2
+    conn.close()
+
+
+def test_node_without_device_declines_and_the_connection_goes_on_over_tcp(caplog):
+    caplog.set_level(logging.INFO, logger="shardline.transport.rdma")
+    client = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory())
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory(fail="no mlx5"))
+    conn, seen, server = exchange(client, node)
+    round_trip(conn)
+    server.join(5)
+    assert isinstance(conn, socket.socket) and isinstance(seen[0], socket.socket)
+    assert "declined RDMA: cannot open RDMA device 'fake0': no mlx5" in caplog.text
+
+
+def test_explicit_rdma_refuses_a_declined_connection():
+    client = rdma.RdmaTransport("fake0", required=True, options=small_options(), make_endpoint=fake_endpoint_factory())
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory(fail="no mlx5"))
+    with pytest.raises(ShardlineConnectionError, match="transport 'rdma' to node:7100: the peer declined RDMA"):
+        exchange(client, node, serve=lambda c, p, seen: seen.append(c))
+
+
+def test_client_without_device_sends_no_offer():
+    client = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory(fail="gone"))
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory())
+    conn, seen, server = exchange(client, node)
+    assert isinstance(conn, socket.socket)
+    round_trip(conn)
+    server.join(5)
+    assert isinstance(seen[0], socket.socket)
+
+
+def test_plain_tcp_client_is_served_over_tcp():
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory())
+    cs, ss = socket.socketpair()
+    seen = []
+    server = threading.Thread(target=node.serve, args=(ss, "client:1", lambda c, p: echo(c, p, seen)))
+    server.start()
+    round_trip(cs)
+    server.join(5)
+    assert seen == [ss]
+
+
+def test_node_that_predates_rdma_makes_the_client_reconnect_over_tcp(monkeypatch):
+    """An old node reads the offer as a malformed frame, answers with an error frame and closes."""
+    cs, old_node = socket.socketpair()
+    fresh_client, fresh_node = socket.socketpair()
+    monkeypatch.setattr(rdma.tcp, "connect", lambda address, timeout: fresh_client)
+
+    def old_node_answers():
+        try:
+            frame.recv_header(old_node)
+        except Exception as exc:  # noqa: BLE001 - what the PS does with a bad frame
+            frame.send_frame(old_node, frame.error_header(0, dp.INVALID_ARGUMENT, str(exc)))
+        old_node.close()
+
+    threading.Thread(target=old_node_answers).start()
+    client = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory())
+    conn = client._upgrade(cs, "node:7100", 5.0)
+    assert conn is fresh_client
+    seen = []
+    server = threading.Thread(target=echo, args=(fresh_node, "c", seen))
+    server.start()
+    round_trip(conn)
+    server.join(5)
+
+
+def test_offer_of_a_newer_version_is_declined_and_served_over_tcp():
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory())
+    cs, ss = socket.socketpair()
+    seen = []
+    server = threading.Thread(target=node.serve, args=(ss, "client:1", lambda c, p: echo(c, p, seen)))
+    server.start()
+    cs.sendall(rx.HEADER.pack(rx.MAGIC, 2, rx.OFFER, 40) + bytes(40))
+    cs.settimeout(5)
+    head = cs.recv(rx.HEADER.size, socket.MSG_WAITALL)
+    kind, body_len = rx.decode_header(head)
+    answer = rx.decode_body(kind, cs.recv(body_len, socket.MSG_WAITALL))
+    assert answer.kind == rx.DECLINE and "version 2 is not supported" in answer.reason
+    round_trip(cs)
+    server.join(5)
+    assert seen == [ss]
+
+
+def test_node_that_never_answers_fails_within_exchange_timeout():
+    cs, ss = socket.socketpair()  # nobody serves ss
+    client = rdma.RdmaTransport("fake0", options=small_options(exchange_timeout=0.3),
+                                make_endpoint=fake_endpoint_factory())
+    started = time.monotonic()
+    with pytest.raises(ShardlineTimeoutError, match=r"RDMA exchange with node:7100 did not complete within 0.3 s"):
+        client._upgrade(cs, "node:7100", 5.0)
+    assert time.monotonic() - started < 2
+    ss.close()
+
+
+def test_client_that_stalls_mid_offer_is_dropped_within_exchange_timeout(caplog):
+    make = fake_endpoint_factory()
+    node = rdma.RdmaTransport("fake0", options=small_options(exchange_timeout=0.3), make_endpoint=make)
+    cs, ss = socket.socketpair()
+    cs.sendall(rx.encode(rx.OFFER, params())[:20])
+    served = []
+    started = time.monotonic()
+    node.serve(ss, "10.0.0.9:555", lambda c, p: served.append(c))
+    assert time.monotonic() - started < 2 and served == [] and make.made == []
+    assert "10.0.0.9:555" in caplog.text and "exchange_timeout" in caplog.text
+
+
+def test_malformed_offer_closes_the_connection_before_any_registration(caplog):
+    make = fake_endpoint_factory()
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=make)
+    cs, ss = socket.socketpair()
+    body = bytearray(rx.encode(rx.OFFER, params()))
+    body[rx.HEADER.size + 20] = 0xFF  # qp_num's top byte: above 24 bits
+    cs.sendall(bytes(body))
+    served = []
+    node.serve(ss, "10.0.0.9:555", lambda c, p: served.append(c))
+    assert served == [] and make.made == []
+    assert "qp_num" in caplog.text
+
+
+# --- the PS connection loop and the worker's connection, unchanged, over the stream ---------------------
+class GivenConnection:
+    """A transport whose connect() returns a prepared connection (DataPlaneConnection calls it)."""
+
+    NAME = "rdma"
+
+    def __init__(self, conn):
+        self.conn = conn
+
+    def connect(self, address, connect_timeout):
+        return self.conn
+
+
+def served_node(numel, block):
+    spec = common_pb2.JobSpec(name="j", sync="bsp", world_size=1, block_elements=block)
+    spec.optimizer.kind = "sgd"
+    spec.optimizer.lr = 0.5
+    spec.tensors.add(name="w", shape=[numel], dtype="float32", trainable=True)
+    table = common_pb2.RoutingTable(epoch=1)
+    table.nodes.add(node_id="n1", rack="r", grpc_address="x:1", data_address="x:2", vnodes=16)
+    node = PSNode("n1", lambda name: dispatcher_pb2.JobInfo(spec=spec, uid="u", ready=True), lambda: table)
+    node.refresh_routing()
+    return node
+
+
+def _blocks_frame(op, values, block, **fields):
+    h = frame.FrameHeader(op=op, job="j", epoch=1, **fields)
+    payloads = []
+    for i in range(0, values.numel(), block):
+        part = values[i:i + block]
+        h.blocks.append(frame.block_ref("w", i // block, part))
+        payloads.append(frame.tensor_bytes(part))
+    return h, payloads
+
+
+def _pull(conn, numel, block, **fields):
+    pull = frame.FrameHeader(op=dp.OP_PULL, request_id=5, job="j", epoch=1, **fields)
+    pull.blocks.extend(dp.BlockRef(tensor="w", index=i) for i in range(numel // block))
+    with conn.lock:
+        conn.sock.settimeout(10)
+        frame.send_frame(conn.sock, pull)
+        reply = frame.recv_header(conn.sock, frame.FrameLimits(max_payload_bytes=1 << 30))
+        out = torch.empty(numel)
+        for ref in reply.blocks:
+            frame.recv_exactly_into(conn.sock, frame.tensor_bytes(out[ref.index * block:(ref.index + 1) * block]))
+    return reply, out
+
+
+def test_ps_connection_loop_and_client_work_unchanged_over_rdma():
+    """Authentication, init, push, commit, pull and a waiting pull's hang-up notice, through
+    ps_server.dataplane.serve_connection and services.dataplane_client as they are, each frame's
+    payload through 4 KiB registered buffers; the step equals SGD computed here."""
+    numel, block, token = 1 << 16, 1 << 14, b"t" * 16
+    node = served_node(numel, block)
+    watcher = DisconnectWatcher()
+    policy = ConnectionPolicy(cluster_token=token, payload_timeout=5.0, hangups=watcher)
+    a, b, _, _ = connected_pair(slot_bytes=PAGE, data_slots=4, send_slots=2, inline_max=256)
+    server = threading.Thread(target=serve_connection, args=(b, "peer:1", node, policy), daemon=True)
+    server.start()
+    try:
+        conn = DataPlaneConnection("node:1", GivenConnection(a), 5.0, token)  # HELLO and proof over the stream
+        w0, g = torch.randn(numel), torch.randn(numel)
+        h, payloads = _blocks_frame(dp.OP_INIT, w0, block, request_id=1)
+        assert conn.request(h, payloads, timeout=10).op == dp.OP_REPLY
+        h, payloads = _blocks_frame(dp.OP_PUSH, g, block, request_id=2, step=0, rank=0, weight=1.0)
+        assert conn.request(h, payloads, timeout=10).op == dp.OP_REPLY
+        commit = frame.FrameHeader(op=dp.OP_COMMIT, request_id=3, job="j", epoch=1, step=0, rank=0, weight=1.0)
+        assert conn.request(commit, timeout=10).op == dp.OP_REPLY
+        reply, w1 = _pull(conn, numel, block, min_step=1, wait_timeout_seconds=10)
+        assert reply.op == dp.OP_REPLY and reply.step == 1
+        torch.testing.assert_close(w1, w0 - 0.5 * g, rtol=0, atol=0)
+        assert a.stats["chunks_sent"] >= 2 * numel * 4 // PAGE and b.stats["chunks_sent"] >= numel * 4 // PAGE
+        # a pull waiting for a step that never comes ends when its client goes away
+        pull = frame.FrameHeader(op=dp.OP_PULL, request_id=6, job="j", epoch=1, min_step=5, wait_timeout_seconds=60)
+        frame.send_frame(a, pull)
+        time.sleep(0.2)
+        assert server.is_alive()
+        conn.close()
+        server.join(3)
+        assert not server.is_alive(), "the waiting pull must end when its client hangs up"
+    finally:
+        a.close()
+        watcher.close()
+
+
+# --- options, factory, pyverbs ------------------------------------------------------------------------
+def test_options_from_environment_quote_bad_values():
+    opts = rdma.RdmaOptions.from_env({"SHARDLINE_RDMA_BUFFERS": "32", "SHARDLINE_RDMA_BUFFER_BYTES": "65536"})
+    assert opts.buffers == 32 and opts.buffer_bytes == 65536 and opts.send_buffers == 8
+    with pytest.raises(ShardlineConfigError, match=r"SHARDLINE_RDMA_BUFFERS must be a int, got 'many'"):
+        rdma.RdmaOptions.from_env({"SHARDLINE_RDMA_BUFFERS": "many"})
+    with pytest.raises(ShardlineConfigError, match=r"SHARDLINE_RDMA_BUFFER_BYTES .* got 5000"):
+        rdma.RdmaOptions.from_env({"SHARDLINE_RDMA_BUFFER_BYTES": "5000"})
+    with pytest.raises(ShardlineConfigError, match=r"SHARDLINE_RDMA_EXCHANGE_TIMEOUT .* got 0.0"):
+        rdma.RdmaOptions(exchange_timeout=0.0)
+
+
+def test_factory_choices(monkeypatch):
+    available, reason = rdma.rdma_available()
+    assert not available  # this kernel has no RDMA; see test_pyverbs_imports_and_finds_no_device
+    assert get_transport("auto") is tcp
+    with pytest.raises(ShardlineConfigError, match="transport 'rdma' requested but .*use 'auto'"):
+        get_transport("rdma")
+    monkeypatch.setattr(rdma, "rdma_available", lambda: (True, "rxe0"))
+    auto, strict = get_transport("auto"), get_transport("rdma")
+    assert auto.NAME == strict.NAME == "rdma" and auto.device == strict.device == "rxe0"
+    assert not auto.required and strict.required
+
+
+def test_pyverbs_imports_and_finds_no_device():
+    """python3-pyverbs (scripts/install-system-deps.sh) loads into this virtualenv; the kernel has
+    no RDMA device, so listing fails or is empty, and rdma_available() says why."""
+    pyverbs = rdma_verbs.import_pyverbs()
+    assert pyverbs.__file__.endswith("pyverbs/__init__.py")
+    try:
+        devices = rdma_verbs.list_devices()
+    except Exception as exc:  # noqa: BLE001 - PyverbsRDMAError: "Failed to get devices list"
+        devices = []
+        assert "device" in str(exc).lower()
+    available, reason = rdma.rdma_available()
+    assert available == bool(devices) and reason
+    assert rdma_verbs.gid_bytes(rdma_verbs.gid_text(bytes(range(16)))) == bytes(range(16))
+
+
+# --- on a device ----------------------------------------------------------------------------------------
+DEVICE_PEER = textwrap.dedent("""
+    import sys, threading
+    import torch
+    from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.ps_server.disconnects import DisconnectWatcher
+from shardline.ps_server.node import PSNode
+from shardline.services import frame
+from shardline.services.dataplane_client import DataPlaneConnection
+    from shardline.services.pb import dataplane_pb2 as dp
+    from shardline.services.transport import get_transport
+    from shardline.services.transport.rdma_stream import RdmaConnection
+
+    def serve(conn, peer):
+        assert isinstance(conn, RdmaConnection), type(conn)
+        conn.settimeout(60)
+        h = frame.recv_header(conn, frame.FrameLimits(max_payload_bytes=1 << 30))
+        t = torch.empty(h.blocks[0].numel)
+        frame.recv_exactly_into(conn, frame.tensor_bytes(t))
+        reply = frame.FrameHeader(op=dp.OP_REPLY, request_id=h.request_id)
+        reply.blocks.append(frame.block_ref("w", 0, t))
+        frame.send_frame(conn, reply, [frame.tensor_bytes(t)])
+        done.set()
+
+    done = threading.Event()
+    listener = get_transport("rdma").listen("127.0.0.1", 0, serve)
+    print(listener.port, flush=True)
+    done.wait(120)
+    listener.close()
+""")
+
+
+@pytest.mark.rdma
+def test_device_transfer_between_two_processes():
+    available, reason = rdma.rdma_available()
+    if not available:
+        pytest.skip(f"no RDMA device: {reason} (Soft-RoCE: rdma link add rxe0 type rxe netdev eth0)")
+    peer = subprocess.Popen([sys.executable, "-c", DEVICE_PEER], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(peer.stdout.readline())
+        conn = get_transport("rdma").connect(f"127.0.0.1:{port}", 10.0)
+        assert isinstance(conn, RdmaConnection)
+        payload = torch.randn(16 << 20)  # 64 MiB
+        conn.settimeout(60)
+        frame.send_frame(conn, block_frame(9, payload), [frame.tensor_bytes(payload)])
+        reply = frame.recv_header(conn, frame.FrameLimits(max_payload_bytes=1 << 30))
+        back = torch.empty_like(payload)
+        frame.recv_exactly_into(conn, frame.tensor_bytes(back))
+        assert reply.request_id == 9 and torch.equal(back, payload)
+        assert conn.stats["chunks_sent"] >= 64 and conn.stats["chunks_received"] >= 64
+        conn.close()
+        assert peer.wait(30) == 0
+    finally:
+        peer.kill()
+        peer.wait()
