@@ -159,21 +159,23 @@ def _peek(sock: socket.socket, n: int, deadline: float) -> bytes:
     return data
 
 
-def _endpoint(options: RdmaOptions, device: str, peer_spare: int | None = None):
+def _endpoint(options: RdmaOptions, device: str):
     from shardline.services.transport.rdma_verbs import VerbsEndpoint  # noqa: PLC0415 - imports pyverbs
 
     return VerbsEndpoint(device, port=options.port, gid_index=options.gid_index, slot_bytes=options.buffer_bytes,
                          data_slots=options.buffers, spare_slots=spare_slots(options.buffers),
-                         send_slots=options.send_buffers, peer_spare_slots=peer_spare)
+                         send_slots=options.send_buffers)
 
 
 def stream(sock, endpoint, local: rx.ConnParams, peer_params: rx.ConnParams, options: RdmaOptions, peer: str):
-    """The RdmaConnection of a connected endpoint (chunks fit both sides' buffers)."""
+    """The RdmaConnection of a connected endpoint: chunks fit both sides' buffers, and credit
+    messages in flight fit the peer's spare receive slots and this side's send queue."""
     from shardline.services.transport.rdma_stream import RdmaConnection  # noqa: PLC0415
 
     sock.settimeout(None)
     return RdmaConnection(sock, endpoint, Credits(peer_params.data_slots, local.data_slots), peer=peer,
-                          peer_spare_slots=peer_params.spare_slots, inline_max=options.inline_bytes,
+                          peer_spare_slots=min(peer_params.spare_slots, local.spare_slots),
+                          inline_max=options.inline_bytes,
                           chunk_bytes=min(local.slot_bytes, peer_params.slot_bytes))
 
 
@@ -216,15 +218,20 @@ class RdmaTransport:
             # A node that predates RDMA reads the offer as a bad frame and answers with a frame.
             answer = read_message(sock, deadline, address, timeout, head=head) if head[:4] == rx.MAGIC else None
             decision = rx.decide(None, answer)
-            if not decision.use_rdma:
-                endpoint.close()
-                return self._fall_back(sock, address, decision, connect_timeout, reconnect=answer is None)
-            endpoint.connect(answer.params, rx.negotiated_mtu(local, answer.params))
-            sock.sendall(READY)
-            conn = stream(sock, endpoint, local, answer.params, opts, address)
         except BaseException:
             endpoint.close()
             raise
+        if not decision.use_rdma:
+            endpoint.close()
+            return self._fall_back(sock, address, decision, connect_timeout, reconnect=answer is None)
+        try:
+            endpoint.connect(answer.params, rx.negotiated_mtu(local, answer.params))
+            sock.sendall(READY)
+            conn = stream(sock, endpoint, local, answer.params, opts, address)
+        except Exception as exc:  # noqa: BLE001 - the node waits for READY in vain and drops this connection
+            endpoint.close()
+            decision = rx.Decision(False, f"bringing up the RDMA queue pair failed: {exc}")
+            return self._fall_back(sock, address, decision, connect_timeout, reconnect=True)
         log.debug("data plane to %s over RDMA (%s)", address, self.device)
         return conn
 
@@ -233,9 +240,9 @@ class RdmaTransport:
             raise ShardlineConnectionError(f"transport 'rdma' to {address}: {decision.reason}; use transport 'auto' "
                                            f"to fall back to TCP")
         log.info("data plane to %s over TCP: %s", address, decision.reason)
-        if reconnect:  # the peer saw a malformed frame and closed this connection
+        if reconnect:  # the peer closes this connection (it saw a malformed frame, or no READY)
             sock.close()
-            return tcp.connect(address, connect_timeout)
+            return tcp.connect(address, connect_timeout)  # with no offer: served over TCP
         sock.settimeout(None)
         return sock
 
@@ -285,12 +292,16 @@ class RdmaTransport:
             log.warning("refused data-plane connection from %s: %s", peer, exc)
             return None
         try:
-            endpoint = self._make_endpoint(self.options, self.device, offer.params.spare_slots)
+            endpoint = self._make_endpoint(self.options, self.device)
         except Exception as exc:  # noqa: BLE001 - any device failure means: decline, serve over TCP
             return self._decline(sock, peer, f"cannot open RDMA device {self.device!r}: {exc}")
         try:
             local = endpoint.local_params()
             endpoint.connect(offer.params, rx.negotiated_mtu(local, offer.params))
+        except Exception as exc:  # noqa: BLE001 - nothing is promised yet: decline, serve over TCP
+            endpoint.close()
+            return self._decline(sock, peer, f"bringing up the RDMA queue pair failed: {exc}")
+        try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.sendall(rx.encode(rx.ACCEPT, local))
             if _recv_exactly(sock, len(READY), deadline, peer, timeout) != READY:

@@ -122,7 +122,7 @@ class RdmaConnection:
         self._record_kind = 0
         self._record_left = 0
         self._credit_sends = 0
-        self._lock = threading.Lock()                     # close() never frees the QP under a poll
+        self._lock = threading.Lock()                     # close() never frees the QP under a verbs call
         self._closed = False
         self.stats = {"inline_records": 0, "bulk_records": 0, "chunks_sent": 0, "chunks_received": 0,
                       "credit_messages": 0}
@@ -196,7 +196,7 @@ class RdmaConnection:
         credits.take()
         slot = region.take()
         region.slot_view(slot, len(part))[:] = part
-        self._verbs.post_send(slot, len(part))
+        self._verb(self._verbs.post_send, slot, len(part))
         self.stats["chunks_sent"] += 1
 
     def _send_credit(self, n: int) -> None:
@@ -205,7 +205,7 @@ class RdmaConnection:
             waiter = waiter or _Waiter(self, "credit-message completions")
             if not self._reap():
                 waiter.pause()
-        self._verbs.post_credit(n)
+        self._verb(self._verbs.post_credit, n)
         self._credit_sends += 1
         self.stats["credit_messages"] += 1
 
@@ -251,19 +251,23 @@ class RdmaConnection:
             self._chunk[2] = offset
             return k
         self._chunk = None
-        self._verbs.post_recv(slot)  # consumed: the slot takes the next chunk
+        self._verb(self._verbs.post_recv, slot)  # consumed: the slot takes the next chunk
         ret = self._credits.consumed()
         if ret:
             self._send_credit(ret)
         return k
 
     # --- completions ----------------------------------------------------------------------------
-    def _reap(self) -> int:
-        """Handle every completion ready now; return how many there were."""
+    def _verb(self, call, *args):
+        """Every call into the QP goes through here: never after (or during) close."""
         with self._lock:
             if self._closed:
                 raise ConnectionError(f"RDMA connection to {self.peer} is closed")
-            done = self._verbs.poll(64)
+            return call(*args)
+
+    def _reap(self) -> int:
+        """Handle every completion ready now; return how many there were."""
+        done = self._verb(self._verbs.poll, 64)
         for c in done:
             if c.error is not None:
                 raise ShardlineConnectionError(f"RDMA connection to {self.peer} failed: {c.error}")
@@ -275,7 +279,7 @@ class RdmaConnection:
                 self._arrived.append((c.slot, c.nbytes))
             elif c.kind == CREDIT:
                 self._credits.grant(c.credits)
-                self._verbs.post_recv(c.slot)
+                self._verb(self._verbs.post_recv, c.slot)
             else:
                 raise ShardlineConnectionError(f"unknown RDMA completion kind {c.kind!r}")
         return len(done)

@@ -31,6 +31,7 @@ CREDIT_BUFFER_BYTES = 64
 RNR_RETRY_FOREVER = 7
 # IB transport timeout 4.096 us * 2^14 = 67 ms per retry; 7 retries before the QP errors out.
 ACK_TIMEOUT_EXP, RETRY_COUNT, MIN_RNR_TIMER = 14, 7, 12
+HOP_LIMIT = 64  # routed RoCE v2 crosses IP routers
 
 
 def import_pyverbs():
@@ -100,7 +101,7 @@ class VerbsEndpoint:
     needs; ``connect(peer)`` brings the QP through RTR to RTS. Implements rdma_stream.Verbs."""
 
     def __init__(self, device: str, *, port: int, gid_index: int, slot_bytes: int, data_slots: int,
-                 spare_slots: int, send_slots: int, peer_spare_slots: int | None = None):
+                 spare_slots: int, send_slots: int):
         import_pyverbs()
         import pyverbs.enums as e  # noqa: PLC0415
         from pyverbs.cq import CQ  # noqa: PLC0415
@@ -120,8 +121,9 @@ class VerbsEndpoint:
             self.lid, self.mtu = port_attr.lid, int(port_attr.active_mtu)
             self.gid = gid_bytes(self.ctx.query_gid(port, gid_index).gid)
             recv_wrs = data_slots + spare_slots
-            # The send queue holds data sends and credit messages (at most the peer's spare slots).
-            send_wrs = send_slots + (peer_spare_slots or spare_slots) + 1
+            # The send queue holds data sends and credit messages (RdmaConnection keeps those
+            # in flight to at most this side's spare slots).
+            send_wrs = send_slots + spare_slots
             self.cq = CQ(self.ctx, recv_wrs + send_wrs, None, None, 0)
             self._closers.append(self.cq)
             self.recv_region = SlotRegion(recv_wrs, slot_bytes, self._register)
@@ -165,7 +167,8 @@ class VerbsEndpoint:
         attr.max_dest_rd_atomic, attr.min_rnr_timer = 1, MIN_RNR_TIMER
         # RoCE needs the GRH (a GID); InfiniBand without a router routes on the LID alone.
         is_global = 1 if any(peer.gid) else 0
-        gr = GlobalRoute(dgid=GID(val=gid_text(peer.gid)), sgid_index=self.gid_index) if is_global else None
+        gr = GlobalRoute(dgid=GID(val=gid_text(peer.gid)), sgid_index=self.gid_index,
+                         hop_limit=HOP_LIMIT) if is_global else None
         attr.ah_attr = AHAttr(port_num=self.port, is_global=is_global, dlid=peer.lid, gr=gr)
         attr.sq_psn, attr.timeout, attr.retry_cnt = self.psn, ACK_TIMEOUT_EXP, RETRY_COUNT
         attr.rnr_retry, attr.max_rd_atomic = RNR_RETRY_FOREVER, 1

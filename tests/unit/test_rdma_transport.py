@@ -407,13 +407,17 @@ def test_closed_connection_refuses_io():
 
 
 # --- the exchange over a connection (socketpair; fake endpoints) ---------------------------------------
-def fake_endpoint_factory(fail=None):
+def fake_endpoint_factory(fail=None, fail_connect=None):
     made = []
 
-    def make(options, device, peer_spare=None):
+    def make(options, device):
         if fail:
             raise OSError(fail)
         ep = FakeEndpoint(options.buffer_bytes, options.buffers, options.send_buffers)
+        if fail_connect:
+            def connect(peer_params, mtu):
+                raise OSError(fail_connect)
+            ep.connect = connect
         made.append(ep)
         return ep
 
@@ -491,6 +495,26 @@ def test_node_without_device_declines_and_the_connection_goes_on_over_tcp(caplog
     server.join(5)
     assert isinstance(conn, socket.socket) and isinstance(seen[0], socket.socket)
     assert "declined RDMA: cannot open RDMA device 'fake0': no mlx5" in caplog.text
+
+
+def test_queue_pair_that_cannot_reach_rtr_falls_back_to_tcp(monkeypatch):
+    # on the node: it declines before promising anything
+    client = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=fake_endpoint_factory())
+    smake = fake_endpoint_factory(fail_connect="modify QP to RTR: invalid argument")
+    node = rdma.RdmaTransport("fake0", options=small_options(), make_endpoint=smake)
+    conn, seen, server = exchange(client, node)
+    round_trip(conn)
+    server.join(5)
+    assert isinstance(conn, socket.socket) and isinstance(seen[0], socket.socket) and smake.made[0].closed
+    # on the client, after the node accepted: the node drops the connection, the client reconnects with no offer
+    fresh_client, fresh_node = socket.socketpair()
+    monkeypatch.setattr(rdma.tcp, "connect", lambda address, timeout: fresh_client)
+    cmake = fake_endpoint_factory(fail_connect="modify QP to RTR: invalid argument")
+    client = rdma.RdmaTransport("fake0", options=small_options(exchange_timeout=0.5), make_endpoint=cmake)
+    node = rdma.RdmaTransport("fake0", options=small_options(exchange_timeout=0.5), make_endpoint=fake_endpoint_factory())
+    conn, seen, server = exchange(client, node, serve=lambda c, p, seen: seen.append(c))
+    server.join(5)
+    assert conn is fresh_client and seen == [] and cmake.made[0].closed
 
 
 def test_explicit_rdma_refuses_a_declined_connection():
@@ -720,6 +744,187 @@ def test_pyverbs_imports_and_finds_no_device():
     available, reason = rdma.rdma_available()
     assert available == bool(devices) and reason
     assert rdma_verbs.gid_bytes(rdma_verbs.gid_text(bytes(range(16)))) == bytes(range(16))
+
+
+# --- the pyverbs endpoint against pyverbs' own structs, with the device objects faked ------------------
+class FakeDevice:
+    """Stand-ins for pyverbs' Context, PD, CQ, QP and MR (they need a device); SGE, work requests,
+    QPCap, QPAttr, AHAttr, GlobalRoute and GID are pyverbs' real classes, so their keyword names
+    and fields are checked for real. A QP delivers sends into its peer's posted receive slots."""
+
+    def __init__(self, pyverbs_modules):
+        self.log = []
+        self.e = pyverbs_modules["enums"]
+        self.GID = pyverbs_modules["addr"].GID
+        self.real_init_attr = pyverbs_modules["qp"].QPInitAttr
+        dev = self
+
+        class Context:
+            def __init__(self, name):
+                self.name = name
+                dev.log.append(("context", name))
+
+            def query_port(self, port):
+                return type("PortAttr", (), {"lid": 0, "active_mtu": dev.e.IBV_MTU_1024})()
+
+            def query_gid(self, port, index):
+                return dev.GID(val="fe80:0000:0000:0000:0202:c9ff:fe00:%04x" % index)
+
+            def close(self):
+                dev.log.append(("close", "context"))
+
+        class PD:
+            def __init__(self, ctx):
+                self.ctx = ctx
+
+            def close(self):
+                dev.log.append(("close", "pd"))
+
+        class CQ:
+            def __init__(self, ctx, cqe, cq_context, channel, comp_vector):
+                self.cqe, self.wcs = cqe, deque()
+
+            def poll(self, n):
+                out = [self.wcs.popleft() for _ in range(min(n, len(self.wcs)))]
+                return len(out), out
+
+            def close(self):
+                dev.log.append(("close", "cq"))
+
+        class MR:
+            def __init__(self, pd, length, access, address=None):
+                self.length, self.access, self.address = length, access, address
+                self.lkey, self.rkey = 40 + len(dev.log), 99
+                dev.log.append(("mr", address, length, access))
+
+            def close(self):
+                dev.log.append(("close", "mr", self.address))
+
+        def QPInitAttr(**kw):
+            dev.real_init_attr(**{**kw, "scq": None, "rcq": None})  # the real struct takes the other fields
+            return kw
+
+        class QP:
+            count = [0]
+
+            def __init__(self, pd, init_attr):
+                QP.count[0] += 1
+                self.qp_num, self.init_attr, self.cq = 0x100 + QP.count[0], init_attr, init_attr["scq"]
+                self.posted, self.states, self.owner, self.peer = deque(), [], None, None
+
+            def to_init(self, attr):
+                self.states.append(("INIT", attr.port_num, attr.qp_access_flags))
+
+            def to_rtr(self, attr):
+                self.states.append(("RTR", attr.dest_qp_num, attr.rq_psn, attr.path_mtu, attr.ah_attr.dlid,
+                                    attr.ah_attr.is_global, attr.ah_attr.dgid, attr.ah_attr.hop_limit))
+
+            def to_rts(self, attr):
+                self.states.append(("RTS", attr.sq_psn, attr.retry_cnt, attr.rnr_retry, attr.timeout))
+
+            def post_recv(self, wr):
+                assert wr.num_sge == 1
+                self.posted.append(wr.wr_id)
+
+            def post_send(self, wr):
+                peer = self.peer
+                slot = peer.qp.posted.popleft()  # an RC QP with nothing posted would stall: credits prevent it
+                wc = dict(status=dev.e.IBV_WC_SUCCESS, opcode=dev.e.IBV_WC_RECV, wr_id=slot, vendor_err=0,
+                          wc_flags=0, byte_len=0, imm_data=0)
+                if wr.opcode == dev.e.IBV_WR_SEND_WITH_IMM:
+                    wc.update(wc_flags=dev.e.IBV_WC_WITH_IMM, imm_data=wr.imm_data)
+                else:
+                    data = bytes(self.owner.send_region.slot_view(wr.wr_id, self.owner.sent_sizes[wr.wr_id]))
+                    peer.recv_region.slot_view(slot, len(data))[:] = data
+                    wc.update(byte_len=len(data))
+                peer.qp.cq.wcs.append(type("WC", (), wc)())
+                self.cq.wcs.append(type("WC", (), dict(status=dev.e.IBV_WC_SUCCESS, opcode=dev.e.IBV_WC_SEND,
+                                                       wr_id=wr.wr_id, wc_flags=0, vendor_err=0))())
+
+            def close(self):
+                dev.log.append(("close", "qp"))
+
+        self.classes = dict(Context=Context, PD=PD, CQ=CQ, MR=MR, QP=QP, QPInitAttr=QPInitAttr)
+
+
+@pytest.fixture
+def fake_device(monkeypatch):
+    rdma_verbs.import_pyverbs()
+    import pyverbs.addr
+    import pyverbs.cq
+    import pyverbs.device
+    import pyverbs.enums
+    import pyverbs.mr
+    import pyverbs.pd
+    import pyverbs.qp
+
+    dev = FakeDevice({"enums": pyverbs.enums, "addr": pyverbs.addr, "qp": pyverbs.qp})
+    c = dev.classes
+    monkeypatch.setattr(pyverbs.device, "Context", c["Context"])
+    monkeypatch.setattr(pyverbs.pd, "PD", c["PD"])
+    monkeypatch.setattr(pyverbs.cq, "CQ", c["CQ"])
+    monkeypatch.setattr(pyverbs.mr, "MR", c["MR"])
+    monkeypatch.setattr(pyverbs.qp, "QP", c["QP"])
+    monkeypatch.setattr(pyverbs.qp, "QPInitAttr", c["QPInitAttr"])
+    # the fake QP needs a data send's length, which a SendWR does not expose
+    real_post_send = rdma_verbs.VerbsEndpoint.post_send
+
+    def post_send(self, slot, nbytes):
+        self.__dict__.setdefault("sent_sizes", {})[slot] = nbytes
+        real_post_send(self, slot, nbytes)
+
+    monkeypatch.setattr(rdma_verbs.VerbsEndpoint, "post_send", post_send)
+    return dev
+
+
+def _verbs_endpoint():
+    ep = rdma_verbs.VerbsEndpoint("mlx5_0", port=1, gid_index=3, slot_bytes=PAGE, data_slots=4,
+                                  spare_slots=spare_slots(4), send_slots=2)
+    ep.qp.owner = ep
+    return ep
+
+
+def test_verbs_endpoint_sets_up_registers_once_and_connects(fake_device):
+    e = fake_device.e
+    ep = _verbs_endpoint()
+    mrs = [entry for entry in fake_device.log if entry[0] == "mr"]
+    assert [m[1:] for m in mrs] == [(ep.recv_region.address, ep.recv_region.nbytes, e.IBV_ACCESS_LOCAL_WRITE),
+                                    (ep.send_region.address, ep.send_region.nbytes, e.IBV_ACCESS_LOCAL_WRITE),
+                                    (ep.credit_region.address, PAGE, e.IBV_ACCESS_LOCAL_WRITE)]
+    assert list(ep.qp.posted) == list(range(ep.recv_region.slots))  # every receive slot posted
+    assert ep.qp.init_attr["qp_type"] == e.IBV_QPT_RC and ep.qp.init_attr["sq_sig_all"] == 1
+    assert ep.qp.states == [("INIT", 1, e.IBV_ACCESS_LOCAL_WRITE)]
+    local = ep.local_params().validate()
+    assert local.gid == bytes.fromhex("fe80000000000000 0202c9fffe000003".replace(" ", "")) and local.ring_rkey == 0
+    assert rx.decode(rx.encode(rx.OFFER, local)).params == local
+    peer = params(qp_num=0x4321, psn=77, lid=9, gid=bytes.fromhex("fe80000000000000020000fffe000001"), mtu=5)
+    ep.connect(peer, rx.negotiated_mtu(local, peer))
+    assert ep.qp.states[1] == ("RTR", 0x4321, 77, e.IBV_MTU_1024, 9, 1, "fe80:0000:0000:0000:0200:00ff:fe00:0001",
+                               rdma_verbs.HOP_LIMIT)
+    assert ep.qp.states[2] == ("RTS", ep.psn, rdma_verbs.RETRY_COUNT, rdma_verbs.RNR_RETRY_FOREVER,
+                               rdma_verbs.ACK_TIMEOUT_EXP)
+    ep.close()
+    ep.close()
+    closes = [entry[1] for entry in fake_device.log if entry[0] == "close"]
+    assert closes == ["qp", "mr", "mr", "mr", "cq", "pd", "context"]
+
+
+def test_verbs_endpoints_carry_a_stream(fake_device):
+    a, b = _verbs_endpoint(), _verbs_endpoint()
+    a.qp.peer, b.qp.peer = b, a
+    pa, pb = a.local_params(), b.local_params()
+    sa, sb = socket.socketpair()
+    ca = rdma.stream(sa, a, pa, pb, small_options(), "peer-b")
+    cb = rdma.stream(sb, b, pb, pa, small_options(), "peer-a")
+    data = os.urandom(40 * PAGE + 5)
+    t = threading.Thread(target=ca.sendall, args=(data,))
+    t.start()
+    buf = bytearray(len(data))
+    cb.settimeout(5)
+    frame.recv_exactly_into(cb, memoryview(buf))
+    t.join(5)
+    assert bytes(buf) == data and cb.stats["credit_messages"] >= 19 and ca.stats["chunks_sent"] == 41
+    ca.close(), cb.close()
 
 
 # --- on a device ----------------------------------------------------------------------------------------
