@@ -55,6 +55,7 @@ class SlotRegion:
             self._unmap()
             raise
         self._free = deque(range(slots))
+        self._closed = False
 
     @property
     def nbytes(self) -> int:
@@ -87,12 +88,16 @@ class SlotRegion:
     def _unmap(self) -> None:
         self.view.release()
         del self._anchor
-        self._map.close()
+        try:
+            self._map.close()
+        except BufferError:  # a slot view is still being copied from (close from another thread):
+            pass             # the mapping goes with the last view, never before
 
     def close(self) -> None:
         """Deregister, then unmap (the device must stop using the pages before they go)."""
-        if self._map.closed:
+        if self._closed:
             return
+        self._closed = True
         try:
             self.registration.close()
         finally:

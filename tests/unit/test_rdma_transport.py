@@ -241,6 +241,12 @@ def test_slot_region_registers_once_and_frees_in_order():
     region.close()
     region.close()  # idempotent
     assert reg.log == [("dereg", region.address)]
+    # a view still held (another thread copying) keeps the mapping alive instead of failing close
+    other = SlotRegion(1, PAGE, reg)
+    held = other.slot_view(0)
+    other.close()
+    held[:2] = b"ok"
+    assert bytes(held[:2]) == b"ok" and reg.log[-1] == ("dereg", other.address)
 
 
 def test_slot_region_checks_sizes_and_unmaps_when_registration_fails():
