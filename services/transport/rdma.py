@@ -25,6 +25,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from shardline.services import frame
 from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError
 from shardline.services.transport import rdma_exchange as rx
 from shardline.services.transport import tcp
@@ -115,21 +116,13 @@ class RdmaOptions:
 # --- the exchange on the TCP socket ---------------------------------------------------------------
 def _recv_exactly(sock: socket.socket, n: int, deadline: float, peer: str, timeout: float) -> bytes:
     buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise ShardlineTimeoutError(f"RDMA exchange with {peer} did not complete within {timeout} s "
-                                        f"(exchange_timeout)")
-        sock.settimeout(left)
-        try:
-            r = sock.recv_into(view[got:], n - got)
-        except socket.timeout:
-            continue
-        if r == 0:
-            raise ShardlineConnectionError(f"{peer} closed the connection during the RDMA exchange")
-        got += r
+    try:
+        frame.recv_exactly_into(sock, memoryview(buf), deadline)
+    except TimeoutError:
+        raise ShardlineTimeoutError(f"RDMA exchange with {peer} did not complete within {timeout} s "
+                                    f"(exchange_timeout)") from None
+    except ConnectionError as exc:
+        raise ShardlineConnectionError(f"{peer} closed the connection during the RDMA exchange ({exc})") from None
     return bytes(buf)
 
 
