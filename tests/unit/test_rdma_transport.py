@@ -1020,11 +1020,7 @@ def test_verbs_endpoints_carry_a_stream(fake_device):
 DEVICE_PEER = textwrap.dedent("""
     import sys, threading
     import torch
-    from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
-from shardline.ps_server.disconnects import DisconnectWatcher
-from shardline.ps_server.node import PSNode
-from shardline.services import frame
-from shardline.services.dataplane_client import DataPlaneConnection
+    from shardline.services import frame
     from shardline.services.pb import dataplane_pb2 as dp
     from shardline.services.transport import get_transport
     from shardline.services.transport.rdma_stream import RdmaConnection
