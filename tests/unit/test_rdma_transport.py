@@ -809,8 +809,7 @@ def test_options_from_environment_quote_bad_values():
 
 
 def test_factory_choices(monkeypatch):
-    available, reason = rdma.rdma_available()
-    assert not available  # this kernel has no RDMA; see test_pyverbs_imports_and_finds_no_device
+    monkeypatch.setattr(rdma, "rdma_available", lambda: (False, "the kernel exposes no RDMA devices"))
     assert get_transport("auto") is tcp
     with pytest.raises(ShardlineConfigError, match="transport 'rdma' requested but .*use 'auto'"):
         get_transport("rdma")
@@ -820,9 +819,10 @@ def test_factory_choices(monkeypatch):
     assert not auto.required and strict.required
 
 
-def test_pyverbs_imports_and_finds_no_device():
-    """python3-pyverbs (scripts/install-system-deps.sh) loads into this virtualenv; the kernel has
-    no RDMA device, so listing fails or is empty, and rdma_available() says why."""
+def test_pyverbs_imports_and_lists_devices():
+    """python3-pyverbs (scripts/install-system-deps.sh) loads into this virtualenv, and
+    rdma_available() agrees with its device list (on the build machines the kernel has no RDMA:
+    listing fails, and rdma_available() says why)."""
     pyverbs = rdma_verbs.import_pyverbs()
     assert pyverbs.__file__.endswith("pyverbs/__init__.py")
     try:
