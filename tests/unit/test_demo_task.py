@@ -217,6 +217,8 @@ def test_example_job_files_are_valid(name):
     (lambda d: d["train"].update(weight_by_tokens="yes"), r"train\.weight_by_tokens: .*'yes'"),
     (lambda d: d["train"].update(betas=[0.9]), r"train\.betas: .*\[0\.9\]"),
     (lambda d: d["train"].update(sync="gossip"), r"train\.sync: .*'gossip'"),
+    (lambda d: d["train"].update(sync="ssp"), r"train\.staleness: .*ssp needs staleness >= 1.*got 0"),
+    (lambda d: d["train"].update(staleness=2), r"train\.staleness: only applies with train\.sync: ssp, got 2"),
     (lambda d: d["task"].update(kind="sort"), r"task\.kind: .*'sort'"),
     (lambda d: d["task"].update(min_digits=5), r"task\.min_digits: .*5"),
     (lambda d: d["model"].update(n_heads=3), r"model\.n_heads: .*3"),
