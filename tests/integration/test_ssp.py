@@ -36,13 +36,19 @@ def batch(step: int, rank: int, n: int = 16):
     return x, torch.tanh(x @ W_TRUE)
 
 
-def run_worker(address, job, rank, model, sync, staleness, out, errors):
+def run_worker(address, job, rank, model, sync, staleness, out, errors, restart_after=None):
+    """One rank's training loop; ``restart_after``: (rank 0) after that step, stop (close) and start
+    again as a new worker process of the rank would, resuming at ``opt.version``."""
     try:
-        opt = PSOptimizer(model, cluster=address, job=job, optimizer="adamw", lr=LR, sync=sync, staleness=staleness,
-                          world_size=WORLD, rank=rank, connect_timeout=30, pull_timeout=60)
+        def connect():
+            return PSOptimizer(model, cluster=address, job=job, optimizer="adamw", lr=LR, sync=sync,
+                               staleness=staleness, world_size=WORLD, rank=rank, connect_timeout=30, pull_timeout=60)
+
+        opt = connect()
         records = []
         started = time.monotonic()
-        for step in range(opt.version, STEPS):
+        step = opt.version
+        while step < STEPS:
             x, y = batch(step, rank)
             opt.zero_grad()
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -52,16 +58,23 @@ def run_worker(address, job, rank, model, sync, staleness, out, errors):
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             records.append((step, opt.held_version, params, grads))
             opt.step()
+            step += 1
+            if rank == 0 and restart_after == step - 1:
+                restart_after = None  # once
+                opt.close()
+                opt = connect()
+                out["resumed_at"] = step = opt.version
         out[rank] = (records, time.monotonic() - started)
         opt.close()
     except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
         errors.append(exc)
 
 
-def train(address, job, sync, staleness=None):
+def train(address, job, sync, staleness=None, restart_after=None):
     out, errors = {}, []
     models = [make_model() for _ in range(WORLD)]
-    threads = [threading.Thread(target=run_worker, args=(address, job, r, models[r], sync, staleness, out, errors))
+    threads = [threading.Thread(target=run_worker, args=(address, job, r, models[r], sync, staleness, out, errors,
+                                                         restart_after))
                for r in range(WORLD)]
     for t in threads:
         t.start()
@@ -78,7 +91,10 @@ def reference_versions(out):
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     named = dict(model.named_parameters())
     versions = [{n: p.detach().clone() for n, p in named.items()}]
-    grads = {rank: {step: g for step, _held, _params, g in records} for rank, (records, _wall) in out.items()}
+    grads = {}
+    for rank in range(WORLD):
+        for step, _held, _params, g in out[rank][0]:
+            grads.setdefault(rank, {}).setdefault(step, g)  # a step redone after a restart: its first push counts
     for step in range(STEPS):
         for n, p in named.items():
             p.grad = sum(grads[rank][step][n] for rank in range(WORLD)) / WORLD
@@ -91,7 +107,8 @@ def lags(out, versions, staleness):
     """For each rank, the lag (step - version) of each step's oldest parameter; fails if a
     parameter equals no version within the bound."""
     result = {}
-    for rank, (records, _wall) in out.items():
+    for rank in range(WORLD):
+        records = out[rank][0]
         result[rank] = []
         for step, held, params, _grads in records:
             oldest = step
@@ -134,6 +151,20 @@ def test_ssp_fast_worker_runs_ahead_within_the_bound_converges_and_finishes_soon
     # staleness * SLOW_SECONDS sooner than under BSP (asserted at half that: the machine is shared).
     bsp_wall, ssp_wall = bsp[0][1], ssp[0][1]
     assert ssp_wall < bsp_wall - 0.5 * staleness * SLOW_SECONDS, (ssp_wall, bsp_wall)
+
+
+def test_ssp_worker_restarted_ahead_of_the_job_resumes_at_the_oldest_step_collecting(cluster):
+    """The fast rank stops after committing step 3 (up to 2 steps ahead of the slow one) and comes
+    back: it resumes at the step the job still collects, behind what it committed; redoing those
+    steps is harmless (its first pushes count, its commits are acknowledged again) and the bound
+    and the per-step means still hold."""
+    staleness, restart_after = 2, 3
+    out = train(cluster.address, "ssp-restart", "ssp", staleness, restart_after=restart_after)
+    assert restart_after + 1 - staleness <= out["resumed_at"] < restart_after + 1
+    versions = reference_versions(out)
+    ssp_lags = lags(out, versions, staleness)
+    assert max(max(rank_lags) for rank_lags in ssp_lags.values()) <= staleness
+    assert loss_of(versions[STEPS]) < 0.5 * loss_of(versions[0])
 
 
 def test_ssp_refuses_staleness_zero(cluster):

@@ -206,6 +206,11 @@ def test_example_job_files_are_valid(name):
         assert not model.blocks[0].attn.qkv.weight.requires_grad
 
 
+def test_ssp_example_job_file_is_valid():
+    spec = load_job(os.path.join(ROOT, "examples", "ssp_job.yaml"))
+    assert (spec.train.sync, spec.train.staleness) == ("ssp", 1)
+
+
 @pytest.mark.parametrize("mutate, pattern", [
     (lambda d: d["train"].update(lrr=0.1), r"train\.lrr.*unknown key 'lrr'.*did you mean 'lr'"),
     (lambda d: d.update(trian={}), r"unknown key 'trian'"),
