@@ -58,9 +58,9 @@ LRs = tuple[float, ...] | None
 # How long a push waits for another rank's in-flight push of the same block (only a stalled
 # sender holds one that long; the data plane also times out stalled payloads).
 RESERVATION_TIMEOUT_SECONDS = 60.0
-# SSP: how long a pull waits for its blocks' replicas to hold their newest step (a copy holder that
-# does not acknowledge in time is dropped from the in-sync set before this, ps_server/replication.py).
-VISIBILITY_TIMEOUT_SECONDS = 60.0
+# SSP: how long a pull, once wait_for_step let it through, waits for a step applied just then to
+# be held by the replicas (a TIMEOUT reply: the worker asks again).
+VISIBILITY_TIMEOUT_SECONDS = 10.0
 
 
 class StoreError(ShardlineError):
@@ -945,13 +945,14 @@ class JobStore:
     def wait_for_step(self, min_step: int, timeout: float, keys=None,
                       interrupted: Callable[[], bool] | None = None) -> int:
         """Block until the job step is >= ``min_step`` and every block of ``keys`` is visible at it
-        (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
+        (SSP: at its newest step; see changed_blocks) (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
         NOT_OWNER when ``interrupted()`` (the routing changed under the wait)."""
         blocks = [self._block(t, i) for t, i in keys] if keys else []
         with self.cond:
             def ready() -> bool:
                 return self.failed is not None or bool(interrupted and interrupted()) or (
-                    self.step >= min_step and all(b.visible >= min_step or not b.primary for b in blocks))
+                    self.step >= min_step and all(b.visible >= (b.step if self.staleness else min_step)
+                                                  or not b.primary for b in blocks))
 
             if not self.cond.wait_for(ready, timeout=timeout):
                 missing = self.missing_ranks(self.step)
@@ -972,7 +973,9 @@ class JobStore:
         """Blocks whose version is newer than the client's (``None`` = client has nothing).
 
         Returns (job step, [(tensor, index, version, value)]). ``copy`` snapshots values under the
-        lock (needed in ASP, where another push may step a block while it is being sent).
+        lock (needed in ASP, where another push may step a block while it is being sent, and in SSP,
+        where another rank's commit may; SSP also waits until each wanted block is visible at its
+        newest step, so no pull sees a step its replicas do not hold).
         ``dtypes`` (one per wanted block, default float32) is what each value is returned in: a
         block wanted in another dtype is a converted copy of the fp32 master (``.to()``: round to
         nearest even), made under the lock with ``copy``, else after it (BSP: no step is applied

@@ -95,7 +95,8 @@ class Client:
 
     Node restarts: until a BSP step is applied the client keeps what it sent for it (its gradient
     blocks, weight, whether it committed); SSP keeps this for each of the up to ``staleness + 1``
-    steps in flight, and every mechanism below resends each of them, oldest first. When a node drops the connection or answers
+    steps in flight, and every mechanism below resends each of them, oldest first. When a node
+    drops the connection or answers
     ``UNAVAILABLE``, the client waits for the node to be back (refreshing routing: a restarted node
     registers new addresses), asks it its job step and, if the node is still collecting the step in
     flight (it restored the checkpoint of that step and lost what was sent since), sends it this
@@ -210,7 +211,8 @@ class Client:
         return self.spec
 
     def init(self, tensors: dict[str, torch.Tensor], *, optimizer: str = "sgd", sync: str = "bsp",
-             staleness: int = 0, world_size: int = 1, block_elements: int | None = None, trainable: dict[str, bool] | None = None,
+             staleness: int = 0, world_size: int = 1, block_elements: int | None = None,
+             trainable: dict[str, bool] | None = None,
              allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
@@ -520,8 +522,12 @@ class Client:
         self.step = step + 1
 
     def _inflight_record(self, step: int, weight: float) -> dict:
-        """What this worker sent for ``step`` (kept for resending until every node applied it)."""
+        """What this worker sent for ``step`` (kept for resending until every node applied it). A
+        step more than ``staleness`` before it was applied (the nodes take no push of ``step``
+        before that), so it is forgotten here at the latest, as BSP forgets the last step."""
         if step not in self._inflight:
+            for old in [s for s in self._inflight if s < step - self.staleness]:
+                del self._inflight[old]
             self._inflight[step] = {"step": step, "grads": {}, "weight": weight, "committed": False}
         return self._inflight[step]
 
