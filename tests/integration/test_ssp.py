@@ -36,13 +36,15 @@ def batch(step: int, rank: int, n: int = 16):
     return x, torch.tanh(x @ W_TRUE)
 
 
-def run_worker(address, job, rank, model, sync, staleness, out, errors, restart_after=None):
+def run_worker(address, job, rank, model, sync, staleness, out, errors, restart_after=None, prefetch=0):
     """One rank's training loop; ``restart_after``: (rank 0) after that step, stop (close) and start
-    again as a new worker process of the rank would, resuming at ``opt.version``."""
+    again as a new worker process of the rank would, resuming at ``opt.version``. The parameters
+    are recorded after ``zero_grad()``, which waits for a pull still running (``prefetch``)."""
     try:
         def connect():
             return PSOptimizer(model, cluster=address, job=job, optimizer="adamw", lr=LR, sync=sync,
-                               staleness=staleness, world_size=WORLD, rank=rank, connect_timeout=30, pull_timeout=60)
+                               staleness=staleness, world_size=WORLD, rank=rank, connect_timeout=30, pull_timeout=60,
+                               prefetch_window=prefetch)
 
         opt = connect()
         records = []
@@ -70,11 +72,11 @@ def run_worker(address, job, rank, model, sync, staleness, out, errors, restart_
         errors.append(exc)
 
 
-def train(address, job, sync, staleness=None, restart_after=None):
+def train(address, job, sync, staleness=None, restart_after=None, prefetch=0):
     out, errors = {}, []
     models = [make_model() for _ in range(WORLD)]
     threads = [threading.Thread(target=run_worker, args=(address, job, r, models[r], sync, staleness, out, errors,
-                                                         restart_after))
+                                                         restart_after, prefetch))
                for r in range(WORLD)]
     for t in threads:
         t.start()
@@ -157,9 +159,10 @@ def test_ssp_worker_restarted_ahead_of_the_job_resumes_at_the_oldest_step_collec
     """The fast rank stops after committing step 3 (up to 2 steps ahead of the slow one) and comes
     back: it resumes at the step the job still collects, behind what it committed; redoing those
     steps is harmless (its first pushes count, its commits are acknowledged again) and the bound
-    and the per-step means still hold."""
+    and the per-step means still hold. With prefetch_window 1: the pull of a step runs until the
+    parameters are next used, under the same bound."""
     staleness, restart_after = 2, 3
-    out = train(cluster.address, "ssp-restart", "ssp", staleness, restart_after=restart_after)
+    out = train(cluster.address, "ssp-restart", "ssp", staleness, restart_after=restart_after, prefetch=1)
     assert restart_after + 1 - staleness <= out["resumed_at"] < restart_after + 1
     versions = reference_versions(out)
     ssp_lags = lags(out, versions, staleness)
