@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardline import PSOptimizer
+from shardline.services.cli import render_status, status_dict
 
 STEPS = 8
 WORLD = 2
@@ -153,6 +154,12 @@ def test_ssp_fast_worker_runs_ahead_within_the_bound_converges_and_finishes_soon
     # staleness * SLOW_SECONDS sooner than under BSP (asserted at half that: the machine is shared).
     bsp_wall, ssp_wall = bsp[0][1], ssp[0][1]
     assert ssp_wall < bsp_wall - 0.5 * staleness * SLOW_SECONDS, (ssp_wall, bsp_wall)
+
+    # shardline status names the mode and its staleness
+    data = status_dict(cluster.cluster_status(), cluster.address)
+    job = next(j for j in data["jobs"] if j["name"] == "ssp-2")
+    assert (job["sync"], job["staleness"]) == ("ssp", staleness)
+    assert "ssp, s=2" in render_status(data)
 
 
 def test_ssp_worker_restarted_ahead_of_the_job_resumes_at_the_oldest_step_collecting(cluster):
