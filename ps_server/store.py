@@ -945,14 +945,14 @@ class JobStore:
     def wait_for_step(self, min_step: int, timeout: float, keys=None,
                       interrupted: Callable[[], bool] | None = None) -> int:
         """Block until the job step is >= ``min_step`` and every block of ``keys`` is visible at it
-        (SSP: at its newest step; see changed_blocks) (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
+        (SSP: and at its newest step; see changed_blocks) (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
         NOT_OWNER when ``interrupted()`` (the routing changed under the wait)."""
         blocks = [self._block(t, i) for t, i in keys] if keys else []
         with self.cond:
             def ready() -> bool:
                 return self.failed is not None or bool(interrupted and interrupted()) or (
-                    self.step >= min_step and all(b.visible >= (b.step if self.staleness else min_step)
-                                                  or not b.primary for b in blocks))
+                    self.step >= min_step and all(not b.primary or (b.visible >= min_step and (
+                        not self.staleness or b.visible >= b.step)) for b in blocks))
 
             if not self.cond.wait_for(ready, timeout=timeout):
                 missing = self.missing_ranks(self.step)

@@ -109,7 +109,9 @@ class Client:
     SSP (``sync: ssp``, ``staleness`` s): after committing step v the client pulls parameters of any
     version >= v + 1 - s (the pull waits only until the job applied step v - s), so the step it
     computes next is never more than s steps ahead of the parameters it computes on;
-    ``held_step`` is the version the last pull brought (the oldest job step among the nodes).
+    ``held_step`` is the version the last pull brought: the oldest job step among the nodes (while
+    a block taken over mid-step catches up with its new node's step it may be one step older,
+    still no older than the pull's ``min_step``).
 
     Stragglers: a BSP pull still waiting after ``straggler_warning_seconds`` (0: never) logs a
     WARNING naming the ranks that have not committed the step and the PS nodes waiting for them
@@ -429,11 +431,11 @@ class Client:
 
     def pull_changed(self, names=None) -> None:
         """Bring the cache (and bound tensors) to the client's step: the second half of step_sync."""
-        node_steps = self._pull(self._names(names), min_step=None, timeout=None)
-        if self._inflight and node_steps and self._collects:
-            applied = min(node_steps.values())  # every node holds the steps before it, replicas included
-            for step in [s for s in self._inflight if s < applied]:
-                del self._inflight[step]  # nothing to resend
+        self._pull(self._names(names), min_step=None, timeout=None)
+        if self._inflight and self.step is not None:
+            # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
+            for step in [s for s in self._inflight if s < self.step - self.staleness]:
+                del self._inflight[step]
 
     def join(self, names=None) -> int:
         """Pull the job as the cluster holds it and return the step to run next: the oldest step

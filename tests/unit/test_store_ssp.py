@@ -141,3 +141,18 @@ def test_a_lost_block_forgets_its_steps_ahead():
     assert store.blocks[("a", 0)].ahead
     store.set_primary({key for key in store.blocks if key != ("a", 0)}, epoch=2)
     assert not store.blocks[("a", 0)].ahead  # its workers push step 1 again to the new primary
+
+
+def test_a_pull_waits_for_a_lagging_block_to_reach_min_step():
+    """A block taken over mid-step may lag its new node's job step: an SSP pull of min_step waits
+    for it as a BSP pull does (it must not pass on the job step alone)."""
+    store, _ref, _opt = fresh(staleness=1, world_size=1)
+    for step in range(2):
+        store.push(0, step, 1.0, items_for("a", torch.randn(4, 5)))
+        store.commit(0, step, 1.0)
+    lagging = store.blocks[("a", 0)]
+    lagging.step = lagging.visible = 1   # as if taken over with step 1 still in flight
+    with pytest.raises(StoreError) as err:
+        store.wait_for_step(2, 0.2, keys=[("a", 0)])
+    assert err.value.code == "TIMEOUT"
+    assert store.wait_for_step(2, 0.2, keys=[("a", 1)]) == 2
