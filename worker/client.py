@@ -232,6 +232,8 @@ class Client:
         """
         from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
 
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ShardlineConfigError(f"staleness must be an integer >= 0 (>= 1 with sync 'ssp'), got {staleness!r}")
         groups = [OptimizerConfig.from_kwargs(optimizer, **g) for g in param_groups or ()]
         opt = groups[0] if groups else OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         tensor_groups = tensor_groups or {}

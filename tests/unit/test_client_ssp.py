@@ -55,3 +55,11 @@ def test_a_node_back_at_a_step_gets_every_step_in_flight_from_there_oldest_first
     assert client._resend_inflight("ps0", 6) == 6 and not client.sent  # it holds them all
     with pytest.raises(ShardlineStateError, match="updates of steps 2..2 are lost"):
         client._resend_inflight("ps0", 2)  # behind the oldest step this worker still holds
+
+
+@pytest.mark.parametrize("staleness", [1.5, -1, True, "2"])
+def test_a_staleness_that_is_no_integer_is_refused_quoting_it(staleness):
+    from shardline.services.errors import ShardlineConfigError
+
+    with pytest.raises(ShardlineConfigError, match=f"got {staleness!r}"):
+        bare_client().init({"w": torch.zeros(2)}, sync="ssp", staleness=staleness)
