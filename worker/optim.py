@@ -199,6 +199,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._step_weight: float | None = None   # set_step_weight(), for the next step
         self._pusher: BackwardPusher | None = None
         self._priority: PriorityPull | None = None
+        self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
         self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
@@ -477,8 +478,12 @@ class PSOptimizer(torch.optim.Optimizer):
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module, _args) -> None:
-        if self._priority is None or not self._priority.before_forward(module):
-            self.wait()  # the whole pull (or its error)
+        started = time.perf_counter()
+        try:
+            if self._priority is None or not self._priority.before_forward(module):
+                self.wait()  # the whole pull (or its error)
+        finally:
+            self.forward_wait_seconds += time.perf_counter() - started
 
     def _pull(self) -> None:
         self.client.pull_changed()

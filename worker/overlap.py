@@ -126,10 +126,11 @@ class BackwardPusher:
             if rnd.error is not None:
                 return
             if rnd.committed or i in rnd.ready:
+                sent = "went out and were committed" if rnd.committed else "went out"
                 rnd.error = ShardlineConfigError(
                     f"parameter {self.params[i][0]!r} got a gradient from a second backward after its gradient "
-                    f"was pushed for this step: run every backward but the last of a step inside "
-                    f"`with opt.no_sync():` (or pass overlap=False)")
+                    f"was pushed for this step (the first backward's gradients {sent}): run every backward but "
+                    f"the last of a step inside `with opt.no_sync():` (or pass overlap=False)")
                 return
             if self._seen is not None:
                 self._seen.append(i)
