@@ -373,7 +373,7 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
     world = args.world
     base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
     if mode in SHARDLINE_MODES:
-        base.update(cluster=cluster.address, job=f"vsddp-{os.getpid()}-{repeat}")
+        base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}")
     else:
         base["port"] = free_port()
     started, outs, logs = [], [], []
