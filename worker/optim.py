@@ -417,7 +417,7 @@ class PSOptimizer(torch.optim.Optimizer):
             self.client.lr = lrs
             self.client.push(grads, weight=weight or declared or 1.0)
         else:
-            self._check_sent(*sent, weight)
+            self._check_sent(*sent, declared if weight is None else weight)
         if self.prefetch_window == 0:
             started = time.perf_counter()
             self._pull()
@@ -444,7 +444,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 f"them (overlap): set the lr (step the scheduler) before backward, or pass overlap=False")
         if weight is not None and weight != sent_weight:
             raise ShardlineConfigError(
-                f"step(weight={weight!r}) but backward already pushed this step with weight {sent_weight!r} "
+                f"this step's weight is {weight!r} but backward already pushed it with weight {sent_weight!r} "
                 f"(overlap): declare the weight before backward with opt.set_step_weight({weight!r}), or pass "
                 f"overlap=False")
 

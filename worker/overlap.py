@@ -181,6 +181,7 @@ class BackwardPusher:
         first error (after every send of it finished, so nothing of it is still running)."""
         with self._lock:
             rnd, self._round = self._round, None
+            self._callback_queued = False  # a backward that raised never ran its callback
         if rnd is None:
             return None
         for fut in rnd.futures:
@@ -191,5 +192,6 @@ class BackwardPusher:
         if rnd.error is not None:
             raise rnd.error
         if not rnd.committed:
-            raise ShardlineConfigError("step() ran while backward was still running")
+            raise ShardlineConfigError("the backward that pushed this step's first gradients did not finish (did it "
+                                       "raise?): the step was not committed")
         return rnd.weight, rnd.lrs

@@ -204,3 +204,24 @@ def test_priority_pull_learns_the_forward_order_and_a_module_waits_only_for_its_
             fut.result(10)
     finally:
         hook.remove()
+
+
+def test_a_backward_that_raised_is_reported_and_the_next_one_pushes_again(comm):
+    model, send = Net(), Recorder()
+    pusher = pusher_for(model, comm, send)
+    x = torch.randn(3, 4)
+    h = torch.tanh(model.a(x))
+
+    def boom(grad):
+        raise RuntimeError("boom")
+
+    h.register_hook(boom)  # after c's and b's gradients were final, before a's
+    with pytest.raises(RuntimeError, match="boom"):
+        model.c(torch.tanh(model.b(h))).sum().backward()
+    with pytest.raises(ShardlineConfigError, match="did not finish"):
+        pusher.finish()
+    assert not any(commit for *_, commit in send.sent)
+    model.zero_grad()
+    loss_of(model).backward()
+    assert pusher.finish() == (2.0, 0.1)
+    assert send.sent[-1][-1] is True
