@@ -70,16 +70,19 @@ from balance import sample_lengths  # noqa: E402
 from report import run_and_report  # noqa: E402
 
 MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain")
+# Shardline with one of the two levers only (not run by default: --modes names them)
+EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
 SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
-                   "shardline_plain": dict(overlap=False, prefetch_window=0)}
+                   "shardline_plain": dict(overlap=False, prefetch_window=0),
+                   "shardline_overlap_only": dict(overlap=True, prefetch_window=0),
+                   "shardline_prefetch_only": dict(overlap=False, prefetch_window=1)}
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4
 MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token (its loss tokens)
-REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean", "shardline": "token_mean",
-                "shardline_plain": "token_mean"}
-SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "shardline": "kk",
-            "shardline_plain": "kk"}
+REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean",
+                **{m: "token_mean" for m in SHARDLINE_MODES}}
+SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", **{m: "kk" for m in SHARDLINE_MODES}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,7 +230,8 @@ def run_rank(cfg: dict) -> dict:
 
         net = model
         opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw", sync="bsp",
-                          world_size=world, rank=rank, **SHARDLINE_MODES[mode], **HYPER)
+                          world_size=world, rank=rank, bucket_cap_mb=cfg["bucket_cap_mb"], **SHARDLINE_MODES[mode],
+                          **HYPER)
     else:
         raise ValueError(mode)
 
@@ -373,7 +377,7 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
     world = args.world
     base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
     if mode in SHARDLINE_MODES:
-        base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}")
+        base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}", bucket_cap_mb=args.bucket_cap_mb)
     else:
         base["port"] = free_port()
     started, outs, logs = [], [], []
@@ -428,13 +432,13 @@ def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="shardline-vsddp-"))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m not in MODES + EXTRA_MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES + EXTRA_MODES)}")
     result: dict = {"machine": machine_info(), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
-                               "ps_nodes": args.ps, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "ps_nodes": args.ps, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
     children = Children()
@@ -508,12 +512,12 @@ def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\nvs_ddp: workload {cfg['workload']}, {cfg['world']} ranks x {cfg['per_rank']} sequences, {cfg['steps']} steps "
           f"({cfg['warmup']} warm-up), {cfg['repeats']} repeat(s), TinyGPT 922,880 params, AdamW")
-    print(f"{'mode':<16}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
+    print(f"{'mode':<24}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
           f"{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
     for m, s in result.get("summary", {}).items():
         other = "rank_mean" if s["reference"] == "token_mean" else "token_mean"
         ratio = s["ratio_to_ddp_paired_median"]
-        print(f"{m:<16}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
+        print(f"{m:<24}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
               f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}{s['peak_rss_mib_max']:>9.0f}"
               f"{s['reference']:>12}{s['loss_max_abs_diff_own_reference']:>12.2e}{s['loss_max_abs_diff'][other]:>11.2e}")
     for m, why in result.get("skipped", {}).items():
@@ -526,7 +530,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--child"]:
         return child_main(argv[1], argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES + EXTRA_MODES))
     ap.add_argument("--workload", choices=("lognormal", "balanced"), default="lognormal")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps of every run (still in the loss curve)")
@@ -534,6 +538,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bucket-cap-mb", type=float, default=1.0, help="PSOptimizer bucket_cap_mb (push and pull chunks)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run of a mode")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 2 warm-up, 1 repeat")
     ap.add_argument("--out", help="write the JSON here (e.g. bench/results/vs_ddp.json)")
