@@ -161,8 +161,10 @@ def test_buckets_follow_the_order_the_first_backward_produced(comm):
     pusher._cap = 1  # one bucket per tensor from now on
     loss_of(model).backward()
     pusher.finish()
-    first = [i for bucket in pusher.buckets for i in bucket]
-    assert first[:6] != [] and set(first) == set(range(8)) and first[-2:] == [7, 6]  # unused: last
+    order = [i for bucket in pusher.buckets for i in bucket]
+    assert pusher.buckets == [[i] for i in order] and sorted(order) == list(range(8))
+    assert set(order[:2]) == {4, 5} and set(order[4:6]) == {0, 1}  # c's gradients came first, a's last
+    assert order[-2:] == [7, 6]  # the unused layer (no gradient) keeps the reverse registration order, at the end
 
 
 def test_priority_pull_learns_the_forward_order_and_a_module_waits_only_for_its_own(comm):
