@@ -200,6 +200,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._pusher: BackwardPusher | None = None
         self._priority: PriorityPull | None = None
         self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
+        self._forward_wait_observed = 0.0  # ... of which the pull-wait metric has seen
         self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
@@ -509,8 +510,13 @@ class PSOptimizer(torch.optim.Optimizer):
             pending, self._pending = self._pending, None
         if pending is not None:
             started = time.perf_counter()
-            pending.result()  # re-raises the pull's error in the training thread
-            self._metrics.waited(time.perf_counter() - started)
+            try:
+                pending.result()  # re-raises the pull's error in the training thread
+            finally:
+                # one observation per step: with the priority pull, what forwards waited counts too
+                in_forward, self._forward_wait_observed = (self.forward_wait_seconds - self._forward_wait_observed,
+                                                           self.forward_wait_seconds)
+                self._metrics.waited(time.perf_counter() - started + in_forward)
 
     @property
     def lr(self) -> float:
