@@ -55,13 +55,16 @@ def run(args) -> dict:
     ids = torch.randint(0, MODEL["vocab_size"], (args.batch, args.length + 1), generator=g)
     result = {"machine": machine_info(), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
               "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(),
-              "config": {"iterations": args.iterations, "warmup": args.warmup, "batch": args.batch,
+              "config": {"iterations": args.iterations, "pin": args.pin, "warmup": args.warmup, "batch": args.batch,
                          "length": args.length, "model": MODEL, "bucket_cap_mb": args.bucket_cap_mb,
                          "modes": {"local": "torch.optim.AdamW", **PS_MODES}}}
     with LocalCluster(workdir / "daemons") as cluster:
         cluster.start_dispatcher()
         cluster.add_node()
         cluster.wait_for_nodes(1, timeout=30)
+        if args.pin is not None:  # this thread and the ones it starts (the PS daemons keep every core), as vs_ddp's ranks
+            cores = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cores[args.pin % len(cores)]})
         models, opts = {}, {}
         initial = {n: p.detach().clone() for n, p in TinyGPT(**MODEL).named_parameters()}
         for mode in MODES:
@@ -143,6 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--length", type=int, default=64)
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pin", type=int, help="pin the training process's threads to this core (the PS is not pinned)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 10 iterations, 2 warm-up")
     ap.add_argument("--out", help="write the JSON here (e.g. bench/results/step_overhead.json)")
     args = ap.parse_args(argv)
