@@ -16,9 +16,10 @@ iteration, so load changes hit every mode alike):
 
 Per mode: the median of ``opt.step()`` time and of the whole iteration (``zero_grad``, forward,
 backward, ``step``), and for the PS modes the exposed communication: ``zero_grad`` + ``step`` +
-the time modules' forward pre-hooks waited for the pull (``opt.forward_wait_seconds``). With the priority pull part of the wait moves from ``step()`` into the next
-forward, so the iteration time is the fair comparison; the ratios to ``local`` are reported for
-both. The goal of issue 11 is one-worker ``PSOptimizer.step()`` <= 1.5x a local AdamW step.
+the time modules' forward pre-hooks waited for the pull (``opt.forward_wait_seconds``). With the
+priority pull part of the wait moves from ``step()`` into the next forward, so the iteration time
+is the fair comparison; the ratios to ``local`` are reported for both. ``--pin CORE`` pins the
+training threads to one core (the PS daemon keeps every core), as bench/vs_ddp.py pins a rank. The goal of issue 11 is one-worker ``PSOptimizer.step()`` <= 1.5x a local AdamW step.
 No absolute expectations are asserted anywhere.
 """
 
@@ -62,7 +63,7 @@ def run(args) -> dict:
         cluster.start_dispatcher()
         cluster.add_node()
         cluster.wait_for_nodes(1, timeout=30)
-        if args.pin is not None:  # this thread and the ones it starts (the PS daemons keep every core), as vs_ddp's ranks
+        if args.pin is not None:  # this thread and the threads it starts; the PS daemon started before keeps every core
             cores = sorted(os.sched_getaffinity(0))
             os.sched_setaffinity(0, {cores[args.pin % len(cores)]})
         models, opts = {}, {}

@@ -377,7 +377,8 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
     world = args.world
     base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
     if mode in SHARDLINE_MODES:
-        base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}", bucket_cap_mb=args.bucket_cap_mb)
+        base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}",
+                    bucket_cap_mb=args.bucket_cap_mb)
     else:
         base["port"] = free_port()
     started, outs, logs = [], [], []

@@ -451,7 +451,8 @@ class PSOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _check_weight(weight) -> float:
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not (math.isfinite(weight) and weight > 0):
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not (math.isfinite(weight) and weight > 0):
             raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
         return float(weight)
 

@@ -46,7 +46,8 @@ def plan_buckets(nbytes: list[int], cap_bytes: int) -> list[list[int]]:
 
 def bucket_cap_bytes(bucket_cap_mb) -> int:
     if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-        raise ShardlineConfigError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per push), got {bucket_cap_mb!r}")
+        raise ShardlineConfigError(f"bucket_cap_mb must be a number > 0 (MiB of gradients per push), got "
+                                   f"{bucket_cap_mb!r}")
     return max(1, int(bucket_cap_mb * 2**20))
 
 
