@@ -143,7 +143,7 @@ class PSOptimizer(torch.optim.Optimizer):
     starts once its first layer arrived; ``step()``, ``wait()`` and ``zero_grad(set_to_none=False)``
     wait for all of it. Without it any ``nn.Module`` forward and ``zero_grad()`` wait for the whole
     pull. Code that reads the parameters outside their own module's forward must call ``wait()``.
-    ``close()`` when done.
+    ``opt.forward_wait_seconds`` adds up what module forwards waited for pulls. ``close()`` when done.
     ``cluster_token``/``tls_ca`` default to the files named by ``SHARDLINE_CLUSTER_TOKEN_FILE`` /
     ``SHARDLINE_TLS_CA_FILE`` (what ``shardline up`` prints), else none.
     ``straggler_warning_seconds``: a step still waiting this long for other ranks logs a WARNING
