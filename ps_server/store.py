@@ -900,9 +900,11 @@ class JobStore:
             # if its primary carried it through s (a lagging one, its copies still on the way, may
             # have changed since: restored at s it would pass for current and could overwrite the
             # primary's own copy in a sync) and not past a change after s (that belongs to a later
-            # checkpoint). A copy left out is synced from its primary after a restore.
+            # checkpoint); a frozen tensor's copy never changes (kept: no rewrite when it is back).
+            # A copy left out is synced from its primary after a restore.
             blocks = {key: b for key, b in self.blocks.items()
-                      if b.primary or b.version <= self.step <= b.step}
+                      if b.primary or b.version <= self.step <= b.step
+                      or (not self.tensors[key[0]].trainable and b.version <= self.step)}
             held = {key: block.version for key, block in blocks.items()}
             copies = []
             for (tensor, index), block in blocks.items():

@@ -290,7 +290,7 @@ def test_a_replica_copy_still_on_its_way_is_not_checkpointed_as_current(tmp_path
     primary's own copy (tests/integration/test_checkpoint_restart.py, kill everything)."""
     ckdir, ckpt = make(tmp_path, every=1, full_every=2, keep=5)
     job = new_job(spec())
-    job.set_primary({("w", 0), ("w", 2), ("frozen", 0)}, epoch=1)
+    job.set_primary({("w", 0), ("w", 2)}, epoch=1)  # frozen[0] too is a copy: never carried here
     ckpt.attach(job, job.spec)
     replica = job.blocks[("w", 1)]
 
@@ -310,6 +310,9 @@ def test_a_replica_copy_still_on_its_way_is_not_checkpointed_as_current(tmp_path
     assert ("w", 1) not in held[1] and ("w", 1) not in held[2], "a lagging copy was checkpointed as current"
     assert held[3][("w", 1)].version == 2 and torch.equal(held[3][("w", 1)].value, torch.full((BLOCK,), 2.0))
     assert all(("w", i) in held[c] for c in (1, 2, 3) for i in (0, 2))  # the primaries are always there
+    # a frozen tensor's copy never changes: held throughout, written once (not again when it is back)
+    assert all(("frozen", 0) in held[c] for c in (1, 2, 3))
+    assert [c.blocks for c in ckdir.list("job")] == [3, 1, 2]   # full {w0, w2, frozen}; w0; w0 and w1
     restored = JobStore(job.spec)
     restored.restore(2, held[2])
     assert ("w", 1) not in restored.blocks  # synced from its primary, never served or sent stale
