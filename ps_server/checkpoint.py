@@ -18,7 +18,8 @@ int64 tensors and listed in the manifest, so they load back as Python ints. A ch
 ``full`` (every held block) or ``incremental`` (only blocks changed since ``base_step``, the
 previous checkpoint of its chain; ``full_step`` names the chain's full checkpoint). Every
 manifest lists ``held``: every block the node held at that step with its version, so a restore
-knows the exact block set.
+knows the exact block set (a replica copy not yet carried through the step is not held there:
+``JobStore.snapshot``).
 
 Crash safety: each file goes to a temporary ``.<name>.tmp-<hex>`` in the same folder, is
 fsync'ed and renamed into place; the folder is fsync'ed before and after the manifest's rename.

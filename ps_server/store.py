@@ -896,9 +896,15 @@ class JobStore:
         (a boundary hook, or a node that is stopping) so no gradient of the next step is included.
         """
         with self.cond:
-            # A copy its primary already carried past this node's step belongs to a later
-            # checkpoint (this one describes the node at ``self.step``).
-            blocks = {key: b for key, b in self.blocks.items() if b.primary or b.version <= self.step}
+            # A checkpoint of step s holds only what is exactly the state of s: a copy is that only
+            # if its primary carried it through s (a lagging one, its copies still on the way, may
+            # have changed since: restored at s it would pass for current and could overwrite the
+            # primary's own copy in a sync) and not past a change after s (that belongs to a later
+            # checkpoint); a frozen tensor's copy never changes (kept: no rewrite when it is back).
+            # A copy left out is synced from its primary after a restore.
+            blocks = {key: b for key, b in self.blocks.items()
+                      if b.primary or b.version <= self.step <= b.step
+                      or (not self.tensors[key[0]].trainable and b.version <= self.step)}
             held = {key: block.version for key, block in blocks.items()}
             copies = []
             for (tensor, index), block in blocks.items():

@@ -280,3 +280,40 @@ def test_failed_write_with_snapshots_queued_behind_it(tmp_path):
     assert all(torch.equal(fresh.blocks[k].value, b.value) and fresh.blocks[k].version == b.version
                for k, b in job.blocks.items())
     ckpt.close()
+
+
+def test_a_replica_copy_still_on_its_way_is_not_checkpointed_as_current(tmp_path):
+    """A node keeps a replica copy of w[1] (its primary is elsewhere); the primary's copy of a step
+    usually arrives after this node's own boundary of that step. A checkpoint of step s holds the
+    copy only once it was carried through s: restored at s, a lagging copy (older version, step set
+    to s) would pass for current, and in the sync after a whole-cluster restart it overwrote the
+    primary's own copy (tests/integration/test_checkpoint_restart.py, kill everything)."""
+    ckdir, ckpt = make(tmp_path, every=1, full_every=2, keep=5)
+    job = new_job(spec())
+    job.set_primary({("w", 0), ("w", 2)}, epoch=1)  # frozen[0] too is a copy: never carried here
+    ckpt.attach(job, job.spec)
+    replica = job.blocks[("w", 1)]
+
+    def copy_from_primary(version, step):
+        value = torch.full((BLOCK,), float(version))
+        job.apply_copies([("w", 1, version, step, value, {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                                                           for k, v in replica.state.items()})])
+
+    step(job, touch=(0,))             # boundary 1; the primary's copy of step 0 is still on its way
+    copy_from_primary(1, 1)
+    step(job, touch=(0,))             # boundary 2: the copy is at step 1 (lags again)
+    copy_from_primary(2, 2)
+    job.carry_copies([(("w", 1), 2, 3)])  # its primary carried it through step 2 unchanged, early
+    step(job, touch=(0,))             # boundary 3: the copy is current (version 2, carried to 3)
+    assert ckpt.flush(10)
+    held = {c: ckdir.load("job", exact=c).blocks for c in (1, 2, 3)}
+    assert ("w", 1) not in held[1] and ("w", 1) not in held[2], "a lagging copy was checkpointed as current"
+    assert held[3][("w", 1)].version == 2 and torch.equal(held[3][("w", 1)].value, torch.full((BLOCK,), 2.0))
+    assert all(("w", i) in held[c] for c in (1, 2, 3) for i in (0, 2))  # the primaries are always there
+    # a frozen tensor's copy never changes: held throughout, written once (not again when it is back)
+    assert all(("frozen", 0) in held[c] for c in (1, 2, 3))
+    assert [c.blocks for c in ckdir.list("job")] == [3, 1, 2]   # full {w0, w2, frozen}; w0; w0 and w1
+    restored = JobStore(job.spec)
+    restored.restore(2, held[2])
+    assert ("w", 1) not in restored.blocks  # synced from its primary, never served or sent stale
+    ckpt.close()
