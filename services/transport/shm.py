@@ -72,6 +72,8 @@ MIN_RING_BYTES = 64 * 1024
 MAX_PEER_RING_BYTES = 1024 ** 3
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _ANCILLARY_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+# plain ints: IntFlag arithmetic costs microseconds per message
+_MSG_CTRUNC, _SOL_SOCKET, _SCM_RIGHTS = int(socket.MSG_CTRUNC), int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
 
 
 class ShmProtocolError(ShardlineConnectionError):
@@ -267,15 +269,25 @@ class ShmConnection:
             self._tx, self._tx_view = segment, memoryview(segment)
 
     def _read_message(self) -> tuple[tuple[int, int, int], list[int]] | None:
-        """One message header and the fds that came with it; None at a clean end of stream."""
+        """One message header and the fds that came with it; None at a clean end of stream. Once the
+        peer's segment is mapped no fd is expected: plain reads, and the kernel drops any fd sent."""
         view, got, fds = memoryview(self._message), 0, []
+        if self._rx is not None:
+            while got < MESSAGE.size:
+                n = self._sock.recv_into(view[got:])
+                if n == 0:
+                    if got == 0:
+                        return None
+                    raise ConnectionError(f"peer closed the connection mid-message ({got} of {MESSAGE.size} bytes)")
+                got += n
+            return MESSAGE.unpack(self._message), fds
         try:
             while got < MESSAGE.size:
                 n, ancillary, msg_flags, _ = self._sock.recvmsg_into([view[got:]], _ANCILLARY_BYTES)
                 for level, kind, data in ancillary:
-                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
                         fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
-                if msg_flags & socket.MSG_CTRUNC:
+                if msg_flags & _MSG_CTRUNC:
                     raise ShmProtocolError("peer sent more file descriptors than a message carries")
                 if n == 0:
                     if got == 0 and not fds:
