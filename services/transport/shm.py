@@ -12,8 +12,8 @@ SCM_RIGHTS and then reuses for every later frame. The socket carries 16-byte mes
 - ``SEGMENT``: the sender's segment (its fd in the ancillary data) of ``offset`` bytes.
 
 So a 64 MiB payload costs one memcpy into the sender's ring and one out of it into the receiver's
-buffer (``recv_into``), in chunks of at most CHUNK_BYTES that overlap: the receiver copies out
-chunk k while the sender writes chunk k+1. ``ShmConnection`` has the socket methods the frame
+buffer (``recv_into``), in chunks of at most CHUNK_BYTES (a 1 MiB block is one chunk) that
+overlap: the receiver copies out chunk k while the sender writes chunk k+1. ``ShmConnection`` has the socket methods the frame
 codec, the client and the PS loop use (``recv_into``, ``sendall``, ``settimeout``, ``fileno``,
 ``shutdown``, ``close``), so nothing above the transport changes.
 
@@ -65,7 +65,7 @@ INLINE_MAX_BYTES = 64 * 1024
 # Inline bytes a side may buffer while it waits for credit (a legit peer sends one error reply).
 MAX_BUFFERED_INLINE_BYTES = 1024 * 1024
 # Largest piece one doorbell announces: small enough that the two copies overlap.
-CHUNK_BYTES = 1024 * 1024
+CHUNK_BYTES = 4 * 1024 * 1024
 DEFAULT_RING_BYTES = 16 * 1024 * 1024
 MIN_RING_BYTES = 64 * 1024
 # Largest segment a side maps from its peer (it costs the mapping side address space only).
