@@ -127,6 +127,7 @@ class ShmConnection:
         self._message = bytearray(MESSAGE.size)
         self._map_lock = threading.Lock()   # a mapping is never unmapped mid-copy
         self._closed = False
+        self._broken: BaseException | None = None  # what wait_readable ran into, raised by the next read
         # our segment (what we send): bytes written in all and bytes the peer gave back
         self._tx: mmap.mmap | None = None
         self._tx_view: memoryview | None = None
@@ -170,6 +171,7 @@ class ShmConnection:
         self._sock.close()
 
     def sendall(self, data, flags: int = 0) -> None:
+        self._raise_broken()
         src = _byte_view(data)
         n = len(src)
         if n <= INLINE_MAX_BYTES:
@@ -197,6 +199,7 @@ class ShmConnection:
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
         """Copy up to ``nbytes`` (default: all of ``buffer``) received bytes into ``buffer``; 0 once
         the peer closed the connection, like a socket."""
+        self._raise_broken()
         dst = _byte_view(buffer)
         want = min(nbytes or len(dst), len(dst))
         if want == 0:
@@ -244,9 +247,14 @@ class ShmConnection:
             try:
                 if not self._pump():
                     return True
-            except (OSError, ConnectionError):
+            except (OSError, ConnectionError) as exc:
+                self._broken = exc  # the stream cannot be trusted past this: every later call raises it
                 return True
         return True
+
+    def _raise_broken(self) -> None:
+        if self._broken is not None:
+            raise self._broken
 
     # --- the protocol -------------------------------------------------------------------------
     def _create_segment(self) -> None:
