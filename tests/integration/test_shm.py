@@ -1,4 +1,4 @@
-"""The shm transport end to end: two workers and two PS nodes on this host, payloads through the
+"""The shm transport end to end: two workers and three PS nodes on this host, payloads through the
 shared rings (blocks larger than what travels inline, PS rings smaller than a frame so they wrap),
 BSP equal to single-process torch.optim.AdamW; a PS SIGKILLed and restarted mid-run; no segment
 outlives its connection, in the workers' process or the PS nodes'."""
@@ -133,28 +133,14 @@ def wait_for_released(pids, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_bsp_over_shm_equals_single_process_adamw(tmp_path):
-    before = dev_shm()
-    with LocalCluster(tmp_path / "c") as cluster:
-        cluster.start_dispatcher()
-        nodes = [cluster.add_node(node_id=f"ps{i}", shm_ring_bytes=PS_RING) for i in range(2)]
-        cluster.wait_for_nodes(2, timeout=30)
-        steps = 6
-        results = finish(*train(cluster.address, "shm-bsp", steps))
-        assert_equal_reference(results, steps)
-        assert all(res["pulled"] > 0 for res in results.values())
-        assert shm_mappings() == 0
-        wait_for_released([h.pid for h in nodes])
-    assert dev_shm() <= before
-
-
-def test_ps_sigkilled_and_restarted_while_shm_workers_train(tmp_path):
-    """kill -9 of a PS mid-run: the workers drop that connection (and its segments) and resend the
+def test_bsp_over_shm_equals_torch_and_survives_a_ps_sigkill_and_restart(tmp_path):
+    """Two workers, three PS nodes (rings smaller than a step's frames), every byte through shm:
+    kill -9 of a PS mid-run, the workers drop that connection (and its segments) and resend the
     step to the replicas that took over; the node restarts and rejoins (brought in sync, then
-    serving over new shm connections); the result equals torch.optim."""
+    serving over new shm connections); the result equals single-process torch.optim.AdamW."""
     before = dev_shm()
     with LocalCluster(tmp_path / "c") as cluster:
-        nodes = start(cluster, 3)
+        nodes = start(cluster, 3, {"shm_ring_bytes": PS_RING})
         steps, progress = 16, [0, 0]
         threads, results, errors = train(cluster.address, "shm-kill", steps, step_sleep=0.1, progress=progress)
         deadline = time.monotonic() + 60
@@ -173,6 +159,7 @@ def test_ps_sigkilled_and_restarted_while_shm_workers_train(tmp_path):
         assert shm_mappings() <= during  # the dead node's segments went with its connections
         finish(threads, results, errors)
         assert_equal_reference(results, steps)
+        assert all(res["pulled"] > 0 for res in results.values())
         assert shm_mappings() == 0
         wait_for_released([h.pid for h in nodes])
     assert dev_shm() <= before
