@@ -93,6 +93,23 @@ def endpoint_name(address: str) -> bytes:
     return b"\0shardline-dataplane/" + address.encode()
 
 
+@functools.lru_cache(maxsize=1)
+def shm_supported() -> tuple[bool, str]:
+    """(True, "") if this kernel gives sealed memfds (a sandbox may refuse memfd_create), else (False, why)."""
+    try:
+        fd = os.memfd_create("shardline-shm-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (OSError, AttributeError) as exc:
+        return False, f"memfd_create is not available ({exc})"
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        return True, ""
+    except OSError as exc:
+        return False, f"memfds cannot be sealed here ({exc})"
+    finally:
+        os.close(fd)
+
+
 @functools.lru_cache(maxsize=256)
 def is_local_host(host: str) -> bool:
     """True if ``host`` (a data-plane address host) is loopback or one of this host's addresses:
@@ -438,14 +455,17 @@ class Listener:
                  ring_bytes: int = DEFAULT_RING_BYTES):
         self._tcp = tcp.Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse)
         self.host, self.port = self._tcp.host, self._tcp.port
+        self._unix: _UnixListener | None = None
+        supported, why = shm_supported()
         try:
-            self._unix: _UnixListener | None = _UnixListener(
-                endpoint_name(self._tcp.address), serve_connection, max_connections=max_connections, refuse=refuse,
-                share=self._tcp, ring_bytes=ring_bytes)
+            if not supported:
+                raise OSError(why)
+            self._unix = _UnixListener(endpoint_name(self._tcp.address), serve_connection,
+                                       max_connections=max_connections, refuse=refuse, share=self._tcp,
+                                       ring_bytes=ring_bytes)
         except OSError as exc:
             log.warning("no shared-memory endpoint for data address %s (%s): local peers use TCP",
                         self._tcp.address, exc)
-            self._unix = None
 
     @property
     def address(self) -> str:
@@ -497,6 +517,11 @@ class Transport:
                 return tcp.connect(address, connect_timeout)
             raise ShardlineConfigError(f"transport 'shm' needs every data-plane peer on this host, but {address!r} "
                                        f"is not a local address; use 'auto' (shm for local peers, TCP otherwise)")
+        supported, why = shm_supported()
+        if not supported:
+            if self.auto:
+                return tcp.connect(address, connect_timeout)
+            raise ShardlineConfigError(f"transport 'shm' requested but {why}; use 'auto' to fall back to TCP")
         try:
             return _connect_endpoint(address, connect_timeout, self.ring_bytes)
         except ShardlineConnectionError as exc:

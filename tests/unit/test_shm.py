@@ -257,6 +257,20 @@ def test_explicit_shm_to_a_remote_peer_is_a_config_error():
     assert not shm.is_local_host("192.0.2.1") and not shm.is_local_host("0.0.0.0")
 
 
+def test_without_sealed_memfds_auto_uses_tcp_and_shm_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(shm, "shm_supported", lambda: (False, "memfd_create is not available (sandbox)"))
+    plain = tcp.listen("127.0.0.1", 0, lambda sock, peer: None)
+    listener = get_transport("auto").listen("127.0.0.1", 0, lambda sock, peer: None)
+    try:
+        assert not listener.shm_endpoint  # the PS offers no endpoint: local peers use its TCP
+        assert isinstance(get_transport("auto").connect(plain.address, 5.0), socket.socket)
+        with pytest.raises(ShardlineConfigError, match="memfd_create is not available"):
+            get_transport("shm").connect(plain.address, 5.0)
+    finally:
+        listener.close()
+        plain.close()
+
+
 def test_bad_ring_size_is_a_config_error_quoting_it():
     with pytest.raises(ShardlineConfigError, match="got 1024"):
         get_transport("auto", shm_ring_bytes=1024)
@@ -269,6 +283,7 @@ def test_auto_picks_shm_for_a_local_listener_and_tcp_otherwise(monkeypatch):
         sock.sendall(buf)
         sock.recv_into(bytearray(1))  # hold the connection (and its slot) until the peer closes it
 
+    assert shm.shm_supported() == (True, "")  # this host has sealed memfds: shm must be used, not skipped
     auto = get_transport("auto")
     listener = auto.listen("127.0.0.1", 0, echo, max_connections=1,
                            refuse=lambda sock, peer: sock.sendall(b"full"))
