@@ -89,9 +89,14 @@ class Listener:
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, peer = self._accepted(*self._sock.accept())
+                raw, addr = self._sock.accept()
             except OSError:
                 return
+            try:
+                conn, peer = self._accepted(raw, addr)
+            except OSError:  # the peer went away before it was set up: not the listener's problem
+                raw.close()
+                continue
             with self._lock:
                 full = bool(self.max_connections) and len(self._conns) >= self.max_connections
                 if not full:
