@@ -315,3 +315,36 @@ def test_auto_picks_shm_for_a_local_listener_and_tcp_otherwise(monkeypatch):
         assert auto.connect("192.0.2.1:7100", 1.0) == "tcp" and calls == ["192.0.2.1:7100"]
     finally:
         listener.close()
+
+
+def test_the_hello_challenge_runs_over_shm_and_the_node_maps_nothing_of_its_own_before_it():
+    from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+    from shardline.services.dataplane_client import DataPlaneConnection
+    from shardline.services.pb import dataplane_pb2 as dp
+
+    token = b"t" * 32
+    policy = ConnectionPolicy(cluster_token=token)
+
+    def serve(sock, peer):  # the node is never reached: these peers send no frame past the handshake
+        serve_connection(sock, peer, None, policy)
+
+    listener = get_transport("shm").listen("127.0.0.1", 0, serve)
+    try:
+        conn = DataPlaneConnection(listener.address, get_transport("shm"), 5.0, token)  # HELLO, nonce, proof
+        assert isinstance(conn.sock, ShmConnection)
+        conn.close()
+        with pytest.raises(Exception, match="UNAUTHENTICATED|wrong cluster token"):
+            DataPlaneConnection(listener.address, get_transport("shm"), 5.0, b"w" * 32)
+        # before proving the token a peer gets no payload in: a large HELLO is refused, and the node
+        # never created a segment of its own for it (its replies are small)
+        raw = get_transport("shm").connect(listener.address, 5.0)
+        try:
+            frame.send_frame(raw, frame.FrameHeader(op=dp.OP_HELLO), [bytes(2 * RING)])
+        except BrokenPipeError:
+            pass  # refused on its header, while the payload was still going out
+        reply = frame.recv_header(raw)
+        assert reply.op == dp.OP_ERROR and reply.code == dp.UNAUTHENTICATED, reply
+        assert raw._rx is None
+        raw.close()
+    finally:
+        listener.close()
