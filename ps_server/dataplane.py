@@ -238,6 +238,9 @@ class _Connection:
 
 def _readable(sock, timeout: float | None) -> bool:
     """True once ``sock`` has bytes (or an end of stream) to read; False after ``timeout``."""
+    wait = getattr(sock, "wait_readable", None)
+    if wait is not None:  # a shm connection: control messages between frames are not a frame
+        return wait(timeout)
     try:
         poller = select.poll()
         poller.register(sock, select.POLLIN | select.POLLPRI)

@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         log_configuration(log, args)
         host, _ = parse_host_port(args.listen, what="listen")
         data_host, data_port = parse_host_port(args.data_listen or f"{format_host_port(host, 0)}", what="data_listen")
-        transport = get_transport(args.transport)
+        transport = get_transport(args.transport, shm_ring_bytes=args.shm_ring_bytes)
         if args.checkpoint_dir and not args.node_id and data_port == 0:
             raise ShardlineConfigError("checkpoint_dir needs a stable node id: set node_id (the default, host name and "
                                        "data port, changes from run to run when the data port is 0)")

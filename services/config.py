@@ -57,6 +57,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 DEFAULT_BLOCK_ELEMENTS = 262_144            # services.blocks.DEFAULT_BLOCK_ELEMENTS: 1 MiB of fp32
 MAX_BLOCK_ELEMENTS = 64 * 1024 * 1024       # services.blocks.MAX_BLOCK_ELEMENTS
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 ** 3       # services.frame.DEFAULT_LIMITS.max_payload_bytes
+DEFAULT_SHM_RING_BYTES = 16 * 1024 ** 2     # services.transport.shm.DEFAULT_RING_BYTES
 
 
 def parse_address_list(value: str, *, what: str = "cluster") -> list[str]:
@@ -319,8 +320,9 @@ OPTIONS: tuple[Option, ...] = (
            "etcd state_store, else it exits 1; a worker: also for its job to be created and for data-plane "
            "connections).", _ALL, default=60.0, common=True, above=0, unit="s"),
     Option("transport", "choice", "Data-plane transport: `auto` uses RDMA when a device is present, else "
-           "TCP; `rdma` fails at start without a device.", _PS_WORKER, default="auto", common=True,
-           choices=("tcp", "rdma", "auto")),
+           "shared memory to a PS on the same host and TCP to others; `shm` only shared memory (a PS not on "
+           "this host is an error); `rdma` fails at start without a device.", _PS_WORKER, default="auto",
+           common=True, choices=("tcp", "rdma", "auto", "shm")),
     Option("torch_threads", "int", "torch intra-op threads (PS: optimizer math, whose connection threads "
            "already run in parallel; worker: forward/backward).", _PS_WORKER, default=1, common=True,
            minimum=1, aliases=("--threads",)),
@@ -371,6 +373,10 @@ OPTIONS: tuple[Option, ...] = (
            "the node hold at once; a frame that would exceed it waits up to payload_timeout, then gets "
            "RESOURCE_EXHAUSTED (its client retries). At least max_payload_bytes.", ("ps",),
            default=4 * 1024 ** 3, above=0),
+    Option("shm_ring_bytes", "size", "Size of the shared-memory ring the node sends through on each shm "
+           "data-plane connection (transport auto/shm, local peers): it bounds the node's shared memory to "
+           "this times the open shm connections.", ("ps",), default=DEFAULT_SHM_RING_BYTES, minimum=64 * 1024,
+           maximum=1024 ** 3),
     Option("max_connections", "int", "Most data-plane connections the node keeps open; further ones are "
            "answered RESOURCE_EXHAUSTED and closed (metric shardline_ps_dataplane_connections_refused_total).",
            ("ps",), default=1024, minimum=1),

@@ -45,25 +45,37 @@ class Listener:
 
     With ``max_connections``, a connection beyond that many open ones gets no thread: it is handed
     to ``refuse(sock, peer)`` on the accepting thread (which must not block: tell the peer why
-    in a small write) and closed."""
+    in a small write) and closed. Subclasses listen on other sockets (services/transport/shm.py:
+    a Unix socket sharing this listener's connection count) by overriding ``_accepted``."""
 
     def __init__(self, host: str, port: int, serve_connection: Callable[[socket.socket, str], None], *,
                  max_connections: int = 0, refuse: Callable[[socket.socket, str], None] | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(128)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
         self.host = host
-        self.port = self._sock.getsockname()[1]
+        self.port = sock.getsockname()[1]
+        self._start(sock, serve_connection, max_connections, refuse)
+
+    def _start(self, sock: socket.socket, serve_connection, max_connections: int, refuse, *,
+               share: "Listener | None" = None) -> None:
+        """Serve the bound, listening ``sock``; with ``share``, count connections against its limit."""
+        self._sock = sock
         self._serve = serve_connection
         self.max_connections = max_connections
         self._refuse = refuse
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._conns: set = share._conns if share is not None else set()
+        self._lock = share._lock if share is not None else threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="dataplane-accept", daemon=True)
         self._thread.start()
+
+    def _accepted(self, conn: socket.socket, addr) -> tuple[object, str]:
+        """The connection object to serve for an accepted socket, and the peer's name for logs."""
+        _tune(conn)
+        return conn, f"{addr[0]}:{addr[1]}"
 
     @property
     def address(self) -> str:
@@ -77,19 +89,22 @@ class Listener:
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, peer = self._sock.accept()
+                raw, addr = self._sock.accept()
             except OSError:
                 return
-            _tune(conn)
+            try:
+                conn, peer = self._accepted(raw, addr)
+            except OSError:  # the peer went away before it was set up: not the listener's problem
+                raw.close()
+                continue
             with self._lock:
                 full = bool(self.max_connections) and len(self._conns) >= self.max_connections
                 if not full:
                     self._conns.add(conn)
             if full:
-                self._turn_away(conn, f"{peer[0]}:{peer[1]}")
+                self._turn_away(conn, peer)
                 continue
-            threading.Thread(target=self._run, args=(conn, f"{peer[0]}:{peer[1]}"),
-                             name=f"dataplane-{peer[1]}", daemon=True).start()
+            threading.Thread(target=self._run, args=(conn, peer), name=f"dataplane-{peer}", daemon=True).start()
 
     def _turn_away(self, conn: socket.socket, peer: str) -> None:
         try:

@@ -19,9 +19,9 @@ STEPS = 16
 CLI = [sys.executable, "-m", "shardline.services.cli"]
 
 
-def start(cluster: LocalCluster, nodes: int, **dispatcher_flags):
+def start(cluster: LocalCluster, nodes: int, node_flags: dict | None = None, **dispatcher_flags):
     cluster.start_dispatcher(heartbeat_timeout=2, heartbeat_interval=0.5, **dispatcher_flags)
-    handles = [cluster.add_node(node_id=f"ps{i}", wait=False) for i in range(nodes)]
+    handles = [cluster.add_node(node_id=f"ps{i}", wait=False, **(node_flags or {})) for i in range(nodes)]
     for h in handles:
         cluster.wait_ready(h)
     cluster.wait_for_nodes(nodes, timeout=30)

@@ -8,12 +8,14 @@ import train_model
 STEPS = 8
 
 
-@pytest.mark.parametrize("optimizer, schedule, prefetch", [
-    ("adamw", False, 0), ("sgd", False, 0), ("adamw", True, 0), ("adamw", True, 1)])
-def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer, schedule, prefetch):
-    job = f"bsp-{optimizer}-{'schedule' if schedule else 'constant'}-prefetch{prefetch}"
+# shm explicitly (what auto picks for these local nodes, without auto's fallback to TCP), and TCP
+@pytest.mark.parametrize("optimizer, schedule, prefetch, transport", [
+    ("adamw", False, 0, "shm"), ("sgd", False, 0, "shm"), ("adamw", True, 0, "shm"), ("adamw", True, 1, "shm"),
+    ("adamw", False, 0, "tcp")])
+def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer, schedule, prefetch, transport):
+    job = f"bsp-{optimizer}-{'schedule' if schedule else 'constant'}-prefetch{prefetch}-{transport}"
     results = train_model.run_workers(cluster.address, job, optimizer, "bsp", tmp_path, steps=STEPS, schedule=schedule,
-                                      prefetch=prefetch)
+                                      prefetch=prefetch, transport=transport)
     expected = train_model.reference(optimizer, STEPS, world_size=2, schedule=schedule)
     initial = train_model.SmallModel().state_dict()
     for res in results:

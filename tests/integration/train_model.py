@@ -72,14 +72,17 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
 
 
 def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0,
-                  step_sleep=0.0, ranks=None, env=None):
+                  step_sleep=0.0, ranks=None, env=None, transport=None):
     """Start ``world`` worker processes of this script (or only ``ranks``); returns [(process, out
-    path, progress path)]. ``env``: extra environment (rank -> dict, or one dict for all)."""
+    path, progress path)]. ``env``: extra environment (rank -> dict, or one dict for all);
+    ``transport``: the workers' data-plane transport (default auto)."""
     import subprocess
 
     started = []
     for rank in (range(world) if ranks is None else ranks):
         extra = env.get(rank, {}) if isinstance(env, dict) and all(isinstance(k, int) for k in env) else (env or {})
+        if transport is not None:
+            extra = {**extra, "SHARDLINE_TEST_TRANSPORT": transport}
         out = tmp_path / f"{job}-rank{rank}.safetensors"
         progress = tmp_path / f"{job}-rank{rank}.progress"
         started.append((subprocess.Popen(
@@ -136,9 +139,11 @@ def steps_done(progress_path) -> int:
         return 0
 
 
-def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0):
+def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0,
+                transport=None):
     """Run ``world`` worker processes of this script; return each one's saved tensors."""
-    return finish_workers(start_workers(cluster_addr, job, optimizer, sync, tmp_path, world, steps, schedule, prefetch))
+    return finish_workers(start_workers(cluster_addr, job, optimizer, sync, tmp_path, world, steps, schedule, prefetch,
+                                        transport=transport))
 
 
 def _allowed(gate: str) -> int:
@@ -167,7 +172,8 @@ def main(argv):
     opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
                       world_size=world, rank=rank, block_elements=16, connect_timeout=60,
                       pull_timeout=float(os.environ.get("SHARDLINE_TEST_PULL_TIMEOUT", 120)),
-                      prefetch_window=int(prefetch), **policy,
+                      prefetch_window=int(prefetch), transport=os.environ.get("SHARDLINE_TEST_TRANSPORT", "auto"),
+                      **policy,
                       **HYPER[optimizer])
     eval_tokens, eval_targets = batch(10_000, 0, n=300)
     with torch.no_grad():

@@ -73,6 +73,11 @@ def test_defaults_match_the_code_that_uses_them():
     from shardline.services.transport import TRANSPORT_NAMES
 
     assert set(config.BY_NAME["transport"].choices) == set(TRANSPORT_NAMES)
+    from shardline.services.transport import shm
+
+    assert config.DEFAULT_SHM_RING_BYTES == shm.DEFAULT_RING_BYTES
+    assert (config.BY_NAME["shm_ring_bytes"].minimum, config.BY_NAME["shm_ring_bytes"].maximum) == \
+        (shm.MIN_RING_BYTES, shm.MAX_PEER_RING_BYTES)
     from shardline.dispatcher import state_store
 
     assert config.BY_NAME["state_prefix"].default == state_store.DEFAULT_STATE_PREFIX

@@ -810,7 +810,7 @@ def test_options_from_environment_quote_bad_values():
 
 def test_factory_choices(monkeypatch):
     monkeypatch.setattr(rdma, "rdma_available", lambda: (False, "the kernel exposes no RDMA devices"))
-    assert get_transport("auto") is tcp
+    assert get_transport("auto").NAME == "auto"  # shared memory to local peers, TCP to others
     with pytest.raises(ShardlineConfigError, match="transport 'rdma' requested but .*use 'auto'"):
         get_transport("rdma")
     monkeypatch.setattr(rdma, "rdma_available", lambda: (True, "rxe0"))

@@ -1,0 +1,536 @@
+"""Shared-memory transport for peers on the same host: frame bytes through a ring, not a socket.
+
+A connection is a Unix-domain stream socket plus, per direction, one shared segment (a sealed
+memfd) that the sending side creates on its first large send, passes over the socket with
+SCM_RIGHTS and then reuses for every later frame. The socket carries 16-byte messages
+(``MESSAGE``: kind, length, offset):
+
+- ``INLINE``: ``length`` bytes (at most INLINE_MAX_BYTES) follow on the socket: frame headers,
+  small payloads, the HELLO handshake (authentication is the data plane's, above this layer);
+- ``CHUNK``: ``length`` bytes are at ``offset`` of the sender's segment (a doorbell);
+- ``CREDIT``: the receiver copied out ``length`` more bytes of the sender's segment, in order;
+- ``SEGMENT``: the sender's segment (its fd in the ancillary data) of ``offset`` bytes.
+
+So a 64 MiB payload costs one memcpy into the sender's ring and one out of it into the receiver's
+buffer (``recv_into``), in chunks of at most CHUNK_BYTES (a 1 MiB block is one chunk) that
+overlap: the receiver copies out chunk k while the sender writes chunk k+1. ``ShmConnection`` has the socket methods the frame
+codec, the client and the PS loop use (``recv_into``, ``sendall``, ``settimeout``, ``fileno``,
+``shutdown``, ``close``), so nothing above the transport changes.
+
+Safety: a segment is a memfd sealed against shrinking and growing (a peer cannot make the other
+side fault on a truncated mapping), mapped read-only by the receiver, of at most
+MAX_PEER_RING_BYTES; every CHUNK must start where the previous one ended and stay inside the
+segment and the unacknowledged window, every CREDIT must cover bytes actually sent, and inline
+bytes buffered while a side waits for credit are bounded. A violation closes the connection
+(``ShmProtocolError``, a ConnectionError). memfds have no name: nothing is ever created in
+/dev/shm, and a segment's memory is freed once both sides closed it, which the kernel does when
+either process dies (the survivor sees the socket end and closes its side).
+
+Locating a local PS: its Unix socket is in the abstract namespace under a name derived from its
+advertised data-plane address (``endpoint_name``), so the routing table needs no new field, a
+killed PS leaves no socket file, and the name only resolves inside the PS's network namespace
+(where its loopback/own addresses are reachable too). ``auto`` uses shm for a data address that
+is loopback or one of this host's addresses when that endpoint answers, TCP otherwise.
+"""
+
+from __future__ import annotations
+
+import array
+import collections
+import errno
+import fcntl
+import functools
+import ipaddress
+import logging
+import mmap
+import os
+import select
+import socket
+import stat
+import struct
+import threading
+import time
+
+from shardline.services.daemon import parse_host_port
+from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError
+from shardline.services.transport import tcp
+
+log = logging.getLogger("shardline.transport.shm")
+
+NAME = "shm"
+MESSAGE = struct.Struct("<B3xIQ")
+INLINE, CHUNK, CREDIT, SEGMENT = 1, 2, 3, 4
+# Sends up to this size travel inline on the socket (one syscall beats a ring copy + doorbell).
+INLINE_MAX_BYTES = 64 * 1024
+# Inline bytes a side may buffer while it waits for credit (a legit peer sends one error reply).
+MAX_BUFFERED_INLINE_BYTES = 1024 * 1024
+# Largest piece one doorbell announces: small enough that the two copies overlap.
+CHUNK_BYTES = 4 * 1024 * 1024
+DEFAULT_RING_BYTES = 16 * 1024 * 1024
+MIN_RING_BYTES = 64 * 1024
+# Largest segment a side maps from its peer (it costs the mapping side address space only).
+MAX_PEER_RING_BYTES = 1024 ** 3
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_ANCILLARY_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
+# plain ints: IntFlag arithmetic costs microseconds per message
+_MSG_CTRUNC, _SOL_SOCKET, _SCM_RIGHTS = int(socket.MSG_CTRUNC), int(socket.SOL_SOCKET), int(socket.SCM_RIGHTS)
+
+
+class ShmProtocolError(ShardlineConnectionError):
+    """The peer broke the shm protocol (bad offset, length, credit or segment): the connection closes."""
+
+
+def check_ring_bytes(value) -> int:
+    """``value`` as a ring size in bytes; ShardlineConfigError quoting it when out of bounds."""
+    if isinstance(value, bool) or not isinstance(value, int) or not MIN_RING_BYTES <= value <= MAX_PEER_RING_BYTES:
+        raise ShardlineConfigError(f"shm_ring_bytes must be an integer in [{MIN_RING_BYTES}, {MAX_PEER_RING_BYTES}], "
+                                   f"got {value!r}")
+    return value
+
+
+def endpoint_name(address: str) -> bytes:
+    """The abstract Unix socket name of the shm endpoint of the PS advertising data ``address``."""
+    return b"\0shardline-dataplane/" + address.encode()
+
+
+@functools.lru_cache(maxsize=1)
+def shm_supported() -> tuple[bool, str]:
+    """(True, "") if this kernel gives sealed memfds (a sandbox may refuse memfd_create), else (False, why)."""
+    try:
+        fd = os.memfd_create("shardline-shm-probe", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except (OSError, AttributeError) as exc:
+        return False, f"memfd_create is not available ({exc})"
+    try:
+        os.ftruncate(fd, mmap.PAGESIZE)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        return True, ""
+    except OSError as exc:
+        return False, f"memfds cannot be sealed here ({exc})"
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=256)
+def is_local_host(host: str) -> bool:
+    """True if ``host`` (a data-plane address host) is loopback or one of this host's addresses:
+    only an address assigned here can be bound."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        try:
+            ip = ipaddress.ip_address(socket.gethostbyname(host))
+        except (OSError, ValueError):
+            return False
+    if ip.is_loopback:
+        return True
+    if ip.is_unspecified:
+        return False
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.bind((str(ip), 0))
+        except OSError:
+            return False
+    return True
+
+
+class ShmConnection:
+    """One end of a shm connection over the connected Unix stream socket ``sock`` (see the module
+    docstring). Used by one thread at a time, like a socket; ``close`` may come from another."""
+
+    def __init__(self, sock: socket.socket, *, ring_bytes: int = DEFAULT_RING_BYTES):
+        self._sock = sock
+        self._ring_bytes = ring_bytes
+        self._message = bytearray(MESSAGE.size)
+        self._map_lock = threading.Lock()   # a mapping is never unmapped mid-copy
+        self._closed = False
+        self._broken: BaseException | None = None  # what wait_readable ran into, raised by the next read
+        # our segment (what we send): bytes written in all and bytes the peer gave back
+        self._tx: mmap.mmap | None = None
+        self._tx_view: memoryview | None = None
+        self._tx_head = 0
+        self._tx_freed = 0
+        # the peer's segment (what we receive), read-only
+        self._rx: mmap.mmap | None = None
+        self._rx_view: memoryview | None = None
+        self._rx_next = 0         # offset the next CHUNK must start at
+        self._rx_unacked = 0      # bytes of announced chunks not yet given back
+        self._inline_buffered = 0
+        # received, not yet consumed: [kind, source, position, length]; source is bytes (INLINE) or an offset
+        self._pending: collections.deque = collections.deque()
+
+    # --- socket-like surface ------------------------------------------------------------------
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._sock.gettimeout()
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        with self._map_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._pending.clear()
+            for view, segment in ((self._tx_view, self._tx), (self._rx_view, self._rx)):
+                if view is not None:
+                    view.release()
+                if segment is not None:
+                    segment.close()
+            self._tx_view = self._tx = self._rx_view = self._rx = None
+        _drain(self._sock)
+        self._sock.close()
+
+    def sendall(self, data, flags: int = 0) -> None:
+        self._raise_broken()
+        src = _byte_view(data)
+        n = len(src)
+        if n <= INLINE_MAX_BYTES:
+            if n:
+                self._sock.sendall(MESSAGE.pack(INLINE, n, 0) + src.tobytes())
+            return
+        if self._tx is None:
+            self._create_segment()
+        size, sent = self._ring_bytes, 0
+        while sent < n:
+            at = self._tx_head % size
+            k = min(n - sent, size - (self._tx_head - self._tx_freed), size - at, CHUNK_BYTES)
+            if k == 0:
+                if not self._pump():
+                    raise ConnectionError(f"peer closed the connection after {sent} of {n} bytes")
+                continue
+            with self._map_lock:
+                if self._closed:
+                    raise OSError(errno.EBADF, "shm connection is closed")
+                self._tx_view[at:at + k] = src[sent:sent + k]
+            self._sock.sendall(MESSAGE.pack(CHUNK, k, at))
+            self._tx_head += k
+            sent += k
+
+    def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
+        """Copy up to ``nbytes`` (default: all of ``buffer``) received bytes into ``buffer``; 0 once
+        the peer closed the connection, like a socket."""
+        self._raise_broken()
+        dst = _byte_view(buffer)
+        want = min(nbytes or len(dst), len(dst))
+        if want == 0:
+            return 0
+        while not self._pending:
+            if not self._pump():
+                return 0
+        got = 0
+        while got < want and self._pending:
+            item = self._pending[0]
+            kind, source, pos, length = item
+            k = min(want - got, length - pos)
+            if kind == INLINE:
+                dst[got:got + k] = source[pos:pos + k]
+            else:
+                with self._map_lock:
+                    if self._closed:
+                        raise OSError(errno.EBADF, "shm connection is closed")
+                    dst[got:got + k] = self._rx_view[source + pos:source + pos + k]
+            got += k
+            item[2] = pos + k
+            if item[2] == length:
+                self._pending.popleft()
+                if kind == INLINE:
+                    self._inline_buffered -= length
+                else:
+                    self._rx_unacked -= length
+                    try:
+                        self._sock.sendall(MESSAGE.pack(CREDIT, length, 0))
+                    except (BrokenPipeError, ConnectionResetError):
+                        pass  # the peer finished and left: what it sent is here, the next read says it ended
+        return got
+
+    def wait_readable(self, timeout: float | None) -> bool:
+        """True once frame bytes are pending (or the connection ended or broke: the next read says
+        which); False after ``timeout``. Credits arriving meanwhile are taken, not mistaken for a
+        frame (the PS loop waits here between frames)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN | select.POLLPRI)
+        while not self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not poller.poll(None if left is None else int(left * 1000)):
+                return False
+            try:
+                if not self._pump():
+                    return True
+            except (OSError, ConnectionError) as exc:
+                self._broken = exc  # the stream cannot be trusted past this: every later call raises it
+                return True
+        return True
+
+    def _raise_broken(self) -> None:
+        if self._broken is not None:
+            raise self._broken
+
+    # --- the protocol -------------------------------------------------------------------------
+    def _create_segment(self) -> None:
+        fd = os.memfd_create("shardline-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self._ring_bytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            segment = mmap.mmap(fd, self._ring_bytes)
+            try:
+                socket.send_fds(self._sock, [MESSAGE.pack(SEGMENT, 0, self._ring_bytes)], [fd])
+            except BaseException:
+                segment.close()
+                raise
+        finally:
+            os.close(fd)
+        with self._map_lock:
+            if self._closed:
+                segment.close()
+                raise OSError(errno.EBADF, "shm connection is closed")
+            self._tx, self._tx_view = segment, memoryview(segment)
+
+    def _read_message(self) -> tuple[tuple[int, int, int], list[int]] | None:
+        """One message header and the fds that came with it; None at a clean end of stream. Once the
+        peer's segment is mapped no fd is expected: plain reads, and the kernel drops any fd sent."""
+        view, got, fds = memoryview(self._message), 0, []
+        if self._rx is not None:
+            while got < MESSAGE.size:
+                n = self._sock.recv_into(view[got:])
+                if n == 0:
+                    if got == 0:
+                        return None
+                    raise ConnectionError(f"peer closed the connection mid-message ({got} of {MESSAGE.size} bytes)")
+                got += n
+            return MESSAGE.unpack(self._message), fds
+        try:
+            while got < MESSAGE.size:
+                n, ancillary, msg_flags, _ = self._sock.recvmsg_into([view[got:]], _ANCILLARY_BYTES)
+                for level, kind, data in ancillary:
+                    if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                        fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+                if msg_flags & _MSG_CTRUNC:
+                    raise ShmProtocolError("peer sent more file descriptors than a message carries")
+                if n == 0:
+                    if got == 0 and not fds:
+                        return None
+                    raise ConnectionError(f"peer closed the connection mid-message ({got} of {MESSAGE.size} bytes)")
+                got += n
+        except BaseException:
+            _close_fds(fds)
+            raise
+        return MESSAGE.unpack(self._message), fds
+
+    def _pump(self) -> bool:
+        """Read and act on one message (blocking, under the socket's timeout); False at end of stream."""
+        read = self._read_message()
+        if read is None:
+            return False
+        (kind, length, offset), fds = read
+        if fds and kind != SEGMENT:
+            _close_fds(fds)
+            raise ShmProtocolError(f"peer sent a file descriptor with message kind {kind}")
+        if kind == INLINE:
+            if not 0 < length <= INLINE_MAX_BYTES or self._inline_buffered + length > MAX_BUFFERED_INLINE_BYTES:
+                raise ShmProtocolError(f"inline message of {length} bytes (limit {INLINE_MAX_BYTES}, "
+                                       f"{self._inline_buffered} bytes already buffered)")
+            data = bytearray(length)
+            _recv_exactly(self._sock, memoryview(data))
+            self._pending.append([INLINE, data, 0, length])
+            self._inline_buffered += length
+        elif kind == CHUNK:
+            size = len(self._rx_view) if self._rx_view is not None else 0
+            if not size or length == 0 or offset != self._rx_next or offset + length > size \
+                    or self._rx_unacked + length > size:
+                raise ShmProtocolError(f"chunk of {length} bytes at offset {offset} is outside the peer's segment "
+                                       f"(size {size}, next offset {self._rx_next}, {self._rx_unacked} unacknowledged)")
+            self._pending.append([CHUNK, offset, 0, length])
+            self._rx_unacked += length
+            self._rx_next = (offset + length) % size
+        elif kind == CREDIT:
+            if not 0 < length <= self._tx_head - self._tx_freed:
+                raise ShmProtocolError(f"credit of {length} bytes, {self._tx_head - self._tx_freed} outstanding")
+            self._tx_freed += length
+        elif kind == SEGMENT:
+            self._map_peer_segment(offset, fds)
+        else:
+            raise ShmProtocolError(f"unknown shm message kind {kind}")
+        return True
+
+    def _map_peer_segment(self, size: int, fds: list[int]) -> None:
+        try:
+            if len(fds) != 1 or self._rx is not None:
+                raise ShmProtocolError(f"segment message with {len(fds)} fds (one segment per direction, once)")
+            st = os.fstat(fds[0])
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size or not MIN_RING_BYTES <= size <= MAX_PEER_RING_BYTES:
+                raise ShmProtocolError(f"peer segment of {st.st_size} bytes (announced {size}) is not a ring of "
+                                       f"[{MIN_RING_BYTES}, {MAX_PEER_RING_BYTES}] bytes")
+            try:
+                seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
+            except OSError:
+                seals = 0
+            if seals & _SEALS != _SEALS:
+                raise ShmProtocolError("peer segment is not sealed against resizing")
+            segment = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
+        finally:
+            _close_fds(fds)
+        with self._map_lock:
+            if self._closed:
+                segment.close()
+                raise OSError(errno.EBADF, "shm connection is closed")
+            self._rx, self._rx_view = segment, memoryview(segment)
+
+
+def _byte_view(data) -> memoryview:
+    view = data if isinstance(data, memoryview) else memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError(f"peer closed the connection mid-message ({got} of {len(view)} bytes)")
+        got += n
+
+
+def _drain(sock: socket.socket) -> None:
+    """Discard what is already queued (credits the peer sent for our last chunks): a Unix socket
+    closed with unread bytes makes the peer's next read fail with ECONNRESET instead of reading
+    what we sent it last (an error reply, say)."""
+    try:
+        sock.setblocking(False)
+        for _ in range(16):
+            if not sock.recv(65536):
+                break
+    except OSError:
+        pass
+
+
+def _close_fds(fds: list[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _peer_pid(sock: socket.socket) -> int:
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        return pid
+    except OSError:
+        return 0
+
+
+# --- endpoints ---------------------------------------------------------------------------------
+class _UnixListener(tcp.Listener):
+    """Accepts shm connections on the abstract Unix socket ``name``, counted against ``share``'s limit."""
+
+    def __init__(self, name: bytes, serve_connection, *, max_connections: int, refuse, share: tcp.Listener,
+                 ring_bytes: int):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(name)
+            sock.listen(128)
+        except OSError:
+            sock.close()
+            raise
+        self._ring_bytes = ring_bytes
+        self._start(sock, serve_connection, max_connections, refuse, share=share)
+
+    def _accepted(self, conn: socket.socket, addr) -> tuple[ShmConnection, str]:
+        return ShmConnection(conn, ring_bytes=self._ring_bytes), f"local(shm):{_peer_pid(conn)}"
+
+
+class Listener:
+    """The PS data-plane listener: TCP on ``host:port`` plus the shm endpoint for local peers,
+    under one ``max_connections``. Without the endpoint (its name is taken) local peers use TCP."""
+
+    def __init__(self, host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None,
+                 ring_bytes: int = DEFAULT_RING_BYTES):
+        self._tcp = tcp.Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse)
+        self.host, self.port = self._tcp.host, self._tcp.port
+        self._unix: _UnixListener | None = None
+        supported, why = shm_supported()
+        try:
+            if not supported:
+                raise OSError(why)
+            self._unix = _UnixListener(endpoint_name(self._tcp.address), serve_connection,
+                                       max_connections=max_connections, refuse=refuse, share=self._tcp,
+                                       ring_bytes=ring_bytes)
+        except OSError as exc:
+            log.warning("no shared-memory endpoint for data address %s (%s): local peers use TCP",
+                        self._tcp.address, exc)
+
+    @property
+    def address(self) -> str:
+        return self._tcp.address
+
+    @property
+    def shm_endpoint(self) -> bool:
+        return self._unix is not None
+
+    @property
+    def connections(self) -> int:
+        return self._tcp.connections  # one set for both
+
+    def close(self) -> None:
+        if self._unix is not None:
+            self._unix.close()
+        self._tcp.close()
+
+
+def _connect_endpoint(address: str, connect_timeout: float, ring_bytes: int) -> ShmConnection:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(connect_timeout)
+    try:
+        sock.connect(endpoint_name(address))
+    except OSError as exc:
+        sock.close()
+        raise ShardlineConnectionError(f"no shared-memory endpoint for the data plane at {address}: {exc}") from exc
+    sock.settimeout(None)
+    return ShmConnection(sock, ring_bytes=ring_bytes)
+
+
+class Transport:
+    """``shm`` (``auto=False``: a peer not on this host is a ShardlineConfigError) or ``auto`` (shm
+    for local peers whose endpoint answers, TCP otherwise), with this side's ring size."""
+
+    def __init__(self, *, auto: bool, ring_bytes: int = DEFAULT_RING_BYTES):
+        self.NAME = "auto" if auto else NAME
+        self.auto = auto
+        self.ring_bytes = check_ring_bytes(ring_bytes)
+
+    def listen(self, host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
+        return Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse,
+                        ring_bytes=self.ring_bytes)
+
+    def connect(self, address: str, connect_timeout: float = 10.0):
+        host, _port = parse_host_port(address, what="data-plane address")
+        if not is_local_host(host):
+            if self.auto:
+                return tcp.connect(address, connect_timeout)
+            raise ShardlineConfigError(f"transport 'shm' needs every data-plane peer on this host, but {address!r} "
+                                       f"is not a local address; use 'auto' (shm for local peers, TCP otherwise)")
+        supported, why = shm_supported()
+        if not supported:
+            if self.auto:
+                return tcp.connect(address, connect_timeout)
+            raise ShardlineConfigError(f"transport 'shm' requested but {why}; use 'auto' to fall back to TCP")
+        try:
+            return _connect_endpoint(address, connect_timeout, self.ring_bytes)
+        except ShardlineConnectionError as exc:
+            if not self.auto:
+                raise
+            log.debug("%s; using TCP", exc)
+            return tcp.connect(address, connect_timeout)
+
+
+_DEFAULT = Transport(auto=False)
+listen = _DEFAULT.listen
+connect = _DEFAULT.connect

@@ -1,0 +1,350 @@
+"""The shm transport over socketpairs and forks: framing, ring wrap-around, a peer that lies about
+offsets, lengths, credits or its segment, and cleanup when a side closes or dies."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import threading
+
+import pytest
+import torch
+
+from shardline.services import frame
+from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError
+from shardline.services.transport import get_transport, shm, tcp
+from shardline.services.transport.shm import MESSAGE, ShmConnection, ShmProtocolError
+
+pytestmark = pytest.mark.timeout(60)
+RING = 4 * shm.MIN_RING_BYTES  # sends of more than shm.INLINE_MAX_BYTES go through it
+
+
+def shm_mappings(pid: int | str = "self") -> int:
+    """Mappings of shm segments (ours or a peer's) in process ``pid``."""
+    with open(f"/proc/{pid}/maps") as fh:
+        return sum("memfd:shardline-shm" in line for line in fh)
+
+
+def pair(ring: int = RING) -> tuple[ShmConnection, ShmConnection]:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return ShmConnection(a, ring_bytes=ring), ShmConnection(b, ring_bytes=ring)
+
+
+def in_thread(fn, *args):
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by join()
+            errors.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+
+    def join():
+        t.join(30)
+        assert not t.is_alive(), "sender did not finish"
+        if errors:
+            raise errors[0]
+    return join
+
+
+def test_frames_with_payloads_larger_than_the_ring_arrive_intact():
+    a, b = pair()
+    try:
+        # odd sizes: chunks end at every offset of the ring, so writes wrap around it
+        tensors = [torch.randn(n) for n in (3 * RING // 4 + 7, 1, 5 * RING // 4 + 3, 17_000 * 13)]
+        header = frame.FrameHeader(op=frame.Op.OP_PUSH, job="j")
+        for i, t in enumerate(tensors):
+            header.blocks.append(frame.block_ref("w", i, t))
+        join = in_thread(frame.send_frame, a, header, [frame.tensor_bytes(t) for t in tensors])
+        got = frame.recv_header(b)
+        assert got.payload_bytes == sum(t.numel() * 4 for t in tensors) and len(got.blocks) == 4
+        for ref, t in zip(got.blocks, tensors):
+            out = torch.empty(ref.numel)
+            frame.recv_exactly_into(b, frame.tensor_bytes(out))
+            assert torch.equal(out, t)
+        join()
+        # the reply the other way, small (inline) then large (the other direction's ring)
+        b.sendall(b"ok")
+        buf = bytearray(2)
+        assert a.recv_into(buf) == 2 and buf == b"ok"
+        big = torch.arange(RING, dtype=torch.float32)
+        join = in_thread(b.sendall, frame.tensor_bytes(big))
+        out = torch.empty_like(big)
+        frame.recv_exactly_into(a, frame.tensor_bytes(out))
+        join()
+        assert torch.equal(out, big)
+        assert shm_mappings() == 4  # each side: its own ring and its peer's, reused across frames
+    finally:
+        a.close()
+        b.close()
+    assert shm_mappings() == 0
+
+
+def test_end_of_stream_reads_zero_and_timeouts_raise():
+    a, b = pair()
+    a.settimeout(0.2)
+    with pytest.raises(TimeoutError):
+        a.recv_into(bytearray(4))
+    b.close()
+    assert a.recv_into(bytearray(4)) == 0
+    a.close()
+
+
+def test_pending_credits_are_not_mistaken_for_a_frame():
+    a, b = pair()
+    try:
+        join = in_thread(a.sendall, bytes(RING // 2))
+        frame.recv_exactly_into(b, memoryview(bytearray(RING // 2)))
+        join()
+        # a now has a CREDIT queued on its socket: not a frame
+        assert a.wait_readable(0.2) is False
+        b.sendall(b"x")
+        assert a.wait_readable(1.0) is True and a.recv_into(bytearray(1)) == 1
+    finally:
+        a.close()
+        b.close()
+
+
+# --- a peer that lies ---------------------------------------------------------------------------
+def sealed_memfd(size: int, seal: bool = True) -> int:
+    fd = os.memfd_create("shardline-shm", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+def send_segment(raw: socket.socket, size: int, fd: int, announced: int | None = None) -> None:
+    socket.send_fds(raw, [MESSAGE.pack(shm.SEGMENT, 0, size if announced is None else announced)], [fd])
+    os.close(fd)
+
+
+@pytest.mark.parametrize("lie", [
+    "chunk before any segment", "chunk past the end", "chunk not where the last ended", "window overrun",
+    "zero-length chunk", "credit never owed", "inline too large", "unknown kind", "unsealed segment",
+    "segment size differs from the file", "second segment", "fd with a chunk"])
+def test_a_lying_peer_is_refused_and_nothing_is_read_outside_the_segment(lie):
+    before = len(os.listdir("/proc/self/fd"))
+    raw, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = ShmConnection(mine, ring_bytes=RING)
+    try:
+        if lie not in ("chunk before any segment", "fd with a chunk"):
+            send_segment(raw, RING, sealed_memfd(RING, seal=lie != "unsealed segment"),
+                         announced=RING * 2 if lie == "segment size differs from the file" else None)
+        messages = {
+            "chunk before any segment": [(shm.CHUNK, 16, 0)],
+            "chunk past the end": [(shm.CHUNK, 32, RING - 16)],
+            "chunk not where the last ended": [(shm.CHUNK, 16, 0), (shm.CHUNK, 16, 64)],
+            "window overrun": [(shm.CHUNK, RING, 0), (shm.CHUNK, 1, 0)],
+            "zero-length chunk": [(shm.CHUNK, 0, 0)],
+            "credit never owed": [(shm.CREDIT, 1, 0)],
+            "inline too large": [(shm.INLINE, shm.INLINE_MAX_BYTES + 1, 0)],
+            "unknown kind": [(99, 0, 0)],
+            "unsealed segment": [],
+            "segment size differs from the file": [],
+            "second segment": [],
+            "fd with a chunk": [],
+        }[lie]
+        for kind, length, offset in messages:
+            raw.sendall(MESSAGE.pack(kind, length, offset))
+        if lie == "second segment":
+            send_segment(raw, RING, sealed_memfd(RING))
+        if lie == "fd with a chunk":
+            fd = sealed_memfd(RING)
+            socket.send_fds(raw, [MESSAGE.pack(shm.CHUNK, 16, 0)], [fd])
+            os.close(fd)
+        conn.settimeout(5)
+        got = 0
+        with pytest.raises(ShmProtocolError):
+            for _ in range(8):
+                if lie == "window overrun":  # a side queues the peer's chunks while it waits for credit
+                    conn.sendall(bytes(2 * RING))
+                elif lie == "unknown kind":  # met between frames (the PS loop's wait): the next read raises it
+                    assert conn.wait_readable(5)
+                    conn.recv_into(bytearray(RING))
+                else:
+                    got += conn.recv_into(bytearray(RING))
+        assert got == (16 if lie == "chunk not where the last ended" else 0)  # only what was legitimately sent
+    finally:
+        conn.close()
+        raw.close()
+    assert shm_mappings() == 0
+    assert len(os.listdir("/proc/self/fd")) == before  # fds that came with a lie are closed
+
+
+def test_inline_bytes_buffered_while_waiting_for_credit_are_bounded():
+    raw, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = ShmConnection(mine, ring_bytes=RING)
+    chunk = MESSAGE.pack(shm.INLINE, shm.INLINE_MAX_BYTES, 0) + bytes(shm.INLINE_MAX_BYTES)
+    stop = threading.Event()
+
+    def flood():
+        try:
+            while not stop.is_set():
+                raw.sendall(chunk)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    try:
+        with pytest.raises(ShmProtocolError, match="already buffered"):
+            conn.sendall(bytes(2 * RING))  # the ring fills; it waits for credit that never comes
+    finally:
+        stop.set()
+        conn.close()
+        raw.close()
+        t.join(5)
+
+
+# --- a peer that dies ---------------------------------------------------------------------------
+@pytest.mark.parametrize("victim", ["sender", "receiver"])
+def test_a_killed_peer_ends_the_connection_and_its_segments_are_released(victim):
+    parent_end, child_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a peer that maps both rings, then stalls until it is killed
+        try:
+            parent_end.close()
+            conn = ShmConnection(child_end, ring_bytes=RING)
+            if victim == "sender":
+                conn.sendall(bytes(RING // 2))  # its ring, mapped by the parent
+                conn.recv_into(bytearray(RING // 2))  # maps the parent's ring too
+                os.write(ready_w, b"1")
+                conn.sendall(bytes(4 * RING))  # dies mid-payload
+            else:
+                conn.recv_into(bytearray(1))
+                os.write(ready_w, b"1")
+                threading.Event().wait()
+        finally:
+            os._exit(0)
+    child_end.close()
+    os.close(ready_w)
+    conn = ShmConnection(parent_end, ring_bytes=RING)
+    try:
+        if victim == "sender":
+            frame.recv_exactly_into(conn, memoryview(bytearray(RING // 2)))
+            conn.sendall(bytes(RING // 2))
+            assert os.read(ready_r, 1) == b"1"
+            assert shm_mappings(pid) == 2
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(ConnectionError):
+                frame.recv_exactly_into(conn, memoryview(bytearray(4 * RING)))
+        else:
+            join = in_thread(conn.sendall, bytes(8 * RING))  # blocks for credit once the ring is full
+            assert os.read(ready_r, 1) == b"1"
+            os.kill(pid, signal.SIGKILL)
+            with pytest.raises(ConnectionError):
+                join()
+    finally:
+        os.waitpid(pid, 0)
+        os.close(ready_r)
+        conn.close()
+    assert shm_mappings() == 0
+    assert not [n for n in os.listdir("/dev/shm") if "shardline" in n]
+
+
+# --- choosing the transport ---------------------------------------------------------------------
+def test_explicit_shm_to_a_remote_peer_is_a_config_error():
+    with pytest.raises(ShardlineConfigError, match="'192.0.2.1:7100' is not a local address"):
+        get_transport("shm").connect("192.0.2.1:7100", 1.0)
+    assert shm.is_local_host("127.0.0.1") and shm.is_local_host("localhost")
+    assert not shm.is_local_host("192.0.2.1") and not shm.is_local_host("0.0.0.0")
+
+
+def test_without_sealed_memfds_auto_uses_tcp_and_shm_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(shm, "shm_supported", lambda: (False, "memfd_create is not available (sandbox)"))
+    plain = tcp.listen("127.0.0.1", 0, lambda sock, peer: None)
+    listener = get_transport("auto").listen("127.0.0.1", 0, lambda sock, peer: None)
+    try:
+        assert not listener.shm_endpoint  # the PS offers no endpoint: local peers use its TCP
+        assert isinstance(get_transport("auto").connect(plain.address, 5.0), socket.socket)
+        with pytest.raises(ShardlineConfigError, match="memfd_create is not available"):
+            get_transport("shm").connect(plain.address, 5.0)
+    finally:
+        listener.close()
+        plain.close()
+
+
+def test_bad_ring_size_is_a_config_error_quoting_it():
+    with pytest.raises(ShardlineConfigError, match="got 1024"):
+        get_transport("auto", shm_ring_bytes=1024)
+
+
+def test_auto_picks_shm_for_a_local_listener_and_tcp_otherwise(monkeypatch):
+    def echo(sock, peer):
+        buf = bytearray(RING * 2)
+        frame.recv_exactly_into(sock, memoryview(buf))
+        sock.sendall(buf)
+        sock.recv_into(bytearray(1))  # hold the connection (and its slot) until the peer closes it
+
+    assert shm.shm_supported() == (True, "")  # this host has sealed memfds: shm must be used, not skipped
+    auto = get_transport("auto")
+    listener = auto.listen("127.0.0.1", 0, echo, max_connections=1,
+                           refuse=lambda sock, peer: sock.sendall(b"full"))
+    try:
+        assert listener.shm_endpoint
+        conn = auto.connect(listener.address, 5.0)
+        assert isinstance(conn, ShmConnection)
+        data = os.urandom(RING * 2)
+        conn.sendall(data)
+        out = bytearray(len(data))
+        frame.recv_exactly_into(conn, memoryview(out))
+        assert out == data
+        # one connection limit for both: a TCP peer is turned away meanwhile
+        second = tcp.connect(listener.address, 5.0)
+        assert second.recv(4) == b"full"
+        second.close()
+        conn.close()
+        # a local address without a shm endpoint (a TCP-only PS): TCP
+        plain = tcp.listen("127.0.0.1", 0, lambda sock, peer: None)
+        try:
+            assert isinstance(auto.connect(plain.address, 5.0), socket.socket)
+            with pytest.raises(ShardlineConnectionError):  # explicit shm: no fallback
+                get_transport("shm").connect(plain.address, 5.0)
+        finally:
+            plain.close()
+        # a remote address: TCP without trying shm
+        calls = []
+        monkeypatch.setattr(tcp, "connect", lambda address, timeout: calls.append(address) or "tcp")
+        assert auto.connect("192.0.2.1:7100", 1.0) == "tcp" and calls == ["192.0.2.1:7100"]
+    finally:
+        listener.close()
+
+
+def test_the_hello_challenge_runs_over_shm_and_the_node_maps_nothing_of_its_own_before_it():
+    from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+    from shardline.services.dataplane_client import DataPlaneConnection
+    from shardline.services.pb import dataplane_pb2 as dp
+
+    token = b"t" * 32
+    policy = ConnectionPolicy(cluster_token=token)
+
+    def serve(sock, peer):  # the node is never reached: these peers send no frame past the handshake
+        serve_connection(sock, peer, None, policy)
+
+    listener = get_transport("shm").listen("127.0.0.1", 0, serve)
+    try:
+        conn = DataPlaneConnection(listener.address, get_transport("shm"), 5.0, token)  # HELLO, nonce, proof
+        assert isinstance(conn.sock, ShmConnection)
+        conn.close()
+        with pytest.raises(Exception, match="UNAUTHENTICATED|wrong cluster token"):
+            DataPlaneConnection(listener.address, get_transport("shm"), 5.0, b"w" * 32)
+        # before proving the token a peer gets no payload in: a large HELLO is refused, and the node
+        # never created a segment of its own for it (its replies are small)
+        raw = get_transport("shm").connect(listener.address, 5.0)
+        try:
+            frame.send_frame(raw, frame.FrameHeader(op=dp.OP_HELLO), [bytes(2 * RING)])
+        except BrokenPipeError:
+            pass  # refused on its header, while the payload was still going out
+        reply = frame.recv_header(raw)
+        assert reply.op == dp.OP_ERROR and reply.code == dp.UNAUTHENTICATED, reply
+        assert raw._rx is None
+        raw.close()
+    finally:
+        listener.close()
