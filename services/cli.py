@@ -150,6 +150,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "optimizer": j.spec.optimizer.kind, "tensors": len(j.spec.tensors), "parameters": params,
             "ready": bool(j.ready), "created_unix_ms": int(j.created_unix_ms),
             "replication": int(j.spec.replication) or None, "on_worker_failure": j.spec.on_worker_failure or "wait",
+            "compression": j.spec.compression or "none",  # empty: a job made before the option
             "workers": workers, "missing_ranks": sorted(w["rank"] for w in workers if w["state"] == "lost"),
         })
     return {

@@ -4,7 +4,8 @@ Prefix (big-endian): magic ``b"SL"``, format version (1), flags (0), uint32 head
 The payload is the concatenation of the listed blocks' bytes, in header order; a block flagged
 ``zero`` carries no bytes. Everything a receiver needs to size its buffers is in the header, and
 ``validate_header`` checks it against ``FrameLimits`` *before* any payload is read or allocated:
-dtype whitelist, ``numel * itemsize == nbytes``, ``sum(nbytes) == payload_bytes``, bounded
+dtype whitelist, ``numel * itemsize == nbytes`` (a compressed push block: ``nbytes`` is what its
+``numel`` packed signs take, services/compression.py), ``sum(nbytes) == payload_bytes``, bounded
 header, payload and block count.
 
 Helpers here work on any object with ``recv_into``/``sendall`` (a socket), so the codec is tested
@@ -21,6 +22,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from shardline.services import compression
 from shardline.services.errors import FrameError, FrameTooLargeError
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -110,6 +112,12 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
             continue
         if header.op in (dp.OP_PULL, dp.OP_SYNC) and ref.nbytes == 0 and ref.numel == 0:
             continue  # a pull or sync request names blocks without carrying them
+        if ref.dtype == dp.SIGN1 or ref.scale:
+            problem = _sign_block_problem(header, ref)
+            if problem:
+                raise FrameError(problem)
+            total += ref.nbytes
+            continue
         itemsize = ITEMSIZE.get(ref.dtype)
         if itemsize is None:
             raise FrameError(f"block {ref.tensor}[{ref.index}] has unsupported dtype {ref.dtype}")
@@ -120,6 +128,16 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         total += ref.nbytes
     if total != header.payload_bytes:
         raise FrameError(f"blocks add up to {total} bytes but the header claims payload_bytes={header.payload_bytes}")
+
+
+def _sign_block_problem(header: FrameHeader, ref: BlockRef) -> str | None:
+    """A compressed (SIGN1) block is a push's, sized by its packed signs (services/compression.py);
+    only it has a scale."""
+    if ref.dtype != dp.SIGN1:
+        return f"block {ref.tensor}[{ref.index}] of dtype {ref.dtype} has a sign scale ({ref.scale!r})"
+    if header.op != dp.OP_PUSH:
+        return f"block {ref.tensor}[{ref.index}]: {dp.Op.Name(header.op)} cannot carry compressed (SIGN1) blocks"
+    return compression.sign_header_problem(ref)
 
 
 def recv_exactly_into(sock, view: memoryview, deadline: float | None = None) -> None:
