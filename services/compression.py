@@ -18,7 +18,6 @@ decoding. Everything is plain tensor arithmetic; nothing is pickled.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,16 +81,6 @@ def decode_signs(packed: torch.Tensor, numel: int, scale: float, out: torch.Tens
     out.copy_(bits)
     # 1 -> 2s - s = s, 0 -> -s: both exact in fp32
     return out.mul_(2.0 * scale).sub_(scale)
-
-
-def sign_header_problem(ref: dp.BlockRef) -> str | None:
-    """What is wrong with a SIGN1 block's header fields (None: nothing): its size and scale."""
-    if ref.nbytes != sign_nbytes(ref.numel):
-        return (f"block {ref.tensor}[{ref.index}]: {ref.numel} packed signs take {sign_nbytes(ref.numel)} bytes, "
-                f"the frame claims nbytes {ref.nbytes}")
-    if not (math.isfinite(ref.scale) and ref.scale >= 0):
-        return f"block {ref.tensor}[{ref.index}]: sign scale must be a finite number >= 0, got {ref.scale!r}"
-    return None
 
 
 def padding_problem(packed: torch.Tensor, numel: int) -> str | None:

@@ -97,8 +97,8 @@ def test_a_well_formed_compressed_push_passes_validation():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"nbytes": 4 * BLOCK}, "packed signs take 5 bytes"),
-    ({"nbytes": 4}, "packed signs take 5 bytes"),
+    ({"nbytes": 4 * BLOCK}, "37 packed signs take 5 bytes != nbytes 148"),
+    ({"nbytes": 4}, "37 packed signs take 5 bytes != nbytes 4"),
     ({"scale": float("nan")}, "finite number >= 0"),
     ({"scale": float("inf")}, "finite number >= 0"),
     ({"scale": -1.0}, "finite number >= 0"),
