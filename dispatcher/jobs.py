@@ -204,6 +204,9 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     if out.max_grad_norm and out.sync != "bsp":
         raise ShardlineConfigError(f"max_grad_norm clips the mean gradient of a BSP step; job sync is {out.sync!r}")
     out.compression = check_compression(compression_of(out))
+    if out.compression == "sign" and out.allow_nonfinite:
+        # the residual would turn NaN for good, and a NaN scale cannot go on the wire
+        raise ShardlineConfigError("compression 'sign' cannot carry NaN/Inf gradients: allow_nonfinite must be false")
     if out.replication > MAX_REPLICATION:
         raise ShardlineConfigError(f"replication must be in 1..{MAX_REPLICATION} (0: the dispatcher's default), "
                                    f"got {out.replication!r}")
@@ -376,7 +379,7 @@ class JobRegistry:
             existing = self._jobs.get(spec.name)
             if existing is not None:
                 # options the request leaves unset mean "as the job has them"
-                for field in ("replication", "worker_lease_timeout_seconds", "on_worker_failure"):
+                for field in ("replication", "worker_lease_timeout_seconds", "on_worker_failure", "compression"):
                     if not getattr(requested, field):
                         setattr(spec, field, getattr(existing.spec, field))
                 difference = spec_difference(existing.spec, spec)

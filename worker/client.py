@@ -207,8 +207,9 @@ class Client:
 
         ``max_grad_norm`` (BSP): the PS nodes clip each step's mean gradient by its global norm
         before the optimizer step, as ``clip_grad_norm_`` on one process would.
-        ``compression``: how this job's gradients travel, "none" (default), "bf16" or "sign"
-        (docs/architecture.md, "Gradient compression"; BSP no longer equals torch.optim with it).
+        ``compression``: how this job's gradients travel, "none" (default; None: as an existing
+        job has it), "bf16" or "sign" (docs/architecture.md, "Gradient compression"; BSP no longer
+        equals torch.optim with them).
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
         are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
         index of each tensor (default 0). Returns True if this call created the job (and so wrote
@@ -226,7 +227,7 @@ class Client:
                                   replication=replication or 0,
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
                                   on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0,
-                                  compression=check_compression(compression or "none"))
+                                  compression="" if compression is None else check_compression(compression))
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():

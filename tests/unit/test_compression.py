@@ -374,6 +374,10 @@ def test_job_spec_option_is_validated_and_compared():
         normalize_spec(spec)
     a, b = normalize_spec(job_spec(comp="sign")), normalize_spec(job_spec(comp="none"))
     assert "compression is 'sign' but the request has 'none'" in spec_difference(a, b)
+    nonfinite = job_spec(comp="sign")
+    nonfinite.allow_nonfinite = True
+    with pytest.raises(ShardlineConfigError, match="allow_nonfinite"):
+        normalize_spec(nonfinite)
     old = normalize_spec(job_spec(comp="none"))
     old.ClearField("compression")   # a job made before the option
     assert spec_difference(old, normalize_spec(job_spec(comp="none"))) is None
@@ -384,3 +388,16 @@ def test_job_file_compression():
     assert parse_job({"job": {"name": "x"}}).train.compression == "none"
     with pytest.raises(ShardlineConfigError, match="'gzip'"):
         parse_job({"job": {"name": "x"}, "train": {"compression": "gzip"}})
+
+
+def test_a_request_without_compression_takes_the_jobs():
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.services.errors import ShardlineStateError
+
+    jobs = JobRegistry()
+    record, created = jobs.create(job_spec(comp="sign"))
+    assert created and record.spec.compression == "sign"
+    again, created = jobs.create(job_spec(comp=""))   # e.g. a restarted rank 0 that does not say
+    assert not created and again.spec.compression == "sign"
+    with pytest.raises(ShardlineStateError, match="compression is 'sign' but the request has 'none'"):
+        jobs.create(job_spec(comp="none"))
