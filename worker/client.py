@@ -489,7 +489,7 @@ class Client:
         step = self._current_step()
         failpoints.hit("worker.before_push", step)
         if self._compressor is not None:
-            payload = self._compressor.encode(payload, step if spec.sync == "bsp" else None)
+            payload = self._compressor.encode(payload, None if spec.sync == "asp" else step)
         if spec.sync == "bsp":
             if self._inflight is None or self._inflight["step"] != step:
                 self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}

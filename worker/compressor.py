@@ -39,7 +39,7 @@ class GradientCompressor:
 
     def encode(self, blocks: dict[Key, torch.Tensor | None], step: int | None
                ) -> dict[Key, torch.Tensor | SignBlock | None]:
-        """What to push for ``blocks`` (see the module docstring). ``step``: the BSP step they
+        """What to push for ``blocks`` (see the module docstring). ``step``: the step they
         belong to (None, ASP: every call is a new update)."""
         if self.kind == "none":
             return dict(blocks)
