@@ -401,3 +401,15 @@ def test_a_request_without_compression_takes_the_jobs():
     assert not created and again.spec.compression == "sign"
     with pytest.raises(ShardlineStateError, match="compression is 'sign' but the request has 'none'"):
         jobs.create(job_spec(comp="none"))
+
+
+def test_status_lists_each_jobs_compression():
+    from shardline.services.cli import render_status
+
+    job = {"name": "sft", "sync": "bsp", "optimizer": "adamw", "compression": "sign", "world_size": 2, "step": 3,
+           "checkpoint_step": None, "tensors": 4, "parameters": 1000, "ready": True, "workers": [],
+           "on_worker_failure": "wait"}
+    text = render_status({"cluster": "127.0.0.1:1", "epoch": 1, "alive_nodes": 0, "nodes": [], "jobs": [job],
+                          "security": {}})
+    header, row = [line for line in text.splitlines() if "COMPRESSION" in line or line.startswith("sft")]
+    assert header.split()[3] == "COMPRESSION" and row.split()[3] == "sign"
