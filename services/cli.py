@@ -206,12 +206,12 @@ def render_status(data: dict) -> str:
     else:
         lines += ["", "nodes: none registered"]
     if data["jobs"]:
-        rows = [[j["name"], j["sync"], j["optimizer"], j.get("compression", "none"), j["world_size"],
-                 "-" if j["step"] is None else j["step"],
+        rows = [[j["name"], j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
                  "-" if j.get("checkpoint_step") is None else j["checkpoint_step"],
-                 j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
-        lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "COMPRESSION", "WORLD", "STEP", "CHECKPOINT",
-                                             "TENSORS", "PARAMS", "READY"], rows, right={4, 5, 6, 7, 8})]
+                 j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no", j.get("compression", "none")]
+                for j in data["jobs"]]
+        lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "CHECKPOINT", "TENSORS",
+                                             "PARAMS", "READY", "COMPRESSION"], rows, right={3, 4, 5, 6, 7})]
         workers = render_workers(data["jobs"])
         if workers:
             lines += ["", "workers:", workers]
