@@ -234,6 +234,10 @@ class Client:
             spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True),
                              group=tensor_groups.get(name, 0) if len(groups) > 1 else 0)
         resp = self.dispatcher.create_job(spec)
+        if resp.created and spec.compression == "sign" and opt.kind != "sgd":
+            log.warning("job %s: compression 'sign' with %s: the PS's second moment sees each block's +-scale, not "
+                        "the gradient's own magnitudes, so training may stall well above the uncompressed loss "
+                        "(docs/architecture.md, \"Gradient compression\")", self.job, opt.kind)
         if resp.created:
             self._load_spec(resp.job.spec, resp.job.uid)
             for name, t in tensors.items():
