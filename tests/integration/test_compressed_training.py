@@ -10,11 +10,12 @@ import threading
 import pytest
 import torch
 
-from shardline import PSOptimizer
+from shardline import PSOptimizer, connect
 from shardline.jobs.data.synthetic import make_batch, masked_lm_loss
 from shardline.jobs.runner import run_local, run_training
 from shardline.jobs.spec import parse_job
 from shardline.jobs.workloads import EVAL_SEED_OFFSET, build_model
+from shardline.services.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,6 +31,19 @@ def demo_spec(name: str):
                       "task": {"kind": "reverse", "min_digits": 1, "max_digits": 4, "seed": 0},
                       "train": {"steps": STEPS, "batch_size": 8, "optimizer": "adamw", "lr": 0.01,
                                 "eval_examples": 8, "sample_prompts": 0}})
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A dispatcher and two PS nodes that checkpoint when stopped gracefully (the restart test),
+    real processes on 127.0.0.1, shared by the module's tests; everything is reaped afterwards."""
+    root = tmp_path_factory.mktemp("compression")
+    with LocalCluster(root / "cluster") as c:
+        c.start_dispatcher()
+        for i in (1, 2):
+            c.add_node(node_id=f"ps{i}", checkpoint_dir=str(root / f"ps{i}-ckpt"), checkpoint_every_steps=0)
+        c.wait_for_nodes(2, timeout=30)
+        yield c
 
 
 def heldout_loss(spec, model) -> float:
@@ -95,3 +109,57 @@ def test_compressed_training_converges_near_uncompressed(cluster, reference, com
         assert per_step > 0
     models = [results[rank].model.state_dict() for rank in sorted(results)]
     assert all(torch.equal(models[0][k], m[k]) for m in models[1:] for k in models[0])  # BSP: one model
+
+
+def ref_sign_step(v: torch.Tensor) -> torch.Tensor:
+    """decode(encode(v)) for one block, written out: mean |v| times the sign (>= 0: +)."""
+    scale = v.abs().double().mean().float()
+    return torch.where(v >= 0, scale, -scale)
+
+
+def test_a_ps_restart_mid_step_resends_the_same_encoded_push(cluster):
+    """SGD on a least-squares problem with sign compression, one worker (the test process): a PS
+    node is stopped between the push and the commit of step 3 (it checkpoints step 3 without the
+    push, and restores that) and started again; the client resends what it sent. The
+    parameters must equal torch.optim.SGD fed the error-feedback sign gradients computed here
+    (re-encoding the resent push would apply its residual twice)."""
+    block, n, steps, lr = 37, 3 * 37 - 5, 8, 0.05
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, n, generator=gen) / 8, torch.randn(64, generator=gen)
+    w0 = torch.randn(n, generator=gen)
+
+    def grad(w):
+        return a.T @ (a @ w - b)
+
+    # the reference: torch.optim on the decoded gradients, residuals per block
+    p = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([p], lr=lr)
+    e = torch.zeros(n)
+    for _ in range(steps):
+        v = grad(p.detach()) + e
+        sent = torch.cat([ref_sign_step(v[i:i + block]) for i in range(0, n, block)])
+        e = v - sent
+        p.grad = sent
+        opt.step()
+
+    client = connect(cluster.address, "sign-restart", connect_timeout=30, pull_timeout=60, recovery_timeout=60)
+    try:
+        client.init({"w": w0}, optimizer="sgd", lr=lr, block_elements=block, compression="sign")
+        w = client.pull(["w"])["w"]
+        for step in range(steps):
+            if step == 3:
+                client.push({"w": grad(w)}, commit=False)
+                node = next(h for h in cluster.nodes if h.node_id == "ps1")
+                assert cluster.stop(node) == 0
+                node = cluster.restart(node)
+                assert "restored job sign-restart at step 3" in node.log_tail(200), node.log_tail()
+                client.commit()
+                client.pull_changed()
+            else:
+                client.step_sync({"w": grad(w)})
+            w = client.pull(["w"])["w"]
+        assert client.step == steps
+        diff = (w - p.detach()).abs().max().item()
+        assert diff <= 1e-5, f"max abs diff {diff}"
+    finally:
+        client.close()
