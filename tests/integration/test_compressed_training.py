@@ -5,7 +5,9 @@ batches (``run_local``: what an uncompressed BSP job computes). Compressed BSP n
 it, so the test bounds the loss instead, and counts the bytes pushed per step."""
 
 import math
+import re
 import threading
+import time
 
 import pytest
 import torch
@@ -35,13 +37,13 @@ def demo_spec(name: str):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    """A dispatcher and two PS nodes that checkpoint when stopped gracefully (the restart test),
-    real processes on 127.0.0.1, shared by the module's tests; everything is reaped afterwards."""
+    """A dispatcher and two PS nodes that checkpoint every step (the restart test), real processes
+    on 127.0.0.1, shared by the module's tests; everything is reaped afterwards."""
     root = tmp_path_factory.mktemp("compression")
     with LocalCluster(root / "cluster") as c:
         c.start_dispatcher()
         for i in (1, 2):
-            c.add_node(node_id=f"ps{i}", checkpoint_dir=str(root / f"ps{i}-ckpt"), checkpoint_every_steps=0)
+            c.add_node(node_id=f"ps{i}", checkpoint_dir=str(root / f"ps{i}-ckpt"), checkpoint_every_steps=1)
         c.wait_for_nodes(2, timeout=30)
         yield c
 
@@ -119,8 +121,8 @@ def ref_sign_step(v: torch.Tensor) -> torch.Tensor:
 
 def test_a_ps_restart_mid_step_resends_the_same_encoded_push(cluster):
     """SGD on a least-squares problem with sign compression, one worker (the test process): a PS
-    node is stopped between the push and the commit of step 3 (it checkpoints step 3 without the
-    push, and restores that) and started again; the client resends what it sent. The
+    node is killed between the push and the commit of step 3 and started again (it restores its
+    checkpoint of step 3, without the push); the client resends what it sent. The
     parameters must equal torch.optim.SGD fed the error-feedback sign gradients computed here
     (re-encoding the resent push would apply its residual twice)."""
     block, n, steps, lr = 37, 3 * 37 - 5, 8, 0.05
@@ -148,9 +150,14 @@ def test_a_ps_restart_mid_step_resends_the_same_encoded_push(cluster):
         w = client.pull(["w"])["w"]
         for step in range(steps):
             if step == 3:
+                owner = client.routing.owner("sign-restart", "w", 0)   # it loses the push of block 0 at least
+                node = next(h for h in cluster.nodes if h.node_id == owner)
+                deadline = time.monotonic() + 30   # checkpoints are written in the background
+                while not re.search(r"job sign-restart: \w+ checkpoint of step 3 durable", node.log_tail(50)):
+                    assert time.monotonic() < deadline, node.log_tail()
+                    time.sleep(0.05)
                 client.push({"w": grad(w)}, commit=False)
-                node = next(h for h in cluster.nodes if h.node_id == "ps1")
-                assert cluster.stop(node) == 0
+                cluster.kill(node)   # SIGKILL: nothing of the step in flight survives but the checkpoint
                 node = cluster.restart(node)
                 assert "restored job sign-restart at step 3" in node.log_tail(200), node.log_tail()
                 client.commit()
