@@ -46,6 +46,7 @@ from shardline.dispatcher.state_memory import MemoryStateStore
 from shardline.dispatcher.state_store import JOB_PREFIX, TOMBSTONE_PREFIX, StateStore, StateStoreError, with_prefix
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, ON_WORKER_FAILURE
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, validate_block_elements
+from shardline.services.compression import check_compression, compression_of
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError, ShardlineTimeoutError
 from shardline.services.extension import apply_extension, revision_of, state_layout
 from shardline.services.names import JOB_NAME_RE, validate_job_name  # noqa: F401 - part of this module's API
@@ -215,6 +216,10 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     _check_real(out.max_grad_norm, "max_grad_norm")
     if out.max_grad_norm and out.sync != "bsp":
         raise ShardlineConfigError(f"max_grad_norm clips the mean gradient of a BSP step; job sync is {out.sync!r}")
+    out.compression = check_compression(compression_of(out))
+    if out.compression == "sign" and out.allow_nonfinite:
+        # the residual would turn NaN for good, and a NaN scale cannot go on the wire
+        raise ShardlineConfigError("compression 'sign' cannot carry NaN/Inf gradients: allow_nonfinite must be false")
     if out.replication > MAX_REPLICATION:
         raise ShardlineConfigError(f"replication must be in 1..{MAX_REPLICATION} (0: the dispatcher's default), "
                                    f"got {out.replication!r}")
@@ -261,6 +266,9 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
         found = differs(field, getattr(existing, field), getattr(requested, field))
         if found:
             return found
+    found = differs("compression", compression_of(existing), compression_of(requested))  # empty: made before the option
+    if found:
+        return found
     for field in _OPTIMIZER_FIELDS:
         found = differs(f"optimizer.{field}", getattr(existing.optimizer, field), getattr(requested.optimizer, field))
         if found:
@@ -384,7 +392,7 @@ class JobRegistry:
             existing = self._jobs.get(spec.name)
             if existing is not None:
                 # options the request leaves unset mean "as the job has them"
-                for field in ("replication", "worker_lease_timeout_seconds", "on_worker_failure"):
+                for field in ("replication", "worker_lease_timeout_seconds", "on_worker_failure", "compression"):
                     if not getattr(requested, field):
                         setattr(spec, field, getattr(existing.spec, field))
                 difference = spec_difference(existing.spec, spec)

@@ -13,7 +13,7 @@ quoted in the error (``ShardlineConfigError``). The built-in model and task::
             betas: [0.9, 0.98], eps: 1.0e-8, momentum: 0.0, sync: bsp, staleness: 0,
             weight_by_tokens: true, eval_examples: 200, eval_every: 0, sample_prompts: 6,
             log_every: 10, seed: 0, lr_schedule: constant, warmup_steps: 0, min_lr_ratio: 0.1,
-            replication: 0, on_worker_failure: wait, worker_lease_timeout: 30,
+            replication: 0, on_worker_failure: wait, worker_lease_timeout: 30, compression: none,
             balance: none, balance_method: kk, micro_batch_tokens: null, cost: null,
             global_batch_size: null}   # the last four only with balance: tokens
 
@@ -51,6 +51,7 @@ import yaml
 from shardline.jobs.data.jsonl import FORMATS as DATA_FORMATS
 from shardline.jobs.data.synthetic import TASK_KINDS, TOKENIZER, SFTTask
 from shardline.jobs.models.tinygpt import LORA_EXTRA_GROUPS
+from shardline.services.compression import COMPRESSIONS
 from shardline.services.errors import ShardlineConfigError
 from shardline.worker.balance import CostModel
 
@@ -152,6 +153,7 @@ class TrainSpec:
     replication: int = 0                 # copies of every block; 0: the dispatcher's default
     on_worker_failure: str = "wait"      # or "fail": a lost rank fails the job
     worker_lease_timeout: float = 30.0
+    compression: str = "none"            # gradients on the wire: none | bf16 | sign (services/compression.py)
     balance: str = "none"                # "tokens": length-balanced global minibatches
     balance_method: str = "kk"
     micro_batch_tokens: int | None = None   # None: a rank's whole part is one microbatch
@@ -404,6 +406,7 @@ _SCHEMA: dict[str, tuple[type, dict[str, tuple[Callable[[Any], Any], Any]]]] = {
         "replication": (_int(0, 16), TrainSpec.replication),
         "on_worker_failure": (_choice(("wait", "fail")), TrainSpec.on_worker_failure),
         "worker_lease_timeout": (_float(0.0, lo_open=True), TrainSpec.worker_lease_timeout),
+        "compression": (_choice(COMPRESSIONS), TrainSpec.compression),
         "balance": (_choice(BALANCE_MODES), TrainSpec.balance),
         "balance_method": (_choice(BALANCE_METHODS), TrainSpec.balance_method),
         "micro_batch_tokens": (_opt_int(1), None),

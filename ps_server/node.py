@@ -388,7 +388,8 @@ class PSNode:
     def begin_push(self, header: frame.FrameHeader, scratch: bytearray) -> tuple[JobStore, PushTicket]:
         """Start a prechecked PUSH: returns where each block's payload goes (see JobStore.begin_push)."""
         job = self.job(header.job)
-        refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
+        refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, torch.uint8, ref.scale) if ref.dtype == dp.SIGN1
+                else PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
                 for ref in header.blocks]
         return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header))
 

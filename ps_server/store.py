@@ -46,6 +46,7 @@ import torch
 
 from shardline.ps_server.optimizer import OptimizerConfig, group_configs, make_optimizer
 from shardline.services.blocks import block_slice, num_blocks
+from shardline.services.compression import compression_of, decode_signs, padding_problem, sign_nbytes
 from shardline.services.errors import ShardlineConfigError, ShardlineError
 from shardline.services.extension import replay, revision_of
 from shardline.services.tensor_checks import all_finite
@@ -125,6 +126,22 @@ class PushRef:
     zero: bool
     numel: int
     dtype: torch.dtype
+    scale: float | None = None   # a compressed block (SIGN1): packed signs, each worth +-scale
+
+
+def _fill(dest: torch.Tensor, ref: PushRef, payload: torch.Tensor) -> None:
+    """``dest`` (fp32) = the pushed block's gradient, decoded straight into it if compressed."""
+    if ref.scale is None:
+        dest.copy_(payload)  # also converts fp16/bf16 pushes to fp32
+    else:
+        decode_signs(payload, ref.numel, ref.scale, out=dest)
+
+
+def _as_fp32(ref: PushRef, payload: torch.Tensor) -> torch.Tensor:
+    """The pushed block's gradient in fp32 (decoded if compressed): one block at most."""
+    if ref.scale is None:
+        return payload.to(torch.float32)
+    return decode_signs(payload, ref.numel, ref.scale)
 
 
 @dataclass(eq=False)
@@ -162,15 +179,16 @@ class PushItem:
     grad: torch.Tensor | None  # None: the block's gradient is exactly zero (sent as a flag)
 
 
-def _add_weighted(holder, like: torch.Tensor, grad: torch.Tensor, weight: float) -> None:
-    """Add ``weight * grad`` to ``holder``'s gradient sum (a Block or AheadGrads: ``grad_buf``,
+def _add_weighted(holder, like: torch.Tensor, ref: "PushRef", payload: torch.Tensor, weight: float) -> None:
+    """Add ``weight`` times the pushed block's gradient (``payload`` as ``ref`` describes it,
+    decoded if compressed) to ``holder``'s gradient sum (a Block or AheadGrads: ``grad_buf``,
     ``has_grad``); its buffer, shaped like ``like``, is made on first use."""
     if holder.has_grad:
-        holder.grad_buf.add_(grad.to(torch.float32), alpha=weight)
+        holder.grad_buf.add_(_as_fp32(ref, payload), alpha=weight)
         return
     if holder.grad_buf is None:
         holder.grad_buf = torch.empty_like(like)
-    holder.grad_buf.copy_(grad)  # also converts fp16/bf16 pushes to fp32
+    _fill(holder.grad_buf, ref, payload)
     if weight != 1.0:
         holder.grad_buf.mul_(weight)
     holder.has_grad = True
@@ -200,6 +218,7 @@ class JobStore:
         self.world_size = int(spec.world_size)
         self.block_elements = int(spec.block_elements)
         self.allow_nonfinite = spec.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
+        self.compression = compression_of(spec)
         self.optimizer_config = OptimizerConfig.from_proto(spec.optimizer)
         # One optimizer per parameter group (torch.optim's param_groups); their state layouts agree
         # (checked when the job is created), so one block codec and checkpoint format serve all.
@@ -362,7 +381,8 @@ class JobStore:
     # A push is begun (validated, destinations chosen), its blocks are received one by one and
     # checked as each arrives (so the check overlaps the rest of the transfer), then finished
     # (made visible) or aborted. A block's first BSP gradient of a step is received straight into
-    # the block's gradient buffer; later ones (to be added) go to the connection's scratch buffer.
+    # the block's gradient buffer; later ones (to be added) go to the connection's scratch buffer,
+    # as do compressed (sign) blocks, decoded into the gradient buffer when the push finishes.
 
     def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None,
                    lr: float | None = None) -> "PushTicket":
@@ -381,6 +401,9 @@ class JobStore:
             if not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"gradient for {ref.tensor}[{ref.index}] must have {numel} elements, got {ref.numel}")
+            if ref.scale is not None and not ref.zero and self.compression != "sign":
+                raise StoreError("INVALID_ARGUMENT", f"job {self.name!r} has compression {self.compression!r}: it takes "
+                                                     f"no sign-compressed gradients ({ref.tensor}[{ref.index}])")
         ticket = PushTicket(rank, step, weight, refs, lr=self.group_lrs(lr))
         with self.cond:
             self._check_open("push")
@@ -424,9 +447,10 @@ class JobStore:
                         dest = block.grad_buf
                         ticket.direct.append(True)
                     else:
-                        dest = torch.frombuffer(scratch, dtype=ref.dtype, count=ref.numel, offset=offset)
+                        count = ref.numel if ref.scale is None else sign_nbytes(ref.numel)
+                        dest = torch.frombuffer(scratch, dtype=ref.dtype, count=count, offset=offset)
                         ticket.direct.append(False)
-                    offset += ref.numel * dest.element_size()
+                    offset += dest.numel() * dest.element_size()
                 else:
                     ticket.direct.append(False)
                 ticket.dests.append(dest)
@@ -435,9 +459,14 @@ class JobStore:
 
     def check_received(self, ticket: "PushTicket", i: int) -> None:
         """Check block ``i`` of a push right after its bytes arrived (NaN/Inf, unless allowed)."""
-        dest = ticket.dests[i]
-        if dest is not None and not self.allow_nonfinite and ticket.error is None and not all_finite(dest):
-            ref = ticket.refs[i]
+        dest, ref = ticket.dests[i], ticket.refs[i]
+        if dest is None or ticket.error is not None:
+            return
+        if ref.scale is not None:  # packed signs: finite by construction (the scale was checked with the header)
+            problem = padding_problem(dest, ref.numel)
+            if problem:
+                ticket.error = StoreError("INVALID_ARGUMENT", f"gradient for {ref.tensor}[{ref.index}]: {problem}")
+        elif not self.allow_nonfinite and not all_finite(dest):
             ticket.error = StoreError("NONFINITE", f"gradient for tensor {ref.tensor!r} (block {ref.index}) contains NaN or Inf")
 
     def finish_push(self, ticket: "PushTicket") -> int:
@@ -453,9 +482,10 @@ class JobStore:
                 self._apply_asp(ticket)
                 return self.step
             w = ticket.weight
-            for block, dest, direct, resent in zip(ticket.blocks, ticket.dests, ticket.direct, ticket.resent):
+            for ref, block, dest, direct, resent in zip(ticket.refs, ticket.blocks, ticket.dests, ticket.direct,
+                                                        ticket.resent):
                 if block.step < ticket.step:  # SSP: a step after the one the block collects
-                    self._collect_ahead(block, ticket, dest, resent)
+                    self._collect_ahead(block, ticket, ref, dest, resent)
                     continue
                 if not resent and block.step == ticket.step:
                     block.received.add(ticket.rank)
@@ -475,7 +505,7 @@ class JobStore:
                     self._release(ticket)
                     raise StoreError("TIMEOUT", f"rank {block.receiving} did not finish sending block gradients "
                                                 f"within {RESERVATION_TIMEOUT_SECONDS:g} s")
-                _add_weighted(block, block.value, dest, w)
+                _add_weighted(block, block.value, ref, dest, w)
             ticket.done = True
             self.cond.notify_all()
             return self.step
@@ -522,14 +552,15 @@ class JobStore:
         ahead = block.ahead.get(step)
         return ahead.pushed_by if ahead is not None else set()
 
-    def _collect_ahead(self, block: Block, ticket: "PushTicket", grad: torch.Tensor | None, resent: bool) -> None:
+    def _collect_ahead(self, block: Block, ticket: "PushTicket", ref: "PushRef", grad: torch.Tensor | None,
+                       resent: bool) -> None:
         """Finish a push of a step after ``block``'s own: into that step's accumulator. Call with the lock held."""
         ahead = self._collector(block, ticket.step)
         if resent:
             return
         ahead.received.add(ticket.rank)
         if grad is not None:
-            _add_weighted(ahead, block.value, grad, ticket.weight)
+            _add_weighted(ahead, block.value, ref, grad, ticket.weight)
 
     @staticmethod
     def _take_ahead(block: Block) -> None:
@@ -735,7 +766,7 @@ class JobStore:
         new_version = self.step + 1
         for ref, block, dest in zip(ticket.refs, ticket.blocks, ticket.dests):
             group = self.tensors[ref.tensor].group
-            self.group_optimizers[group].step(block.value, None if dest is None else dest.to(torch.float32), block.state,
+            self.group_optimizers[group].step(block.value, None if dest is None else _as_fp32(ref, dest), block.state,
                                               lr=None if ticket.lr is None else ticket.lr[group])
             block.version = new_version
         self.step = new_version

@@ -151,6 +151,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "optimizer": j.spec.optimizer.kind, "tensors": len(j.spec.tensors), "parameters": params,
             "ready": bool(j.ready), "created_unix_ms": int(j.created_unix_ms),
             "replication": int(j.spec.replication) or None, "on_worker_failure": j.spec.on_worker_failure or "wait",
+            "compression": j.spec.compression or "none",  # empty: a job made before the option
             "workers": workers, "missing_ranks": sorted(w["rank"] for w in workers if w["state"] == "lost"),
         })
     return {
@@ -208,9 +209,10 @@ def render_status(data: dict) -> str:
     if data["jobs"]:
         rows = [[j["name"], f"ssp, s={j['staleness']}" if j.get("staleness") else j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
                  "-" if j.get("checkpoint_step") is None else j["checkpoint_step"],
-                 j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
+                 j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no", j.get("compression", "none")]
+                for j in data["jobs"]]
         lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "CHECKPOINT", "TENSORS",
-                                             "PARAMS", "READY"], rows, right={3, 4, 5, 6, 7})]
+                                             "PARAMS", "READY", "COMPRESSION"], rows, right={3, 4, 5, 6, 7})]
         workers = render_workers(data["jobs"])
         if workers:
             lines += ["", "workers:", workers]

@@ -4,7 +4,8 @@ Prefix (big-endian): magic ``b"SL"``, format version (1), flags (0), uint32 head
 The payload is the concatenation of the listed blocks' bytes, in header order; a block flagged
 ``zero`` carries no bytes. Everything a receiver needs to size its buffers is in the header, and
 ``validate_header`` checks it against ``FrameLimits`` *before* any payload is read or allocated:
-dtype whitelist, ``numel * itemsize == nbytes``, ``sum(nbytes) == payload_bytes``, bounded
+dtype whitelist, ``numel * itemsize == nbytes`` (a compressed push block: ``nbytes`` is what its
+``numel`` packed signs take, services/compression.py), ``sum(nbytes) == payload_bytes``, bounded
 header, payload and block count.
 
 Helpers here work on any object with ``recv_into``/``sendall`` (a socket), so the codec is tested
@@ -14,6 +15,7 @@ tensor bytes.
 
 from __future__ import annotations
 
+import math
 import struct
 import time
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from shardline.services import compression
 from shardline.services.errors import FrameError, FrameTooLargeError
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -110,16 +113,39 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
             continue
         if header.op in (dp.OP_PULL, dp.OP_SYNC) and ref.nbytes == 0 and ref.numel == 0:
             continue  # a pull or sync request names blocks without carrying them
-        itemsize = ITEMSIZE.get(ref.dtype)
-        if itemsize is None:
+        if ref.dtype == dp.SIGN1 or ref.scale:
+            problem = _sign_block_problem(header, ref)
+            if problem:
+                raise FrameError(problem)
+        nbytes = wire_nbytes(ref.dtype, ref.numel)
+        if nbytes is None:
             raise FrameError(f"block {ref.tensor}[{ref.index}] has unsupported dtype {ref.dtype}")
-        if ref.numel * itemsize != ref.nbytes:
-            raise FrameError(
-                f"block {ref.tensor}[{ref.index}]: numel {ref.numel} * itemsize {itemsize} != nbytes {ref.nbytes}"
-            )
+        if nbytes != ref.nbytes:
+            what = (f"{ref.numel} packed signs take {nbytes} bytes" if ref.dtype == dp.SIGN1
+                    else f"numel {ref.numel} * itemsize {ITEMSIZE[ref.dtype]} = {nbytes}")
+            raise FrameError(f"block {ref.tensor}[{ref.index}]: {what} != nbytes {ref.nbytes}")
         total += ref.nbytes
     if total != header.payload_bytes:
         raise FrameError(f"blocks add up to {total} bytes but the header claims payload_bytes={header.payload_bytes}")
+
+
+def wire_nbytes(dtype: int, numel: int) -> int | None:
+    """The payload bytes of a block of ``numel`` elements in wire ``dtype`` (None: not a wire dtype)."""
+    if dtype == dp.SIGN1:
+        return compression.sign_nbytes(numel)
+    itemsize = ITEMSIZE.get(dtype)
+    return None if itemsize is None else numel * itemsize
+
+
+def _sign_block_problem(header: FrameHeader, ref: BlockRef) -> str | None:
+    """A compressed (SIGN1) block is a push's, with a valid scale; only it has a scale."""
+    if ref.dtype != dp.SIGN1:
+        return f"block {ref.tensor}[{ref.index}] of dtype {ref.dtype} has a sign scale ({ref.scale!r})"
+    if header.op != dp.OP_PUSH:
+        return f"block {ref.tensor}[{ref.index}]: {dp.Op.Name(header.op)} cannot carry compressed (SIGN1) blocks"
+    if not (math.isfinite(ref.scale) and ref.scale >= 0):
+        return f"block {ref.tensor}[{ref.index}]: sign scale must be a finite number >= 0, got {ref.scale!r}"
+    return None
 
 
 def recv_exactly_into(sock, view: memoryview, deadline: float | None = None) -> None:
@@ -207,14 +233,18 @@ def block_ref(tensor: str, index: int, t: torch.Tensor | None, *, version: int =
 
 
 def payload_views(buf: bytearray | memoryview, refs: Iterable[BlockRef]) -> list[tuple[BlockRef, torch.Tensor | None]]:
-    """Split a received payload into (ref, tensor view) pairs; zero-flag blocks give None."""
+    """Split a received payload into (ref, tensor view) pairs; zero-flag blocks give None, a
+    compressed (SIGN1) block its packed bytes (uint8)."""
     out = []
     offset = 0
     for ref in refs:
         if ref.zero or ref.nbytes == 0:
             out.append((ref, None))
             continue
-        t = torch.frombuffer(buf, dtype=TORCH_DTYPE[ref.dtype], count=ref.numel, offset=offset)
+        if ref.dtype == dp.SIGN1:
+            t = torch.frombuffer(buf, dtype=torch.uint8, count=ref.nbytes, offset=offset)
+        else:
+            t = torch.frombuffer(buf, dtype=TORCH_DTYPE[ref.dtype], count=ref.numel, offset=offset)
         out.append((ref, t))
         offset += ref.nbytes
     return out

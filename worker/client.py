@@ -10,7 +10,8 @@ reply payload is received straight into the cached tensor (``bind`` lets that te
 parameter, so pulls land in the parameter itself). The cache is fp32, or bf16 for a tensor bound
 to a bf16 parameter: its pulls ask for bf16 (the node converts its fp32 master, round to nearest
 even), so the parameter holds exactly ``master.to(torch.bfloat16)`` and half the bytes travel.
-Gradients are pushed in their own dtype (bf16 gradients as bf16; the nodes accumulate in fp32).
+Gradients are pushed in their own dtype (bf16 gradients as bf16; the nodes accumulate in fp32),
+or as the job's ``compression`` encodes them (worker/compressor.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 from shardline.services import failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
+from shardline.services.compression import SignBlock, check_compression, compression_of
 from shardline.services.tensor_checks import all_finite, is_all_zero
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
@@ -40,6 +42,7 @@ from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
 from shardline.services.transport import get_transport
+from shardline.worker.compressor import GradientCompressor
 
 log = logging.getLogger("shardline.worker")
 
@@ -168,6 +171,7 @@ class Client:
         self.lr: float | tuple[float, ...] | None = None
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
+        self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
         self._versions: dict[tuple[str, int], int] = {}
@@ -184,6 +188,9 @@ class Client:
         """Take the job's spec (a later revision of it adds tensors: their caches start empty)."""
         self.spec = spec
         self.uid = uid or self.uid
+        kind = compression_of(spec)
+        if (self._compressor.kind if self._compressor else "none") != kind:
+            self._compressor = None if kind == "none" else GradientCompressor(kind)
         for t in spec.tensors:
             shape = tuple(int(d) for d in t.shape)
             numel = math.prod(shape)
@@ -218,12 +225,15 @@ class Client:
              allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
-             max_grad_norm: float | None = None, **optimizer_kwargs) -> bool:
+             max_grad_norm: float | None = None, compression: str | None = None, **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
         ``staleness`` (``sync="ssp"``, >= 1): how many steps a worker may run ahead (class doc).
         ``max_grad_norm`` (BSP): the PS nodes clip each step's mean gradient by its global norm
         before the optimizer step, as ``clip_grad_norm_`` on one process would.
+        ``compression``: how this job's gradients travel, "none" (default; None: as an existing
+        job has it), "bf16" or "sign" (docs/architecture.md, "Gradient compression"; BSP no longer
+        equals torch.optim with them).
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
         are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
         index of each tensor (default 0). Returns True if this call created the job (and so wrote
@@ -243,13 +253,18 @@ class Client:
                                   block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite,
                                   replication=replication or 0,
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
-                                  on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0)
+                                  on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0,
+                                  compression="" if compression is None else check_compression(compression))
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():
             spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True),
                              group=tensor_groups.get(name, 0) if len(groups) > 1 else 0)
         resp = self.dispatcher.create_job(spec)
+        if resp.created and spec.compression == "sign" and opt.kind != "sgd":
+            log.warning("job %s: compression 'sign' with %s: the PS's second moment sees each block's +-scale, not "
+                        "the gradient's own magnitudes, so training may stall well above the uncompressed loss "
+                        "(docs/architecture.md, \"Gradient compression\")", self.job, opt.kind)
         if resp.created:
             self._load_spec(resp.job.spec, resp.job.uid)
             for name, t in tensors.items():
@@ -507,6 +522,8 @@ class Client:
         self.start_lease()
         step = self._current_step()
         failpoints.hit("worker.before_push", step)
+        if self._compressor is not None:
+            payload = self._compressor.encode(payload, None if spec.sync == "asp" else step)
         if self._collects:
             self._inflight_record(step, weight)["grads"].update(payload)
         self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
@@ -834,6 +851,9 @@ class Client:
                 if g is None:
                     header.blocks.append(frame.block_ref(name, index, None, zero=True, numel=s.numel))
                     self.stats.pushed_zero_blocks += 1
+                elif isinstance(g, SignBlock):
+                    header.blocks.append(g.block_ref(name, index))
+                    payloads.append(g.payload())
                 else:
                     header.blocks.append(frame.block_ref(name, index, g))
                     payloads.append(frame.tensor_bytes(g))

@@ -253,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
                                  world_size=world_size, rank=rank, cluster_token=cluster_token,
                                  tls_ca=security.tls_ca,
                                  replication=tr.replication or None, on_worker_failure=tr.on_worker_failure,
-                                 worker_lease_timeout=tr.worker_lease_timeout, **tr.optimizer_kwargs())
+                                 worker_lease_timeout=tr.worker_lease_timeout, compression=tr.compression,
+                                 **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version
         n_params = sum(p.numel() for _, p in named_parameters)

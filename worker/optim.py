@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from shardline.ps_server.optimizer import OptimizerConfig, group_configs
+from shardline.services.compression import compression_of
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
@@ -98,6 +99,11 @@ class PSOptimizer(torch.optim.Optimizer):
     ``clip_grad_norm_`` followed by ``step()`` does on one process. Do not call ``clip_grad_norm_``
     on a worker's gradient as well: it clips the local gradient, not the mean (with the
     ``transformers.Trainer``, set ``max_grad_norm=0`` in its arguments and pass it here).
+
+    Compression: ``compression="bf16"`` or ``"sign"`` (1-bit signs with error feedback) makes the
+    job's workers push compressed gradients (docs/architecture.md, "Gradient compression"): fewer
+    bytes per step, and BSP no longer equals torch.optim. Default ``"none"``; a worker joining a job
+    takes the job's.
 
     Learning rates: LR schedulers from ``torch.optim.lr_scheduler`` (or code) set
     ``param_groups[i]["lr"]``; each step's commit carries every group's lr to the servers. The other
@@ -177,7 +183,7 @@ class PSOptimizer(torch.optim.Optimizer):
                  tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  overlap: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
-                 **optimizer_kwargs):
+                 compression: str | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -233,7 +239,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 allow_nonfinite=allow_nonfinite, replication=replication,
                 worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
                 param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
-                tensor_groups=groups_of if several else None, max_grad_norm=max_grad_norm,
+                tensor_groups=groups_of if several else None, max_grad_norm=max_grad_norm, compression=compression,
                 **({} if several else self._group_configs[0].torch_kwargs()))
         else:
             self.client.wait_ready(connect_timeout)
@@ -247,6 +253,9 @@ class PSOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and float(max_grad_norm) != spec.max_grad_norm:
             raise ShardlineConfigError(f"job {job!r} clips gradients at max_grad_norm {spec.max_grad_norm:g} (0: not at "
                                        f"all), this worker asks for {max_grad_norm!r}")
+        if compression is not None and compression != compression_of(spec):
+            raise ShardlineConfigError(f"job {job!r} pushes gradients with compression {compression_of(spec)!r}, this "
+                                       f"worker asks for {compression!r}")
         # Pulls land directly in parameters that are contiguous CPU fp32 or bf16 (bf16 ones are pulled
         # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []

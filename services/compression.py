@@ -1,0 +1,91 @@
+"""Gradient compression on the wire: the job option and the codec of compressed push blocks.
+
+A job's ``compression`` (JobSpec.compression; docs/architecture.md, "Gradient compression"):
+
+* ``none`` (default): gradients travel in their own dtype (fp32, or bf16/fp16 as computed).
+* ``bf16``: fp32 gradients travel as bf16 (round to nearest even, as torch's ``.to()``); bf16 and
+  fp16 gradients travel as they are, so for a bf16 model this is the same as ``none``.
+* ``sign``: a block's gradient ``v`` travels as one bit per element, the sign of ``v`` (>= 0 is a
+  set bit), plus one fp32 ``scale = mean(|v|)`` over the block (wire dtype ``SIGN1``); it decodes
+  to ``scale * (+1 | -1)``. The worker compresses ``v = g + e`` and keeps the error-feedback
+  residual ``e <- v - decode(encode(v))`` per block (worker/compressor.py), so what it sends over
+  the steps adds up to what it computed, minus the current residual.
+
+This module is what the worker and the PS share: the packed layout (least significant bit first,
+``ceil(numel / 8)`` bytes, unused bits of the last byte zero), its size, its validation and its
+decoding. Everything is plain tensor arithmetic; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shardline.services.errors import ShardlineConfigError
+from shardline.services.pb import dataplane_pb2 as dp
+
+COMPRESSIONS = ("none", "bf16", "sign")
+
+
+def check_compression(value: object) -> str:
+    """``value`` if it names a compression (ShardlineConfigError quoting it otherwise)."""
+    if value not in COMPRESSIONS:
+        raise ShardlineConfigError(f"compression must be one of {', '.join(COMPRESSIONS)}, got {value!r}")
+    return value
+
+
+def compression_of(spec) -> str:
+    """A JobSpec's compression; a spec that predates the option (empty) compresses nothing."""
+    return spec.compression or "none"
+
+
+def sign_nbytes(numel: int) -> int:
+    """Bytes of ``numel`` packed signs."""
+    return (numel + 7) // 8
+
+
+@dataclass(frozen=True, eq=False)
+class SignBlock:
+    """A gradient block as it travels under ``sign`` compression: ``packed`` (uint8, see the
+    module docstring) signs of ``numel`` elements, each worth ``scale``."""
+
+    numel: int
+    scale: float
+    packed: torch.Tensor
+
+    def block_ref(self, tensor: str, index: int) -> dp.BlockRef:
+        return dp.BlockRef(tensor=tensor, index=index, dtype=dp.SIGN1, numel=self.numel, nbytes=self.packed.numel(),
+                           scale=self.scale)
+
+    def payload(self) -> memoryview:
+        return memoryview(self.packed.numpy()).cast("B")
+
+
+def encode_signs(v: torch.Tensor) -> SignBlock:
+    """Compress a 1-D float block: its signs and ``scale = mean(|v|)``, rounded to fp32 (the
+    value the receiver decodes with, so ``decode_signs`` of the result is exactly what it adds)."""
+    v = v.detach().reshape(-1)
+    n = v.numel()
+    scale = float(torch.linalg.vector_norm(v.to(torch.float32), 1) / n) if n else 0.0
+    bits = (v >= 0).numpy()
+    packed = torch.from_numpy(np.packbits(bits, bitorder="little"))
+    return SignBlock(n, scale, packed)
+
+
+def decode_signs(packed: torch.Tensor, numel: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 block ``packed`` encodes (into ``out`` if given, a 1-D fp32 tensor of ``numel``)."""
+    bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=numel, bitorder="little"))
+    out = torch.empty(numel, dtype=torch.float32) if out is None else out
+    out.copy_(bits)
+    # 1 -> 2s - s = s, 0 -> -s: both exact in fp32
+    return out.mul_(2.0 * scale).sub_(scale)
+
+
+def padding_problem(packed: torch.Tensor, numel: int) -> str | None:
+    """What is wrong with received packed signs (None: nothing): set bits past ``numel``."""
+    used = numel % 8
+    if used and int(packed[-1]) >> used:
+        return f"the unused bits of the last byte of {numel} packed signs are not zero"
+    return None
