@@ -333,7 +333,7 @@ def offline_client(comp: str) -> tuple[Client, list]:
     client = Client.__new__(Client)
     sent = []
     client.job, client.rank, client._lost, client._lease, client._replaying = "j", 0, None, object(), False
-    client._inflight, client._replay_from, client._compressor, client._values = None, None, None, {}
+    client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
     client._shapes, client._slices, client.step, client.uid = {}, {}, 0, ""
     client.routing = types.SimpleNamespace(epoch=2)
     client._load_spec(job_spec(comp=comp))
@@ -348,7 +348,7 @@ def test_a_replayed_step_resends_the_encoded_blocks_not_a_new_encoding():
     (op, keys, grads), = sent
     assert op == dp.OP_PUSH and all(isinstance(b, compression.SignBlock) for b in grads.values())
     residuals = {k: r.clone() for k, r in client._compressor.residuals.items()}
-    client._inflight["committed"] = True
+    client._inflight[0]["committed"] = True
     client._replay_from = object()   # the routing epoch changed mid-step
     assert client._replay_after_epoch_change()
     (op2, keys2, grads2), (op3, _, _) = sent[1:]
