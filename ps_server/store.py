@@ -14,6 +14,16 @@ Sync modes (SPEC "Training semantics"):
 * **ASP** — each push frame is applied on arrival as one update (weights ignored); the job step
   counts applied frames and touched blocks take the new step as their version.
 
+**Pipelined apply** (BSP without ``max_grad_norm``): a block whose gradient from every rank of the
+step arrived here (a zero flag counts), with every rank's pushes naming the step's lrs, is stepped
+at once by the push that completed it — outside the lock, on private copies of its value and state
+(``Staged``) — so the optimizer work overlaps the other blocks' pushes and the slowest rank's
+backward. Nothing else changes: the block keeps its step, its visible value, its gradient sum and
+its pushers until the commits complete the step; then ``_apply_ready`` installs the staged copies
+instead of stepping, provided the commits' total weight and lrs are the ones staged with (else it
+steps the kept gradient sum as before). Pulls, copies to replicas, checkpoints and handovers thus
+see exactly what they saw without it. A rank's commit must name the lrs its pushes named.
+
 Every mutating call validates the whole request before changing anything, so a rejected frame
 leaves no partial update behind.
 
@@ -51,6 +61,12 @@ LRs = tuple[float, ...] | None
 # How long a push waits for another rank's in-flight push of the same block (only a stalled
 # sender holds one that long; the data plane also times out stalled payloads).
 RESERVATION_TIMEOUT_SECONDS = 60.0
+
+
+def _total_weight(weights) -> float:
+    """The sum of a step's weights, exactly rounded (math.fsum): the same whatever order the
+    pushes or commits that carry them arrived in."""
+    return math.fsum(weights)
 
 
 class StoreError(ShardlineError):
@@ -93,6 +109,19 @@ class Block:
     awaiting: float = 0.0
     awaiting_from: str = ""
     handed: set = field(default_factory=set)
+    staged: "Staged | None" = None   # the block stepped ahead of its step's commits (pipelined apply)
+
+
+@dataclass(eq=False)
+class Staged:
+    """A block stepped before its step's commits, with the weight total and lrs of the pushes;
+    ``value``/``state`` are private copies (None while still being computed)."""
+
+    step: int
+    total: float
+    lrs: tuple
+    value: torch.Tensor | None = None
+    state: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +216,9 @@ class JobStore:
         # Called as hook(job, step, sum_squares) under the lock when this node's share of a step is known.
         self.norm_hooks: list[Callable[["JobStore", int, float], None]] = []
         self.push_weights: dict[int, dict[int, float]] = {}
+        self.push_lrs: dict[int, dict[int, tuple]] = {}   # BSP: step -> rank -> the lrs its pushes named
+        self.applied_early = 0   # blocks whose step was computed before the commits (pipelined apply)
+        self.early_seconds = 0.0  # time spent stepping them (off the commit's path)
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
         self.uid = ""                       # the job incarnation (dispatcher JobInfo.uid)
@@ -320,6 +352,22 @@ class JobStore:
             raise StoreError("INVALID_ARGUMENT",
                              f"rank {rank}'s {what} for step {step} has weight {weight!r}, its pushes had {pushed!r}")
 
+    def _check_push_lr(self, what: str, rank: int, step: int, lrs: "LRs") -> None:
+        """A rank's pushes and commit of a step name one lr (its pushes' lrs may step blocks before
+        the commits: a commit naming others is refused, never applied). Call with the lock held."""
+        pushed = self.push_lrs.get(step, {}).get(rank)
+        if pushed is not None and pushed != lrs:
+            raise StoreError("INVALID_ARGUMENT",
+                             f"rank {rank}'s {what} for step {step} has lr {lrs!r}, its pushes had {pushed!r}")
+
+    def _push_lrs(self, lr) -> "LRs":
+        """A push's lrs (see group_lrs). A BSP push carries them only so that blocks may be stepped
+        before the commits: one naming another number of groups (resent from before
+        add_param_group added one) carries none."""
+        if self.sync == "bsp" and isinstance(lr, (tuple, list)) and len(lr) != len(self.group_optimizers):
+            return None
+        return self.group_lrs(lr)
+
     # --- pushes ---------------------------------------------------------------------------
     # A push is begun (validated, destinations chosen), its blocks are received one by one and
     # checked as each arrives (so the check overlaps the rest of the transfer), then finished
@@ -343,7 +391,7 @@ class JobStore:
             if not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"gradient for {ref.tensor}[{ref.index}] must have {numel} elements, got {ref.numel}")
-        ticket = PushTicket(rank, step, weight, refs, lr=self.group_lrs(lr))
+        ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr))
         with self.cond:
             self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
@@ -357,6 +405,8 @@ class JobStore:
                                                     f"retry shortly")
             if self.sync == "bsp":
                 self._check_push_weight("push", rank, step, weight)
+                if ticket.lr is not None:
+                    self._check_push_lr("push", rank, step, ticket.lr)
                 seen = set()
                 for ref, block in zip(refs, blocks):
                     if block in seen:
@@ -369,6 +419,8 @@ class JobStore:
                     ticket.resent.append(block.step > step or rank in block.pushed_by)
                 if not all(ticket.resent):
                     self.push_weights.setdefault(step, {})[rank] = weight
+                    if ticket.lr is not None:
+                        self.push_lrs.setdefault(step, {})[rank] = ticket.lr
                 for block, resent in zip(blocks, ticket.resent):
                     if not resent:
                         block.pushed_by.add(rank)  # claimed now; released again by abort_push
@@ -444,8 +496,12 @@ class JobStore:
                         block.grad_buf.mul_(w)
                     block.has_grad = True
             ticket.done = True
+            early = self._stage_early(ticket)
+            job_step = self.step
             self.cond.notify_all()
-            return self.step
+        if early:
+            self._step_early(early)
+        return job_step
 
     def abort_push(self, ticket: "PushTicket") -> None:
         """Forget a push that failed or whose connection broke: nothing of it stays."""
@@ -464,14 +520,16 @@ class JobStore:
         if self.sync == "bsp" and not any(ticket.rank in b.pushed_by for b in self.blocks.values()
                                           if b.step == ticket.step):
             self.push_weights.get(ticket.step, {}).pop(ticket.rank, None)
+            self.push_lrs.get(ticket.step, {}).pop(ticket.rank, None)
         self.cond.notify_all()
 
-    def push(self, rank: int, step: int, weight: float, items: list[PushItem]) -> int:
-        """Push already-received gradients in one call (same path as the data plane). Returns the job step."""
+    def push(self, rank: int, step: int, weight: float, items: list[PushItem], lr: float | tuple | None = None) -> int:
+        """Push already-received gradients in one call (same path as the data plane; ``lr`` as a
+        frame's). Returns the job step."""
         refs = [PushRef(i.tensor, i.index, i.grad is None, 0 if i.grad is None else i.grad.numel(),
                         torch.float32 if i.grad is None else i.grad.dtype) for i in items]
         scratch = bytearray(sum(0 if i.grad is None else i.grad.numel() * i.grad.element_size() for i in items))
-        ticket = self.begin_push(rank, step, weight, refs, scratch)
+        ticket = self.begin_push(rank, step, weight, refs, scratch, lr=lr)
         for n, item in enumerate(items):
             if item.grad is not None:
                 ticket.dests[n].copy_(item.grad.reshape(-1))
@@ -509,6 +567,7 @@ class JobStore:
                 raise StoreError("STALE_STEP", f"rank {rank} already committed step {step} with weight {previous[0]!r}, "
                                                f"not {weight!r}")
             self._check_push_weight("commit", rank, step, weight)
+            self._check_push_lr("commit", rank, step, lr)
             if record and step in self.step_lrs and lr != self.step_lrs[step] and previous is None:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lrs[step]!r}")
@@ -545,7 +604,7 @@ class JobStore:
             return all(epoch >= block.since_epoch or rank in block.handed for rank, (_w, epoch) in record.items())
 
         ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
-        total = sum(weight for weight, _epoch in record.values())
+        total = _total_weight(weight for weight, _epoch in record.values())
         coef = 1.0
         if self.max_grad_norm and ready:
             coef = self.clip_coefs.get(step)
@@ -553,20 +612,29 @@ class JobStore:
                 self._share_norm(step, ready, total)
                 return
         lrs = self.step_lrs.get(step)
+        stepping = []   # (group, value, mean gradient, state): stepped together below
         for key, block in ready:
             if block.pushed_by:
-                grad = None
-                if block.has_grad:
-                    grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
-                    if coef < 1.0:
-                        grad.mul_(coef)
-                group = self.tensors[key[0]].group
-                self.group_optimizers[group].step(block.value, grad, block.state, lr=None if lrs is None else lrs[group])
+                staged = block.staged
+                if (staged is not None and staged.value is not None and coef == 1.0 and staged.step == step
+                        and staged.total == total and staged.lrs == lrs):
+                    block.value, block.state = staged.value, staged.state   # stepped when its pushes completed
+                    self.applied_early += 1
+                else:
+                    grad = None
+                    if block.has_grad:
+                        grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
+                        if coef < 1.0:
+                            grad.mul_(coef)
+                    stepping.append((self.tensors[key[0]].group, block.value, grad, block.state))
                 block.version = step + 1
+        self._step_blocks(stepping, lrs)
+        for key, block in ready:
             block.step = step + 1
             block.since_epoch = 0
             block.has_grad = False
             block.pushed_by, block.received, block.handed, block.awaiting = set(), set(), set(), 0.0
+            block.staged = None
         wait_for_replicas = False
         for hook in self.apply_hooks:
             wait_for_replicas = hook(self, step, ready) or wait_for_replicas
@@ -578,6 +646,67 @@ class JobStore:
             self._run_boundary_hooks()
         self._forget_old_steps()
         self.cond.notify_all()
+
+    def _step_blocks(self, items: list, lrs: "LRs") -> None:
+        """Step ``(group, value, grad, state)`` items, each group's blocks in one multi-tensor call
+        (BlockOptimizer.step_many) at the group's lr of ``lrs`` (None: its own)."""
+        by_group: dict[int, list] = {}
+        for group, value, grad, state in items:
+            by_group.setdefault(group, []).append((value, grad, state))
+        for group, blocks in sorted(by_group.items()):
+            values, grads, states = (list(column) for column in zip(*blocks))
+            self.group_optimizers[group].step_many(values, grads, states, lr=None if lrs is None else lrs[group])
+
+    def all_pushed(self, block: Block, step: int) -> bool:
+        """Whether every rank's gradient (or zero flag) of ``step`` for ``block`` arrived here: none
+        is still being received, none came by a handover (its weight is another node's). Call with
+        the lock held."""
+        return (block.primary and block.step == step and len(block.received) == self.world_size
+                and block.receiving is None and not block.handed and not block.awaiting)
+
+    def _stage_early(self, ticket: "PushTicket") -> list:
+        """Pipelined apply, first half (the lock held): the blocks of a finished BSP push that every
+        rank has now pushed, marked as being stepped early, when that is safe: no clipping (it
+        needs every block's norm first) and every rank's pushes named the same lrs (an older
+        client's carry none) and weight. Returns ``(group, block, Staged)`` items for _step_early."""
+        step = ticket.step
+        if self.sync != "bsp" or self.max_grad_norm:
+            return []
+        weights, lrs = self.push_weights.get(step, {}), self.push_lrs.get(step, {})
+        if len(weights) < self.world_size or len(lrs) < self.world_size:
+            return []
+        step_lrs = next(iter(lrs.values()))
+        if any(v != step_lrs for v in lrs.values()):
+            return []  # the commits will refuse the ranks that differ
+        total = _total_weight(weights.values())
+        items = []
+        for ref, block in zip(ticket.refs, ticket.blocks):
+            if block.staged is None and block.pushed_by and self.all_pushed(block, step):
+                block.staged = Staged(step, total, step_lrs)
+                items.append((self.tensors[ref.tensor].group, block, block.staged))
+        return items
+
+    def _step_early(self, items: list) -> None:
+        """Pipelined apply, second half (the lock not held): step private copies of the staged
+        blocks; a block that was applied, handed over or dropped meanwhile (its ``staged`` is no
+        longer this one) discards its copies. Only this call writes the copies; the block's own
+        value, state and gradient sum are only read (they change only after ``staged`` did)."""
+        started = time.perf_counter()
+        stepping, done = [], []
+        for group, block, staged in items:
+            value = block.value.clone()
+            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}
+            grad = None
+            if block.has_grad:
+                grad = block.grad_buf if staged.total == 1.0 else torch.div(block.grad_buf, staged.total)
+            stepping.append((group, value, grad, state))
+            done.append((block, staged, value, state))
+        self._step_blocks(stepping, items[0][2].lrs)
+        with self.cond:
+            for block, staged, value, state in done:
+                if block.staged is staged:
+                    staged.value, staged.state = value, state
+            self.early_seconds += time.perf_counter() - started
 
     def _share_norm(self, step: int, ready: list, total: float) -> None:
         """With clipping, a step waits for the global norm: once every block this node applies can
@@ -627,7 +756,7 @@ class JobStore:
     def _forget_old_steps(self) -> None:
         oldest = min((b.step for b in self.blocks.values() if b.primary), default=self.step)
         oldest = min(oldest, self.step)
-        for table in (self.commits, self.step_lrs, self.push_weights, self.norm_shares, self.clip_coefs):
+        for table in (self.commits, self.step_lrs, self.push_weights, self.push_lrs, self.norm_shares, self.clip_coefs):
             for s in [s for s in table if s < oldest - 1]:  # keep the last applied step's record for adoption
                 del table[s]
 
@@ -744,6 +873,7 @@ class JobStore:
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     block.received, block.handed, block.awaiting = set(), set(), 0.0
+                    block.staged = None
             if gained:
                 self._follow_primaries()
                 for step in {self.blocks[k].step for k in gained}:

@@ -774,7 +774,7 @@ class Client:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
-        if self.lr is not None and (op == dp.OP_COMMIT or (op == dp.OP_PUSH and self.spec.sync == "asp")):
+        if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):  # BSP pushes: the PS may step a block early
             if isinstance(self.lr, tuple):
                 header.group_lrs.extend(self.lr)
             else:
