@@ -25,9 +25,9 @@ Usage::
 Multi-tensor apply: ``opt.step_many(params, grads, states, lr=...)`` steps many blocks of one group
 at once with torch's fused multi-tensor kernels (``torch.optim.sgd.sgd`` / ``torch.optim.adam.adam``
 with ``fused=True``, the kernels behind ``torch.optim.<Opt>(..., fused=True)``). It computes the same
-update as ``step`` in one pass over each block instead of one pass per operation: SGD is bitwise
-equal here, Adam/AdamW differ from ``foreach=False`` by float32 round-off (a few ulp: the fused
-kernel keeps intermediates in registers). tests/unit/test_optimizer.py checks both against
+update as ``step`` in one pass over each block instead of one pass per operation, equal to
+``foreach=False`` within float32 round-off (an ulp here and there: the fused kernel keeps
+intermediates in registers and contracts multiply-adds; not bitwise). tests/unit/test_optimizer.py checks both against
 ``torch.optim`` directly. A store applying a step of many blocks uses it; a replica never steps.
 
 Thread safety: an optimizer object holds no per-step scratch, so one instance may step different

@@ -468,9 +468,9 @@ class JobStore:
                 return self.step
             w = ticket.weight
             for block, dest, direct, resent in zip(ticket.blocks, ticket.dests, ticket.direct, ticket.resent):
-                if not resent and block.step == ticket.step:
-                    block.received.add(ticket.rank)
                 if dest is None or resent:
+                    if not resent and block.step == ticket.step:
+                        block.received.add(ticket.rank)
                     continue
                 if block.step != ticket.step:  # applied (or handed over) while the push was in flight
                     self._release(ticket)
@@ -480,6 +480,7 @@ class JobStore:
                     if w != 1.0:
                         block.grad_buf.mul_(w)
                     block.has_grad = True
+                    block.received.add(ticket.rank)
                     continue
                 # Another rank may still be receiving this block's first gradient into grad_buf.
                 if not self.cond.wait_for(lambda: block.receiving is None, timeout=RESERVATION_TIMEOUT_SECONDS):
@@ -495,6 +496,10 @@ class JobStore:
                     if w != 1.0:
                         block.grad_buf.mul_(w)
                     block.has_grad = True
+                # Received only once added: the wait above releases the lock, and a handover or an
+                # early step taken meanwhile must not count a rank whose gradient is not in the sum.
+                if block.step == ticket.step:
+                    block.received.add(ticket.rank)
             ticket.done = True
             early = self._stage_early(ticket)
             job_step = self.step

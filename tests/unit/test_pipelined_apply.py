@@ -234,3 +234,69 @@ def test_commits_that_complete_the_step_while_the_early_step_runs_step_the_gradi
     store.push(1, 0, 1.0, items_for("a", g[1]["a"]), lr=LR)
     assert store.step == 1 and store.applied_early == 0 and not any(b.staged for b in store.blocks.values())
     torch.testing.assert_close(values(store, "a", (4, 5)), reference(initial, [(g, [1.0, 1.0])])["a"], **ROUND_OFF)
+
+
+def test_two_ranks_pushing_at_once_in_interleaved_frames_equal_torch():
+    """Threads push frames of a sparse gradient (mostly zero flags) concurrently, as connections
+    do: a block is stepped early only once every rank's gradient is in its sum (a push that waits
+    for another rank's direct receive releases the lock meanwhile)."""
+    import random
+    import threading
+
+    from shardline.ps_server.optimizer import OptimizerConfig
+
+    steps, rows, cols, block = 30, 64, 8, 16
+    spec = common_pb2.JobSpec(name="j", sync="bsp", world_size=2, block_elements=block,
+                              optimizer=OptimizerConfig.from_kwargs("sgd", lr=0.1, momentum=0.9,
+                                                                    weight_decay=0.01).to_proto())
+    spec.tensors.add(name="e", shape=[rows, cols], dtype="float32", trainable=True)
+    gen = torch.Generator().manual_seed(8)
+    e0 = torch.randn(rows, cols, generator=gen)
+    store = JobStore(spec)
+    slices = block_slices(rows * cols, block)
+    store.init_blocks([("e", s.index, e0.reshape(-1)[s.start:s.stop]) for s in slices])
+    grads = []
+    for _ in range(steps):
+        per_rank = []
+        for _rank in range(2):
+            g = torch.zeros(rows, cols)
+            g[torch.randint(0, 16, (6,), generator=gen)] = torch.randn(6, cols, generator=gen)
+            per_rank.append(g)
+        grads.append(per_rank)
+    errors = []
+
+    def worker(rank):
+        try:
+            order = random.Random(rank)
+            for step in range(steps):
+                items = items_for_blocks(grads[step][rank], block)
+                order.shuffle(items)
+                for k in range(0, len(items), 8):
+                    store.push(rank, step, 1.0, items[k:k + 8], lr=0.1)
+                store.commit(rank, step, 1.0, lr=0.1)
+                store.wait_for_step(step + 1, timeout=10)
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(rank,)) for rank in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+    ref = e0.clone().requires_grad_()
+    opt = torch.optim.SGD([ref], lr=0.1, momentum=0.9, weight_decay=0.01, foreach=False)
+    for g0, g1 in grads:
+        ref.grad = (g0 + g1) / 2
+        opt.step()
+    got = torch.cat([store.blocks[("e", s.index)].value for s in slices]).view(rows, cols)
+    torch.testing.assert_close(got, ref.detach(), **ROUND_OFF)
+    assert store.applied_early == steps * len(slices)
+
+
+def items_for_blocks(grad, block):
+    from shardline.ps_server.store import PushItem
+
+    flat = grad.reshape(-1)
+    return [PushItem("e", s.index, flat[s.start:s.stop].clone() if bool(flat[s.start:s.stop].any()) else None)
+            for s in block_slices(flat.numel(), block)]
