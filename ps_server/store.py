@@ -801,7 +801,9 @@ class JobStore:
     # --- replicas and ownership -------------------------------------------------------------
     def apply_copies(self, copies: list) -> None:
         """Install blocks sent by their primary (replication, a sync or a migration): each item is
-        ``(tensor, index, version, step, value, state)``; a copy older than the one held is ignored."""
+        ``(tensor, index, version, step, value, state)``; a copy older than the one held is ignored.
+        ``value`` and the state's tensors become the block's own (private copies the caller hands
+        over, as BlockCodec.unpack makes them): no second copy before the primary's ack."""
         for tensor, index, version, step, value, state in copies:
             numel = self.expected_numel(tensor, index)
             if value.numel() != numel:
@@ -811,14 +813,13 @@ class JobStore:
             for tensor, index, version, step, value, state in copies:
                 block = self.blocks.get((tensor, index))
                 if block is None:
-                    block = self.blocks[(tensor, index)] = Block(value.clone(), dict(state), version=version,
+                    block = self.blocks[(tensor, index)] = Block(value, dict(state), version=version,
                                                                  step=step, visible=step, primary=False)
                     self.bytes += value.numel() * 4
                     continue
                 if block.primary or step < block.step:
                     continue  # this node applies it now, or holds a newer copy
-                block.value.copy_(value)
-                block.state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+                block.value, block.state = value, dict(state)   # readers of the old copy keep it
                 block.version, block.step, block.visible = version, step, step
             self.cond.notify_all()
 
