@@ -390,7 +390,8 @@ class PSNode:
         job = self.job(header.job)
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
                 for ref in header.blocks]
-        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header))
+        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header),
+                                   commit_follows=header.commit_follows)
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
         reply = self._reply(header)

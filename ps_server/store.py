@@ -150,6 +150,7 @@ class PushTicket:
     error: "StoreError | None" = None
     done: bool = False
     lr: "LRs" = None          # ASP: lr override for this update, one per parameter group
+    commit_follows: bool = False   # BSP: the rank commits next: its blocks are left for the commit
 
 
 @dataclass(frozen=True)
@@ -375,7 +376,7 @@ class JobStore:
     # the block's gradient buffer; later ones (to be added) go to the connection's scratch buffer.
 
     def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None,
-                   lr: float | None = None) -> "PushTicket":
+                   lr: float | None = None, commit_follows: bool = False) -> "PushTicket":
         """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
 
         ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
@@ -391,7 +392,7 @@ class JobStore:
             if not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"gradient for {ref.tensor}[{ref.index}] must have {numel} elements, got {ref.numel}")
-        ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr))
+        ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr), commit_follows=commit_follows)
         with self.cond:
             self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
@@ -528,13 +529,14 @@ class JobStore:
             self.push_lrs.get(ticket.step, {}).pop(ticket.rank, None)
         self.cond.notify_all()
 
-    def push(self, rank: int, step: int, weight: float, items: list[PushItem], lr: float | tuple | None = None) -> int:
-        """Push already-received gradients in one call (same path as the data plane; ``lr`` as a
-        frame's). Returns the job step."""
+    def push(self, rank: int, step: int, weight: float, items: list[PushItem], lr: float | tuple | None = None,
+             commit_follows: bool = False) -> int:
+        """Push already-received gradients in one call (same path as the data plane; ``lr`` and
+        ``commit_follows`` as a frame's). Returns the job step."""
         refs = [PushRef(i.tensor, i.index, i.grad is None, 0 if i.grad is None else i.grad.numel(),
                         torch.float32 if i.grad is None else i.grad.dtype) for i in items]
         scratch = bytearray(sum(0 if i.grad is None else i.grad.numel() * i.grad.element_size() for i in items))
-        ticket = self.begin_push(rank, step, weight, refs, scratch, lr=lr)
+        ticket = self.begin_push(rank, step, weight, refs, scratch, lr=lr, commit_follows=commit_follows)
         for n, item in enumerate(items):
             if item.grad is not None:
                 ticket.dests[n].copy_(item.grad.reshape(-1))
@@ -673,9 +675,10 @@ class JobStore:
         """Pipelined apply, first half (the lock held): the blocks of a finished BSP push that every
         rank has now pushed, marked as being stepped early, when that is safe: no clipping (it
         needs every block's norm first) and every rank's pushes named the same lrs (an older
-        client's carry none) and weight. Returns ``(group, block, Staged)`` items for _step_early."""
+        client's carry none) and weight; and useful: not when the pusher commits next (the commit
+        steps them one round trip later without the copies). Returns ``(group, block, Staged)`` items for _step_early."""
         step = ticket.step
-        if self.sync != "bsp" or self.max_grad_norm:
+        if self.sync != "bsp" or self.max_grad_norm or ticket.commit_follows:
             return []
         weights, lrs = self.push_weights.get(step, {}), self.push_lrs.get(step, {})
         if len(weights) < self.world_size or len(lrs) < self.world_size:

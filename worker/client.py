@@ -155,6 +155,7 @@ class Client:
         # Learning rate sent with each commit (BSP) or push (ASP): one number (every group), one per
         # parameter group (a tuple), or None: the job's own.
         self.lr: float | tuple[float, ...] | None = None
+        self._commit_follows = False   # the push being sent is followed by this worker's commit
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -386,7 +387,11 @@ class Client:
         ASP: applied on arrival. ``None`` gradients are not sent (the tensor is not stepped unless
         another worker sends one).
         """
-        self._push(grads, weight)
+        self._commit_follows = commit
+        try:
+            self._push(grads, weight)
+        finally:
+            self._commit_follows = False
         if commit and self.sync == "bsp":
             self._commit(weight)
 
@@ -774,6 +779,7 @@ class Client:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
+        header.commit_follows = op == dp.OP_PUSH and self._commit_follows
         if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):  # BSP pushes: the PS may step a block early
             if isinstance(self.lr, tuple):
                 header.group_lrs.extend(self.lr)

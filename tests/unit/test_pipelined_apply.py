@@ -300,3 +300,18 @@ def items_for_blocks(grad, block):
     flat = grad.reshape(-1)
     return [PushItem("e", s.index, flat[s.start:s.stop].clone() if bool(flat[s.start:s.stop].any()) else None)
             for s in block_slices(flat.numel(), block)]
+
+
+def test_a_push_followed_by_its_commit_leaves_its_blocks_for_the_commit():
+    """A rank that pushes after its backward commits right after (FrameHeader.commit_follows):
+    the blocks its push completes are stepped by the commit, without the early step's copies."""
+    torch.manual_seed(9)
+    store, initial = fresh()
+    g = [{"a": torch.randn(4, 5)}, {"a": torch.randn(4, 5)}]
+    store.push(0, 0, 1.0, items_for("a", g[0]["a"]), lr=LR)
+    store.push(1, 0, 1.0, items_for("a", g[1]["a"]), lr=LR, commit_follows=True)
+    assert not any(staged(store, "a"))
+    for rank in range(2):
+        store.commit(rank, 0, 1.0, lr=LR)
+    assert store.step == 1 and store.applied_early == 0
+    torch.testing.assert_close(values(store, "a", (4, 5)), reference(initial, [(g, [1.0, 1.0])])["a"], **ROUND_OFF)
