@@ -110,6 +110,9 @@ class Block:
     awaiting_from: str = ""
     handed: set = field(default_factory=set)
     staged: "Staged | None" = None   # the block stepped ahead of its step's commits (pipelined apply)
+    # A copy holder: (version, step, value, state) its primary stepped ahead and sent before the
+    # commits (OP_REPLICATE staged); installed when a later frame names it (carry_copies).
+    pending: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -220,6 +223,7 @@ class JobStore:
         self.push_lrs: dict[int, dict[int, tuple]] = {}   # BSP: step -> rank -> the lrs its pushes named
         self.applied_early = 0   # blocks whose step was computed before the commits (pipelined apply)
         self.early_seconds = 0.0  # time spent stepping them (off the commit's path)
+        self.copies_ahead = 0     # copy holder: copies installed from frames sent before the commits
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
         self.uid = ""                       # the job incarnation (dispatcher JobInfo.uid)
@@ -231,6 +235,9 @@ class JobStore:
         # through ``step``, as (key, block) pairs; returns True if copy holders must ack first
         # (then mark_visible makes them visible).
         self.apply_hooks: list[Callable[["JobStore", int, list], bool]] = []
+        # Called as hook(job, items) under the lock with blocks stepped ahead of their step's
+        # commits, as (key, Staged) pairs (replication sends the copies ahead).
+        self.stage_hooks: list[Callable[["JobStore", list], None]] = []
 
     def extend(self, spec: common_pb2.JobSpec) -> bool:
         """Take the job's newer revision ``spec`` (the dispatcher's): its new tensors, its unfrozen
@@ -691,7 +698,7 @@ class JobStore:
         for ref, block in zip(ticket.refs, ticket.blocks):
             if block.staged is None and block.pushed_by and self.all_pushed(block, step):
                 block.staged = Staged(step, total, step_lrs)
-                items.append((self.tensors[ref.tensor].group, block, block.staged))
+                items.append((self.tensors[ref.tensor].group, (ref.tensor, ref.index), block, block.staged))
         return items
 
     def _step_early(self, items: list) -> None:
@@ -701,19 +708,23 @@ class JobStore:
         value, state and gradient sum are only read (they change only after ``staged`` did)."""
         started = time.perf_counter()
         stepping, done = [], []
-        for group, block, staged in items:
+        for group, key, block, staged in items:
             value = block.value.clone()
             state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}
             grad = None
             if block.has_grad:
                 grad = block.grad_buf if staged.total == 1.0 else torch.div(block.grad_buf, staged.total)
             stepping.append((group, value, grad, state))
-            done.append((block, staged, value, state))
-        self._step_blocks(stepping, items[0][2].lrs)
+            done.append((key, block, staged, value, state))
+        self._step_blocks(stepping, items[0][3].lrs)
         with self.cond:
-            for block, staged, value, state in done:
+            installed = []
+            for key, block, staged, value, state in done:
                 if block.staged is staged:
                     staged.value, staged.state = value, state
+                    installed.append((key, staged))
+            for hook in self.stage_hooks:
+                hook(self, installed)
             self.early_seconds += time.perf_counter() - started
 
     def _share_norm(self, step: int, ready: list, total: float) -> None:
@@ -824,17 +835,48 @@ class JobStore:
                     continue  # this node applies it now, or holds a newer copy
                 block.value, block.state = value, dict(state)   # readers of the old copy keep it
                 block.version, block.step, block.visible = version, step, step
+                block.pending = None
             self.cond.notify_all()
 
+    def hold_copies(self, copies: list) -> None:
+        """Copies their primary stepped ahead of the step's commits (``(tensor, index, version,
+        step, value, state)``, private): held apart until ``carry_copies`` names them."""
+        for tensor, index, _version, _step, value, _state in copies:
+            if value.numel() != self.expected_numel(tensor, index):
+                raise StoreError("INVALID_ARGUMENT", f"copy of block {tensor}[{index}] has {value.numel()} elements")
+        with self.cond:
+            for tensor, index, version, step, value, state in copies:
+                block = self.blocks.get((tensor, index))
+                if block is not None and not block.primary and step > block.step:
+                    block.pending = (version, step, value, dict(state))
+
     def carry_copies(self, items: list) -> None:
-        """Copies their primary carried through a step unchanged: ``(key, version, step)``."""
+        """Their primary carried copies through a step: ``(key, version, step)``. A copy at that
+        version moves to the step; one the primary stepped ahead (``hold_copies``) is installed.
+        Raises StoreError UNAVAILABLE, after the rest, if a held copy lacks that version (this
+        node did not get a step it must hold: its primary drops it from the in-sync holders and it
+        syncs again) instead of acknowledging a step it does not hold."""
+        missing = []
         with self.cond:
             self._follow_copies(step for _k, _v, step in items)
             for key, version, step in items:
                 block = self.blocks.get(key)
-                if block is not None and not block.primary and block.version == version and step > block.step:
+                if block is None or block.primary or step <= block.step:
+                    continue
+                if block.pending is not None and block.pending[:2] == (version, step):
+                    _v, _s, value, state = block.pending
+                    block.value, block.state = value, state
+                    block.version = version
+                    self.copies_ahead += 1
+                if block.version == version:
                     block.step = block.visible = step
+                else:
+                    missing.append(key)
+                block.pending = None
             self.cond.notify_all()
+        if missing:
+            raise StoreError("UNAVAILABLE", f"blocks {missing[:4]} of job {self.name!r} lack the version their primary "
+                                            f"carried them through (a copy of a step this node did not get)")
 
     def _follow_copies(self, steps) -> None:
         """A node that applies none of the job's blocks (it only keeps copies, or is about to take
@@ -873,6 +915,7 @@ class JobStore:
                 if primary and not block.primary:
                     block.primary, block.since_epoch = True, epoch
                     block.visible = block.step
+                    block.pending = None   # its old primary's step in flight: collected again here
                     if key in awaiting:
                         block.awaiting_from, block.awaiting = awaiting[key]
                     gained.append(key)

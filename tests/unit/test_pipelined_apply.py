@@ -315,3 +315,22 @@ def test_a_push_followed_by_its_commit_leaves_its_blocks_for_the_commit():
         store.commit(rank, 0, 1.0, lr=LR)
     assert store.step == 1 and store.applied_early == 0
     torch.testing.assert_close(values(store, "a", (4, 5)), reference(initial, [(g, [1.0, 1.0])])["a"], **ROUND_OFF)
+
+
+def test_a_copy_holder_installs_copies_sent_ahead_only_when_their_step_is_named():
+    """OP_REPLICATE staged: held apart (not installed, not visible); the step's frame names them
+    (a carried ref with their version and step) and installs them; a holder that lacks the copy
+    it is told to carry refuses instead of acknowledging a step it does not hold."""
+    replica, initial = fresh()
+    replica.set_primary(set(), epoch=1)                 # it holds copies only
+    a0 = replica.blocks[("a", 0)]
+    ahead = torch.full((BLOCK,), 7.0)
+    state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in a0.state.items()}
+    replica.hold_copies([("a", 0, 1, 1, ahead, state)])
+    assert torch.equal(a0.value, initial["a"].reshape(-1)[:BLOCK]) and (a0.version, a0.step, a0.visible) == (0, 0, 0)
+    replica.carry_copies([(("a", 0), 1, 1), (("a", 1), 0, 1)])   # a0 stepped ahead; a1 carried unchanged
+    assert a0.value is ahead and (a0.version, a0.step, a0.visible) == (1, 1, 1) and a0.pending is None
+    assert replica.copies_ahead == 1 and replica.blocks[("a", 1)].step == 1
+    with pytest.raises(StoreError) as err:
+        replica.carry_copies([(("a", 2), 2, 2)])          # a step of a2 it never got
+    assert err.value.code == "UNAVAILABLE" and replica.blocks[("a", 2)].step == 0

@@ -261,6 +261,9 @@ def test_replicas_equal_their_primaries_bitwise(initial, push_lr):
     early = sum(node.job("job").applied_early for node in bus.nodes.values())
     trained = sum(1 for n in bus.nodes.values() for k, b in n.job("job").blocks.items() if b.primary and k[0] != "frozen")
     assert early == (0 if push_lr is None else 4 * trained)
+    # stepped ahead: their copies went to the replicas before the commits, the step's frames only named them
+    ahead = sum(node.job("job").copies_ahead for node in bus.nodes.values())
+    assert ahead == (0 if push_lr is None else 4 * trained)
 
 
 def test_failover_to_the_replica_loses_no_step(initial):
