@@ -24,6 +24,9 @@ Modes (``--modes``):
 * ``shardline``: a LocalCluster (1 dispatcher + ``--ps`` PS nodes), PSOptimizer AdamW BSP, the
   balanced split, each rank pushing with weight = its loss tokens (``rank_weights``) (reference
   ``token_mean``).
+* ``shardline_ssp1``: ``shardline`` with ``sync="ssp", staleness=1`` (``PS_MODES``): a rank may
+  compute a step on parameters one step old, so it matches ``token_mean`` only approximately
+  (its loss difference is reported, not expected to be round-off).
 
 Per rank: tokens/s over the timed steps (every step after ``--warmup``), the share of step time
 spent waiting for communication (DDP: time blocked in the all-reduce, measured by a comm hook
@@ -64,13 +67,16 @@ sys.path.insert(0, str(HERE))
 from balance import sample_lengths  # noqa: E402
 from report import run_and_report  # noqa: E402
 
-MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline")
+MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_ssp1")
+# The Shardline modes: each runs as "shardline" with these PSOptimizer sync options.
+PS_MODES = {"shardline": dict(sync="bsp"), "shardline_ssp1": dict(sync="ssp", staleness=1)}
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4
 MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token (its loss tokens)
-REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean", "shardline": "token_mean"}
-SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "shardline": "kk"}
+REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean", "shardline": "token_mean",
+                "shardline_ssp1": "token_mean"}
+SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "shardline": "kk", "shardline_ssp1": "kk"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,6 +182,8 @@ def run_rank(cfg: dict) -> dict:
     from shardline.jobs.models.tinygpt import TinyGPT
 
     mode, rank, world = cfg["mode"], cfg["rank"], cfg["world"]
+    ps_options = PS_MODES.get(mode)
+    mode = "shardline" if ps_options is not None else mode
     pin(rank)
     model = TinyGPT(**MODEL)
     wait_s = [0.0]
@@ -216,7 +224,7 @@ def run_rank(cfg: dict) -> dict:
         from shardline import PSOptimizer
 
         net = model
-        opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw", sync="bsp",
+        opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw", **ps_options,
                           world_size=world, rank=rank, **HYPER)
     else:
         raise ValueError(mode)
@@ -358,8 +366,8 @@ class Children:
 def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cluster) -> dict:
     world = args.world
     base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
-    if mode == "shardline":
-        base.update(cluster=cluster.address, job=f"vsddp-{os.getpid()}-{repeat}")
+    if mode in PS_MODES:
+        base.update(cluster=cluster.address, job=f"vsddp-{os.getpid()}-{mode}-{repeat}")
     else:
         base["port"] = free_port()
     started, outs, logs = [], [], []
@@ -431,7 +439,7 @@ def run(args) -> dict:
         ref = children.wait([p], [out], args.timeout, [workdir / "reference.log"])[0]
         children.procs = []
         result["reference"] = ref
-        if "shardline" in modes:
+        if any(m in PS_MODES for m in modes):
             cluster = LocalCluster(workdir / "daemons")
             cluster.start_dispatcher()
             nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
@@ -494,12 +502,12 @@ def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\nvs_ddp: workload {cfg['workload']}, {cfg['world']} ranks x {cfg['per_rank']} sequences, {cfg['steps']} steps "
           f"({cfg['warmup']} warm-up), {cfg['repeats']} repeat(s), TinyGPT 922,880 params, AdamW")
-    print(f"{'mode':<13}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
+    print(f"{'mode':<16}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
           f"{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
     for m, s in result.get("summary", {}).items():
         other = "rank_mean" if s["reference"] == "token_mean" else "token_mean"
         ratio = s["ratio_to_ddp_paired_median"]
-        print(f"{m:<13}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
+        print(f"{m:<16}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
               f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}{s['peak_rss_mib_max']:>9.0f}"
               f"{s['reference']:>12}{s['loss_max_abs_diff_own_reference']:>12.2e}{s['loss_max_abs_diff'][other]:>11.2e}")
     for m, why in result.get("skipped", {}).items():

@@ -53,9 +53,11 @@ from shardline.services.pb import common_pb2
 
 TENSOR_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
 UID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
-SYNC_MODES = ("bsp", "asp")
+SYNC_MODES = ("bsp", "asp", "ssp")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 MAX_REPLICATION = 16
+# Every step in flight holds a gradient accumulator per block on the PS nodes: s + 1 of them.
+MAX_STALENESS = 16
 DTYPES = ("float32",)
 _OPTIMIZER_FIELDS = (
     "kind", "lr", "momentum", "dampening", "nesterov", "weight_decay",
@@ -183,6 +185,16 @@ def _validate_param_groups(spec: common_pb2.JobSpec) -> None:
                                        f"{max(1, len(groups))}")
 
 
+def _validate_staleness(spec: common_pb2.JobSpec) -> None:
+    """SSP needs a staleness >= 1 (0 would be BSP: say sync bsp); the other modes take none."""
+    if spec.sync == "ssp" and not 1 <= spec.staleness <= MAX_STALENESS:
+        raise ShardlineConfigError(f"sync 'ssp' needs staleness in 1..{MAX_STALENESS} (staleness 0 is BSP: use sync "
+                                   f"'bsp'), got {spec.staleness!r}")
+    if spec.sync != "ssp" and spec.staleness:
+        raise ShardlineConfigError(f"staleness only applies with sync 'ssp'; job sync is {spec.sync!r}, "
+                                   f"staleness {spec.staleness!r}")
+
+
 def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     """Validate ``spec`` and return a normalized copy. Raises ShardlineConfigError quoting the bad value."""
     if not isinstance(spec, common_pb2.JobSpec):
@@ -192,6 +204,7 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
     validate_job_name(out.name)
     if out.sync not in SYNC_MODES:
         raise ShardlineConfigError(f"sync must be one of {', '.join(SYNC_MODES)}, got {out.sync!r}")
+    _validate_staleness(out)
     if out.world_size < 1:
         raise ShardlineConfigError(f"world_size must be >= 1, got {out.world_size!r}")
     if out.block_elements == 0:
@@ -243,7 +256,7 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
     def differs(field: str, a: object, b: object) -> str | None:
         return None if a == b else f"{field} is {a!r} but the request has {b!r}"
 
-    for field in ("sync", "world_size", "block_elements", "allow_nonfinite", "replication",
+    for field in ("sync", "staleness", "world_size", "block_elements", "allow_nonfinite", "replication",
                   "worker_lease_timeout_seconds", "on_worker_failure", "max_grad_norm"):
         found = differs(field, getattr(existing, field), getattr(requested, field))
         if found:

@@ -481,6 +481,9 @@ def _cross_check(spec: JobSpec, data: dict) -> None:
         raise _err(s, "train.warmup_steps", f"must be <= train.steps ({tr.steps!r}), got {tr.warmup_steps!r}")
     if tr.staleness and tr.sync != "ssp":
         raise _err(s, "train.staleness", f"only applies with train.sync: ssp, got {tr.staleness!r}")
+    if tr.sync == "ssp" and tr.staleness < 1:
+        raise _err(s, "train.staleness", f"train.sync: ssp needs staleness >= 1 (0 is BSP: use sync: bsp), "
+                                         f"got {tr.staleness!r}")
     if not tr.balanced:
         for key in _raw_keys(data, "train"):
             if key in BALANCE_KEYS:

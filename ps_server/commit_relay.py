@@ -62,7 +62,7 @@ class CommitRelay(threading.Thread):
         now = self._clock()
         seen, asked = set(), []
         for job in self._jobs():
-            if job.sync != "bsp":
+            if not job.collects:  # BSP and SSP
                 continue
             if job.release_expired_waits():
                 log.warning("job %s: a block's previous primary did not hand the step in flight over in time; "

@@ -11,6 +11,13 @@ Sync modes (SPEC "Training semantics"):
   workers (a worker that pushed nothing for a block contributes zero), and moves to version
   ``v + 1``; blocks nobody pushed are not stepped, as ``torch.optim`` skips ``grad is None``.
   The job step becomes ``v + 1`` and waiting pulls wake up.
+* **SSP** (``staleness`` s >= 1) — BSP's aggregation, with up to s steps after the job step in
+  flight: a block takes pushes (and the node commits) of steps up to ``job step + s``, each step
+  ahead collected in its own accumulator (``Block.ahead``), and steps are applied in order, each
+  once every rank committed it, with the weighted mean of that step's gradients. A push or commit
+  beyond ``job step + s`` is refused (STALE_STEP): a worker following the pull rule (it computes
+  step v on parameters of version >= v - s) never sends one. Pulls may be served while a step is
+  applied, so they copy under the lock and see only blocks their replicas hold.
 * **ASP** — each push frame is applied on arrival as one update (weights ignored); the job step
   counts applied frames and touched blocks take the new step as their version.
 
@@ -61,6 +68,9 @@ LRs = tuple[float, ...] | None
 # How long a push waits for another rank's in-flight push of the same block (only a stalled
 # sender holds one that long; the data plane also times out stalled payloads).
 RESERVATION_TIMEOUT_SECONDS = 60.0
+# SSP: how long a pull, once wait_for_step let it through, waits for a step applied just then to
+# be held by the replicas (a TIMEOUT reply: the worker asks again).
+VISIBILITY_TIMEOUT_SECONDS = 10.0
 
 
 def _total_weight(weights) -> float:
@@ -109,10 +119,21 @@ class Block:
     awaiting: float = 0.0
     awaiting_from: str = ""
     handed: set = field(default_factory=set)
+    ahead: dict = field(default_factory=dict)    # SSP: step -> AheadGrads of a step after ``step``
     staged: "Staged | None" = None   # the block stepped ahead of its step's commits (pipelined apply)
     # A copy holder: (version, step, value, state) its primary stepped ahead and sent before the
     # commits (OP_REPLICATE staged); installed when a later frame names it (carry_copies).
     pending: tuple | None = None
+
+
+@dataclass(eq=False)
+class AheadGrads:
+    """SSP: a block's gradients of one step after the step it collects, until it reaches it."""
+
+    grad_buf: torch.Tensor | None = None
+    has_grad: bool = False
+    pushed_by: set = field(default_factory=set)
+    received: set = field(default_factory=set)
 
 
 @dataclass(eq=False)
@@ -174,6 +195,20 @@ class PushItem:
     grad: torch.Tensor | None  # None: the block's gradient is exactly zero (sent as a flag)
 
 
+def _add_weighted(holder, like: torch.Tensor, grad: torch.Tensor, weight: float) -> None:
+    """Add ``weight * grad`` to ``holder``'s gradient sum (a Block or AheadGrads: ``grad_buf``,
+    ``has_grad``); its buffer, shaped like ``like``, is made on first use."""
+    if holder.has_grad:
+        holder.grad_buf.add_(grad.to(torch.float32), alpha=weight)
+        return
+    if holder.grad_buf is None:
+        holder.grad_buf = torch.empty_like(like)
+    holder.grad_buf.copy_(grad)  # also converts fp16/bf16 pushes to fp32
+    if weight != 1.0:
+        holder.grad_buf.mul_(weight)
+    holder.has_grad = True
+
+
 class JobStore:
     """Blocks and sync state of one job on this node. Thread-safe; pulls wait on ``cond``.
 
@@ -192,6 +227,9 @@ class JobStore:
         self.spec.CopyFrom(spec)
         self.name = spec.name
         self.sync = spec.sync
+        # BSP and SSP collect each step from every rank's commit; SSP up to ``staleness`` steps ahead.
+        self.collects = spec.sync in ("bsp", "ssp")
+        self.staleness = int(spec.staleness) if spec.sync == "ssp" else 0
         self.world_size = int(spec.world_size)
         self.block_elements = int(spec.block_elements)
         self.allow_nonfinite = spec.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
@@ -372,7 +410,7 @@ class JobStore:
         """A push's lrs (see group_lrs). A BSP push carries them only so that blocks may be stepped
         before the commits: one naming another number of groups (resent from before
         add_param_group added one) carries none."""
-        if self.sync == "bsp" and isinstance(lr, (tuple, list)) and len(lr) != len(self.group_optimizers):
+        if self.collects and isinstance(lr, (tuple, list)) and len(lr) != len(self.group_optimizers):
             return None
         return self.group_lrs(lr)
 
@@ -411,7 +449,7 @@ class JobStore:
                     raise StoreError("UNAVAILABLE", f"block {ref.tensor}[{ref.index}] waits for the gradients its previous "
                                                     f"primary {block.awaiting_from!r} collected for step {block.step}; "
                                                     f"retry shortly")
-            if self.sync == "bsp":
+            if self.collects:
                 self._check_push_weight("push", rank, step, weight)
                 if ticket.lr is not None:
                     self._check_push_lr("push", rank, step, ticket.lr)
@@ -421,25 +459,25 @@ class JobStore:
                         raise StoreError("INVALID_ARGUMENT", f"rank {rank} pushed block {ref.tensor}[{ref.index}] twice in one frame")
                     seen.add(block)
                     if block.step < step:
-                        raise StoreError("STALE_STEP", f"push for step {step} but block {ref.tensor}[{ref.index}] of job "
-                                                       f"{self.name!r} is collecting step {block.step} on this node")
+                        self._check_ahead(step, f"push for step {step} but block {ref.tensor}[{ref.index}] of job "
+                                                f"{self.name!r} is collecting step {block.step} on this node")
                     # Applied already, or pushed in an earlier frame of this step: a resend, ignored.
-                    ticket.resent.append(block.step > step or rank in block.pushed_by)
+                    ticket.resent.append(block.step > step or rank in self._collector(block, step).pushed_by)
                 if not all(ticket.resent):
                     self.push_weights.setdefault(step, {})[rank] = weight
                     if ticket.lr is not None:
                         self.push_lrs.setdefault(step, {})[rank] = ticket.lr
                 for block, resent in zip(blocks, ticket.resent):
                     if not resent:
-                        block.pushed_by.add(rank)  # claimed now; released again by abort_push
+                        self._collector(block, step).pushed_by.add(rank)  # claimed now; released again by abort_push
             else:
                 ticket.resent = [False] * len(refs)
             offset = 0
             for ref, block, resent in zip(refs, blocks, ticket.resent):
                 dest = None
                 if not ref.zero:
-                    if (self.sync == "bsp" and ref.dtype == torch.float32 and not block.has_grad
-                            and block.receiving is None and not resent):
+                    if (self.collects and ref.dtype == torch.float32 and not block.has_grad
+                            and block.receiving is None and not resent and block.step == step):
                         if block.grad_buf is None:
                             block.grad_buf = torch.empty_like(block.value)
                         block.receiving = rank
@@ -476,6 +514,9 @@ class JobStore:
                 return self.step
             w = ticket.weight
             for block, dest, direct, resent in zip(ticket.blocks, ticket.dests, ticket.direct, ticket.resent):
+                if block.step < ticket.step:  # SSP: a step after the one the block collects
+                    self._collect_ahead(block, ticket, dest, resent)
+                    continue
                 if dest is None or resent:
                     if not resent and block.step == ticket.step:
                         block.received.add(ticket.rank)
@@ -495,15 +536,7 @@ class JobStore:
                     self._release(ticket)
                     raise StoreError("TIMEOUT", f"rank {block.receiving} did not finish sending block gradients "
                                                 f"within {RESERVATION_TIMEOUT_SECONDS:g} s")
-                if block.has_grad:
-                    block.grad_buf.add_(dest.to(torch.float32), alpha=w)
-                else:
-                    if block.grad_buf is None:
-                        block.grad_buf = torch.empty_like(block.value)
-                    block.grad_buf.copy_(dest)  # also converts fp16/bf16 pushes to fp32
-                    if w != 1.0:
-                        block.grad_buf.mul_(w)
-                    block.has_grad = True
+                _add_weighted(block, block.value, dest, w)
                 # Received only once added: the wait above releases the lock, and a handover or an
                 # early step taken meanwhile must not count a rank whose gradient is not in the sum.
                 if block.step == ticket.step:
@@ -528,13 +561,66 @@ class JobStore:
         for block, direct, resent in zip(ticket.blocks, ticket.direct, ticket.resent or [False] * len(ticket.blocks)):
             if direct and block.receiving == ticket.rank:
                 block.receiving = None
-            if self.sync == "bsp" and not resent:
-                block.pushed_by.discard(ticket.rank)
-        if self.sync == "bsp" and not any(ticket.rank in b.pushed_by for b in self.blocks.values()
-                                          if b.step == ticket.step):
+            if self.collects and not resent:
+                self._collector(block, ticket.step).pushed_by.discard(ticket.rank)
+        if self.collects and not any(ticket.rank in self._pushed_by(b, ticket.step) for b in self.blocks.values()):
             self.push_weights.get(ticket.step, {}).pop(ticket.rank, None)
             self.push_lrs.get(ticket.step, {}).pop(ticket.rank, None)
         self.cond.notify_all()
+
+    # --- SSP: steps ahead of a block's ------------------------------------------------------
+    def _check_ahead(self, step: int, refusal: str) -> None:
+        """A push or commit of ``step``, after the step its block (or this node) collects: SSP takes
+        steps up to ``job step + staleness``; anything else is refused with ``refusal``."""
+        if self.staleness and step <= self.step + self.staleness:
+            return
+        bound = (f" (SSP: at most staleness {self.staleness} steps after it, up to step "
+                 f"{self.step + self.staleness})") if self.staleness else ""
+        raise StoreError("STALE_STEP", refusal + bound)
+
+    @staticmethod
+    def _collector(block: Block, step: int):
+        """What collects ``block``'s pushes of ``step``: the block itself for its own step (or an
+        applied one: a resend), else (SSP) the accumulator of that step ahead, made on first use."""
+        return block if step <= block.step else block.ahead.setdefault(step, AheadGrads())
+
+    @staticmethod
+    def _pushed_by(block: Block, step: int) -> set:
+        """Ranks whose push of ``step`` ``block`` holds (claimed or received)."""
+        if step == block.step:
+            return block.pushed_by
+        ahead = block.ahead.get(step)
+        return ahead.pushed_by if ahead is not None else set()
+
+    def _collect_ahead(self, block: Block, ticket: "PushTicket", grad: torch.Tensor | None, resent: bool) -> None:
+        """Finish a push of a step after ``block``'s own: into that step's accumulator. Call with the lock held."""
+        ahead = self._collector(block, ticket.step)
+        if resent:
+            return
+        ahead.received.add(ticket.rank)
+        if grad is not None:
+            _add_weighted(ahead, block.value, grad, ticket.weight)
+
+    @staticmethod
+    def _take_ahead(block: Block) -> None:
+        """``block`` just moved to its next step: what was collected for that step ahead becomes its
+        own. (Its ``since_epoch`` stays: commits of a step ahead that came before the block was
+        taken over went with pushes to the previous primary, which hands over only its own step;
+        the workers push and commit those steps again at the new epoch.)"""
+        ahead = block.ahead.pop(block.step, None)
+        if ahead is None:
+            return
+        if ahead.has_grad:
+            block.grad_buf, ahead.grad_buf = ahead.grad_buf, block.grad_buf  # no copy
+        block.has_grad, block.pushed_by, block.received = ahead.has_grad, ahead.pushed_by, ahead.received
+
+    def _wait_visible(self, blocks: list[Block]) -> None:
+        """SSP: a step may be applied while a pull is served; wait until every primary of
+        ``blocks`` is visible at its newest step (its replicas hold it). Call with the lock held."""
+        if not self.cond.wait_for(lambda: all(b.visible >= b.step or not b.primary for b in blocks),
+                                  timeout=VISIBILITY_TIMEOUT_SECONDS):
+            raise StoreError("TIMEOUT", f"the replicas of job {self.name!r} did not acknowledge its newest step "
+                                        f"within {VISIBILITY_TIMEOUT_SECONDS:g} s")
 
     def push(self, rank: int, step: int, weight: float, items: list[PushItem], lr: float | tuple | None = None,
              commit_follows: bool = False) -> int:
@@ -561,16 +647,16 @@ class JobStore:
         was applied meanwhile) is acknowledged again.
         """
         lr = self.group_lrs(lr)
-        if self.sync != "bsp":
-            raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP; job {self.name!r} is {self.sync!r}")
+        if not self.collects:
+            raise StoreError("INVALID_ARGUMENT", f"commit is only used in BSP and SSP; job {self.name!r} is {self.sync!r}")
         self._check_rank_and_weight(rank, weight)
         with self.cond:
             self._check_open("commit")
             if step > self.step and not self.blocks and not self.commits:
                 self.step = step  # a node that holds nothing of the job yet joins at the job's step
             if step > self.step:
-                raise StoreError("STALE_STEP", f"commit for step {step} but job {self.name!r} is collecting step "
-                                               f"{self.step} on this node")
+                self._check_ahead(step, f"commit for step {step} but job {self.name!r} is collecting step "
+                                        f"{self.step} on this node")
             record = self.commits.get(step)
             if record is None:
                 if step < self.step and not any(b.primary and b.step == step for b in self.blocks.values()):
@@ -594,7 +680,7 @@ class JobStore:
         """Commits of ``step`` learned from another node (a rank died between its commits to the
         nodes: every commit means the rank finished pushing everywhere). Returns the job step."""
         with self.cond:
-            if step != self.step or self.sync != "bsp":
+            if step != self.step or not self.collects:
                 return self.step
             record = self.commits.setdefault(step, {})
             for rank, (weight, epoch) in commits.items():
@@ -608,7 +694,7 @@ class JobStore:
     def _apply_ready(self, step: int) -> None:
         """Apply ``step`` to every primary block that can take it now. Call with the lock held."""
         record = self.commits.get(step, {})
-        if len(record) < self.world_size:
+        if len(record) < self.world_size or step > self.step:  # SSP: a step ahead applies after those before it
             return
         now = time.monotonic()
 
@@ -645,10 +731,11 @@ class JobStore:
         self._step_blocks(stepping, lrs)
         for key, block in ready:
             block.step = step + 1
-            block.since_epoch = 0
+            block.since_epoch = block.since_epoch if self.staleness else 0  # SSP: see _take_ahead
             block.has_grad = False
             block.pushed_by, block.received, block.handed, block.awaiting = set(), set(), set(), 0.0
             block.staged = None
+            self._take_ahead(block)
         wait_for_replicas = False
         for hook in self.apply_hooks:
             wait_for_replicas = hook(self, step, ready) or wait_for_replicas
@@ -660,6 +747,8 @@ class JobStore:
             self._run_boundary_hooks()
         self._forget_old_steps()
         self.cond.notify_all()
+        if self.staleness:
+            self._apply_ready(step + 1)  # SSP: the next step may have been complete already
 
     def _step_blocks(self, items: list, lrs: "LRs") -> None:
         """Step ``(group, value, grad, state)`` items, each group's blocks in one multi-tensor call
@@ -890,7 +979,7 @@ class JobStore:
         from their previous owner, collect later steps than a node that joined empty). Call with
         the lock held."""
         steps = [b.step for b in self.blocks.values() if b.primary]
-        if steps and self.sync == "bsp":
+        if steps and self.collects:
             self.step = max(self.step, min(steps))
 
     def oldest_step(self) -> int:
@@ -926,6 +1015,7 @@ class JobStore:
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     block.received, block.handed, block.awaiting = set(), set(), 0.0
                     block.staged = None
+                    block.ahead = {}  # SSP: its workers push the steps ahead again at the new epoch
             if gained:
                 self._follow_primaries()
                 for step in {self.blocks[k].step for k in gained}:
@@ -1037,17 +1127,18 @@ class JobStore:
     def wait_for_step(self, min_step: int, timeout: float, keys=None,
                       interrupted: Callable[[], bool] | None = None) -> int:
         """Block until the job step is >= ``min_step`` and every block of ``keys`` is visible at it
-        (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
+        (SSP: and at its newest step; see changed_blocks) (no busy polling). Raises StoreError: TIMEOUT naming the ranks that did not commit;
         NOT_OWNER when ``interrupted()`` (the routing changed under the wait)."""
         blocks = [self._block(t, i) for t, i in keys] if keys else []
         with self.cond:
             def ready() -> bool:
                 return self.failed is not None or bool(interrupted and interrupted()) or (
-                    self.step >= min_step and all(b.visible >= min_step or not b.primary for b in blocks))
+                    self.step >= min_step and all(not b.primary or (b.visible >= min_step and (
+                        not self.staleness or b.visible >= b.step)) for b in blocks))
 
             if not self.cond.wait_for(ready, timeout=timeout):
                 missing = self.missing_ranks(self.step)
-                waiting = f"; ranks {missing} did not commit step {self.step}" if missing and self.sync == "bsp" else ""
+                waiting = f"; ranks {missing} did not commit step {self.step}" if missing and self.collects else ""
                 raise StoreError("TIMEOUT", f"job {self.name!r} did not reach step {min_step} within {timeout:g} s "
                                             f"(at {self.step}{waiting})")
             if self.failed is not None:
@@ -1064,7 +1155,9 @@ class JobStore:
         """Blocks whose version is newer than the client's (``None`` = client has nothing).
 
         Returns (job step, [(tensor, index, version, value)]). ``copy`` snapshots values under the
-        lock (needed in ASP, where another push may step a block while it is being sent).
+        lock (needed in ASP, where another push may step a block while it is being sent, and in SSP,
+        where another rank's commit may; SSP also waits until each wanted block is visible at its
+        newest step, so no pull sees a step its replicas do not hold).
         ``dtypes`` (one per wanted block, default float32) is what each value is returned in: a
         block wanted in another dtype is a converted copy of the fp32 master (``.to()``: round to
         nearest even), made under the lock with ``copy``, else after it (BSP: no step is applied
@@ -1075,6 +1168,8 @@ class JobStore:
         for tensor, index, _ in wanted:
             self.expected_numel(tensor, index)
         with self.cond:
+            if self.staleness:
+                self._wait_visible([self._block(tensor, index) for tensor, index, _ in wanted])
             changed = []
             for (tensor, index, have), dtype in zip(wanted, dtypes):
                 block = self._block(tensor, index)

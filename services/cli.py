@@ -143,7 +143,8 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
                                 "heartbeat_age_seconds": round(w.age_seconds, 3),
                                 "lost_for_seconds": round(lost_for, 1) if lost_for is not None else None})
         jobs.append({
-            "name": j.spec.name, "sync": j.spec.sync, "world_size": int(j.spec.world_size),
+            "name": j.spec.name, "sync": j.spec.sync, "staleness": int(j.spec.staleness) or None,  # None: not SSP
+            "world_size": int(j.spec.world_size),
             "step": min(steps.values()) if steps else None, "steps_by_node": steps,
             "uid": j.uid, "checkpoint_step": int(j.checkpoint_step) if j.has_checkpoint else None,
             "durable_steps": {node: int(step) for node, step in sorted(j.durable_steps.items())},
@@ -205,7 +206,7 @@ def render_status(data: dict) -> str:
     else:
         lines += ["", "nodes: none registered"]
     if data["jobs"]:
-        rows = [[j["name"], j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
+        rows = [[j["name"], f"ssp, s={j['staleness']}" if j.get("staleness") else j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
                  "-" if j.get("checkpoint_step") is None else j["checkpoint_step"],
                  j["tensors"], f"{j['parameters']:,}", "yes" if j["ready"] else "no"] for j in data["jobs"]]
         lines += ["", "jobs:", format_table(["JOB", "SYNC", "OPTIMIZER", "WORLD", "STEP", "CHECKPOINT", "TENSORS",

@@ -94,7 +94,9 @@ class Client:
     away (restart, graceful stop) to come back.
 
     Node restarts: until a BSP step is applied the client keeps what it sent for it (its gradient
-    blocks, weight, whether it committed). When a node drops the connection or answers
+    blocks, weight, whether it committed); SSP keeps this for each of the up to ``staleness + 1``
+    steps in flight, and every mechanism below resends each of them, oldest first. When a node
+    drops the connection or answers
     ``UNAVAILABLE``, the client waits for the node to be back (refreshing routing: a restarted node
     registers new addresses), asks it its job step and, if the node is still collecting the step in
     flight (it restored the checkpoint of that step and lost what was sent since), sends it this
@@ -103,6 +105,13 @@ class Client:
     epoch changes while a step is in flight (a node failed over to its replica, a ring change
     switched), the client resends the step's pushes of blocks whose primary changed to the new
     primaries and, if it had committed, commits again on every node at the new epoch.
+
+    SSP (``sync: ssp``, ``staleness`` s): after committing step v the client pulls parameters of any
+    version >= v + 1 - s (the pull waits only until the job applied step v - s), so the step it
+    computes next is never more than s steps ahead of the parameters it computes on;
+    ``held_step`` is the version the last pull brought: the oldest job step among the nodes (while
+    a block taken over mid-step catches up with its new node's step it may be one step older,
+    still no older than the pull's ``min_step``).
 
     Stragglers: a BSP pull still waiting after ``straggler_warning_seconds`` (0: never) logs a
     WARNING naming the ranks that have not committed the step and the PS nodes waiting for them
@@ -130,8 +139,9 @@ class Client:
         self.straggler_warning_seconds = float(straggler_warning_seconds)
         self.job = job
         self.recovery_timeout = recovery_timeout
-        # The BSP step in flight: what this worker sent for it, kept until the next step begins.
-        self._inflight: dict | None = None
+        # The BSP/SSP steps in flight: step -> what this worker sent for it, kept until every node
+        # applied it (BSP: one step, SSP: up to staleness + 1).
+        self._inflight: dict[int, dict] = {}
         self._replay_from: RoutingView | None = None   # routing before an epoch change mid-step
         self._replaying = False
         self.incarnation = uuid.uuid4().hex[:16]       # this process's identity as its rank
@@ -152,6 +162,7 @@ class Client:
         self.spec: common_pb2.JobSpec | None = None
         self.uid = ""                      # the job incarnation (JobInfo.uid), once known
         self.step: int | None = None
+        self.held_step: int | None = None   # the oldest job step among the nodes at the last pull
         # Learning rate sent with each commit (BSP) or push (ASP): one number (every group), one per
         # parameter group (a tuple), or None: the job's own.
         self.lr: float | tuple[float, ...] | None = None
@@ -186,19 +197,32 @@ class Client:
     def sync(self) -> str:
         return self._require_spec().sync
 
+    @property
+    def staleness(self) -> int:
+        """SSP: how many steps the parameters a step is computed on may lag it (0: BSP, ASP)."""
+        spec = self._require_spec()
+        return int(spec.staleness) if spec.sync == "ssp" else 0
+
+    @property
+    def _collects(self) -> bool:
+        """BSP and SSP: each step is pushed, then committed, and applied once every rank committed it."""
+        return self._require_spec().sync in ("bsp", "ssp")
+
     def _require_spec(self) -> common_pb2.JobSpec:
         if self.spec is None:
             raise ShardlineStateError(f"job {self.job!r} is not ready on the cluster; call init() first")
         return self.spec
 
     def init(self, tensors: dict[str, torch.Tensor], *, optimizer: str = "sgd", sync: str = "bsp",
-             world_size: int = 1, block_elements: int | None = None, trainable: dict[str, bool] | None = None,
+             staleness: int = 0, world_size: int = 1, block_elements: int | None = None,
+             trainable: dict[str, bool] | None = None,
              allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
              max_grad_norm: float | None = None, **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
+        ``staleness`` (``sync="ssp"``, >= 1): how many steps a worker may run ahead (class doc).
         ``max_grad_norm`` (BSP): the PS nodes clip each step's mean gradient by its global norm
         before the optimizer step, as ``clip_grad_norm_`` on one process would.
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
@@ -209,11 +233,14 @@ class Client:
         """
         from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
 
+        if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
+            raise ShardlineConfigError(f"staleness must be an integer >= 0 (>= 1 with sync 'ssp'), got {staleness!r}")
         groups = [OptimizerConfig.from_kwargs(optimizer, **g) for g in param_groups or ()]
         opt = groups[0] if groups else OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         tensor_groups = tensor_groups or {}
         trainable = trainable or {}
-        spec = common_pb2.JobSpec(name=self.job, optimizer=opt.to_proto(), sync=sync, world_size=world_size,
+        spec = common_pb2.JobSpec(name=self.job, optimizer=opt.to_proto(), sync=sync, staleness=staleness,
+                                  world_size=world_size,
                                   block_elements=block_elements or DEFAULT_BLOCK_ELEMENTS, allow_nonfinite=allow_nonfinite,
                                   replication=replication or 0,
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
@@ -346,7 +373,8 @@ class Client:
         """Fetch tensors (default: all of the job, or the names of ``out``). Only blocks newer than
         the cached ones move.
 
-        BSP: waits server-side until the nodes are at ``min_step`` (default: this client's step).
+        BSP: waits server-side until the nodes are at ``min_step`` (default: this client's step;
+        SSP: this client's step - staleness).
         Returns tensors shaped like the job's; with ``copy=False`` they are views of the client's
         cache, which later pulls overwrite in place (no 64 MB copy per pull). ``out``: the caller's
         tensors (name -> a tensor of the job's shape, any float dtype, CPU) to fill and return,
@@ -392,13 +420,13 @@ class Client:
             self._push(grads, weight)
         finally:
             self._commit_follows = False
-        if commit and self.sync == "bsp":
+        if commit and self._collects:
             self._commit(weight)
 
     def commit(self, *, weight: float = 1.0) -> int:
-        """BSP: declare this worker's pushes for the current step complete. Returns the new step."""
-        if self.sync != "bsp":
-            raise ShardlineStateError(f"commit() is for BSP jobs; job {self.job!r} is {self.sync!r}")
+        """BSP/SSP: declare this worker's pushes for the current step complete. Returns the new step."""
+        if not self._collects:
+            raise ShardlineStateError(f"commit() is for BSP and SSP jobs; job {self.job!r} is {self.sync!r}")
         self._commit(weight)
         return self.step
 
@@ -411,8 +439,10 @@ class Client:
     def pull_changed(self, names=None) -> None:
         """Bring the cache (and bound tensors) to the client's step: the second half of step_sync."""
         self._pull(self._names(names), min_step=None, timeout=None)
-        if self._inflight is not None and self.step is not None and self.step > self._inflight["step"]:
-            self._inflight = None  # every node holds the step, replicas included: nothing to resend
+        if self._inflight and self.step is not None:
+            # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
+            for step in [s for s in self._inflight if s < self.step - self.staleness]:
+                del self._inflight[step]
 
     def join(self, names=None) -> int:
         """Pull the job as the cluster holds it and return the step to run next: the oldest step
@@ -431,7 +461,7 @@ class Client:
         steps = self._pull(names, min_step=0, timeout=None)
         if not steps:
             return
-        if self.sync != "bsp":
+        if not self._collects:
             self.step = max(steps.values())
             return
         oldest = min(min(step, self._oldest.get(node, step)) for node, step in steps.items())
@@ -482,10 +512,8 @@ class Client:
         self.start_lease()
         step = self._current_step()
         failpoints.hit("worker.before_push", step)
-        if spec.sync == "bsp":
-            if self._inflight is None or self._inflight["step"] != step:
-                self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}
-            self._inflight["grads"].update(payload)
+        if self._collects:
+            self._inflight_record(step, weight)["grads"].update(payload)
         self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
         failpoints.hit("worker.after_push", step)
 
@@ -498,24 +526,34 @@ class Client:
             except (RemoteError, ShardlineConnectionError) as exc:  # the routing moved on: die all the same
                 log.info("worker.commit_partial: the commit to %s failed (%s)", first, exc)
             failpoints.hit("worker.commit_partial", step)
-        if self._inflight is None or self._inflight["step"] != step:
-            self._inflight = {"step": step, "grads": {}, "weight": weight, "committed": False}
-        self._inflight["committed"] = True
+        self._inflight_record(step, weight)["committed"] = True
         self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
         self.step = step + 1
 
+    def _inflight_record(self, step: int, weight: float) -> dict:
+        """What this worker sent for ``step`` (kept for resending until every node applied it). A
+        step more than ``staleness`` before it was applied (the nodes take no push of ``step``
+        before that), so it is forgotten here at the latest, as BSP forgets the last step."""
+        if step not in self._inflight:
+            for old in [s for s in self._inflight if s < step - self.staleness]:
+                del self._inflight[old]
+            self._inflight[step] = {"step": step, "grads": {}, "weight": weight, "committed": False}
+        return self._inflight[step]
+
     def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> dict[str, int]:
         if min_step is None:
-            min_step = self.step if (self.step is not None and self.sync == "bsp") else 0
+            # SSP: the step computed next may run up to staleness steps ahead of its parameters.
+            min_step = max(0, self.step - self.staleness) if (self.step is not None and self._collects) else 0
         keys = [(n, s.index) for n in names for s in self._slices[n]]
         # A BSP pull of a new step asks every node, also those owning none of these blocks, so every
-        # worker sees every node reach the step (and notices a node that restarted behind it).
-        every_node = not keys or (self.sync == "bsp" and min_step > 0)
+        # worker sees every node reach the step (and notices a node that restarted behind it); so
+        # does every SSP pull (held_step, and the steps in flight it may forget, are over all nodes).
+        every_node = not keys or (self._collects and (min_step > 0 or self.staleness > 0))
         total = timeout or self.pull_timeout
         started = time.monotonic()
         deadline = started + total
         # A BSP pull of a new step waits for the slowest rank's commit of the step before it.
-        collecting = min_step - 1 if self.sync == "bsp" and min_step > 0 else None
+        collecting = min_step - 1 if self._collects and min_step > 0 else None
         warn_every = self.straggler_warning_seconds if collecting is not None else 0.0
         warn_at = started + warn_every if warn_every > 0 else None
         # The wait is asked for in slices: between two, the client looks at the routing again (a
@@ -524,7 +562,11 @@ class Client:
             until = deadline if warn_at is None else min(deadline, warn_at)
             wait = max(0.0, min(PULL_SLICE_SECONDS, until - time.monotonic()))
             try:
-                return self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=wait or 0.001, all_nodes=every_node)
+                node_steps = self._scatter(dp.OP_PULL, keys, min_step=min_step, timeout=wait or 0.001,
+                                           all_nodes=every_node)
+                if node_steps:
+                    self.held_step = min(node_steps.values())
+                return node_steps
             except RemoteError as exc:
                 if exc.code != "TIMEOUT":
                     raise
@@ -606,29 +648,30 @@ class Client:
     def refresh_routing(self) -> None:
         old = self.routing
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
-        if self.routing.epoch != old.epoch and self._inflight is not None and self._replay_from is None:
+        if self.routing.epoch != old.epoch and self._inflight and self._replay_from is None:
             self._replay_from = old
 
     def _replay_after_epoch_change(self) -> bool:
-        """The epoch changed while a BSP step was in flight: push the step's blocks again, and commit
-        again on every node if this worker had committed. True if it did."""
+        """The epoch changed while a BSP step (SSP: steps) was in flight: push each step's blocks
+        again, and commit again on every node if this worker had committed, oldest step first.
+        True if it did."""
         old, self._replay_from = self._replay_from, None
-        inflight = self._inflight
-        if old is None or inflight is None or self._replaying or self.spec is None or self.spec.sync != "bsp":
+        if old is None or not self._inflight or self._replaying or self.spec is None or not self._collects:
             return False
         self._replaying = True
         try:
-            # Every block, not only those whose owner differs between the two tables this worker
-            # saw: a node may have lost a block and got it back in epochs in between (forgetting
-            # the pushes); a node that still holds a push ignores the resend.
-            moved = list(inflight["grads"])
-            step, weight = inflight["step"], inflight["weight"]
-            if moved:
-                self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
-            if inflight["committed"]:
-                self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
-            log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch, step,
-                     len(moved), " and the commit" if inflight["committed"] else "")
+            for step, inflight in sorted(self._inflight.items()):
+                # Every block, not only those whose owner differs between the two tables this worker
+                # saw: a node may have lost a block and got it back in epochs in between (forgetting
+                # the pushes); a node that still holds a push ignores the resend.
+                moved = list(inflight["grads"])
+                weight = inflight["weight"]
+                if moved:
+                    self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
+                if inflight["committed"]:
+                    self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
+                log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch, step,
+                         len(moved), " and the commit" if inflight["committed"] else "")
             return True
         finally:
             self._replaying = False
@@ -743,23 +786,24 @@ class Client:
 
     def _resend_inflight(self, node_id: str, node_step: int) -> int:
         """``node_id`` answers again at ``node_step``: resend it this worker's pushes (and commit)
-        of the BSP step in flight. Returns the node's job step."""
-        inflight = self._inflight if self.spec is not None and self.spec.sync == "bsp" else None
-        if inflight is None or node_step > inflight["step"]:
+        of the BSP step (SSP: each step) in flight that it does not hold. Returns the node's job step."""
+        steps = sorted(self._inflight) if self.spec is not None and self._collects else []
+        if not steps or node_step > steps[-1]:
             log.info("PS node %r is back at step %d", node_id, node_step)
             return node_step
-        step = inflight["step"]
-        if node_step < step:
+        if node_step < steps[0]:
             raise ShardlineStateError(
-                f"PS node {node_id!r} came back at step {node_step}, behind the job's step {step}: its updates of steps "
-                f"{node_step}..{step - 1} are lost (it restored an older checkpoint and no replica holds them)")
-        keys = [key for key in inflight["grads"] if self.routing.owner(self.job, *key) == node_id]
-        if keys:
-            node_step = self._exchange(node_id, keys, dp.OP_PUSH, step, inflight["weight"], inflight["grads"], 0, 0.0)
-        if inflight["committed"]:
-            node_step = self._exchange(node_id, [], dp.OP_COMMIT, step, inflight["weight"], None, 0, 0.0)
-        log.info("PS node %r is back at step %d; resent %d block(s)%s of step %d", node_id, node_step, len(keys),
-                 " and the commit" if inflight["committed"] else "", step)
+                f"PS node {node_id!r} came back at step {node_step}, behind the job's step {steps[0]}: its updates of "
+                f"steps {node_step}..{steps[0] - 1} are lost (it restored an older checkpoint and no replica holds them)")
+        for step in [s for s in steps if s >= node_step]:
+            inflight = self._inflight[step]
+            keys = [key for key in inflight["grads"] if self.routing.owner(self.job, *key) == node_id]
+            if keys:
+                node_step = self._exchange(node_id, keys, dp.OP_PUSH, step, inflight["weight"], inflight["grads"], 0, 0.0)
+            if inflight["committed"]:
+                node_step = self._exchange(node_id, [], dp.OP_COMMIT, step, inflight["weight"], None, 0, 0.0)
+            log.info("PS node %r is back at step %d; resent %d block(s)%s of step %d", node_id, node_step, len(keys),
+                     " and the commit" if inflight["committed"] else "", step)
         return node_step
 
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:

@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size = args.rank, args.world_size
     base_result: dict[str, Any] = {
         "job": spec.name, "job_file": os.path.abspath(args.job), "cluster": args.cluster, "rank": rank,
-        "world_size": world_size, "steps_planned": tr.steps, "sync": tr.sync, "optimizer": tr.optimizer,
+        "world_size": world_size, "steps_planned": tr.steps, "sync": tr.sync, "staleness": tr.staleness,
+        "optimizer": tr.optimizer,
         "pid": os.getpid(),
     }
 
@@ -242,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def make_optimizer(named_parameters):
         opt = _make_ps_optimizer(PSOptimizer, args, named_parameters, cluster=args.cluster, job=spec.name,
-                                 sync=tr.sync, world_size=world_size, rank=rank, cluster_token=cluster_token,
+                                 sync=tr.sync, staleness=tr.staleness if tr.sync == "ssp" else None,
+                                 world_size=world_size, rank=rank, cluster_token=cluster_token,
                                  tls_ca=security.tls_ca,
                                  replication=tr.replication or None, on_worker_failure=tr.on_worker_failure,
                                  worker_lease_timeout=tr.worker_lease_timeout, **tr.optimizer_kwargs())

@@ -113,6 +113,14 @@ class PSOptimizer(torch.optim.Optimizer):
     rank of a resumed job) starts from the values the cluster holds.
     ``world_size``/``rank`` default to ``WORLD_SIZE``/``RANK`` (as torchrun sets them), else 1/0.
 
+    SSP: ``sync="ssp"`` with ``staleness=s`` (s >= 1) lets a worker run up to s steps ahead of the
+    slowest: after committing step v, ``step()`` (or, with ``prefetch_window=1``, the next forward)
+    waits only until the job applied step v - s, and pulls the newest parameters there are, so the
+    step computed next (``version``) runs on parameters of a version (``held_version``) at least
+    ``version - s``. Each step is still applied once every rank committed it, with the mean of the
+    ranks' gradients of that step, but those gradients may come from parameters up to s steps old:
+    BSP's equality with torch.optim no longer holds (docs/architecture.md, "SSP").
+
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker
     prepares its next batch while the slowest finishes) until the parameters are next used: any
@@ -134,7 +142,8 @@ class PSOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params, cluster: str, job: str, *,
-                 optimizer: str = "adamw", sync: str = "bsp", world_size: int | None = None, rank: int | None = None,
+                 optimizer: str = "adamw", sync: str = "bsp", staleness: int | None = None,
+                 world_size: int | None = None, rank: int | None = None,
                  block_elements: int | None = None, transport: str = "auto", pull_timeout: float = 600.0,
                  connect_timeout: float = 60.0, rpc_timeout: float = 10.0, allow_nonfinite: bool = False, cluster_token: bytes | None = None,
                  prefetch_window: int = 0, recovery_timeout: float = 120.0, replication: int | None = None,
@@ -179,7 +188,7 @@ class PSOptimizer(torch.optim.Optimizer):
         several = len(self.param_groups) > 1
         if self.rank == 0:
             created = self.client.init(
-                {n: p.detach() for n, p in self.params}, optimizer=self.kind, sync=sync,
+                {n: p.detach() for n, p in self.params}, optimizer=self.kind, sync=sync, staleness=staleness or 0,
                 world_size=self.world_size, block_elements=block_elements,
                 trainable={n: p.requires_grad for n, p in self.params},
                 allow_nonfinite=allow_nonfinite, replication=replication,
@@ -192,6 +201,9 @@ class PSOptimizer(torch.optim.Optimizer):
         spec = self.client.spec
         if spec.world_size != self.world_size:
             raise ShardlineConfigError(f"job {job!r} has world_size {spec.world_size}, this worker says {self.world_size}")
+        if staleness is not None and (spec.sync, spec.staleness) != (sync, staleness):
+            raise ShardlineConfigError(f"job {job!r} is sync {spec.sync!r} with staleness {spec.staleness}, this worker "
+                                       f"says {sync!r} with staleness {staleness!r}")
         self._check_job_groups(spec, groups_of)
         if max_grad_norm is not None and float(max_grad_norm) != spec.max_grad_norm:
             raise ShardlineConfigError(f"job {job!r} clips gradients at max_grad_norm {spec.max_grad_norm:g} (0: not at "
@@ -340,12 +352,19 @@ class PSOptimizer(torch.optim.Optimizer):
 
     @property
     def version(self) -> int:
-        """The job step whose parameters the model holds (with a pull pending: once ``wait()`` returns)."""
+        """The job step whose parameters the model holds (with a pull pending: once ``wait()`` returns);
+        SSP: the step this worker computes next, on parameters of ``held_version``."""
         return self.client.step or 0
 
+    @property
+    def held_version(self) -> int:
+        """The job version (steps applied) the parameters hold at least, once ``wait()`` returns: ``version``
+        under BSP, at least ``version - staleness`` under SSP."""
+        return self.client.held_step or 0
+
     def step(self, closure=None, *, weight: float | None = None):
-        """Push gradients, commit (BSP) with every group's lr, wait for the applied step and pull
-        changed blocks.
+        """Push gradients, commit (BSP, SSP) with every group's lr, wait for the applied step (SSP:
+        the step ``staleness`` before it) and pull changed blocks.
 
         ``weight`` is this worker's weight in the mean over workers (default 1); pass the number of
         tokens of an imbalanced batch. Returns the closure's loss if one is given (torch.optim's

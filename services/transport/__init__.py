@@ -3,7 +3,8 @@
 A transport provides ``listen(host, port, serve_connection, *, max_connections=0, refuse=None) -> Listener`` and
 ``connect(address, connect_timeout) -> Connection``. A Connection has the socket methods the frame
 codec needs (``recv_into``, ``sendall``, ``close``), so ``services.frame`` works unchanged over
-any of them. ``auto`` picks RDMA when an RDMA device is present and TCP otherwise.
+any of them. ``auto`` picks RDMA when an RDMA device is present and TCP otherwise; RDMA itself
+falls back to TCP per connection when the peer declines it (explicit ``rdma`` does not).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ def get_transport(name: str):
         return tcp
     available, reason = rdma.rdma_available()
     if name == "auto":
-        if available and rdma.IMPLEMENTED:
-            return rdma
+        if available:
+            return rdma.transport(required=False, device=reason)
         log.info("no RDMA device (%s); data plane uses TCP", reason)
         return tcp
     if not available:
         raise ShardlineConfigError(f"transport 'rdma' requested but {reason}; use 'auto' to fall back to TCP")
-    return rdma
+    return rdma.transport(required=True, device=reason)

@@ -206,6 +206,11 @@ def test_example_job_files_are_valid(name):
         assert not model.blocks[0].attn.qkv.weight.requires_grad
 
 
+def test_ssp_example_job_file_is_valid():
+    spec = load_job(os.path.join(ROOT, "examples", "ssp_job.yaml"))
+    assert (spec.train.sync, spec.train.staleness) == ("ssp", 1)
+
+
 @pytest.mark.parametrize("mutate, pattern", [
     (lambda d: d["train"].update(lrr=0.1), r"train\.lrr.*unknown key 'lrr'.*did you mean 'lr'"),
     (lambda d: d.update(trian={}), r"unknown key 'trian'"),
@@ -217,6 +222,8 @@ def test_example_job_files_are_valid(name):
     (lambda d: d["train"].update(weight_by_tokens="yes"), r"train\.weight_by_tokens: .*'yes'"),
     (lambda d: d["train"].update(betas=[0.9]), r"train\.betas: .*\[0\.9\]"),
     (lambda d: d["train"].update(sync="gossip"), r"train\.sync: .*'gossip'"),
+    (lambda d: d["train"].update(sync="ssp"), r"train\.staleness: .*ssp needs staleness >= 1.*got 0"),
+    (lambda d: d["train"].update(staleness=2), r"train\.staleness: only applies with train\.sync: ssp, got 2"),
     (lambda d: d["task"].update(kind="sort"), r"task\.kind: .*'sort'"),
     (lambda d: d["task"].update(min_digits=5), r"task\.min_digits: .*5"),
     (lambda d: d["model"].update(n_heads=3), r"model\.n_heads: .*3"),

@@ -125,7 +125,9 @@ def bad_tensor(**fields) -> common_pb2.JobSpec:
         (make_spec(name="has space"), "'has space'"),
         (make_spec(name="a/b"), "'a/b'"),
         (make_spec(name="x" * 129), "xxxx"),
-        (make_spec(sync="ssp"), "'ssp'"),
+        (make_spec(sync="ssp"), "'ssp'"),          # staleness 0 is BSP: refused, not treated as BSP
+        (make_spec(sync="ssp", staleness=17), "17"),
+        (make_spec(staleness=2), "staleness 2"),   # staleness with BSP
         (make_spec(world_size=0), "world_size"),
         (make_spec(block_elements=64 * 1024 * 1024 + 1), "67108865"),
         (make_spec(optimizer_kind="lion"), "'lion'"),
