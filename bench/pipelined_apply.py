@@ -35,7 +35,6 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def run_mode(address: str, job: str, numel: int, buckets: int, steps: int, delay: float,
