@@ -23,16 +23,21 @@ Modes (``--modes``):
   means like ``ddp`` (reference ``rank_mean``).
 * ``shardline``: a LocalCluster (1 dispatcher + ``--ps`` PS nodes), PSOptimizer AdamW BSP, the
   balanced split, each rank pushing with weight = its loss tokens (``rank_weights``) (reference
-  ``token_mean``).
-* ``shardline_ssp1``: ``shardline`` with ``sync="ssp", staleness=1`` (``PS_MODES``): a rank may
-  compute a step on parameters one step old, so it matches ``token_mean`` only approximately
-  (its loss difference is reported, not expected to be round-off).
+  ``token_mean``); push during backward (``overlap``, every sequence but the last under
+  ``opt.no_sync()``, the weight declared with ``set_step_weight``) and the priority pull
+  (``prefetch_window=1``).
+* ``shardline_plain``: the same without them (``overlap=False``, ``prefetch_window=0``): push,
+  commit and pull all inside ``opt.step()``.
+* ``shardline_ssp1``: ``shardline`` with ``sync="ssp", staleness=1``: a rank may compute a step on
+  parameters one step old, so it matches ``token_mean`` only approximately (its loss difference is
+  reported, not expected to be round-off).
 
 Per rank: tokens/s over the timed steps (every step after ``--warmup``), the share of step time
 spent waiting for communication (DDP: time blocked in the all-reduce, measured by a comm hook
 that runs each bucket's all-reduce synchronously; FSDP2: step time minus the same rank's
 compute on a local unsharded copy, measured in the same step; Shardline: time inside
-``opt.step()``), peak RSS (``ru_maxrss``) and the loss per step. The loss of a step is the
+``opt.zero_grad()`` and ``opt.step()`` plus the time modules' forward pre-hooks waited for the
+pull, ``opt.forward_wait_seconds``), peak RSS (``ru_maxrss``) and the loss per step. The loss of a step is the
 token mean of the whole global minibatch before the update, so every mode's curve is comparable
 to a single-process reference (AdamW on the whole minibatch): ``token_mean`` (loss = S / T) or
 ``rank_mean`` (loss = mean over the contiguous parts of each part's token mean). The JSON gives,
@@ -67,16 +72,22 @@ sys.path.insert(0, str(HERE))
 from balance import sample_lengths  # noqa: E402
 from report import run_and_report  # noqa: E402
 
-MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_ssp1")
-# The Shardline modes: each runs as "shardline" with these PSOptimizer sync options.
-PS_MODES = {"shardline": dict(sync="bsp"), "shardline_ssp1": dict(sync="ssp", staleness=1)}
+MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1")
+# Shardline with one of the two levers only (not run by default: --modes names them)
+EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
+# PSOptimizer options of each Shardline mode (sync defaults to BSP).
+SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
+                   "shardline_plain": dict(overlap=False, prefetch_window=0),
+                   "shardline_overlap_only": dict(overlap=True, prefetch_window=0),
+                   "shardline_prefetch_only": dict(overlap=False, prefetch_window=1),
+                   "shardline_ssp1": dict(overlap=True, prefetch_window=1, sync="ssp", staleness=1)}
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4
 MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token (its loss tokens)
-REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean", "shardline": "token_mean",
-                "shardline_ssp1": "token_mean"}
-SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", "shardline": "kk", "shardline_ssp1": "kk"}
+REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean",
+                **{m: "token_mean" for m in SHARDLINE_MODES}}
+SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", **{m: "kk" for m in SHARDLINE_MODES}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -182,14 +193,13 @@ def run_rank(cfg: dict) -> dict:
     from shardline.jobs.models.tinygpt import TinyGPT
 
     mode, rank, world = cfg["mode"], cfg["rank"], cfg["world"]
-    ps_options = PS_MODES.get(mode)
-    mode = "shardline" if ps_options is not None else mode
     pin(rank)
     model = TinyGPT(**MODEL)
     wait_s = [0.0]
     opt = None
     local = None
-    uses_dist = mode != "shardline"
+    shardline = mode in SHARDLINE_MODES
+    uses_dist = not shardline
     if uses_dist:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
     if mode in ("ddp", "ddp_balanced"):
@@ -220,12 +230,13 @@ def run_rank(cfg: dict) -> dict:
         fully_shard(model, mesh=mesh)
         net = model
         opt = torch.optim.AdamW(net.parameters(), **HYPER)
-    elif mode == "shardline":
+    elif shardline:
         from shardline import PSOptimizer
 
         net = model
-        opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw", **ps_options,
-                          world_size=world, rank=rank, **HYPER)
+        opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw",
+                          world_size=world, rank=rank, bucket_cap_mb=cfg["bucket_cap_mb"], **SHARDLINE_MODES[mode],
+                          **HYPER)
     else:
         raise ValueError(mode)
 
@@ -240,7 +251,7 @@ def run_rank(cfg: dict) -> dict:
         seqs = [sequence_ids(step, i, lengths[i], cfg["seed"], MODEL["vocab_size"]) for i in mine]
         if mode == "ddp_balanced":
             scale = world / T
-        elif mode == "shardline":
+        elif shardline:
             w = rank_weights(parts, toks)[rank]
             scale, weight = w.loss_scale, w.weight
         else:
@@ -255,11 +266,15 @@ def run_rank(cfg: dict) -> dict:
         wait_s[0] = 0.0
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
+        if shardline:
+            wait_s[0] = time.perf_counter() - t0
+            forward_wait = opt.forward_wait_seconds
+            opt.set_step_weight(weight)  # pushed with the buckets during the last backward
         s_total = 0.0
         for j, ids in enumerate(seqs):
             last = j == len(seqs) - 1
-            if mode in ("ddp", "ddp_balanced") and not last:
-                with net.no_sync():
+            if (mode in ("ddp", "ddp_balanced") or shardline) and not last:
+                with net.no_sync() if not shardline else opt.no_sync():
                     s = seq_loss_sum(net, ids)
                     (s * scale).backward()
             else:
@@ -268,10 +283,10 @@ def run_rank(cfg: dict) -> dict:
                 s = seq_loss_sum(net, ids)
                 (s * scale).backward()
             s_total += float(s.detach())
-        if mode == "shardline":
+        if shardline:
             ts = time.perf_counter()
             opt.step(weight=weight)
-            wait_s[0] = time.perf_counter() - ts
+            wait_s[0] += time.perf_counter() - ts + opt.forward_wait_seconds - forward_wait
         else:
             opt.step()
         dt = time.perf_counter() - t0
@@ -281,7 +296,7 @@ def run_rank(cfg: dict) -> dict:
         tokens.append(t_r)
         step_s.append(dt)
         wait_per_step.append(wait_s[0])
-    if mode == "shardline":
+    if shardline:
         opt.close()
     if uses_dist:
         dist.barrier()
@@ -366,8 +381,9 @@ class Children:
 def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cluster) -> dict:
     world = args.world
     base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
-    if mode in PS_MODES:
-        base.update(cluster=cluster.address, job=f"vsddp-{os.getpid()}-{mode}-{repeat}")
+    if mode in SHARDLINE_MODES:
+        base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}",
+                    bucket_cap_mb=args.bucket_cap_mb)
     else:
         base["port"] = free_port()
     started, outs, logs = [], [], []
@@ -422,13 +438,13 @@ def run(args) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="shardline-vsddp-"))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     for m in modes:
-        if m not in MODES:
-            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES)}")
+        if m not in MODES + EXTRA_MODES:
+            raise SystemExit(f"unknown mode {m!r}; choose from {', '.join(MODES + EXTRA_MODES)}")
     result: dict = {"machine": machine_info(), "timestamp": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
-                               "ps_nodes": args.ps, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "ps_nodes": args.ps, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
     children = Children()
@@ -439,7 +455,7 @@ def run(args) -> dict:
         ref = children.wait([p], [out], args.timeout, [workdir / "reference.log"])[0]
         children.procs = []
         result["reference"] = ref
-        if any(m in PS_MODES for m in modes):
+        if any(m in SHARDLINE_MODES for m in modes):
             cluster = LocalCluster(workdir / "daemons")
             cluster.start_dispatcher()
             nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
@@ -502,12 +518,12 @@ def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\nvs_ddp: workload {cfg['workload']}, {cfg['world']} ranks x {cfg['per_rank']} sequences, {cfg['steps']} steps "
           f"({cfg['warmup']} warm-up), {cfg['repeats']} repeat(s), TinyGPT 922,880 params, AdamW")
-    print(f"{'mode':<16}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
+    print(f"{'mode':<24}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
           f"{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
     for m, s in result.get("summary", {}).items():
         other = "rank_mean" if s["reference"] == "token_mean" else "token_mean"
         ratio = s["ratio_to_ddp_paired_median"]
-        print(f"{m:<16}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
+        print(f"{m:<24}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
               f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}{s['peak_rss_mib_max']:>9.0f}"
               f"{s['reference']:>12}{s['loss_max_abs_diff_own_reference']:>12.2e}{s['loss_max_abs_diff'][other]:>11.2e}")
     for m, why in result.get("skipped", {}).items():
@@ -520,7 +536,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["--child"]:
         return child_main(argv[1], argv[2])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, from " + ", ".join(MODES + EXTRA_MODES))
     ap.add_argument("--workload", choices=("lognormal", "balanced"), default="lognormal")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps of every run (still in the loss curve)")
@@ -528,6 +544,7 @@ def main(argv=None) -> int:
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--bucket-cap-mb", type=float, default=1.0, help="PSOptimizer bucket_cap_mb (push and pull chunks)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run of a mode")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 2 warm-up, 1 repeat")
     ap.add_argument("--out", help="write the JSON here (e.g. bench/results/vs_ddp.json)")

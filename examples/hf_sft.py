@@ -20,6 +20,7 @@ move over the network). ``opt.version`` resumes a job that was interrupted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -81,15 +82,18 @@ def main(argv=None) -> int:
         loss_tokens = [sum(1 for t in labels[1:] if t != -100) for _ids, labels in examples]
         plan = plan_rank(lengths, world, rank, loss_tokens=loss_tokens, micro_batch_tokens=args.micro_batch_tokens)
         opt.zero_grad()
+        opt.set_step_weight(plan.weight)  # the gradients go out during the last backward, with the weight
         total = 0.0
-        for micro in plan.micro_batches:
+        for j, micro in enumerate(plan.micro_batches):
             batch = collate([examples[i] for i in micro], pad_id=data.pad_id)
             logits = model(input_ids=batch.input_ids, attention_mask=batch.input_ids != batch.pad_id).logits
             summed = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
                                                        ignore_index=-100, reduction="sum")
-            (summed * plan.loss_scale).backward()
+            last = j == len(plan.micro_batches) - 1
+            with contextlib.nullcontext() if last else opt.no_sync():  # only the last backward pushes
+                (summed * plan.loss_scale).backward()
             total += float(summed.detach())
-        opt.step(weight=plan.weight)
+        opt.step()
         schedule.step()
         if rank == 0:
             print(f"step {opt.version}/{args.steps} rank-0 loss/token {total / max(1, plan.loss_tokens):.4f} "

@@ -15,6 +15,7 @@ of each of its microbatches and steps with the plan's weight; a rank whose part 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -224,16 +225,31 @@ class _StepWork:
     micro_batches: int
 
 
-def _naive_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int], world_size: int) -> _StepWork:
+def _declare_weight(opt, weight: float | None) -> None:
+    """A PSOptimizer pushing during backward sends the step's weight with it: declared before."""
+    declare = getattr(opt, "set_step_weight", None)
+    if weight is not None and callable(declare):
+        declare(weight)
+
+
+def _accumulating(opt, last: bool):
+    """``opt.no_sync()`` around every backward of a step but the last (which pushes the sum)."""
+    no_sync = getattr(opt, "no_sync", None)
+    return contextlib.nullcontext() if last or not callable(no_sync) else no_sync()
+
+
+def _naive_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int], world_size: int, opt) -> _StepWork:
     batches = [workload.batch(step, r, world_size, tr.batch_size) for r in ranks]
     n_target = sum(b.n_target_tokens for b in batches)
+    weight = float(n_target) if tr.weight_by_tokens else None
     loss = _step_loss(workload, batches, tr.weight_by_tokens)
+    _declare_weight(opt, weight)
     loss.backward()
-    return _StepWork(float(loss.detach()), float(n_target) if tr.weight_by_tokens else None,
-                     sum(b.n_tokens for b in batches), n_target, 1)
+    return _StepWork(float(loss.detach()), weight, sum(b.n_tokens for b in batches), n_target, 1)
 
 
-def _balanced_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int], world_size: int) -> _StepWork:
+def _balanced_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int], world_size: int,
+                   opt) -> _StepWork:
     """Backpropagate this process's parts of the step's balanced global minibatch. One rank of a
     cluster backpropagates ``loss_scale * S_r`` (the PS takes the weighted mean); a process that
     runs every rank (``run_local``) applies the PS's mean itself, ``Σ_r w_r·loss_scale_r·S_r / Σ_r w_r``."""
@@ -241,18 +257,22 @@ def _balanced_step(workload: Workload, tr: TrainSpec, step: int, ranks: list[int
     examples = workload.examples_at(step * size, size)
     plans = balanced_plans(tr, examples, ranks, world_size)
     total_weight = sum(p.weight for p in plans.values()) if len(ranks) == world_size else None
+    weight = plans[ranks[0]].weight if total_weight is None else total_weight
+    _declare_weight(opt, weight)
     loss_sum, tokens, n_mb = 0.0, 0, 0
+    left = sum(len(plan.micro_batches) for plan in plans.values())
     for plan in plans.values():
         scale = plan.loss_scale if total_weight is None else plan.weight * plan.loss_scale / total_weight
         for mb in plan.micro_batches:
             b = workload.collate([examples[i] for i in mb])
             summed = (_token_losses(workload, b.input_ids, b.targets) * b.loss_mask.reshape(-1).float()).sum()
-            (scale * summed).backward()
+            left -= 1
+            with _accumulating(opt, last=left == 0):
+                (scale * summed).backward()
             loss_sum += float(summed.detach())
             tokens += b.n_tokens
             n_mb += 1
     target = sum(p.loss_tokens for p in plans.values())
-    weight = plans[ranks[0]].weight if total_weight is None else total_weight
     return _StepWork(loss_sum / target if target else float("nan"), weight, tokens, target, n_mb)
 
 
@@ -310,7 +330,7 @@ def _train(spec: JobSpec, make_optimizer, ranks: list[int], world_size: int, pro
                 set_lr(tr.lr_at(step))
             opt.zero_grad()
             t_compute = time.perf_counter()
-            work = compute_step(workload, tr, step, ranks, world_size)
+            work = compute_step(workload, tr, step, ranks, world_size, opt)
             result.compute_seconds.append(time.perf_counter() - t_compute)
             opt.step(weight=work.weight)
             loss_value, n_tokens = work.loss, work.tokens

@@ -824,7 +824,9 @@ class Client:
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
-        if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):  # BSP pushes: the PS may step a block early
+        # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
+        # needs them before the commits arrive.
+        if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):
             if isinstance(self.lr, tuple):
                 header.group_lrs.extend(self.lr)
             else:

@@ -163,6 +163,12 @@ class _StoppableOptimizer:
     def step(self, weight: float | None = None) -> int:
         return self.opt.step(weight=weight)
 
+    def set_step_weight(self, weight: float) -> None:
+        self.opt.set_step_weight(weight)
+
+    def no_sync(self):
+        return self.opt.no_sync()
+
 
 def _write_json(path: str | None, data: dict) -> None:
     if not path:

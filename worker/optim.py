@@ -2,12 +2,16 @@
 
 ``step()`` pushes the gradients (blocks whose gradient is exactly zero go as a flag), commits the
 step under BSP, waits server-side for the cluster to apply it, and pulls only the blocks that
-changed straight into the parameters. The optimizer math runs on the PS nodes.
+changed straight into the parameters. The optimizer math runs on the PS nodes. With ``overlap``
+the push and the commit already go out during backward (worker/overlap.py), and with
+``prefetch_window=1`` the pull streams in forward order (worker/priority_pull.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import threading
 import time
@@ -21,6 +25,8 @@ from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 from shardline.worker import metrics
+from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, bucket_cap_bytes
+from shardline.worker.priority_pull import PriorityPull
 
 
 def _env_int(name: str, default: int) -> int:
@@ -121,11 +127,31 @@ class PSOptimizer(torch.optim.Optimizer):
     ranks' gradients of that step, but those gradients may come from parameters up to s steps old:
     BSP's equality with torch.optim no longer holds (docs/architecture.md, "SSP").
 
+    ``overlap`` (default True): push during backward, as DDP's reducer all-reduces. Post-accumulate-
+    grad hooks push each bucket of about ``bucket_cap_mb`` MiB of gradients (reverse layer order,
+    then the order the first backward produced them) from a background thread as soon as all its
+    gradients are final, while backward goes on; when backward ends the rest goes out with the
+    commit, and ``step()`` only waits for it (and for the pull). What went out must be what
+    ``step()`` would send: the lrs of ``param_groups`` are read when backward starts pushing (set
+    them, i.e. step the scheduler, before backward; a change made after is a ShardlineConfigError
+    at ``step()``), and so is the weight: declare it before backward with
+    ``opt.set_step_weight(w)`` (``step(weight=w)`` then only checks it). Gradient accumulation:
+    run every backward but the last of a step inside ``with opt.no_sync():`` (a second backward
+    outside it is refused at ``step()``). Gradients changed after backward (scaled, clipped on
+    the worker) are not seen: use ``overlap=False`` for that. ``step()`` with gradients but no
+    backward since the last step (set by hand, or accumulated only under ``no_sync``) pushes them
+    itself. An error of a background push (NaN gradient, node lost past ``recovery_timeout``) is
+    raised by ``step()``; the step is then not committed.
+
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker
-    prepares its next batch while the slowest finishes) until the parameters are next used: any
-    ``nn.Module`` forward, ``zero_grad()``, ``step()`` or ``wait()`` first waits for it. Code that
-    reads the parameters outside a module's forward must call ``wait()``. ``close()`` when done.
+    prepares its next batch while the slowest finishes) until the parameters are next used.
+    With ``priority_pull`` (default True) it pulls in forward order (learnt from the first
+    forward) and each module's forward waits only for its own parameters, so the next forward
+    starts once its first layer arrived; ``step()``, ``wait()`` and ``zero_grad(set_to_none=False)``
+    wait for all of it. Without it any ``nn.Module`` forward and ``zero_grad()`` wait for the whole
+    pull. Code that reads the parameters outside their own module's forward must call ``wait()``.
+    ``opt.forward_wait_seconds`` adds up what module forwards waited for pulls. ``close()`` when done.
     ``cluster_token``/``tls_ca`` default to the files named by ``SHARDLINE_CLUSTER_TOKEN_FILE`` /
     ``SHARDLINE_TLS_CA_FILE`` (what ``shardline up`` prints), else none.
     ``straggler_warning_seconds``: a step still waiting this long for other ranks logs a WARNING
@@ -150,11 +176,16 @@ class PSOptimizer(torch.optim.Optimizer):
                  worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
                  tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+                 overlap: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
                  **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
                 f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
+        for key, value in (("overlap", overlap), ("priority_pull", priority_pull)):
+            if not isinstance(value, bool):
+                raise ShardlineConfigError(f"{key} must be True or False, got {value!r}")
+        cap_bytes = bucket_cap_bytes(bucket_cap_mb)
         defaults_config = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)
         if metrics_port is not None:  # refuse a bad metrics address before joining the job
@@ -170,7 +201,15 @@ class PSOptimizer(torch.optim.Optimizer):
         self._pending = None        # background pull of the last step (prefetch_window 1)
         self._pending_lock = threading.Lock()
         self._hook = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-prefetch")
+        # The one thread that talks to the cluster while the training thread computes (pushes
+        # during backward, the prefetching pull): the client is never used by two threads at once.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-comm")
+        self._cap_bytes = cap_bytes
+        self._step_weight: float | None = None   # set_step_weight(), for the next step
+        self._pusher: BackwardPusher | None = None
+        self._priority: PriorityPull | None = None
+        self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
+        self._forward_wait_observed = 0.0  # ... of which the pull-wait metric has seen
         self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
@@ -219,6 +258,12 @@ class PSOptimizer(torch.optim.Optimizer):
                 self._copy_back.append((name, p))
         self.client.join([n for n, _ in self.params])
         self._sync_copies()
+        if overlap:
+            self._pusher = BackwardPusher(self.params, send=self._send, submit=self._executor.submit,
+                                          round_info=self._round_info, cap_bytes=cap_bytes)
+        if prefetch_window == 1 and priority_pull:
+            self._priority = PriorityPull(self.params, cap_bytes)
+            self._install_forward_hook()  # the first forward teaches the order
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
         if metrics_port is not None:
@@ -308,6 +353,10 @@ class PSOptimizer(torch.optim.Optimizer):
             else:
                 self._copy_back.append((name, p))
         self._check_job_groups(self.client.spec, {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]})
+        if self._pusher is not None:  # hooks on the parameters that train now
+            self._pusher.reset(self.params)
+        if self._priority is not None:
+            self._priority = PriorityPull(self.params, self._cap_bytes)
         self._pull()  # the other ranks receive the new tensors
 
     def _step_lrs(self) -> float | tuple[float, ...]:
@@ -345,10 +394,11 @@ class PSOptimizer(torch.optim.Optimizer):
         super().load_state_dict(rest)
         self._step_lrs()  # the same fixed hyperparameters, else a clear error now
 
-    def _sync_copies(self) -> None:
+    def _sync_copies(self, names=None) -> None:
         with torch.no_grad():
             for name, p in self._copy_back:
-                p.copy_(self.client._values[name].view(p.shape))
+                if names is None or name in names:
+                    p.copy_(self.client._values[name].view(p.shape))
 
     @property
     def version(self) -> int:
@@ -364,10 +414,13 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None, *, weight: float | None = None):
         """Push gradients, commit (BSP, SSP) with every group's lr, wait for the applied step (SSP:
-        the step ``staleness`` before it) and pull changed blocks.
+        the step ``staleness`` before it) and pull changed blocks. With ``overlap`` a backward since
+        the last step already pushed and committed: this waits for that and checks it sent this
+        step's lrs and weight.
 
         ``weight`` is this worker's weight in the mean over workers (default 1); pass the number of
-        tokens of an imbalanced batch. Returns the closure's loss if one is given (torch.optim's
+        tokens of an imbalanced batch (with ``overlap``, declare it before backward with
+        :meth:`set_step_weight`). Returns the closure's loss if one is given (torch.optim's
         contract), else the new version.
         """
         loss = None
@@ -375,10 +428,17 @@ class PSOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.wait()
-        lrs = self._step_lrs()
-        grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
-        self.client.lr = lrs
-        self.client.push(grads, weight=1.0 if weight is None else float(weight))
+        declared, self._step_weight = self._step_weight, None
+        sent = self._pusher.finish() if self._pusher is not None else None
+        if weight is not None:
+            weight = self._check_weight(weight)
+        if sent is None:
+            lrs = self._step_lrs()
+            grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
+            self.client.lr = lrs
+            self.client.push(grads, weight=weight or declared or 1.0)
+        else:
+            self._check_sent(*sent, declared if weight is None else weight)
         if self.prefetch_window == 0:
             started = time.perf_counter()
             self._pull()
@@ -387,15 +447,76 @@ class PSOptimizer(torch.optim.Optimizer):
             # The pull of the new version runs while the caller prepares the next batch; whatever
             # reads the parameters next (a module's forward, zero_grad, step, wait) waits for it first.
             with self._pending_lock:
-                self._pending = self._executor.submit(self._pull)
-            if self._hook is None:
-                self._hook = torch.nn.modules.module.register_module_forward_pre_hook(lambda _m, _a: self.wait())
+                if self._priority is not None:
+                    chunks = self._priority.begin()
+                    self._pending = self._executor.submit(self._priority.run, chunks, self._pull_chunk)
+                else:
+                    self._pending = self._executor.submit(self._pull)
+            self._install_forward_hook()
         self._metrics.stepped()
         return loss if closure is not None else self.version
+
+    def _check_sent(self, sent_weight: float, sent_lrs, weight: float | None) -> None:
+        """What backward pushed and committed must be what this step() would have sent."""
+        lrs = self._step_lrs()
+        if lrs != sent_lrs:
+            raise ShardlineConfigError(
+                f"the learning rates changed from {sent_lrs!r} to {lrs!r} after backward pushed this step with "
+                f"them (overlap): set the lr (step the scheduler) before backward, or pass overlap=False")
+        if weight is not None and weight != sent_weight:
+            raise ShardlineConfigError(
+                f"this step's weight is {weight!r} but backward already pushed it with weight {sent_weight!r} "
+                f"(overlap): declare the weight before backward with opt.set_step_weight({weight!r}), or pass "
+                f"overlap=False")
+
+    @staticmethod
+    def _check_weight(weight) -> float:
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                or not (math.isfinite(weight) and weight > 0):
+            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        return float(weight)
+
+    def set_step_weight(self, weight: float) -> None:
+        """This worker's weight for the next step (what ``step(weight=...)`` passes), declared
+        before its backward: with ``overlap`` every pushed block carries it."""
+        self._step_weight = self._check_weight(weight)
+
+    def no_sync(self):
+        """``with opt.no_sync():`` backward inside only accumulates gradients (gradient
+        accumulation, DDP's idiom); the next backward outside pushes the accumulated sum."""
+        return self._pusher.no_sync() if self._pusher is not None else contextlib.nullcontext()
+
+    def _round_info(self) -> tuple[float, object]:
+        """The weight and lrs a step's pushes carry, when its first bucket goes out (training thread)."""
+        return (1.0 if self._step_weight is None else self._step_weight), self._step_lrs()
+
+    def _send(self, grads: dict, weight: float, lrs, commit: bool) -> None:
+        """A bucket of a step (communication thread)."""
+        self.client.lr = lrs
+        self.client.push(grads, weight=weight, commit=commit)
+
+    def _install_forward_hook(self) -> None:
+        if self._hook is None:
+            self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
+
+    def _before_forward(self, module, _args) -> None:
+        started = time.perf_counter()
+        try:
+            if self._priority is None or not self._priority.before_forward(module):
+                self.wait()  # the whole pull (or its error)
+        finally:
+            self.forward_wait_seconds += time.perf_counter() - started
 
     def _pull(self) -> None:
         self.client.pull_changed()
         self._sync_copies()
+        self._metrics.transferred(self.client.stats, self.version)
+
+    def _pull_chunk(self, indices: list[int]) -> None:
+        """One chunk of a priority pull (communication thread)."""
+        names = [self.params[i][0] for i in indices]
+        self.client.pull_changed(names)
+        self._sync_copies(set(names))
         self._metrics.transferred(self.client.stats, self.version)
 
     @property
@@ -410,8 +531,13 @@ class PSOptimizer(torch.optim.Optimizer):
             pending, self._pending = self._pending, None
         if pending is not None:
             started = time.perf_counter()
-            pending.result()  # re-raises the pull's error in the training thread
-            self._metrics.waited(time.perf_counter() - started)
+            try:
+                pending.result()  # re-raises the pull's error in the training thread
+            finally:
+                # one observation per step: with the priority pull, what forwards waited counts too
+                in_forward, self._forward_wait_observed = (self.forward_wait_seconds - self._forward_wait_observed,
+                                                           self.forward_wait_seconds)
+                self._metrics.waited(time.perf_counter() - started + in_forward)
 
     @property
     def lr(self) -> float:
@@ -427,7 +553,10 @@ class PSOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._metrics.start()
-        self.wait()
+        # Dropping the gradients needs no wait; zeroing them in place must wait until the step is
+        # applied (until then the client may resend them to a restarted node).
+        if self._priority is None or not set_to_none:
+            self.wait()
         super().zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
@@ -437,6 +566,8 @@ class PSOptimizer(torch.optim.Optimizer):
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
+            if self._pusher is not None:
+                self._pusher.remove()
             self._executor.shutdown(wait=True)
             self.client.close()
             if self._metrics_server is not None:

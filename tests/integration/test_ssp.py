@@ -40,7 +40,8 @@ def batch(step: int, rank: int, n: int = 16):
 def run_worker(address, job, rank, model, sync, staleness, out, errors, restart_after=None, prefetch=0):
     """One rank's training loop; ``restart_after``: (rank 0) after that step, stop (close) and start
     again as a new worker process of the rank would, resuming at ``opt.version``. The parameters
-    are recorded after ``zero_grad()``, which waits for a pull still running (``prefetch``)."""
+    are recorded after ``wait()`` for a pull still running (``prefetch``): code reading them outside
+    their module's forward must wait (the priority pull lets each forward wait only for its own)."""
     try:
         def connect():
             return PSOptimizer(model, cluster=address, job=job, optimizer="adamw", lr=LR, sync=sync,
@@ -54,6 +55,7 @@ def run_worker(address, job, rank, model, sync, staleness, out, errors, restart_
         while step < STEPS:
             x, y = batch(step, rank)
             opt.zero_grad()
+            opt.wait()
             params = {n: p.detach().clone() for n, p in model.named_parameters()}
             nn.functional.mse_loss(model(x), y).backward()
             if rank == 1:

@@ -180,11 +180,11 @@ def main(argv):
         while gate and step >= _allowed(gate):
             time.sleep(0.02)
         tokens, targets = batch(step, rank)
+        if schedule == "schedule":  # before backward: with overlap, backward pushes with the step's lr
+            opt.set_lr(scheduled_lr(optimizer, step))
         opt.zero_grad()
         loss = loss_fn(model, tokens, targets)
         loss.backward()
-        if schedule == "schedule":
-            opt.set_lr(scheduled_lr(optimizer, step))
         opt.step()
         losses.append(loss.item())
         if progress_file:
