@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 # Data-plane requests: ~150 µs ping-pong on loopback up to pulls that wait for a BSP barrier.
@@ -172,7 +172,10 @@ class NodeCollector(Collector):
         committed = GaugeMetricFamily("shardline_ps_bsp_committed_workers",
                                       "BSP: workers that committed the step being collected (world size reached: applied)",
                                       labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed]
+        early = CounterMetricFamily("shardline_ps_blocks_applied_early",
+                                    "BSP: blocks whose step was computed when every worker's gradient had arrived, "
+                                    "before the commits (pipelined apply)", labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -181,6 +184,7 @@ class NodeCollector(Collector):
                 step.add_metric([name], job.step)
                 world.add_metric([name], job.world_size)
                 committed.add_metric([name], len(getattr(job, "committed", ()) or ()))
+                early.add_metric([name], getattr(job, "applied_early", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

@@ -391,7 +391,8 @@ class PSNode:
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, torch.uint8, ref.scale) if ref.dtype == dp.SIGN1
                 else PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
                 for ref in header.blocks]
-        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header))
+        return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header),
+                                   commit_follows=header.commit_follows)
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
         reply = self._reply(header)

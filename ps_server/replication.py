@@ -15,6 +15,12 @@ Protocol (ps_server/placement.py says who holds what):
   ``replication_timeout`` is dropped from the job's in-sync set (and re-syncs when it can), so no
   step a worker has seen is held by fewer than the surviving in-sync nodes. A block with no
   holder in sync yet waits for the first holder's sync (it carries the block) instead.
+* **Ahead of the commits.** A block its primary stepped before the step's commits (pipelined
+  apply, ps_server/store.py) has its copies sent at once, flagged ``staged``: holders keep them
+  apart (neither installed nor visible). Once the step is applied the primary names them in the
+  step's frame as a carried block (no payload), which installs them, so visibility waits only
+  for that header's ack; a holder that lacks them answers an error and is dropped (it syncs
+  again). A holder that was not sent them in its current in-sync round gets the full copy.
 * **Handover.** A block that changes primary mid-step takes along the gradients its old primary
   collected (``hand_over``): pushes at the new primary wait for them, briefly.
 * **In sync.** A node becomes in sync for a job with a primary by asking it (``OP_SYNC`` naming
@@ -39,6 +45,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -261,6 +268,8 @@ class Replicator:
         self._failed: set[str] = set()          # jobs whose sync requests failed: asked again
         self._unowned: dict[str, dict] = {}    # job -> key -> when it stopped being owned here
         self._sync_waits: dict[str, list[_SyncWait]] = {}
+        # job -> key -> (Staged, {holder: in-sync round}): copies of blocks stepped ahead, sent
+        self._sent_ahead: dict[str, dict] = {}
 
     def codec(self, job: JobStore) -> BlockCodec:
         codec = self._codecs.get(job.name)
@@ -270,10 +279,12 @@ class Replicator:
 
     def attach(self, job: JobStore) -> None:
         job.apply_hooks.append(self.on_applied)
+        job.stage_hooks.append(self.on_staged)
 
     def forget(self, name: str) -> None:
         with self._lock:
-            for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned, self._sync_waits):
+            for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned, self._sync_waits,
+                          self._sent_ahead):
                 table.pop(name, None)
 
     def in_sync(self, name: str) -> dict[str, int]:
@@ -298,6 +309,30 @@ class Replicator:
     def _header(self, op: int, job: JobStore, **fields) -> frame.FrameHeader:
         return frame.FrameHeader(op=op, request_id=next(self._request_ids), job=job.name,
                                  epoch=self.node.routing.epoch, node=self.node.node_id, revision=job.revision, **fields)
+
+    # stage hook (the job lock is held): send copies of blocks stepped ahead of the commits
+    def on_staged(self, job: JobStore, items: list) -> None:
+        holders = self.in_sync(job.name)
+        if not holders or not items:
+            return
+        placement = place(self.node.routing, job.spec)
+        me = self.node.node_id
+        by_peer: dict[str, list] = {}
+        sent = {}
+        for key, staged in items:
+            peers = [p for p in placement.copies_of(key) if p != me and p in holders]
+            copy = SimpleNamespace(value=staged.value, state=staged.state, version=staged.step + 1, step=staged.step + 1)
+            for peer in peers:
+                by_peer.setdefault(peer, []).append((key, copy))
+            if peers:
+                sent[key] = (staged, {peer: holders[peer] for peer in peers})
+        with self._lock:
+            self._sent_ahead.setdefault(job.name, {}).update(sent)
+        for peer, copies in by_peer.items():
+            refs, payloads = copy_refs(self.codec(job), copies)
+            header = self._header(dp.OP_REPLICATE, job, step=copies[0][1].step, blocks=refs, staged=True,
+                                  payload_bytes=sum(r.nbytes for r in refs))
+            self.links.link(peer).send(_Send(header, payloads))  # a failure shows at the step's frame
 
     # apply hook (the job lock is held): send copies of what was applied, wait for the acks
     def on_applied(self, job: JobStore, step: int, items: list) -> bool:
@@ -328,9 +363,17 @@ class Replicator:
         pending = _Pending(job, step, protected, set(by_peer))
         rounds = {peer: holders[peer] for peer in by_peer}
         copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
+        with self._lock:
+            table = self._sent_ahead.get(job.name, {})
+            ahead = {key: table.pop(key) for key, _block in items if key in table}
+
+        def sent_ahead(key, block, peer) -> bool:  # the peer holds this very step of the block already
+            staged, peers = ahead.get(key, (None, {}))
+            return staged is not None and block.value is staged.value and peers.get(peer) == rounds[peer]
+
         for peer, items in by_peer.items():
-            stepped = [(k, b) for k, b in items if b.version == step + 1]
-            carried = [(k, b) for k, b in items if b.version != step + 1]
+            stepped = [(k, b) for k, b in items if b.version == step + 1 and not sent_ahead(k, b, peer)]
+            carried = [(k, b) for k, b in items if b.version != step + 1 or sent_ahead(k, b, peer)]
             refs, payloads = copy_refs(self.codec(job), stepped)
             if copy:
                 payloads = [bytes(p) for p in payloads]
@@ -504,6 +547,8 @@ class Replicator:
         if header.handover:
             self._handle_handover(job, header, payload)
             return
+        if header.staged and header.sync_reply:
+            raise StoreError("INVALID_ARGUMENT", "a sync reply carries no copies stepped ahead")
         view = self.node.routing
         placement = place(view, job.spec)
         codec = self.codec(job)
@@ -525,6 +570,9 @@ class Replicator:
             offset += ref.nbytes
             value, state = codec.unpack(numel, flat)
             copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
+        if header.staged:
+            job.hold_copies(copies)
+            return
         job.apply_copies(copies)
         if carried:
             job.carry_copies(carried)

@@ -21,6 +21,16 @@ Sync modes (SPEC "Training semantics"):
 * **ASP** — each push frame is applied on arrival as one update (weights ignored); the job step
   counts applied frames and touched blocks take the new step as their version.
 
+**Pipelined apply** (BSP without ``max_grad_norm``): a block whose gradient from every rank of the
+step arrived here (a zero flag counts), with every rank's pushes naming the step's lrs, is stepped
+at once by the push that completed it — outside the lock, on private copies of its value and state
+(``Staged``) — so the optimizer work overlaps the other blocks' pushes and the slowest rank's
+backward. Nothing else changes: the block keeps its step, its visible value, its gradient sum and
+its pushers until the commits complete the step; then ``_apply_ready`` installs the staged copies
+instead of stepping, provided the commits' total weight and lrs are the ones staged with (else it
+steps the kept gradient sum as before). Pulls, copies to replicas, checkpoints and handovers thus
+see exactly what they saw without it. A rank's commit must name the lrs its pushes named.
+
 Every mutating call validates the whole request before changing anything, so a rejected frame
 leaves no partial update behind.
 
@@ -64,6 +74,12 @@ RESERVATION_TIMEOUT_SECONDS = 60.0
 VISIBILITY_TIMEOUT_SECONDS = 10.0
 
 
+def _total_weight(weights) -> float:
+    """The sum of a step's weights, exactly rounded (math.fsum): the same whatever order the
+    pushes or commits that carry them arrived in."""
+    return math.fsum(weights)
+
+
 class StoreError(ShardlineError):
     """A request the store refuses; ``code`` is a dataplane ErrorCode name."""
 
@@ -105,6 +121,10 @@ class Block:
     awaiting_from: str = ""
     handed: set = field(default_factory=set)
     ahead: dict = field(default_factory=dict)    # SSP: step -> AheadGrads of a step after ``step``
+    staged: "Staged | None" = None   # the block stepped ahead of its step's commits (pipelined apply)
+    # A copy holder: (version, step, value, state) its primary stepped ahead and sent before the
+    # commits (OP_REPLICATE staged); installed when a later frame names it (carry_copies).
+    pending: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -115,6 +135,18 @@ class AheadGrads:
     has_grad: bool = False
     pushed_by: set = field(default_factory=set)
     received: set = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class Staged:
+    """A block stepped before its step's commits, with the weight total and lrs of the pushes;
+    ``value``/``state`` are private copies (None while still being computed)."""
+
+    step: int
+    total: float
+    lrs: tuple
+    value: torch.Tensor | None = None
+    state: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -159,6 +191,7 @@ class PushTicket:
     error: "StoreError | None" = None
     done: bool = False
     lr: "LRs" = None          # ASP: lr override for this update, one per parameter group
+    commit_follows: bool = False   # BSP: the rank commits next: its blocks are left for the commit
 
 
 @dataclass(frozen=True)
@@ -244,6 +277,10 @@ class JobStore:
         # Called as hook(job, step, sum_squares) under the lock when this node's share of a step is known.
         self.norm_hooks: list[Callable[["JobStore", int, float], None]] = []
         self.push_weights: dict[int, dict[int, float]] = {}
+        self.push_lrs: dict[int, dict[int, tuple]] = {}   # BSP: step -> rank -> the lrs its pushes named
+        self.applied_early = 0   # blocks whose step was computed before the commits (pipelined apply)
+        self.early_seconds = 0.0  # time spent stepping them (off the commit's path)
+        self.copies_ahead = 0     # copy holder: copies installed from frames sent before the commits
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
         self.uid = ""                       # the job incarnation (dispatcher JobInfo.uid)
@@ -255,6 +292,9 @@ class JobStore:
         # through ``step``, as (key, block) pairs; returns True if copy holders must ack first
         # (then mark_visible makes them visible).
         self.apply_hooks: list[Callable[["JobStore", int, list], bool]] = []
+        # Called as hook(job, items) under the lock with blocks stepped ahead of their step's
+        # commits, as (key, Staged) pairs (replication sends the copies ahead).
+        self.stage_hooks: list[Callable[["JobStore", list], None]] = []
 
     def extend(self, spec: common_pb2.JobSpec) -> bool:
         """Take the job's newer revision ``spec`` (the dispatcher's): its new tensors, its unfrozen
@@ -377,6 +417,22 @@ class JobStore:
             raise StoreError("INVALID_ARGUMENT",
                              f"rank {rank}'s {what} for step {step} has weight {weight!r}, its pushes had {pushed!r}")
 
+    def _check_push_lr(self, what: str, rank: int, step: int, lrs: "LRs") -> None:
+        """A rank's pushes and commit of a step name one lr (its pushes' lrs may step blocks before
+        the commits: a commit naming others is refused, never applied). Call with the lock held."""
+        pushed = self.push_lrs.get(step, {}).get(rank)
+        if pushed is not None and pushed != lrs:
+            raise StoreError("INVALID_ARGUMENT",
+                             f"rank {rank}'s {what} for step {step} has lr {lrs!r}, its pushes had {pushed!r}")
+
+    def _push_lrs(self, lr) -> "LRs":
+        """A push's lrs (see group_lrs). A BSP push carries them only so that blocks may be stepped
+        before the commits: one naming another number of groups (resent from before
+        add_param_group added one) carries none."""
+        if self.collects and isinstance(lr, (tuple, list)) and len(lr) != len(self.group_optimizers):
+            return None
+        return self.group_lrs(lr)
+
     # --- pushes ---------------------------------------------------------------------------
     # A push is begun (validated, destinations chosen), its blocks are received one by one and
     # checked as each arrives (so the check overlaps the rest of the transfer), then finished
@@ -385,7 +441,7 @@ class JobStore:
     # as do compressed (sign) blocks, decoded into the gradient buffer when the push finishes.
 
     def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None,
-                   lr: float | None = None) -> "PushTicket":
+                   lr: float | None = None, commit_follows: bool = False) -> "PushTicket":
         """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
 
         ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
@@ -404,7 +460,7 @@ class JobStore:
             if ref.scale is not None and not ref.zero and self.compression != "sign":
                 raise StoreError("INVALID_ARGUMENT", f"job {self.name!r} has compression {self.compression!r}: it takes "
                                                      f"no sign-compressed gradients ({ref.tensor}[{ref.index}])")
-        ticket = PushTicket(rank, step, weight, refs, lr=self.group_lrs(lr))
+        ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr), commit_follows=commit_follows)
         with self.cond:
             self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
@@ -418,6 +474,8 @@ class JobStore:
                                                     f"retry shortly")
             if self.collects:
                 self._check_push_weight("push", rank, step, weight)
+                if ticket.lr is not None:
+                    self._check_push_lr("push", rank, step, ticket.lr)
                 seen = set()
                 for ref, block in zip(refs, blocks):
                     if block in seen:
@@ -430,6 +488,8 @@ class JobStore:
                     ticket.resent.append(block.step > step or rank in self._collector(block, step).pushed_by)
                 if not all(ticket.resent):
                     self.push_weights.setdefault(step, {})[rank] = weight
+                    if ticket.lr is not None:
+                        self.push_lrs.setdefault(step, {})[rank] = ticket.lr
                 for block, resent in zip(blocks, ticket.resent):
                     if not resent:
                         self._collector(block, step).pushed_by.add(rank)  # claimed now; released again by abort_push
@@ -487,9 +547,9 @@ class JobStore:
                 if block.step < ticket.step:  # SSP: a step after the one the block collects
                     self._collect_ahead(block, ticket, ref, dest, resent)
                     continue
-                if not resent and block.step == ticket.step:
-                    block.received.add(ticket.rank)
                 if dest is None or resent:
+                    if not resent and block.step == ticket.step:
+                        block.received.add(ticket.rank)
                     continue
                 if block.step != ticket.step:  # applied (or handed over) while the push was in flight
                     self._release(ticket)
@@ -499,6 +559,7 @@ class JobStore:
                     if w != 1.0:
                         block.grad_buf.mul_(w)
                     block.has_grad = True
+                    block.received.add(ticket.rank)
                     continue
                 # Another rank may still be receiving this block's first gradient into grad_buf.
                 if not self.cond.wait_for(lambda: block.receiving is None, timeout=RESERVATION_TIMEOUT_SECONDS):
@@ -506,9 +567,17 @@ class JobStore:
                     raise StoreError("TIMEOUT", f"rank {block.receiving} did not finish sending block gradients "
                                                 f"within {RESERVATION_TIMEOUT_SECONDS:g} s")
                 _add_weighted(block, block.value, ref, dest, w)
+                # Received only once added: the wait above releases the lock, and a handover or an
+                # early step taken meanwhile must not count a rank whose gradient is not in the sum.
+                if block.step == ticket.step:
+                    block.received.add(ticket.rank)
             ticket.done = True
+            early = self._stage_early(ticket)
+            job_step = self.step
             self.cond.notify_all()
-            return self.step
+        if early:
+            self._step_early(early)
+        return job_step
 
     def abort_push(self, ticket: "PushTicket") -> None:
         """Forget a push that failed or whose connection broke: nothing of it stays."""
@@ -526,6 +595,7 @@ class JobStore:
                 self._collector(block, ticket.step).pushed_by.discard(ticket.rank)
         if self.collects and not any(ticket.rank in self._pushed_by(b, ticket.step) for b in self.blocks.values()):
             self.push_weights.get(ticket.step, {}).pop(ticket.rank, None)
+            self.push_lrs.get(ticket.step, {}).pop(ticket.rank, None)
         self.cond.notify_all()
 
     # --- SSP: steps ahead of a block's ------------------------------------------------------
@@ -583,12 +653,14 @@ class JobStore:
             raise StoreError("TIMEOUT", f"the replicas of job {self.name!r} did not acknowledge its newest step "
                                         f"within {VISIBILITY_TIMEOUT_SECONDS:g} s")
 
-    def push(self, rank: int, step: int, weight: float, items: list[PushItem]) -> int:
-        """Push already-received gradients in one call (same path as the data plane). Returns the job step."""
+    def push(self, rank: int, step: int, weight: float, items: list[PushItem], lr: float | tuple | None = None,
+             commit_follows: bool = False) -> int:
+        """Push already-received gradients in one call (same path as the data plane; ``lr`` and
+        ``commit_follows`` as a frame's). Returns the job step."""
         refs = [PushRef(i.tensor, i.index, i.grad is None, 0 if i.grad is None else i.grad.numel(),
                         torch.float32 if i.grad is None else i.grad.dtype) for i in items]
         scratch = bytearray(sum(0 if i.grad is None else i.grad.numel() * i.grad.element_size() for i in items))
-        ticket = self.begin_push(rank, step, weight, refs, scratch)
+        ticket = self.begin_push(rank, step, weight, refs, scratch, lr=lr, commit_follows=commit_follows)
         for n, item in enumerate(items):
             if item.grad is not None:
                 ticket.dests[n].copy_(item.grad.reshape(-1))
@@ -626,6 +698,7 @@ class JobStore:
                 raise StoreError("STALE_STEP", f"rank {rank} already committed step {step} with weight {previous[0]!r}, "
                                                f"not {weight!r}")
             self._check_push_weight("commit", rank, step, weight)
+            self._check_push_lr("commit", rank, step, lr)
             if record and step in self.step_lrs and lr != self.step_lrs[step] and previous is None:
                 raise StoreError("INVALID_ARGUMENT",
                                  f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lrs[step]!r}")
@@ -662,7 +735,7 @@ class JobStore:
             return all(epoch >= block.since_epoch or rank in block.handed for rank, (_w, epoch) in record.items())
 
         ready = [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
-        total = sum(weight for weight, _epoch in record.values())
+        total = _total_weight(weight for weight, _epoch in record.values())
         coef = 1.0
         if self.max_grad_norm and ready:
             coef = self.clip_coefs.get(step)
@@ -670,20 +743,29 @@ class JobStore:
                 self._share_norm(step, ready, total)
                 return
         lrs = self.step_lrs.get(step)
+        stepping = []   # (group, value, mean gradient, state): stepped together below
         for key, block in ready:
             if block.pushed_by:
-                grad = None
-                if block.has_grad:
-                    grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
-                    if coef < 1.0:
-                        grad.mul_(coef)
-                group = self.tensors[key[0]].group
-                self.group_optimizers[group].step(block.value, grad, block.state, lr=None if lrs is None else lrs[group])
+                staged = block.staged
+                if (staged is not None and staged.value is not None and coef == 1.0 and staged.step == step
+                        and staged.total == total and staged.lrs == lrs):
+                    block.value, block.state = staged.value, staged.state   # stepped when its pushes completed
+                    self.applied_early += 1
+                else:
+                    grad = None
+                    if block.has_grad:
+                        grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
+                        if coef < 1.0:
+                            grad.mul_(coef)
+                    stepping.append((self.tensors[key[0]].group, block.value, grad, block.state))
                 block.version = step + 1
+        self._step_blocks(stepping, lrs)
+        for key, block in ready:
             block.step = step + 1
             block.since_epoch = block.since_epoch if self.staleness else 0  # SSP: see _take_ahead
             block.has_grad = False
             block.pushed_by, block.received, block.handed, block.awaiting = set(), set(), set(), 0.0
+            block.staged = None
             self._take_ahead(block)
         wait_for_replicas = False
         for hook in self.apply_hooks:
@@ -698,6 +780,72 @@ class JobStore:
         self.cond.notify_all()
         if self.staleness:
             self._apply_ready(step + 1)  # SSP: the next step may have been complete already
+
+    def _step_blocks(self, items: list, lrs: "LRs") -> None:
+        """Step ``(group, value, grad, state)`` items, each group's blocks in one multi-tensor call
+        (BlockOptimizer.step_many) at the group's lr of ``lrs`` (None: its own)."""
+        by_group: dict[int, list] = {}
+        for group, value, grad, state in items:
+            by_group.setdefault(group, []).append((value, grad, state))
+        for group, blocks in sorted(by_group.items()):
+            values, grads, states = (list(column) for column in zip(*blocks))
+            self.group_optimizers[group].step_many(values, grads, states, lr=None if lrs is None else lrs[group])
+
+    def all_pushed(self, block: Block, step: int) -> bool:
+        """Whether every rank's gradient (or zero flag) of ``step`` for ``block`` arrived here: none
+        is still being received, none came by a handover (its weight is another node's). Call with
+        the lock held."""
+        return (block.primary and block.step == step and len(block.received) == self.world_size
+                and block.receiving is None and not block.handed and not block.awaiting)
+
+    def _stage_early(self, ticket: "PushTicket") -> list:
+        """Pipelined apply, first half (the lock held): the blocks of a finished BSP push that every
+        rank has now pushed, marked as being stepped early, when that is safe: no clipping (it
+        needs every block's norm first) and every rank's pushes named the same lrs (an older
+        client's carry none) and weight; and useful: not when the pusher commits next (the commit
+        steps them one round trip later without the copies). Returns ``(group, block, Staged)`` items for _step_early."""
+        step = ticket.step
+        if self.sync != "bsp" or self.max_grad_norm or ticket.commit_follows:
+            return []
+        weights, lrs = self.push_weights.get(step, {}), self.push_lrs.get(step, {})
+        if len(weights) < self.world_size or len(lrs) < self.world_size:
+            return []
+        step_lrs = next(iter(lrs.values()))
+        if any(v != step_lrs for v in lrs.values()):
+            return []  # the commits will refuse the ranks that differ
+        total = _total_weight(weights.values())
+        items = []
+        for ref, block in zip(ticket.refs, ticket.blocks):
+            if block.staged is None and block.pushed_by and self.all_pushed(block, step):
+                block.staged = Staged(step, total, step_lrs)
+                items.append((self.tensors[ref.tensor].group, (ref.tensor, ref.index), block, block.staged))
+        return items
+
+    def _step_early(self, items: list) -> None:
+        """Pipelined apply, second half (the lock not held): step private copies of the staged
+        blocks; a block that was applied, handed over or dropped meanwhile (its ``staged`` is no
+        longer this one) discards its copies. Only this call writes the copies; the block's own
+        value, state and gradient sum are only read (they change only after ``staged`` did)."""
+        started = time.perf_counter()
+        stepping, done = [], []
+        for group, key, block, staged in items:
+            value = block.value.clone()
+            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}
+            grad = None
+            if block.has_grad:
+                grad = block.grad_buf if staged.total == 1.0 else torch.div(block.grad_buf, staged.total)
+            stepping.append((group, value, grad, state))
+            done.append((key, block, staged, value, state))
+        self._step_blocks(stepping, items[0][3].lrs)
+        with self.cond:
+            installed = []
+            for key, block, staged, value, state in done:
+                if block.staged is staged:
+                    staged.value, staged.state = value, state
+                    installed.append((key, staged))
+            for hook in self.stage_hooks:
+                hook(self, installed)
+            self.early_seconds += time.perf_counter() - started
 
     def _share_norm(self, step: int, ready: list, total: float) -> None:
         """With clipping, a step waits for the global norm: once every block this node applies can
@@ -747,7 +895,7 @@ class JobStore:
     def _forget_old_steps(self) -> None:
         oldest = min((b.step for b in self.blocks.values() if b.primary), default=self.step)
         oldest = min(oldest, self.step)
-        for table in (self.commits, self.step_lrs, self.push_weights, self.norm_shares, self.clip_coefs):
+        for table in (self.commits, self.step_lrs, self.push_weights, self.push_lrs, self.norm_shares, self.clip_coefs):
             for s in [s for s in table if s < oldest - 1]:  # keep the last applied step's record for adoption
                 del table[s]
 
@@ -787,7 +935,9 @@ class JobStore:
     # --- replicas and ownership -------------------------------------------------------------
     def apply_copies(self, copies: list) -> None:
         """Install blocks sent by their primary (replication, a sync or a migration): each item is
-        ``(tensor, index, version, step, value, state)``; a copy older than the one held is ignored."""
+        ``(tensor, index, version, step, value, state)``; a copy older than the one held is ignored.
+        ``value`` and the state's tensors become the block's own (private copies the caller hands
+        over, as BlockCodec.unpack makes them): no second copy before the primary's ack."""
         for tensor, index, version, step, value, state in copies:
             numel = self.expected_numel(tensor, index)
             if value.numel() != numel:
@@ -797,26 +947,56 @@ class JobStore:
             for tensor, index, version, step, value, state in copies:
                 block = self.blocks.get((tensor, index))
                 if block is None:
-                    block = self.blocks[(tensor, index)] = Block(value.clone(), dict(state), version=version,
+                    block = self.blocks[(tensor, index)] = Block(value, dict(state), version=version,
                                                                  step=step, visible=step, primary=False)
                     self.bytes += value.numel() * 4
                     continue
                 if block.primary or step < block.step:
                     continue  # this node applies it now, or holds a newer copy
-                block.value.copy_(value)
-                block.state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+                block.value, block.state = value, dict(state)   # readers of the old copy keep it
                 block.version, block.step, block.visible = version, step, step
+                block.pending = None
             self.cond.notify_all()
 
+    def hold_copies(self, copies: list) -> None:
+        """Copies their primary stepped ahead of the step's commits (``(tensor, index, version,
+        step, value, state)``, private): held apart until ``carry_copies`` names them."""
+        for tensor, index, _version, _step, value, _state in copies:
+            if value.numel() != self.expected_numel(tensor, index):
+                raise StoreError("INVALID_ARGUMENT", f"copy of block {tensor}[{index}] has {value.numel()} elements")
+        with self.cond:
+            for tensor, index, version, step, value, state in copies:
+                block = self.blocks.get((tensor, index))
+                if block is not None and not block.primary and step > block.step:
+                    block.pending = (version, step, value, dict(state))
+
     def carry_copies(self, items: list) -> None:
-        """Copies their primary carried through a step unchanged: ``(key, version, step)``."""
+        """Their primary carried copies through a step: ``(key, version, step)``. A copy at that
+        version moves to the step; one the primary stepped ahead (``hold_copies``) is installed.
+        Raises StoreError UNAVAILABLE, after the rest, if a held copy lacks that version (this
+        node did not get a step it must hold: its primary drops it from the in-sync holders and it
+        syncs again) instead of acknowledging a step it does not hold."""
+        missing = []
         with self.cond:
             self._follow_copies(step for _k, _v, step in items)
             for key, version, step in items:
                 block = self.blocks.get(key)
-                if block is not None and not block.primary and block.version == version and step > block.step:
+                if block is None or block.primary or step <= block.step:
+                    continue
+                if block.pending is not None and block.pending[:2] == (version, step):
+                    _v, _s, value, state = block.pending
+                    block.value, block.state = value, state
+                    block.version = version
+                    self.copies_ahead += 1
+                if block.version == version:
                     block.step = block.visible = step
+                else:
+                    missing.append(key)
+                block.pending = None
             self.cond.notify_all()
+        if missing:
+            raise StoreError("UNAVAILABLE", f"blocks {missing[:4]} of job {self.name!r} lack the version their primary "
+                                            f"carried them through (a copy of a step this node did not get)")
 
     def _follow_copies(self, steps) -> None:
         """A node that applies none of the job's blocks (it only keeps copies, or is about to take
@@ -855,6 +1035,7 @@ class JobStore:
                 if primary and not block.primary:
                     block.primary, block.since_epoch = True, epoch
                     block.visible = block.step
+                    block.pending = None   # its old primary's step in flight: collected again here
                     if key in awaiting:
                         block.awaiting_from, block.awaiting = awaiting[key]
                     gained.append(key)
@@ -864,6 +1045,7 @@ class JobStore:
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     block.received, block.handed, block.awaiting = set(), set(), 0.0
+                    block.staged = None
                     block.ahead = {}  # SSP: its workers push the steps ahead again at the new epoch
             if gained:
                 self._follow_primaries()

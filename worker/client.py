@@ -169,6 +169,7 @@ class Client:
         # Learning rate sent with each commit (BSP) or push (ASP): one number (every group), one per
         # parameter group (a tuple), or None: the job's own.
         self.lr: float | tuple[float, ...] | None = None
+        self._commit_follows = False   # the push being sent is followed by this worker's commit
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
@@ -429,7 +430,11 @@ class Client:
         ASP: applied on arrival. ``None`` gradients are not sent (the tensor is not stepped unless
         another worker sends one).
         """
-        self._push(grads, weight)
+        self._commit_follows = commit
+        try:
+            self._push(grads, weight)
+        finally:
+            self._commit_follows = False
         if commit and self._collects:
             self._commit(weight)
 
@@ -835,6 +840,7 @@ class Client:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
+        header.commit_follows = op == dp.OP_PUSH and self._commit_follows
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
         # needs them before the commits arrive.
         if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):

@@ -124,13 +124,14 @@ def test_bf16_wire_traffic_is_half_of_fp32s_and_masters_match_fp32_adamw(cluster
         assert all(dtype == torch.bfloat16 and same for dtype, same in bf16[rank]["cache"].values())
         assert all(dtype == torch.float32 and same for dtype, same in fp32[rank]["cache"].values())
 
-    # fp32 masters on the PS, fp32 AdamW: the single-process reference, bitwise
+    # fp32 masters on the PS, fp32 AdamW: the single-process reference, to float32 round-off
+    # (the PS steps a step's blocks with fused multi-tensor kernels)
     expected = reference_bf16()
     initial = {n: p.detach().float() for n, p in Net().to(torch.bfloat16).named_parameters()}
     for name, want in expected.items():
         got = bf16_masters[name]
         assert got.dtype == torch.float32
-        assert torch.equal(got, want), f"{name}: max abs diff {(got - want).abs().max().item()}"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=name)
         assert not torch.equal(got, initial[name]), f"{name} never moved"
         # the masters keep what bf16 cannot hold: not all of them are bf16 values
         assert not torch.equal(got, got.to(torch.bfloat16).float())

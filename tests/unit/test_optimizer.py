@@ -383,3 +383,44 @@ def test_from_proto_ignores_fields_of_other_kinds_and_validates():
         OptimizerConfig.from_proto(common_pb2.OptimizerSpec(kind="adam", lr=0.1, beta1=1.5))
     with pytest.raises(ShardlineConfigError, match="nan"):
         OptimizerConfig.from_proto(common_pb2.OptimizerSpec(kind="sgd", lr=math.nan))
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_step_many_matches_torch_within_round_off(case):
+    """The multi-tensor path against torch.optim (foreach=False, one parameter per block): blocks
+    of uneven sizes, some skipped at some steps (so their step counts differ within one call),
+    zero-flag blocks (grad None), an lr change; gradients are never modified."""
+    kind, kw = case
+    sizes = SPLITS["ragged"]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    init = [torch.randn(n, generator=gen) for n in sizes]
+    params = [torch.nn.Parameter(b.clone()) for b in init]
+    ref = TORCH[kind](params, lr=LR, foreach=False, **kw)
+    opt = make_optimizer(OptimizerConfig.from_kwargs(kind, lr=LR, **kw))
+    blocks = [b.clone() for b in init]
+    states = [opt.init_state(n) for n in sizes]
+    for t in range(STEPS):
+        stepped = [i for i in range(len(sizes)) if (i + t) % 3 or t == 0]   # the others: nobody pushed
+        grads = [None if (i == 1 and t % 2) else torch.randn(sizes[i], generator=gen) for i in stepped]
+        kept = [None if g is None else g.clone() for g in grads]
+        lr = LR if t < 4 else LR / 2
+        ref.param_groups[0]["lr"] = lr
+        for p in params:
+            p.grad = None
+        for i, g in zip(stepped, grads):
+            params[i].grad = torch.zeros(sizes[i]) if g is None else g.clone()
+        ref.step()
+        opt.step_many([blocks[i] for i in stepped], grads, [states[i] for i in stepped], lr=lr)
+        for g, g0 in zip(grads, kept):
+            assert g is None or torch.equal(g, g0)
+        for i, (b, p) in enumerate(zip(blocks, params)):
+            torch.testing.assert_close(b, p.detach(), rtol=1e-6, atol=1e-6, msg=f"step {t} block {i}")
+    for i, p in enumerate(params):
+        tstate = ref.state.get(p, {})
+        for key in ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if tstate.get(key) is not None:
+                torch.testing.assert_close(states[i][key], tstate[key], rtol=1e-6, atol=1e-6)
+        if kind != "sgd":
+            assert states[i]["step"].item() == tstate["step"].item()
+        elif tstate:
+            assert states[i]["step"] == sum(1 for t in range(STEPS) if (i + t) % 3 or t == 0)

@@ -11,6 +11,8 @@ from shardline.services.blocks import block_slices
 from shardline.services.pb import common_pb2
 
 BLOCK = 7
+# A step's blocks go through fused multi-tensor kernels: torch.optim's result within float32 round-off.
+ROUND_OFF = dict(rtol=1e-6, atol=1e-6)
 
 
 def make_job(sync="bsp", world_size=2, kind="adamw", **hp):
@@ -82,7 +84,7 @@ def test_zero_gradient_block_is_still_stepped():
     ref = a0.clone().requires_grad_()
     ref.grad = torch.zeros(4, 5)
     torch.optim.AdamW([ref], lr=0.1, weight_decay=0.5, foreach=False).step()
-    assert torch.equal(values(store, "a", (4, 5)), ref.detach())
+    torch.testing.assert_close(values(store, "a", (4, 5)), ref.detach(), **ROUND_OFF)
 
 
 def test_rank_without_gradient_counts_in_the_mean():
@@ -156,7 +158,7 @@ def test_resent_push_and_commit_are_ignored():
         assert store.commit(1, step, 1.0) == step + 1
         ref.grad = (g0 + g1) / 2
         opt.step()
-    torch.testing.assert_close(values(store, "a", (4, 5)), ref.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(values(store, "a", (4, 5)), ref.detach(), **ROUND_OFF)
 
 
 def test_asp_applies_on_arrival():
@@ -276,7 +278,7 @@ def test_commit_lr_overrides_the_job_lr_and_must_agree():
         ref.grad = g / 2
         opt.param_groups[0]["lr"] = lr
         opt.step()
-        assert torch.equal(values(store, "a", (4, 5)), ref.detach())
+        torch.testing.assert_close(values(store, "a", (4, 5)), ref.detach(), **ROUND_OFF)
 
 
 def test_param_groups_step_with_their_own_hyperparameters_and_lrs_like_torch():
@@ -306,7 +308,7 @@ def test_param_groups_step_with_their_own_hyperparameters_and_lrs_like_torch():
         opt.step()
     for name in ("a", "b"):
         got = torch.cat([store.blocks[(name, s.index)].value for s in block_slices(values[name].numel(), BLOCK)])
-        assert torch.equal(got, ref[name].detach().reshape(-1)), name
+        torch.testing.assert_close(got, ref[name].detach().reshape(-1), **ROUND_OFF, msg=name)
 
 
 def test_group_learning_rates_are_validated():
