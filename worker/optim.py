@@ -133,7 +133,9 @@ class PSOptimizer(torch.optim.Optimizer):
     ranks' gradients of that step, but those gradients may come from parameters up to s steps old:
     BSP's equality with torch.optim no longer holds (docs/architecture.md, "SSP").
 
-    ``overlap`` (default True): push during backward, as DDP's reducer all-reduces. Post-accumulate-
+    ``overlap=True`` (opt-in; default False): push during backward, as DDP's reducer all-reduces.
+    It is off by default because it changes what a script must do (below) and, where a rank has no
+    spare core, the sends take CPU from its backward (bench/README.md, vs_ddp). Post-accumulate-
     grad hooks push each bucket of about ``bucket_cap_mb`` MiB of gradients (reverse layer order,
     then the order the first backward produced them) from a background thread as soon as all its
     gradients are final, while backward goes on; when backward ends the rest goes out with the
@@ -182,7 +184,7 @@ class PSOptimizer(torch.optim.Optimizer):
                  worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
                  tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-                 overlap: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
+                 overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
                  compression: str | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(

@@ -54,7 +54,7 @@ def train_rank(address, job, rank, model, results, errors, *, steps=STEPS, mid_b
     try:
         opt = PSOptimizer(groups_of(model, named=True), cluster=address, job=job, optimizer="adamw",
                           world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60,
-                          bucket_cap_mb=CAP_MB, **HYPER, **extra)
+                          bucket_cap_mb=CAP_MB, overlap=True, **HYPER, **extra)
         sched = schedule(opt)
         n = sum(sizes(rank))
         for step in range(opt.version, steps):
@@ -116,7 +116,8 @@ def test_overlap_with_no_sync_accumulation_equals_single_process_adamw(cluster, 
 def test_errors_of_what_backward_sent_are_raised_by_step(cluster):
     model = Net()
     opt = PSOptimizer(model, cluster=cluster.address, job="overlap-errors", optimizer="sgd", lr=0.1,
-                      block_elements=32, connect_timeout=30, pull_timeout=10, bucket_cap_mb=CAP_MB)
+                      block_elements=32, connect_timeout=30, pull_timeout=10, bucket_cap_mb=CAP_MB,
+                      overlap=True)
     try:
         tokens, targets = batch(0, 0)
         nn.functional.cross_entropy(model(tokens), targets).backward()
