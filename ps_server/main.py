@@ -33,7 +33,7 @@ from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
 from shardline.services import failpoints, frame, sdnotify
 from shardline.services.config import log_configuration, parse_daemon_args
-from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
+from shardline.services.daemon import (add_common_args, format_host_port, exit_after_stop, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import ShardlineConfigError, ShardlineError
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
     server.stop(grace=2).wait(5)
     client.close()
     log.info("stopped in %.2f s", time.monotonic() - started)
-    return 0
+    exit_after_stop(0)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 from concurrent import futures
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -318,6 +318,24 @@ def arm_parent_death_signal() -> None:
         return
     if str(os.getppid()) != value.strip():  # the supervisor died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def exit_after_stop(code: int) -> "NoReturn":
+    """End a daemon whose own shutdown finished: flush the logs and streams, then leave without
+    the interpreter's teardown.
+
+    Why: a connection thread may still be inside a torch kernel with the GIL released (a push
+    that was being applied when the stop came); tearing the interpreter down under it runs C++
+    static destructors while it works, and the process aborts ("terminate called without an
+    active exception", exit -6) after a clean stop. Everything that must outlive the process was
+    written and synced before this is called."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def install_stop_handlers() -> threading.Event:

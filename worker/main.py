@@ -30,7 +30,7 @@ import time
 from typing import Any
 
 from shardline.services.config import log_configuration, parse_daemon_args
-from shardline.services.daemon import (add_common_args, format_host_port, install_stop_handlers, parse_host_port,
+from shardline.services.daemon import (add_common_args, format_host_port, exit_after_stop, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready, create_grpc_server)
 from shardline.services.errors import ShardlineConfigError, ShardlineError
 from shardline.services.security import daemon_security
@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     server.stop(1).wait(2)
     metrics_server.shutdown()
     metrics_server.server_close()
-    return code
+    exit_after_stop(code)
 
 
 if __name__ == "__main__":
