@@ -7,7 +7,8 @@ SIGINT stop it within the grace period and it exits 0. Configuration errors (``s
 ``state_store`` both set, ...) and a ``--state-dir`` that cannot be used (not writable, damaged,
 held by another dispatcher) exit 2; an etcd ``--state-store`` that does not answer within
 ``--connect-timeout`` exits 1. With a state store the daemon is ready (ready file) as a follower;
-it leads once elected (dispatcher/leader.py).
+it leads once elected (dispatcher/leader.py). With ``--cache-bytes N`` (and ``--cluster``,
+``--rack``) it runs as a rack cache instead (dispatcher/cache_server.py; the ready file adds ``data``).
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ShardlineConfigError(
             f"heartbeat_interval must be below heartbeat_timeout, got interval {args.heartbeat_interval!r} "
             f"and timeout {args.heartbeat_timeout!r}")
+    if args.cache_bytes:
+        from shardline.dispatcher.cache_server import validate_cache_args
+
+        validate_cache_args(args)
+    elif args.rack:
+        raise ShardlineConfigError(f"rack={args.rack!r} is for a dispatcher in the rack-cache role: set cache_bytes too")
     return args
 
 
@@ -69,6 +76,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     stop = install_stop_handlers()
+    if args.cache_bytes:
+        from shardline.dispatcher.cache_server import run_cache
+
+        return run_cache(args, security, stop, prog=PROG)
     try:
         server, port, _servicer = create_server(
             args.listen,

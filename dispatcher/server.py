@@ -41,6 +41,7 @@ from shardline.dispatcher.fanout import (
     coordinate_checkpoint,
     drop_everywhere,
 )
+from shardline.dispatcher.cache_registry import CacheRegistry
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, WorkerLeases
 from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
 from shardline.dispatcher.leader import Holder, LeaderElection, lease_ttl
@@ -153,10 +154,13 @@ class LeaderState:
     jobs: JobRegistry
     term: Holder | None = None
     leases: WorkerLeases | None = None   # soft state: a new leader starts with none
+    caches: CacheRegistry | None = None  # soft state too: caches register again with a new leader
 
     def __post_init__(self):
         if self.leases is None:
             object.__setattr__(self, "leases", WorkerLeases(self._lease_policy))
+        if self.caches is None:  # a cache's lease: as long as a PS node may stay silent
+            object.__setattr__(self, "caches", CacheRegistry(self.membership.heartbeat_timeout))
 
     def _lease_policy(self, job: str):
         try:
@@ -344,7 +348,32 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         return common_pb2.RoutingTable(epoch=snap.epoch, nodes=[node_info(n) for n in snap.serving],
                                        pending_epoch=snap.pending_epoch,
                                        pending_nodes=[node_info(n) for n in snap.pending],
-                                       default_replication=state.jobs.default_replication)
+                                       default_replication=state.jobs.default_replication,
+                                       caches=state.caches.live(self._clock()))
+
+    @_rpc
+    def RegisterCache(self, request, context):
+        state = self._leading()
+        info = common_pb2.CacheInfo()
+        info.CopyFrom(request.cache)
+        peer = context.peer()
+        info.data_address = reachable_address(info.data_address, peer)
+        info.grpc_address = reachable_address(info.grpc_address, peer) if info.grpc_address else ""
+        state.caches.register(info, self._clock())
+        log.info("rack cache %s registered (rack %s, data %s, %d bytes)", info.cache_id, info.rack, info.data_address,
+                 info.capacity_bytes)
+        return dispatcher_pb2.CacheRegisterResponse(heartbeat_interval_seconds=self.heartbeat_interval,
+                                                    lease_seconds=state.caches.lease_seconds)
+
+    @_rpc
+    def CacheHeartbeat(self, request, context):
+        state = self._leading()
+        registered = state.caches.heartbeat(request.cache_id, request.incarnation, self._clock(),
+                                            resident_bytes=request.resident_bytes, hits=request.hits,
+                                            misses=request.misses)
+        return dispatcher_pb2.CacheHeartbeatResponse(
+            registered=registered, epoch=state.membership.epoch,
+            jobs=[dispatcher_pb2.CacheJob(name=j.name, uid=j.uid) for j in state.jobs.list()])
 
     @_rpc
     def WorkerHeartbeat(self, request, context):

@@ -291,7 +291,8 @@ _PS_WORKER = ("ps", "worker")
 OPTIONS: tuple[Option, ...] = (
     # -- common: every daemon, or the PS and the worker alike --
     Option("cluster", "addresses", "Cluster address: the dispatcher's HOST:PORT, or several dispatchers' "
-           "separated by commas (they share an etcd state store; clients follow the leader).", _PS_WORKER,
+           "separated by commas (they share an etcd state store; clients follow the leader). A dispatcher "
+           "reads it only in the rack-cache role (cache_bytes): the main dispatchers it registers with.", _ALL,
            common=True, required=_PS_WORKER),
     Option("cluster_token_file", "path", "File holding the shared cluster token (at least 16 printable bytes; "
            "`shardline up` generates one). A PS with a token admits only data-plane clients that prove they hold "
@@ -314,14 +315,16 @@ OPTIONS: tuple[Option, ...] = (
     Option("log_format", "choice", "Log lines on stdout: `text` (one readable line per event) or `json` "
            "(one JSON object per line: ts, level, component, logger, msg and event fields).", _ALL,
            default="text", common=True, choices=("text", "json")),
-    Option("rpc_timeout", "float", "Deadline of one control-plane call to the dispatcher.", _PS_WORKER,
+    Option("rpc_timeout", "float", "Deadline of one control-plane call to the dispatcher (a dispatcher: in the "
+           "rack-cache role).", _ALL,
            default=10.0, common=True, above=0, unit="s"),
     Option("connect_timeout", "float", "How long to wait at start for the dispatcher (a dispatcher: for its "
            "etcd state_store, else it exits 1; a worker: also for its job to be created and for data-plane "
            "connections).", _ALL, default=60.0, common=True, above=0, unit="s"),
     Option("transport", "choice", "Data-plane transport: `auto` uses RDMA when a device is present, else "
            "TCP (a PS under `auto` also accepts shared-memory connections from local peers); `shm` only "
-           "shared memory (a PS not on this host is an error); `rdma` fails at start without a device.", _PS_WORKER, default="auto",
+           "shared memory (a PS not on this host is an error); `rdma` fails at start without a device. A dispatcher "
+           "uses it in the rack-cache role.", _ALL, default="auto",
            common=True, choices=("tcp", "rdma", "auto", "shm")),
     Option("torch_threads", "int", "torch intra-op threads (PS: optimizer math, whose connection threads "
            "already run in parallel; worker: forward/backward).", _PS_WORKER, default=1, common=True,
@@ -359,8 +362,10 @@ OPTIONS: tuple[Option, ...] = (
     # -- PS --
     Option("node_id", "str", "Node id on the ring (keep it stable across restarts).", ("ps",),
            default_text="host name and data port"),
-    Option("rack", "str", "Rack of this node (replicas go to distinct racks when possible).", ("ps",),
-           default="default"),
+    Option("rack", "str", "Rack of this daemon. PS: replicas go to distinct racks when possible; worker: its "
+           "pulls go through the rack's cache (L2) when one is registered, else straight to the PS nodes; "
+           "dispatcher: with cache_bytes, the rack whose readers this cache serves.", ("dispatcher", "ps", "worker"),
+           default={"ps": "default"}, default_text="ps: `default`; worker: unset (no rack cache)"),
     Option("capacity", "float", "Relative weight of this node on the ring.", ("ps",), default=1.0, above=0),
     Option("data_listen", "address", "Data-plane bind address.", ("ps",),
            default_text="the --listen host, a free port"),
@@ -412,9 +417,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("block_elements", "int", "Block size, in fp32 elements, of jobs this worker creates (262144 = "
            "1 MiB); a job keeps the block size it was created with.", ("worker",),
            default=DEFAULT_BLOCK_ELEMENTS, minimum=1, maximum=MAX_BLOCK_ELEMENTS),
-    Option("cache_bytes", "size", "Bound on the worker's L1 cache. The client caches every tensor of its "
+    Option("cache_bytes", "size", "Worker: bound on its L1 cache. The client caches every tensor of its "
            "job in full (fp32; pulls land in the model's parameters), so a job whose tensors need more "
-           "fails at start with exit code 2 instead of running out of memory. 0 = no bound.", ("worker",),
+           "fails at start with exit code 2 instead of running out of memory. 0 = no bound. Dispatcher: > 0 "
+           "runs it as the rack cache (L2) of `rack` for the main dispatchers `cluster`, holding at most this "
+           "many bytes of blocks; 0 = a main dispatcher.", ("dispatcher", "worker"),
            default=0, minimum=0),
     Option("prefetch_window", "int", "Steps the parameter pull may run behind `step()`: 0, `step()` "
            "returns with the new version; 1, it returns after the commit and the pull overlaps the "

@@ -340,5 +340,11 @@ class DispatcherClient:
     def worker_heartbeat(self, **fields) -> dispatcher_pb2.WorkerHeartbeatResponse:
         return self._call("WorkerHeartbeat", dispatcher_pb2.WorkerHeartbeatRequest(**fields))
 
+    def register_cache(self, info: common_pb2.CacheInfo) -> dispatcher_pb2.CacheRegisterResponse:
+        return self._call("RegisterCache", dispatcher_pb2.CacheRegisterRequest(cache=info))
+
+    def cache_heartbeat(self, **fields) -> dispatcher_pb2.CacheHeartbeatResponse:
+        return self._call("CacheHeartbeat", dispatcher_pb2.CacheHeartbeatRequest(**fields))
+
     def drain_node(self, node_id: str, *, leaving: bool = False) -> dispatcher_pb2.DrainNodeResponse:
         return self._call("DrainNode", dispatcher_pb2.DrainNodeRequest(node_id=node_id, leaving=leaving))

@@ -386,6 +386,16 @@ class LocalCluster:
             handle = self._make_handle(name, "ps", ["--cluster", cluster or self.address], node_flags, env)
         return self._start(handle, wait)
 
+    def add_cache(self, rack: str, cache_bytes: int, *, wait: bool = True, env: dict[str, str] | None = None,
+                  **flags) -> DaemonHandle:
+        """Start a rack cache (``cache-<rack>``): a dispatcher in the cache role registered with the
+        dispatchers of :attr:`address`; not one of :attr:`dispatchers`."""
+        with self._lock:
+            handle = self._make_handle(f"cache-{rack}", "dispatcher",
+                                       ["--cluster", self.address, "--rack", rack, "--cache-bytes", str(cache_bytes)],
+                                       flags, env)
+        return self._start(handle, wait)
+
     def add_worker(self, job_file: str | os.PathLike, rank: int, world_size: int, *, wait: bool = True,
                    name: str | None = None, env: dict[str, str] | None = None, **flags) -> DaemonHandle:
         """Start ``shardline-worker`` running ``job_file`` as ``rank`` of ``world_size`` (``worker-<rank>``).

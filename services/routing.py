@@ -23,6 +23,7 @@ class RoutingView:
     pending_nodes: dict = field(default_factory=dict)
     pending_ring: HashRing | None = None
     default_replication: int = 1
+    caches: tuple = ()  # common_pb2.CacheInfo of the rack caches (L2) with a live lease
     placements: dict = field(default_factory=dict, compare=False, repr=False)  # cache of placement.place
 
     @classmethod
@@ -30,7 +31,8 @@ class RoutingView:
         nodes = {n.node_id: n for n in table.nodes}
         pending = {n.node_id: n for n in table.pending_nodes}
         return cls(int(table.epoch), nodes, _ring(nodes), int(table.pending_epoch), pending,
-                   _ring(pending) if table.pending_epoch else None, int(table.default_replication) or 1)
+                   _ring(pending) if table.pending_epoch else None, int(table.default_replication) or 1,
+                   tuple(table.caches))
 
     @classmethod
     def empty(cls) -> "RoutingView":

@@ -43,6 +43,7 @@ from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
 from shardline.services.transport import get_transport
 from shardline.worker.compressor import GradientCompressor
+from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
 log = logging.getLogger("shardline.worker")
 
@@ -125,6 +126,10 @@ class Client:
     job fails because another rank was lost (``on_worker_failure: fail``), its next request raises
     ShardlineWorkerLostError naming the rank.
 
+    Rack caches: with ``rack`` (default ``$SHARDLINE_RACK``) pulls go through the rack's cache (L2)
+    when the routing lists one, and straight to the PS nodes when it is gone or does not answer
+    within ``cache_timeout`` beyond the pull's wait (worker/read_router.py).
+
     Credentials: ``cluster_token`` (bytes) and ``tls_ca`` (PEM bytes of the CA that signed the
     cluster's gRPC certificates); each not given is read from the file that
     ``SHARDLINE_CLUSTER_TOKEN_FILE`` / ``SHARDLINE_TLS_CA_FILE`` names, if set (services/security.py).
@@ -134,7 +139,8 @@ class Client:
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
                  max_retries: int = 5, cluster_token: bytes | None = None, recovery_timeout: float = 120.0,
                  tls_ca: bytes | None = None,
-                 straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS):
+                 straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS, rack: str | None = None,
+                 cache_timeout: float = CACHE_TIMEOUT_SECONDS):
         if isinstance(straggler_warning_seconds, bool) or not isinstance(straggler_warning_seconds, (int, float)) \
                 or not math.isfinite(straggler_warning_seconds) or straggler_warning_seconds < 0:
             raise ShardlineConfigError(f"straggler_warning_seconds must be a finite number >= 0 (0: no warning), "
@@ -160,6 +166,7 @@ class Client:
         self.dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=self.cluster_token,
                                            tls_ca=self.tls_ca)
         self._transport = get_transport(transport)
+        self._reads = ReadRouter(default_rack(rack), cache_timeout=cache_timeout)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
@@ -653,13 +660,16 @@ class Client:
                                   f"(checkpoint it and export from the checkpoint directories instead)")
 
     # --- scatter/gather over nodes ------------------------------------------------------------
-    def _conn(self, node_id: str) -> DataPlaneConnection:
-        conn = self._conns.get(node_id)
-        address = self.routing.data_address(node_id)
+    def _conn(self, node_id: str, via=None) -> DataPlaneConnection:
+        """The connection to ``node_id`` (``via``: to that rack cache, keyed by its id)."""
+        key, address = (node_id, self.routing.data_address(node_id)) if via is None else (_cache_key(via),
+                                                                                           via.data_address)
+        conn = self._conns.get(key)
         if conn is None or conn.address != address:
             if conn is not None:
                 conn.close()
-            conn = self._conns[node_id] = DataPlaneConnection(address, self._transport, self.connect_timeout, self.cluster_token)
+            timeout = self.connect_timeout if via is None else self._reads.cache_timeout
+            conn = self._conns[key] = DataPlaneConnection(address, self._transport, timeout, self.cluster_token)
         return conn
 
     def refresh_routing(self) -> None:
@@ -824,22 +834,44 @@ class Client:
         return node_step
 
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
+        """One request to ``node_id``; a pull goes through the rack's cache when there is one, and
+        to the node if the cache fails (worker/read_router.py)."""
+        via = self._reads.cache_for(self.routing) if op == dp.OP_PULL else None
+        if via is not None:
+            try:
+                step = self._exchange_retrying(node_id, keys, op, *args, via=via)
+                self._reads.succeeded(via)
+                return step
+            except RemoteError as exc:
+                if exc.code in NODE_ANSWERS:
+                    raise
+                self._reads.refused(via, exc)
+            except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
+                conn = self._conns.pop(_cache_key(via), None)
+                if conn is not None:
+                    conn.close()
+                self._reads.failed(via, exc)
+        return self._exchange_retrying(node_id, keys, op, *args)
+
+    def _exchange_retrying(self, node_id: str, keys: list, op: int, *args, via=None) -> int:
         """One request to ``node_id`` (see _exchange_once); UNKNOWN_JOB for a job this client holds
         is asked once more after a pause: the node may remember a miss of the name from just before
         the job was created (it is forgotten after UNKNOWN_JOB_RETRY_SECONDS)."""
         try:
-            return self._exchange_once(node_id, keys, op, *args)
+            return self._exchange_once(node_id, keys, op, *args, via=via)
         except RemoteError as exc:
             if exc.code != "UNKNOWN_JOB" or self.spec is None:
                 raise
         time.sleep(UNKNOWN_JOB_RETRY_SECONDS)
-        return self._exchange_once(node_id, keys, op, *args)
+        return self._exchange_once(node_id, keys, op, *args, via=via)
 
     def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
-                       timeout: float) -> int:
+                       timeout: float, via=None) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
+        if via is not None:
+            header.via_node = node_id
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
         # needs them before the commits arrive.
@@ -873,16 +905,18 @@ class Client:
                 header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None,
                                                  want_dtype=0 if want == dp.FLOAT32 else want))
                 expected[(name, index)] = s
-        conn = self._conn(node_id)
+        conn = self._conn(node_id, via)
+        key = node_id if via is None else _cache_key(via)
         with conn.lock:
             try:
                 # a node that stops answering (paused, partitioned) is given up on after this
-                conn.sock.settimeout(IO_TIMEOUT_SECONDS + (timeout if op == dp.OP_PULL else 0.0))
+                io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
+                conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
                 frame.send_frame(conn.sock, header, payloads)
                 reply = frame.recv_header(conn.sock, REPLY_LIMITS)
             except (OSError, ConnectionError) as exc:
                 conn.close()
-                self._conns.pop(node_id, None)
+                self._conns.pop(key, None)
                 raise ShardlineConnectionError(f"node {node_id!r} at {conn.address}: {exc}") from exc
             if reply.op == dp.OP_ERROR:
                 code = dp.ErrorCode.Name(reply.code)
@@ -890,12 +924,12 @@ class Client:
                     raise NotOwnerError(code, reply.message, epoch=reply.epoch, step=reply.step)
                 if reply.code in (dp.BAD_FRAME, dp.TOO_LARGE):
                     conn.close()
-                    self._conns.pop(node_id, None)
+                    self._conns.pop(key, None)
                 raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
             if op == dp.OP_PUSH:
                 self.stats.pushed_bytes += header.payload_bytes
             if op == dp.OP_PULL:
-                self._receive_blocks(conn, node_id, reply, expected)
+                self._receive_blocks(conn, key, reply, expected)
                 self._oldest[node_id] = reply.oldest_step
         return reply.step
 
@@ -957,6 +991,11 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _cache_key(info) -> str:
+    """The connection key of a rack cache (never a node id: those match services/names.py)."""
+    return f"cache:{info.cache_id}"
 
 
 def _ranks_in(message: str) -> tuple[int, ...]:

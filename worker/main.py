@@ -93,7 +93,7 @@ def _make_ps_optimizer(PSOptimizer, args, named_parameters, **kwargs):
                        connect_timeout=args.connect_timeout, rpc_timeout=args.rpc_timeout,
                        recovery_timeout=args.recovery_timeout, block_elements=args.block_elements,
                        prefetch_window=args.prefetch_window,
-                       straggler_warning_seconds=args.straggler_warning_seconds, **kwargs)
+                       straggler_warning_seconds=args.straggler_warning_seconds, rack=args.rack, **kwargs)
 
 
 class _Tracker:

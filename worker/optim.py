@@ -185,7 +185,7 @@ class PSOptimizer(torch.optim.Optimizer):
                  tls_ca: bytes | None = None, straggler_warning_seconds: float = DEFAULT_STRAGGLER_WARNING_SECONDS,
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
-                 compression: str | None = None, **optimizer_kwargs):
+                 compression: str | None = None, rack: str | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
@@ -230,7 +230,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
                              connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token,
                              recovery_timeout=recovery_timeout, tls_ca=tls_ca,
-                             straggler_warning_seconds=straggler_warning_seconds)
+                             straggler_warning_seconds=straggler_warning_seconds, rack=rack)
         created = False
         several = len(self.param_groups) > 1
         if self.rank == 0:

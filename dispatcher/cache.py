@@ -1,0 +1,307 @@
+"""The rack cache's logic (L2): entries, versions, coalesced fetches, eviction. No sockets here.
+
+A rack cache answers OP_PULL for the readers of its rack exactly as the PS node a reader routes a
+group of blocks to would, from memory where it can (dispatcher/cache_server.py is the glue).
+
+**Entries.** One per (job, tensor, block index, dtype): the block's ``version`` (the step that last
+changed it), its bytes in that dtype, and ``seen``: the node's job step at which the cache last
+learned that this was the block's value. An entry is thus the block's value for every job step in
+``[version, seen]``, and valid for a pull of ``min_step`` m iff ``seen >= m`` and it was learned at
+the epoch the reader routes with (a routing change may have moved the block: learned again, as a
+delta, from its new owner).
+
+**Answering a pull** (one group: the blocks a reader routes to one node, its ``min_step`` m and the
+versions it holds). The reply names one step ``s`` and every block in it is the block's value at
+``s``: ``m <= s``, ``version <= s <= seen`` for every block. So a reader never receives a block
+older than the step it waits for, nor one newer than the step it is told, and the cache never
+claims a step it has not seen (``s`` is a ``seen``, i.e. a step a node replied with). A block is
+sent only if its version is newer than the reader's (the PS's rule). Entries that are missing or
+not valid are fetched from the node, once: a fetch in flight for the same block at the same epoch
+and a ``min_step >= m`` is waited for instead of sending another (coalescing), and a fetch asks
+for the whole group's missing blocks in one request, naming the versions the cache holds (the
+node sends only what changed). If entries from different fetches do not fit one step (a reader
+that does not follow the job's pace, e.g. a subscriber), the whole group is fetched in one
+request, which is one node's consistent snapshot. Pulls of ``min_step`` 0 (a reader learning
+where the job is) always ask the node.
+
+**Bound.** Entries are evicted least recently used first so that resident bytes stay within
+``capacity_bytes``; a block bigger than the cache is passed through (fetched, fanned out to the
+requests that wait for it, not kept).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from shardline.services.errors import ShardlineConfigError, ShardlineTimeoutError
+
+@dataclass(frozen=True)
+class Want:
+    """One block of a reader's pull: what it holds (``have`` None: nothing) and the dtype it wants
+    (a data-plane DType number)."""
+
+    tensor: str
+    index: int
+    have: int | None
+    dtype: int
+
+
+@dataclass(frozen=True)
+class Entry:
+    version: int
+    seen: int
+    epoch: int
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What a fetch from a node returned: its job step, and the blocks that changed since the
+    versions the cache named: ``(tensor, index) -> (version, bytes)``; ``oldest_step``: what the
+    node said a pull of min_step 0 resumes at (None: ``step``)."""
+
+    step: int
+    blocks: dict
+    oldest_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The reply to one group: the step it is at, and the blocks to send
+    ``[(tensor, index, version, dtype, bytes)]`` (only those newer than the reader's)."""
+
+    step: int
+    blocks: list
+    fetched: bool           # the node was asked (a miss or a pass-through)
+    oldest_step: int = 0    # a pull of min_step 0: the node's answer; otherwise ``step``
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0              # blocks answered from memory
+    misses: int = 0            # blocks fetched by this request
+    coalesced: int = 0         # blocks of a fetch another request had in flight
+    bytes_served: int = 0
+    bytes_fetched: int = 0
+    evictions: int = 0
+    passed_through: int = 0    # blocks bigger than the cache
+
+
+# fetch(job, node, epoch, min_step, [(tensor, index, have version | None, dtype)], timeout) -> Fetched
+FetchFn = Callable[[str, str, int, int, list, float], Fetched]
+
+
+@dataclass
+class _Flight:
+    """A fetch in flight: waiters read ``entries`` (key -> Entry) once ``done`` is set."""
+
+    epoch: int
+    min_step: int
+    done: threading.Event = field(default_factory=threading.Event)
+    held: dict = field(default_factory=dict)        # key -> the Entry held when it started (or None)
+    entries: dict = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+class BlockCache:
+    """Entries of every job a rack cache serves, bounded by ``capacity_bytes``.
+
+    ``fetch`` asks a PS node (FetchFn above; raises what the node answered); ``fetch_timeout``
+    bounds how long a request waits for a fetch of another request beyond its own pull wait.
+    Thread-safe: each reader connection calls :meth:`answer` from its own thread; fetches run
+    outside the lock.
+    """
+
+    def __init__(self, capacity_bytes: int, fetch: FetchFn, *, fetch_timeout: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic):
+        if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
+            raise ShardlineConfigError(f"cache_bytes must be a whole number of bytes > 0, got {capacity_bytes!r}")
+        self.capacity_bytes = capacity_bytes
+        self.fetch_timeout = fetch_timeout
+        self._fetch = fetch
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: OrderedDict = OrderedDict()     # (job, tensor, index, dtype) -> Entry, LRU first
+        self._flights: dict = {}                       # (job, tensor, index, dtype) -> _Flight
+        self._uids: dict[str, str] = {}                # job -> the uid its entries belong to
+        self.resident_bytes = 0
+        self.stats = CacheStats()
+
+    # --- the jobs that exist ------------------------------------------------------------------
+    def retain_jobs(self, uids: dict[str, str]) -> list[str]:
+        """Keep the entries of the jobs in ``uids`` (name -> uid, from the dispatcher); drop those of
+        jobs that are gone or were created again under a new uid. Returns the jobs dropped."""
+        with self._lock:
+            held = {k[0] for k in self._entries} | set(self._uids)
+            # "": entries stored before the cache learned the job's uid (taken to be the current one)
+            dropped = sorted(job for job in held if job not in uids or self._uids.get(job, "") not in ("", uids[job]))
+            for job in dropped:
+                self._uids.pop(job, None)
+            for key in [k for k in self._entries if k[0] in dropped]:
+                self._remove(key)
+            for job in held - set(dropped):
+                self._uids[job] = uids[job]
+            return dropped
+
+    # --- answering ----------------------------------------------------------------------------
+    def answer(self, job: str, node: str, epoch: int, min_step: int, wants: list[Want], timeout: float) -> Answer:
+        """The reply to a pull of ``wants`` from ``node`` (see the module docstring). ``timeout``:
+        how long the pull may wait for ``min_step`` (the reader's wait). Raises what a fetch raised
+        (the node's error), or ShardlineTimeoutError if another request's fetch does not end in time."""
+        keys = [(job, w.tensor, w.index, w.dtype) for w in wants]
+        if len(set(keys)) != len(keys):
+            raise ShardlineConfigError("a pull names a block more than once")
+        if not wants or min_step == 0:
+            return self._answer_fetched(job, node, epoch, min_step, wants, keys, timeout)
+        got: dict = {}
+        own: list[int] = []                 # indexes of wants this request fetches
+        waits: list[tuple[int, _Flight]] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                entry = self._entries.get(key)
+                if entry is not None and entry.seen >= min_step and entry.epoch == epoch:
+                    self._entries.move_to_end(key)
+                    got[i] = entry
+                    continue
+                flight = self._flights.get(key)
+                if flight is not None and flight.epoch == epoch and flight.min_step >= min_step:
+                    waits.append((i, flight))
+                else:
+                    own.append(i)
+            hits = len(got)
+            flight = self._start_flight([keys[i] for i in own], epoch, min_step) if own else None
+            self.stats.hits += hits
+            self.stats.coalesced += len(waits)
+            self.stats.misses += len(own)
+        if flight is not None:
+            self._run_fetch(flight, job, node, epoch, min_step, [wants[i] for i in own], [keys[i] for i in own],
+                            timeout)
+            for i in own:
+                got[i] = flight.entries[keys[i]]
+        for i, other in waits:
+            if not other.done.wait(timeout + self.fetch_timeout):
+                raise ShardlineTimeoutError(f"a fetch of {keys[i][1]}[{keys[i][2]}] from node {node!r} by another "
+                                            f"reader did not end within {timeout + self.fetch_timeout:g} s "
+                                            f"(pull wait + fetch_timeout)")
+            if other.error is not None:
+                raise other.error
+            got[i] = other.entries[keys[i]]
+        step = self._consistent_step(got, len(wants))
+        if step is not None:
+            return self._reply(step, wants, got, fetched=bool(own or waits))
+        # entries learned at different steps: one snapshot of the whole group from the node
+        target = max(e.version for e in got.values())
+        return self._answer_fetched(job, node, epoch, max(min_step, target), wants, keys, timeout)
+
+    def _answer_fetched(self, job, node, epoch, min_step, wants, keys, timeout) -> Answer:
+        """Fetch the whole group from the node in one request (its consistent snapshot)."""
+        with self._lock:
+            flight = self._start_flight(keys, epoch, min_step, register=False)
+            self.stats.misses += len(keys)
+        result = self._run_fetch(flight, job, node, epoch, min_step, wants, keys, timeout)
+        got = {i: flight.entries[key] for i, key in enumerate(keys)}
+        oldest = result.step if result.oldest_step is None else result.oldest_step
+        return self._reply(result.step, wants, got, fetched=True, oldest_step=oldest)
+
+    @staticmethod
+    def _consistent_step(got: dict, n: int) -> int | None:
+        """The step every entry of ``got`` holds the block's value at: min(seen), if no version is
+        newer than it."""
+        if len(got) != n:
+            return None
+        step = min(e.seen for e in got.values())
+        return step if all(e.version <= step for e in got.values()) else None
+
+    def _reply(self, step: int, wants: list[Want], got: dict, *, fetched: bool, oldest_step: int | None = None) -> Answer:
+        blocks = []
+        served = 0
+        for i, w in enumerate(wants):
+            entry = got[i]
+            if w.have is None or entry.version > w.have:
+                blocks.append((w.tensor, w.index, entry.version, w.dtype, entry.data))
+                served += len(entry.data)
+        with self._lock:
+            self.stats.bytes_served += served
+        return Answer(step, blocks, fetched, step if oldest_step is None else oldest_step)
+
+    # --- fetching -----------------------------------------------------------------------------
+    def _start_flight(self, keys: list, epoch: int, min_step: int, *, register: bool = True) -> _Flight:
+        """Under the lock: a new fetch of ``keys`` that later requests may wait for."""
+        flight = _Flight(epoch, min_step)
+        flight.held = {key: self._entries.get(key) for key in keys}   # what the fetch names as held
+        if register:
+            for key in keys:
+                self._flights[key] = flight
+        return flight
+
+    def _run_fetch(self, flight: _Flight, job: str, node: str, epoch: int, min_step: int, wants: list[Want],
+                   keys: list, timeout: float) -> Fetched:
+        """Ask the node for ``keys`` (naming the versions held), store what it says, wake the waiters."""
+        try:
+            held = flight.held
+            asks = [(w.tensor, w.index, None if held[k] is None else held[k].version, w.dtype)
+                    for w, k in zip(wants, keys)]
+            result = self._fetch(job, node, epoch, min_step, asks, timeout)
+            with self._lock:
+                for w, key in zip(wants, keys):
+                    new = result.blocks.get((w.tensor, w.index))
+                    old = held[key]
+                    if new is not None:
+                        version, data = new
+                        self.stats.bytes_fetched += len(data)
+                    elif old is not None:
+                        version, data = old.version, old.data   # unchanged since the version named
+                    else:
+                        raise ShardlineConfigError(f"node {node!r} did not send block {w.tensor}[{w.index}] the "
+                                                   f"cache holds nothing of")
+                    if version > result.step:
+                        raise ShardlineConfigError(f"node {node!r} sent block {w.tensor}[{w.index}] at version "
+                                                   f"{version}, above its step {result.step}")
+                    entry = Entry(version, result.step, epoch, data)
+                    flight.entries[key] = entry
+                    self._store(key, entry)
+            return result
+        except BaseException as exc:
+            flight.error = exc
+            raise
+        finally:
+            with self._lock:
+                for key in keys:
+                    if self._flights.get(key) is flight:
+                        del self._flights[key]
+            flight.done.set()
+
+    # --- the byte bound -----------------------------------------------------------------------
+    def _store(self, key, entry: Entry) -> None:
+        """Under the lock: keep ``entry`` (most recently used) and evict down to the bound; a block
+        bigger than the whole cache is not kept."""
+        old = self._entries.get(key)
+        if old is not None and (old.epoch, old.version, old.seen) > (entry.epoch, entry.version, entry.seen):
+            return  # what is kept knows more (a concurrent fetch at a later epoch or step ended first)
+        size = len(entry.data)
+        if size > self.capacity_bytes:
+            self.stats.passed_through += 1
+            if old is not None:
+                self._remove(key)
+            return
+        if old is not None:
+            self._remove(key)
+        self._entries[key] = entry
+        self.resident_bytes += size
+        self._uids.setdefault(key[0], "")
+        while self.resident_bytes > self.capacity_bytes:
+            victim = next(iter(self._entries))
+            self._remove(victim)
+            self.stats.evictions += 1
+
+    def _remove(self, key) -> None:
+        entry = self._entries.pop(key)
+        self.resident_bytes -= len(entry.data)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

@@ -1,0 +1,245 @@
+"""The rack cache's logic (dispatcher/cache.py) against a fake PS node whose job keeps stepping:
+version correctness under concurrent writes, miss coalescing, the byte bound."""
+
+import random
+import threading
+import time
+
+import pytest
+
+from shardline.dispatcher.cache import BlockCache, Fetched, Want
+from shardline.services.errors import ShardlineConfigError, ShardlineTimeoutError
+
+F32 = 1  # dataplane FLOAT32
+
+
+class FakeNode:
+    """A PS node's pull semantics: wait for min_step, then blocks newer than the version named,
+    all from one step (a consistent snapshot). Keeps every block's history to check replies."""
+
+    def __init__(self, blocks: int, size: int = 16):
+        self.size = size
+        self.step = 0
+        self.history = {("w", i): [(0, 0)] for i in range(blocks)}   # key -> [(from step, version)]
+        self.cond = threading.Condition()
+        self.fetches = []
+
+    def value(self, key, version) -> bytes:
+        return f"{key[0]}{key[1]}@{version}".encode().ljust(self.size, b".")
+
+    def version(self, key) -> int:
+        return self.history[key][-1][1]
+
+    def version_at(self, key, step) -> int:
+        return [v for since, v in self.history[key] if since <= step][-1]
+
+    def advance(self, changed) -> None:
+        with self.cond:
+            self.step += 1
+            for key in changed:
+                self.history[key].append((self.step, self.step))
+            self.cond.notify_all()
+
+    def fetch(self, job, node, epoch, min_step, asks, timeout):
+        self.fetches.append((min_step, [(t, i, have) for t, i, have, _ in asks]))
+        with self.cond:
+            if not self.cond.wait_for(lambda: self.step >= min_step, timeout):
+                raise TimeoutError("step not reached")
+            blocks = {}
+            for tensor, index, have, _dtype in asks:
+                v = self.version((tensor, index))
+                if have is None or v > have:
+                    blocks[(tensor, index)] = (v, self.value((tensor, index), v))
+            return Fetched(self.step, blocks)
+
+
+def wants(held: dict, keys):
+    return [Want(t, i, held.get((t, i)), F32) for t, i in keys]
+
+
+def test_readers_never_get_a_block_older_than_asked_nor_newer_than_the_step_they_are_told():
+    node = FakeNode(blocks=12)
+    cache = BlockCache(1 << 20, node.fetch)
+    keys = sorted(node.history)
+    stop = threading.Event()
+    errors = []
+    checked = [0]
+
+    def writer():
+        rng = random.Random(1)
+        while not stop.is_set():
+            node.advance(rng.sample(keys, rng.randint(1, 6)))
+            time.sleep(0.002)
+
+    def reader(seed):
+        rng = random.Random(seed)
+        held, values = {}, {}
+        try:
+            while not stop.is_set():
+                group = rng.sample(keys, rng.randint(1, len(keys)))
+                with node.cond:
+                    now = node.step
+                # some wait for the next step (a trainer), some for an old one (a slow subscriber)
+                m = rng.choice([now + 1, now, max(0, now - 3), 0])
+                try:
+                    answer = cache.answer("job", "ps1", 1, m, wants(held, group), timeout=1.0)
+                except TimeoutError:
+                    assert stop.is_set(), "a pull timed out while the job kept stepping"
+                    return  # the writer stopped: the step it waits for never comes
+                with node.cond:
+                    after = node.step
+                assert m <= answer.step <= after, (m, answer.step, after)
+                for tensor, index, version, _dtype, data in answer.blocks:
+                    assert version > held.get((tensor, index), -1)
+                    held[(tensor, index)] = version
+                    values[(tensor, index)] = bytes(data)
+                for key in group:  # what the reader holds now is exactly the block at answer.step
+                    assert held[key] == node.version_at(key, answer.step), (key, held[key], answer.step)
+                    assert values[key] == node.value(key, held[key])
+                checked[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+            stop.set()
+
+    threads = [threading.Thread(target=writer)] + [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    time.sleep(1.5)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[0]
+    assert checked[0] > 100
+    assert cache.stats.hits > 0 and cache.stats.misses > 0
+
+
+def test_concurrent_misses_of_the_same_blocks_make_one_fetch():
+    node = FakeNode(blocks=4)
+    release = threading.Event()
+    calls = []
+
+    def slow_fetch(*args):
+        calls.append(args)
+        release.wait(10)
+        return node.fetch(*args)
+
+    cache = BlockCache(1 << 20, slow_fetch)
+    keys = sorted(node.history)
+    answers, errors = [], []
+
+    def reader():
+        try:
+            answers.append(cache.answer("job", "ps1", 1, 1, wants({}, keys), timeout=5.0))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(8)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while cache.stats.misses + cache.stats.coalesced < 8 * len(keys) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    node.advance(keys)  # the step the readers wait for
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert not errors, errors
+    assert len(calls) == 1, f"{len(calls)} fetches for 8 concurrent misses"
+    assert cache.stats.coalesced == 7 * len(keys) and cache.stats.misses == len(keys)
+    for a in answers:
+        assert a.step == 1 and sorted((t, i, v) for t, i, v, _, _ in a.blocks) == [("w", i, 1) for i in range(4)]
+    # the next reader of the same step is served from memory
+    before = len(calls)
+    assert len(cache.answer("job", "ps1", 1, 1, wants({}, keys), timeout=1.0).blocks) == 4
+    assert len(calls) == before
+
+
+def test_a_fetch_names_the_versions_held_and_a_new_epoch_learns_blocks_again_as_a_delta():
+    node = FakeNode(blocks=3)
+    cache = BlockCache(1 << 20, node.fetch)
+    keys = sorted(node.history)
+    cache.answer("job", "ps1", 1, 0, wants({}, keys), timeout=1.0)
+    node.advance([("w", 0)])
+    a = cache.answer("job", "ps1", 1, 1, wants({}, keys), timeout=1.0)
+    assert node.fetches[-1] == (1, [("w", 0, 0), ("w", 1, 0), ("w", 2, 0)])
+    assert a.step == 1 and len(a.blocks) == 3
+    assert cache.stats.bytes_fetched == 4 * node.size     # 3 blocks at first, then only w[0]
+    # a routing change (epoch 2): the entries are learned again from the node, naming their versions
+    a = cache.answer("job", "ps1", 2, 1, wants({k: node.version(k) for k in keys}, keys), timeout=1.0)
+    assert a.blocks == [] and node.fetches[-1] == (1, [("w", 0, 1), ("w", 1, 0), ("w", 2, 0)])
+    # min_step 0 (where is the job?) always asks the node
+    n = len(node.fetches)
+    cache.answer("job", "ps1", 2, 0, wants({}, keys), timeout=1.0)
+    assert len(node.fetches) == n + 1
+
+
+def test_resident_bytes_stay_within_the_bound_least_recently_used_first():
+    node = FakeNode(blocks=6, size=100)
+    cache = BlockCache(350, node.fetch)
+    for i in range(6):
+        cache.answer("job", "ps1", 1, 0, [Want("w", i, None, F32)], timeout=1.0)
+        assert cache.resident_bytes <= 350
+    assert len(cache) == 3 and cache.stats.evictions == 3
+    cache.answer("job", "ps1", 1, 0, [Want("w", 3, None, F32)], timeout=1.0)   # w3 used again
+    cache.answer("job", "ps1", 1, 0, [Want("w", 0, None, F32)], timeout=1.0)   # evicts w4, not w3
+    n = len(node.fetches)
+    cache.answer("job", "ps1", 1, 0 + 0, [Want("w", 3, None, F32)], timeout=1.0)
+    assert cache.resident_bytes == 300 and cache.stats.evictions == 4
+    # a block bigger than the cache is passed through: answered, not kept
+    big = FakeNode(blocks=1, size=400)
+    small = BlockCache(350, big.fetch)
+    a = small.answer("job", "ps1", 1, 0, [Want("w", 0, None, F32)], timeout=1.0)
+    assert len(a.blocks) == 1 and len(a.blocks[0][4]) == 400
+    assert len(small) == 0 and small.resident_bytes == 0 and small.stats.passed_through == 1
+    assert len(node.fetches) == n + 1
+
+
+def test_jobs_deleted_or_created_again_lose_their_entries():
+    node = FakeNode(blocks=2)
+    cache = BlockCache(1 << 20, node.fetch)
+    cache.answer("a", "ps1", 1, 0, wants({}, sorted(node.history)), timeout=1.0)
+    cache.answer("b", "ps1", 1, 0, wants({}, sorted(node.history)), timeout=1.0)
+    assert cache.retain_jobs({"a": "uid-a", "b": "uid-b"}) == []
+    assert cache.retain_jobs({"a": "uid-a2"}) == ["a", "b"]      # a recreated, b deleted
+    assert len(cache) == 0 and cache.resident_bytes == 0
+
+
+def test_errors_reach_every_waiter_and_a_stuck_fetch_times_out():
+    release = threading.Event()
+
+    def failing(*args):
+        release.wait(5)
+        raise RuntimeError("node said no")
+
+    cache = BlockCache(1 << 20, failing, fetch_timeout=0.2)
+    errors = []
+
+    def reader():
+        try:
+            cache.answer("job", "ps1", 1, 1, [Want("w", 0, None, F32)], timeout=0.1)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) for e in errors)
+    stuck = BlockCache(1 << 20, lambda *a: time.sleep(2) or Fetched(1, {}), fetch_timeout=0.2)
+    threading.Thread(target=lambda: stuck.answer("job", "ps1", 1, 1, [Want("w", 0, None, F32)], timeout=0.1),
+                     daemon=True).start()
+    time.sleep(0.05)
+    with pytest.raises(ShardlineTimeoutError, match="fetch_timeout"):
+        stuck.answer("job", "ps1", 1, 1, [Want("w", 0, None, F32)], timeout=0.1)
+
+
+def test_bad_arguments():
+    with pytest.raises(ShardlineConfigError, match="0"):
+        BlockCache(0, lambda *a: None)
+    cache = BlockCache(100, FakeNode(1).fetch)
+    with pytest.raises(ShardlineConfigError, match="more than once"):
+        cache.answer("job", "ps1", 1, 0, [Want("w", 0, None, F32)] * 2, timeout=1.0)

@@ -1,0 +1,72 @@
+"""Which address a worker's pull goes to: its rack's cache (L2) when the routing lists one, else
+the PS node that owns the blocks.
+
+Pushes and commits always go to the PS primaries; only OP_PULL is routed here. A pull through the
+cache names the node it would have gone to (``FrameHeader.via_node``) and gets the reply that node
+would give (dispatcher/cache.py). When the cache cannot be used — it does not answer within
+``cache_timeout`` beyond the pull's wait (killed, paused), drops the connection, or refuses
+with an error of its own — the pull goes to the node at once, the router logs it once and leaves
+the cache alone for ``retry_seconds``, then tries it again. A refusal the node itself would give
+(NOT_OWNER, TIMEOUT, UNKNOWN_JOB, ...) is the pull's answer, as from the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+log = logging.getLogger("shardline.worker")
+
+# How long past a pull's own wait a rack cache may take to answer before the pull goes to the PS.
+CACHE_TIMEOUT_SECONDS = 5.0
+# After a cache failed, pulls go to the PS nodes for this long before the cache is tried again.
+CACHE_RETRY_SECONDS = 10.0
+# Error codes a cache passes on from the node: they are the pull's answer, not a failure of the cache.
+NODE_ANSWERS = frozenset({"NOT_OWNER", "TIMEOUT", "UNKNOWN_JOB", "UNKNOWN_TENSOR", "WORKER_LOST", "STALE_STEP"})
+
+
+def default_rack(rack: str | None) -> str | None:
+    """``rack``, else ``$SHARDLINE_RACK`` (unset or empty: no rack)."""
+    if rack is not None:
+        return rack or None
+    return os.environ.get("SHARDLINE_RACK") or None
+
+
+class ReadRouter:
+    """The pull target of one client (not thread-safe: the client is not)."""
+
+    def __init__(self, rack: str | None, *, cache_timeout: float = CACHE_TIMEOUT_SECONDS,
+                 retry_seconds: float = CACHE_RETRY_SECONDS, clock=time.monotonic):
+        self.rack = rack
+        self.cache_timeout = cache_timeout
+        self.retry_seconds = retry_seconds
+        self._clock = clock
+        self._down_until = 0.0
+        self._down: str | None = None   # the cache id the last failure was logged for
+
+    def cache_for(self, routing):
+        """The CacheInfo to pull through, or None (no rack, none registered, or resting after a failure)."""
+        if self.rack is None or self._clock() < self._down_until:
+            return None
+        for info in getattr(routing, "caches", ()):
+            if info.rack == self.rack:
+                return info
+        return None
+
+    def failed(self, info, exc: Exception) -> None:
+        """The cache ``info`` could not serve a pull: pull from the nodes for ``retry_seconds``."""
+        self._down_until = self._clock() + self.retry_seconds
+        if self._down != info.cache_id:
+            self._down = info.cache_id
+            log.warning("rack cache %s (%s) failed (%s): pulling from the PS nodes; trying it again every %g s",
+                        info.cache_id, info.data_address, exc, self.retry_seconds)
+
+    def refused(self, info, exc: Exception) -> None:
+        """The cache answered with an error of its own: this pull goes to the node."""
+        log.debug("rack cache %s refused a pull (%s): pulling from the node", info.cache_id, exc)
+
+    def succeeded(self, info) -> None:
+        if self._down is not None:
+            log.info("rack cache %s serves pulls again", info.cache_id)
+            self._down = None
