@@ -1,0 +1,118 @@
+"""Rack caches (L2) as real daemons: a dispatcher, two PS nodes and caches for racks r1 and r2.
+
+BSP training whose pulls go through the cache equals single-process torch.optim; a cache SIGKILLed
+mid-run or SIGSTOPped costs no step (the readers pull from the PS nodes); eight readers of one rack
+make the PS nodes send each new version once."""
+
+import importlib.util
+import signal
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+import train_model
+from shardline.services.local_cluster import LocalCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+CACHE_BYTES = 64 << 20
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("shardline_bench_rack_cache", ROOT / "bench" / "rack_cache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def cache_counter(handle, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{handle.metrics}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == f"shardline_cache_{name}_total")
+
+
+@pytest.fixture(scope="module")
+def racks(tmp_path_factory):
+    with LocalCluster(tmp_path_factory.mktemp("rack-cache")) as c:
+        c.start_dispatcher(heartbeat_timeout=2)
+        c.add_node(node_id="ps1")
+        c.add_node(node_id="ps2")
+        c.wait_for_nodes(2, timeout=30)
+        caches = {rack: c.add_cache(rack, CACHE_BYTES, wait=False) for rack in ("r1", "r2")}
+        for handle in caches.values():
+            c.wait_ready(handle)
+        c.wait_until(lambda s: {x.rack for x in s.routing.caches} == set(caches), 30, "two rack caches")
+        yield c, caches
+
+
+def test_bsp_through_the_rack_cache_equals_torch_optim(racks, tmp_path):
+    cluster, caches = racks
+    results = train_model.finish_workers(train_model.start_workers(
+        cluster.address, "rack-bsp", "adamw", "bsp", tmp_path, steps=8, env={"SHARDLINE_RACK": "r1"}))
+    train_model.assert_equals_reference(results, 8, tol=1e-5)
+    # the pulls did go through the cache: each step's blocks fetched once, the second reader served
+    assert cache_counter(caches["r1"], "misses") > 0
+    assert cache_counter(caches["r1"], "hits") + cache_counter(caches["r1"], "coalesced_misses") > 0
+
+
+def test_a_stalled_cache_is_given_up_on_within_cache_timeout(racks):
+    from shardline import connect
+
+    cluster, caches = racks
+    trainer = connect(cluster.address, "rack-stall")
+    trainer.init({"w": torch.zeros(1000)}, optimizer="sgd", lr=1.0)
+    reader = connect(cluster.address, "rack-stall", rack="r2", cache_timeout=1.0, pull_timeout=60)
+    try:
+        reader.pull(min_step=0)
+        assert cache_counter(caches["r2"], "misses") > 0
+        cluster.kill(caches["r2"], signal.SIGSTOP)
+        try:
+            trainer.push({"w": torch.ones(1000)})
+            began = time.monotonic()
+            values = reader.pull(min_step=1)
+            waited = time.monotonic() - began
+            assert torch.equal(values["w"], torch.full((1000,), -1.0))
+            # the pull's server-side wait slice (5 s) + cache_timeout, then the node answers at once
+            assert waited < 10, f"the pull took {waited:.1f} s with the cache stopped"
+            trainer.push({"w": torch.ones(1000)})
+            began = time.monotonic()
+            assert torch.equal(reader.pull(min_step=2)["w"], torch.full((1000,), -2.0))
+            assert time.monotonic() - began < 2, "a pull after the failure still went to the stalled cache"
+        finally:
+            cluster.kill(caches["r2"], signal.SIGCONT)
+    finally:
+        trainer.close()
+        reader.close()
+
+
+def test_a_cache_killed_mid_run_loses_no_step(racks, tmp_path):
+    cluster, caches = racks
+    before = cache_counter(caches["r2"], "misses")
+    started = train_model.start_workers(cluster.address, "rack-kill", "adamw", "bsp", tmp_path, steps=10,
+                                        step_sleep=0.1, env={"SHARDLINE_RACK": "r2"})
+    try:
+        train_model.wait_for_steps(started, 2)
+        assert cache_counter(caches["r2"], "misses") > before, "the workers' pulls did not go through the cache"
+        cluster.kill(caches["r2"])   # SIGKILL: readers fall back to the PS nodes
+    finally:
+        results = train_model.finish_workers(started)
+    train_model.assert_equals_reference(results, 10, tol=1e-5)
+
+
+def test_eight_readers_of_a_rack_make_the_ps_nodes_send_each_version_once(racks):
+    cluster, _ = racks
+    metrics = [n.metrics for n in cluster.nodes]
+    result = bench.measure_egress(cluster.address, metrics, "rack-egress", job_bytes=4 << 20, readers=8,
+                                  versions=3, rack="r1", timeout=60)
+    # without the cache each of the 8 readers would pull every changed block from the nodes: 8x
+    assert result["ratio_max"] <= 1.2, result["ratio_per_version"]
+
+
