@@ -161,6 +161,10 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
         "alive_nodes": sum(1 for n in nodes if n["state"] == "alive"),
         "pending_epoch": int(status.routing.pending_epoch) or None,  # a ring change in progress
         "nodes": nodes, "jobs": jobs,
+        "caches": [{"cache_id": c.cache_id, "rack": c.rack, "data": c.data_address, "grpc": c.grpc_address,
+                    "capacity_bytes": int(c.capacity_bytes), "resident_bytes": int(c.resident_bytes),
+                    "hits": int(c.hits), "misses": int(c.misses),
+                    "heartbeat_age_seconds": round(c.heartbeat_age_seconds, 3)} for c in status.routing.caches],
         # how the dispatcher that answered is secured, and which alive PS nodes run exposed without a token
         "security": {"insecure": bool(status.insecure), "cluster_token": bool(status.cluster_token),
                      "tls": bool(status.tls),
@@ -206,6 +210,12 @@ def render_status(data: dict) -> str:
             rows, right={5, 6, 7, 8, 9})]
     else:
         lines += ["", "nodes: none registered"]
+    for c in data.get("caches", []):  # one line per rack cache (L2)
+        lookups = c["hits"] + c["misses"]
+        hit_rate = f"{100 * c['hits'] / lookups:.0f}% hits" if lookups else "no pulls yet"
+        lines.append(f"rack cache {c['cache_id']}: rack {c['rack']}, data {c['data']}, "
+                     f"{human_bytes(c['resident_bytes'])} of {human_bytes(c['capacity_bytes'])}, {hit_rate}, "
+                     f"heartbeat {c['heartbeat_age_seconds']:.1f}s")
     if data["jobs"]:
         rows = [[j["name"], f"ssp, s={j['staleness']}" if j.get("staleness") else j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
                  "-" if j.get("checkpoint_step") is None else j["checkpoint_step"],

@@ -61,6 +61,14 @@ def test_bsp_through_the_rack_cache_equals_torch_optim(racks, tmp_path):
     # the pulls did go through the cache: each step's blocks fetched once, the second reader served
     assert cache_counter(caches["r1"], "misses") > 0
     assert cache_counter(caches["r1"], "hits") + cache_counter(caches["r1"], "coalesced_misses") > 0
+    # `shardline status` lists each cache on a line of its own, with what its heartbeats report
+    from shardline.services.cli import render_status, status_dict
+
+    status = cluster.wait_until(lambda s: any(c.rack == "r1" and c.misses for c in s.routing.caches), 10,
+                                "the cache's heartbeat with its counts")
+    lines = [line for line in render_status(status_dict(status, cluster.address)).splitlines()
+             if line.startswith("rack cache ")]
+    assert len(lines) == 2 and any("rack r1," in line and "% hits" in line for line in lines), lines
 
 
 def test_a_stalled_cache_is_given_up_on_within_cache_timeout(racks):
