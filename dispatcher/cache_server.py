@@ -326,7 +326,9 @@ def run_cache(args, security, stop: threading.Event, *, prog: str) -> int:
     # A pull has no payload; the budget is there because the loop takes one.
     policy = ConnectionPolicy(limits=frame.FrameLimits(max_payload_bytes=0), cluster_token=security.token,
                               budget=PayloadBudget(1 << 20))
-    listener = transport.listen(host, 0, lambda sock, peer: serve_connection(sock, peer, frontend, policy))
+    data_host, data_port = parse_host_port(args.data_listen or format_host_port(host, 0), what="data_listen")
+    listener = transport.listen(data_host, data_port,
+                                lambda sock, peer: serve_connection(sock, peer, frontend, policy))
     server, grpc_port, _health = create_grpc_server(args.listen, [], cluster_token=security.token,
                                                     tls=security.server_tls)
     collector = CacheCollector(frontend, args.rack)

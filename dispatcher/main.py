@@ -59,8 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         from shardline.dispatcher.cache_server import validate_cache_args
 
         validate_cache_args(args)
-    elif args.rack:
-        raise ShardlineConfigError(f"rack={args.rack!r} is for a dispatcher in the rack-cache role: set cache_bytes too")
+    else:  # a shared environment or config file may carry them for other daemons: only flags count
+        for key in ("rack", "data_listen"):
+            if getattr(args, key) and args.config_sources.get(key) == "flag":
+                raise ShardlineConfigError(f"{key}={getattr(args, key)!r} is for a dispatcher in the rack-cache role: "
+                                           f"set cache_bytes too")
     return args
 
 
@@ -71,7 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         log_configuration(log, args)
         host, _ = parse_host_port(args.listen, what="listen")
         # gRPC and metrics bind the listen host (the metrics port does not matter to the policy)
-        security = daemon_security(args, {"listen": args.listen, "metrics": format_host_port(host, args.metrics_port)})
+        binds = {"listen": args.listen, "metrics": format_host_port(host, args.metrics_port)}
+        if args.cache_bytes:  # a rack cache also serves the data plane
+            binds["data_listen"] = args.data_listen or format_host_port(host, 0)
+        security = daemon_security(args, binds)
     except ShardlineConfigError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

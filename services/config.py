@@ -367,7 +367,8 @@ OPTIONS: tuple[Option, ...] = (
            "dispatcher: with cache_bytes, the rack whose readers this cache serves.", ("dispatcher", "ps", "worker"),
            default={"ps": "default"}, default_text="ps: `default`; worker: unset (no rack cache)"),
     Option("capacity", "float", "Relative weight of this node on the ring.", ("ps",), default=1.0, above=0),
-    Option("data_listen", "address", "Data-plane bind address.", ("ps",),
+    Option("data_listen", "address", "Data-plane bind address (a dispatcher: in the rack-cache role).",
+           ("dispatcher", "ps"),
            default_text="the --listen host, a free port"),
     Option("max_payload_bytes", "size", "Largest data-plane frame payload the node accepts; bigger frames "
            "get TOO_LARGE and the connection is closed.", ("ps",), default=DEFAULT_MAX_PAYLOAD_BYTES, above=0),
