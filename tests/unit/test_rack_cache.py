@@ -229,12 +229,13 @@ def test_errors_reach_every_waiter_and_a_stuck_fetch_times_out():
     for t in threads:
         t.join(5)
     assert len(errors) == 2 and all(isinstance(e, RuntimeError) for e in errors)
-    stuck = BlockCache(1 << 20, lambda *a: time.sleep(2) or Fetched(1, {}), fetch_timeout=0.2)
-    threading.Thread(target=lambda: stuck.answer("job", "ps1", 1, 1, [Want("w", 0, None, F32)], timeout=0.1),
-                     daemon=True).start()
+    stuck = BlockCache(1 << 20, lambda *a: time.sleep(1) or Fetched(1, {("w", 0): (1, b"abcd")}), fetch_timeout=0.2)
+    first = threading.Thread(target=stuck.answer, args=("job", "ps1", 1, 1, [Want("w", 0, None, F32)], 0.1))
+    first.start()
     time.sleep(0.05)
     with pytest.raises(ShardlineTimeoutError, match="fetch_timeout"):
         stuck.answer("job", "ps1", 1, 1, [Want("w", 0, None, F32)], timeout=0.1)
+    first.join(5)
 
 
 def test_bad_arguments():
@@ -243,3 +244,45 @@ def test_bad_arguments():
     cache = BlockCache(100, FakeNode(1).fetch)
     with pytest.raises(ShardlineConfigError, match="more than once"):
         cache.answer("job", "ps1", 1, 0, [Want("w", 0, None, F32)] * 2, timeout=1.0)
+
+
+# --- the registry of the main dispatcher and the worker's read router ---------------------------
+
+def _info(cache_id="c1", rack="r1", incarnation="i1"):
+    from shardline.services.pb import common_pb2
+
+    return common_pb2.CacheInfo(cache_id=cache_id, rack=rack, data_address="127.0.0.1:7300", incarnation=incarnation)
+
+
+def test_a_cache_leaves_the_routing_when_its_lease_runs_out_and_a_restart_replaces_it():
+    from shardline.dispatcher.cache_registry import CacheRegistry
+
+    reg = CacheRegistry(lease_seconds=2.0)
+    reg.register(_info(), now=0.0)
+    assert reg.heartbeat("c1", "i1", now=1.5, hits=3) and [c.hits for c in reg.live(1.5)] == [3]
+    assert not reg.heartbeat("c1", "other", now=1.6)          # another process of the cache: register
+    assert [c.cache_id for c in reg.live(3.4)] == ["c1"]
+    assert reg.live(3.6) == [] and not reg.heartbeat("c1", "i1", now=3.7)   # silent past the lease
+    reg.register(_info(incarnation="i2"), now=4.0)               # e.g. with a new leader
+    assert [c.incarnation for c in reg.live(4.0)] == ["i2"]
+    with pytest.raises(ShardlineConfigError, match="rack"):
+        reg.register(_info(rack=""), now=5.0)
+
+
+def test_the_read_router_picks_its_racks_cache_and_rests_it_after_a_failure(monkeypatch):
+    from types import SimpleNamespace
+
+    from shardline.worker.read_router import ReadRouter, default_rack
+
+    now = [0.0]
+    routing = SimpleNamespace(caches=(_info("c0", "r0"), _info("c1", "r1")))
+    router = ReadRouter("r1", retry_seconds=10.0, clock=lambda: now[0])
+    assert router.cache_for(routing).cache_id == "c1"
+    assert ReadRouter(None).cache_for(routing) is None and ReadRouter("r9").cache_for(routing) is None
+    router.failed(routing.caches[1], OSError("refused"))
+    now[0] = 9.9
+    assert router.cache_for(routing) is None                    # the PS nodes meanwhile
+    now[0] = 10.1
+    assert router.cache_for(routing).cache_id == "c1"           # tried again
+    monkeypatch.setenv("SHARDLINE_RACK", "r0")
+    assert default_rack(None) == "r0" and default_rack("r1") == "r1" and default_rack("") is None
