@@ -565,6 +565,11 @@ class Client:
         return self._inflight[step]
 
     def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> dict[str, int]:
+        if self._reads.wants_routing(self.routing):  # to find the rack's cache (a pull does not need it)
+            try:
+                self.refresh_routing()
+            except ShardlineError as exc:
+                log.debug("routing refresh for the rack cache failed: %s", exc)
         if min_step is None:
             # SSP: the step computed next may run up to staleness steps ahead of its parameters.
             min_step = max(0, self.step - self.staleness) if (self.step is not None and self._collects) else 0

@@ -22,6 +22,9 @@ log = logging.getLogger("shardline.worker")
 CACHE_TIMEOUT_SECONDS = 5.0
 # After a cache failed, pulls go to the PS nodes for this long before the cache is tried again.
 CACHE_RETRY_SECONDS = 10.0
+# A reader of a rack whose routing lists no usable cache looks at the routing again this often (at
+# a pull), so a cache registered after it started (or again after a failure) is found.
+CACHE_DISCOVERY_SECONDS = 10.0
 # Error codes a cache passes on from the node: they are the pull's answer, not a failure of the cache.
 NODE_ANSWERS = frozenset({"NOT_OWNER", "TIMEOUT", "UNKNOWN_JOB", "UNKNOWN_TENSOR", "WORKER_LOST", "STALE_STEP"})
 
@@ -44,6 +47,15 @@ class ReadRouter:
         self._clock = clock
         self._down_until = 0.0
         self._down: str | None = None   # the cache id the last failure was logged for
+        self._look_at = clock() + CACHE_DISCOVERY_SECONDS
+
+    def wants_routing(self, routing) -> bool:
+        """True (at most every CACHE_DISCOVERY_SECONDS) if the client should refresh its routing to
+        find its rack's cache: none listed, or the one listed failed."""
+        if self.rack is None or self._clock() < self._look_at:
+            return False
+        self._look_at = self._clock() + CACHE_DISCOVERY_SECONDS
+        return self._down is not None or not any(c.rack == self.rack for c in getattr(routing, "caches", ()))
 
     def cache_for(self, routing):
         """The CacheInfo to pull through, or None (no rack, none registered, or resting after a failure)."""
