@@ -166,6 +166,8 @@ class PSOptimizer(torch.optim.Optimizer):
     naming the ranks that have not committed it (0: no warning); when ``pull_timeout`` runs out,
     StepTimeoutError names them. A wrong ``cluster`` fails at once (ShardlineConfigError); an
     unreachable one logs a WARNING after 5 s and fails after ``connect_timeout``.
+    ``rack`` (default ``$SHARDLINE_RACK``): pulls go through that rack's cache (L2) when the routing
+    lists one, and to the PS nodes when it fails (docs/architecture.md, "Rack caches (L2)").
 
     Metrics (docs/metrics.md, worker/metrics.py): every step is recorded in prometheus-client's
     default registry (a script's own exporter shows them): ``shardline_worker_steps_total``, step

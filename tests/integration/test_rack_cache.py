@@ -124,3 +124,27 @@ def test_eight_readers_of_a_rack_make_the_ps_nodes_send_each_version_once(racks)
     assert result["ratio_max"] <= 1.2, result["ratio_per_version"]
 
 
+
+
+def test_bf16_readers_through_the_cache_hold_the_masters_rounded(racks):
+    from shardline import connect
+
+    cluster, caches = racks
+    trainer = connect(cluster.address, "rack-bf16")
+    trainer.init({"w": torch.randn(5000, generator=torch.Generator().manual_seed(3))}, optimizer="sgd", lr=0.1)
+    direct = connect(cluster.address, "rack-bf16", rack="")          # "" : no rack cache, not $SHARDLINE_RACK
+    readers = [connect(cluster.address, "rack-bf16", rack="r1") for _ in range(2)]
+    try:
+        trainer.push({"w": torch.randn(5000, generator=torch.Generator().manual_seed(4))})
+        master = direct.pull(min_step=1)["w"]
+        served = cache_counter(caches["r1"], "served_bytes")
+        for reader in readers:   # fp32 and bf16 entries of the same blocks are kept apart
+            held = torch.empty(5000, dtype=torch.bfloat16)
+            reader.bind("w", held)
+            reader.pull(min_step=1)
+            assert torch.equal(held, master.to(torch.bfloat16))
+        assert cache_counter(caches["r1"], "served_bytes") - served == 2 * 5000 * 2   # both from the cache
+        assert torch.equal(readers[0].pull(min_step=1)["w"].float(), master.to(torch.bfloat16).float())
+    finally:
+        for c in (trainer, direct, *readers):
+            c.close()
