@@ -17,7 +17,7 @@ older than the step it waits for, nor one newer than the step it is told, and th
 claims a step it has not seen (``s`` is a ``seen``, i.e. a step a node replied with). A block is
 sent only if its version is newer than the reader's (the PS's rule). Entries that are missing or
 not valid are fetched from the node, once: a fetch in flight for the same block at the same epoch
-and a ``min_step >= m`` is waited for instead of sending another (coalescing), and a fetch asks
+and the same ``min_step`` is waited for instead of sending another (coalescing), and a fetch asks
 for the whole group's missing blocks in one request, naming the versions the cache holds (the
 node sends only what changed). If entries from different fetches do not fit one step (a reader
 that does not follow the job's pace, e.g. a subscriber), the whole group is fetched in one
@@ -168,7 +168,9 @@ class BlockCache:
                     got[i] = entry
                     continue
                 flight = self._flights.get(key)
-                if flight is not None and flight.epoch == epoch and flight.min_step >= min_step:
+                # only a fetch for this very step: one for a later step may wait for a commit that
+                # this reader makes only once it has these blocks (BSP), a deadlock until it times out
+                if flight is not None and flight.epoch == epoch and flight.min_step == min_step:
                     waits.append((i, flight))
                 else:
                     own.append(i)

@@ -286,3 +286,19 @@ def test_the_read_router_picks_its_racks_cache_and_rests_it_after_a_failure(monk
     assert router.cache_for(routing).cache_id == "c1"           # tried again
     monkeypatch.setenv("SHARDLINE_RACK", "r0")
     assert default_rack(None) == "r0" and default_rack("r1") == "r1" and default_rack("") is None
+
+
+def test_a_pull_never_waits_in_a_fetch_for_a_later_step():
+    """A reader ahead (waiting for step 2) must not hold back one that waits for step 1: under BSP
+    step 1's reader commits what step 2 needs only after it got its blocks."""
+    node = FakeNode(blocks=1)
+    cache = BlockCache(1 << 20, node.fetch)
+    node.advance([("w", 0)])                                     # the job is at step 1
+    ahead = threading.Thread(target=cache.answer, args=("job", "ps1", 1, 2, [Want("w", 0, None, F32)], 5.0))
+    ahead.start()
+    time.sleep(0.1)                                              # its fetch waits for step 2
+    began = time.monotonic()
+    a = cache.answer("job", "ps1", 1, 1, [Want("w", 0, None, F32)], timeout=5.0)
+    assert a.step == 1 and time.monotonic() - began < 1.0
+    node.advance([("w", 0)])
+    ahead.join(5)
