@@ -922,7 +922,8 @@ class Client:
             except (OSError, ConnectionError) as exc:
                 conn.close()
                 self._conns.pop(key, None)
-                raise ShardlineConnectionError(f"node {node_id!r} at {conn.address}: {exc}") from exc
+                who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
+                raise ShardlineConnectionError(f"{who} at {conn.address}: {exc}") from exc
             if reply.op == dp.OP_ERROR:
                 code = dp.ErrorCode.Name(reply.code)
                 if reply.code == dp.NOT_OWNER:

@@ -71,8 +71,8 @@ class ReadRouter:
         self._down_until = self._clock() + self.retry_seconds
         if self._down != info.cache_id:
             self._down = info.cache_id
-            log.warning("rack cache %s (%s) failed (%s): pulling from the PS nodes; trying it again every %g s",
-                        info.cache_id, info.data_address, exc, self.retry_seconds)
+            log.warning("rack cache %s failed (%s): pulling from the PS nodes; trying it again every %g s",
+                        info.cache_id, exc, self.retry_seconds)
 
     def refused(self, info, exc: Exception) -> None:
         """The cache answered with an error of its own: this pull goes to the node."""
