@@ -302,3 +302,82 @@ def test_a_pull_never_waits_in_a_fetch_for_a_later_step():
     assert a.step == 1 and time.monotonic() - began < 1.0
     node.advance([("w", 0)])
     ahead.join(5)
+
+
+# --- the cache role's glue (dispatcher/cache_server.py), without a network ---------------------
+
+def _frontend(fetch):
+    from shardline.dispatcher.cache_server import CacheFrontend
+
+    frontend = CacheFrontend("cache-r1", 1 << 20, links=None, fetch_routing=lambda: None)
+    frontend.cache = BlockCache(1 << 20, fetch)
+    return frontend
+
+
+def test_the_cache_answers_pulls_only_and_checks_them_before_anything_is_fetched():
+    from shardline.ps_server.store import StoreError
+    from shardline.services.pb import dataplane_pb2 as dp
+
+    frontend = _frontend(lambda *a: pytest.fail("nothing may be fetched for a refused frame"))
+    good = dict(op=dp.OP_PULL, job="j", via_node="ps1", blocks=[dp.BlockRef(tensor="w", index=0)])
+    frontend.precheck(dp.FrameHeader(**good))
+    for change, fragment in ((dict(op=dp.OP_PUSH), "pulls only"), (dict(payload_bytes=4), "no payload"),
+                             (dict(via_node=""), "via_node"), (dict(job="../x"), "invalid job name"),
+                             (dict(blocks=[dp.BlockRef(tensor="w"), dp.BlockRef(tensor="w")]), "more than once"),
+                             (dict(blocks=[dp.BlockRef(tensor="w", want_dtype=dp.FLOAT16)]), "FLOAT32 or BFLOAT16")):
+        with pytest.raises(StoreError, match=fragment):
+            frontend.precheck(dp.FrameHeader(**{**good, **change}))
+
+
+def test_the_cache_passes_the_nodes_refusals_on_and_replies_as_the_node_would():
+    from shardline.ps_server.node import NotOwner
+    from shardline.ps_server.store import StoreError
+    from shardline.services.errors import RemoteError
+    from shardline.services.pb import dataplane_pb2 as dp
+
+    answers = [RemoteError("NOT_OWNER", "moved", epoch=7), RemoteError("TIMEOUT", "step 3 not reached"),
+               Fetched(3, {("w", 0): (2, b"\0" * 8)}, oldest_step=1)]
+
+    def fetch(*args):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    frontend = _frontend(fetch)
+    header = dp.FrameHeader(op=dp.OP_PULL, request_id=9, job="j", epoch=5, via_node="ps1", min_step=0,
+                            blocks=[dp.BlockRef(tensor="w", index=0, want_dtype=dp.BFLOAT16)])
+    with pytest.raises(NotOwner) as refused:
+        frontend.handle(header, memoryview(b""))
+    assert refused.value.epoch == 7
+    with pytest.raises(StoreError, match="step 3") as timed_out:
+        frontend.handle(header, memoryview(b""))
+    assert timed_out.value.code == "TIMEOUT"
+    reply, payloads = frontend.handle(header, memoryview(b""))
+    assert (reply.op, reply.request_id, reply.step, reply.oldest_step, reply.epoch) == (dp.OP_REPLY, 9, 3, 1, 5)
+    ref, = reply.blocks
+    assert (ref.dtype, ref.numel, ref.nbytes, ref.version) == (dp.BFLOAT16, 4, 8, 2) and payloads == [b"\0" * 8]
+
+
+def test_a_cache_unknown_to_the_dispatcher_registers_again():
+    from types import SimpleNamespace
+
+    from shardline.dispatcher.cache_server import CacheHeartbeats
+
+    calls = []
+
+    class Client:
+        def register_cache(self, info):
+            calls.append("register")
+            return SimpleNamespace(heartbeat_interval_seconds=0.5, lease_seconds=2.0)
+
+        def cache_heartbeat(self, **fields):
+            calls.append("heartbeat")
+            return SimpleNamespace(registered=len(calls) > 3, epoch=0, jobs=[])   # a new leader at first
+
+    frontend = _frontend(FakeNode(1).fetch)
+    beats = CacheHeartbeats(Client(), frontend, _info(), threading.Event())
+    beats.register()
+    beats.beat()
+    beats.beat()
+    assert calls == ["register", "heartbeat", "register", "heartbeat"]
