@@ -184,7 +184,7 @@ class Client:
         self._slices: dict[str, list] = {}
         self._versions: dict[tuple[str, int], int] = {}
         self._oldest: dict[str, int] = {}   # node -> the oldest step it still collects (last pull reply)
-        self._conns: dict[str, DataPlaneConnection] = {}
+        self._conns: dict = {}   # node id (or _cache_key) -> DataPlaneConnection
         self._request_ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
         info = self.dispatcher.get_job(job)
@@ -666,8 +666,9 @@ class Client:
 
     # --- scatter/gather over nodes ------------------------------------------------------------
     def _conn(self, node_id: str, via=None) -> DataPlaneConnection:
-        """The connection to ``node_id`` (``via``: to that rack cache, keyed by its id)."""
-        key, address = (node_id, self.routing.data_address(node_id)) if via is None else (_cache_key(via),
+        """The connection to ``node_id`` (``via``: to that rack cache, for the pulls routed to
+        ``node_id``: one per node, so groups of a pull go out in parallel as they would to the nodes)."""
+        key, address = (node_id, self.routing.data_address(node_id)) if via is None else (_cache_key(via, node_id),
                                                                                            via.data_address)
         conn = self._conns.get(key)
         if conn is None or conn.address != address:
@@ -852,7 +853,7 @@ class Client:
                     raise
                 self._reads.refused(via, exc)
             except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
-                conn = self._conns.pop(_cache_key(via), None)
+                conn = self._conns.pop(_cache_key(via, node_id), None)
                 if conn is not None:
                     conn.close()
                 self._reads.failed(via, exc)
@@ -911,7 +912,7 @@ class Client:
                                                  want_dtype=0 if want == dp.FLOAT32 else want))
                 expected[(name, index)] = s
         conn = self._conn(node_id, via)
-        key = node_id if via is None else _cache_key(via)
+        key = node_id if via is None else _cache_key(via, node_id)
         with conn.lock:
             try:
                 # a node that stops answering (paused, partitioned) is given up on after this
@@ -999,9 +1000,10 @@ class Client:
         self.close()
 
 
-def _cache_key(info) -> str:
-    """The connection key of a rack cache (never a node id: those match services/names.py)."""
-    return f"cache:{info.cache_id}"
+def _cache_key(info, node_id: str) -> tuple:
+    """The key of the connection to a rack cache for pulls routed to ``node_id`` (a tuple: never
+    equal to a node id, the key of a connection to a node)."""
+    return ("cache", info.cache_id, node_id)
 
 
 def _ranks_in(message: str) -> tuple[int, ...]:

@@ -94,7 +94,7 @@ def test_eight_readers_of_a_rack_make_the_ps_nodes_send_each_version_once(racks)
     # `shardline status` lists each cache on a line of its own, with what its heartbeats report
     from shardline.services.cli import render_status, status_dict
 
-    status = cluster.wait_until(lambda s: any(c.rack == "r1" and c.hits for c in s.routing.caches), 10,
+    status = cluster.wait_until(lambda s: any(c.rack == "r1" and c.misses for c in s.routing.caches), 10,
                                 "the cache's heartbeat with its counts")
     lines = [line for line in render_status(status_dict(status, cluster.address)).splitlines()
              if line.startswith("rack cache ")]
