@@ -50,10 +50,10 @@ def header_lrs(header: frame.FrameHeader):
 
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
-    read) the same block's bytes again."""
+    read) the same block's bytes again. (A handover's copy of a block is its second part, flagged.)"""
     seen = set()
     for ref in header.blocks:
-        key = (ref.tensor, ref.index)
+        key = (ref.tensor, ref.index, header.handover and ref.copy)
         if key in seen:
             raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
                                                  f"more than once")
@@ -347,7 +347,7 @@ class PSNode:
             # that the payload is no larger than copies of these blocks can be.
             for ref in header.blocks:
                 numel = job.expected_numel(ref.tensor, ref.index)
-                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover):
+                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover and not ref.copy):
                     raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
                                                          f"elements, more than a copy of this block holds")
             return
@@ -379,7 +379,7 @@ class PSNode:
 
     def _copy_numel_bound(self, job: JobStore, numel: int, handover: bool) -> int:
         if handover or self.replicator is None:
-            return numel  # a handover carries a gradient sum
+            return numel  # a handover carries a gradient sum (its copies are checked as copies)
         return self.replicator.codec(job).packed_numel(numel)
 
     def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
