@@ -52,7 +52,7 @@ MAX_RETRY_PAUSE_SECONDS = 0.5
 MIN_ATTEMPT_SECONDS = 0.05
 # wait_until_reachable: a WARNING says what is retried once it failed this long, then at doubling
 # intervals up to the maximum.
-REACHABLE_WARNING_SECONDS = 5.0
+REACHABLE_WARNING_SECONDS = 4.0
 MAX_REACHABLE_WARNING_INTERVAL_SECONDS = 60.0
 # A restarted dispatcher is dialled again within this (gRPC's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
