@@ -1124,6 +1124,8 @@ class JobStore:
         block.step = item.step
         block.has_grad, block.pushed_by, block.received, block.handed = False, set(), set(), set()
         block.staged, block.pending = None, None
+        block.ahead = {s: a for s, a in block.ahead.items() if s >= block.step}
+        JobStore._take_ahead(block)  # SSP: pushes of the step it reaches, collected ahead
         return True
 
     def _publish(self, step: int, ready: list) -> None:
