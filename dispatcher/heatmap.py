@@ -88,10 +88,11 @@ class _Decayed:
 
 
 class _NodeRecord:
-    __slots__ = ("rack", "first", "sums")
+    __slots__ = ("rack", "first", "active", "sums")
 
     def __init__(self, rack: str, now: float):
         self.rack, self.first, self.sums = rack, now, _Decayed(len(LOAD_FIELDS), now)
+        self.active: float | None = None   # since when it reported any load (for covered())
 
 
 class _ShardRecord:
@@ -147,6 +148,8 @@ class Heatmap:
             record.rack = rack or record.rack
             if amounts is not None:
                 record.sums.add(now, self.half_life, amounts)
+                if record.active is None and any(amounts):
+                    record.active = now - interval
             for job, tensor, block, reads, writes, nbytes in entries:
                 shard = self._shards.get((job, tensor, block))
                 if shard is None:
@@ -174,14 +177,18 @@ class Heatmap:
                 del self._shards[key]
 
     def nodes(self, now: float, only: set | None = None) -> list[NodeHeat]:
-        """Every reporting node's decayed load (``only``: those ids), by id."""
+        """Every reporting node's decayed load (``only``: those ids), by id.
+
+        Each as of its last report: between reports a node's sums only decay, so rates read at
+        ``now`` would dip until its next heartbeat (a sawtooth of one interval's decay between
+        nodes heartbeating at different moments)."""
         with self._lock:
             rates = {}
             for node_id, record in self._nodes.items():
                 if only is not None and node_id not in only:
                     continue
-                record.sums.advance(now, self.half_life)
-                window = self._window(record.first, now)
+                at = record.sums.at
+                window = self._window(record.first, at)
                 rates[node_id] = (record.rack, [v / window for v in record.sums.values])
         total = sum(r[0] + r[1] for _, r in rates.values())
         return [NodeHeat(node_id, rack, *r, share=(r[0] + r[1]) / total if total > 0 else 0.0)
@@ -201,8 +208,11 @@ class Heatmap:
             for (j, tensor, block), shard in self._shards.items():
                 if job and j != job:
                     continue
-                shard.sums.advance(now, self.half_life)
-                window = self._window(shard.first, now)
+                # as of its node's last report, like the nodes' loads (a block it left decays on)
+                node = self._nodes.get(shard.node)
+                at = max(shard.sums.at, node.sums.at if node is not None else now)
+                shard.sums.advance(at, self.half_life)
+                window = self._window(shard.first, at)
                 reads, writes, nbytes = (v / window for v in shard.sums.values)
                 rows.append(ShardHeat(j, tensor, block, shard.node, reads, writes, nbytes,
                                       (reads + writes) / total if total > 0 else 0.0))
@@ -214,6 +224,8 @@ class Heatmap:
         return {(s.job, s.tensor, s.block): s.bytes_per_second for s in self.hottest(now, len(self._shards))}
 
     def covered(self, node_ids, now: float, seconds: float) -> bool:
-        """Every node of ``node_ids`` has reported for at least ``seconds`` (enough to act on)."""
+        """Every node of ``node_ids`` has reported load for at least ``seconds`` (enough to act on:
+        a start-up, such as every worker's first pull, has mostly decayed by then)."""
         with self._lock:
-            return all(n in self._nodes and now - self._nodes[n].first >= seconds for n in node_ids)
+            return all(n in self._nodes and self._nodes[n].active is not None
+                       and now - self._nodes[n].active >= seconds for n in node_ids)

@@ -540,12 +540,15 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             return None
         now = self._clock()
         base, current, pending = state.membership.ring_counts()
-        if pending or not state.heatmap.covered(current, now, self.rebalance_interval):
+        # Plans wait for a heatmap of about two half-lives (every node's, and since the last move):
+        # what it holds then is mostly the load of now, not of the start-up or of the ring before.
+        settle = max(self.rebalance_interval, 2 * state.heatmap.half_life)
+        if pending or not state.heatmap.covered(current, now, settle):
             return None
         loads = {n.node_id: n.bytes_per_second for n in state.heatmap.nodes(now, only=set(current))}
         last = self._last_rebalance[0] if self._last_rebalance else None
         plan = rebalance_policy.plan(base, current, loads, state.heatmap.block_bytes(now), now=now, last_change=last,
-                                     cooldown=self.rebalance_interval, pending=pending)
+                                     cooldown=settle, pending=pending)
         if plan is None:
             return None
         try:

@@ -80,11 +80,16 @@ def test_heatmap_steady_rate_reads_as_itself_and_decays_by_half_life():
     assert node.bytes_out_per_second == pytest.approx(1000, rel=1e-6) and node.share == 1.0
     shard, = hm.hottest(100.0)
     assert shard.reads_per_second == pytest.approx(5, rel=1e-6) and shard.share == pytest.approx(1.0)
-    # silence: after one half-life the decayed sum is halved (the window barely grows after 100 s)
+    # rates are as of the node's last report: no dip between heartbeats
+    assert hm.nodes(100.9)[0].bytes_out_per_second == node.bytes_out_per_second
+    # an idle half-life (reported as such) halves the decayed sum (the window barely grows after 100 s)
+    hm.report("n1", "r1", _load(10.0), [], 110.0)
     tau = 10 / math.log(2)
     window = lambda age: tau * -math.expm1(-age / tau)  # noqa: E731
     later, = hm.nodes(110.0)
     assert later.bytes_out_per_second == pytest.approx(1000 * 0.5 * window(100) / window(110), rel=1e-6)
+    assert hm.hottest(110.0)[0].reads_per_second == pytest.approx(5 * 0.5 * window(100) / window(110), rel=1e-6)
+    assert hm.covered(["n1"], 110.0, 100.0) and not hm.covered(["n1", "n2"], 110.0, 1.0)
 
 
 def test_heatmap_shares_and_top_k_across_nodes():
