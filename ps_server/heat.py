@@ -15,11 +15,11 @@ block itself, 1 MiB by default, for each). Accesses to further blocks still coun
 load and in ``untracked``, never per block. A dropped job's records go with it.
 
 Reports. ``report()`` returns the load since the previous report (rates over that interval,
-exact) and the hottest blocks that were accessed since then: at most ``k`` (``MAX_REPORTED``),
-ranked by a decayed byte count (half-life ``half_life`` seconds), each with its counts since the
-block was last reported. A block's counts are never lost: those not reported (not in the top
-``k``) carry over to a later report, so the sum of every report's counts of a block equals its
-accesses.
+exact) and at most ``k`` (``MAX_REPORTED``) blocks with their counts since each was last
+reported: those with the most accesses not reported yet (ties: the higher decayed byte count,
+half-life ``half_life`` seconds). A block's counts are never lost: those not reported carry over
+and grow until they are, so the sum of every report's counts of a block equals its accesses, and
+a node with more than ``k`` busy blocks reports all of them in turn (the hottest every time).
 """
 
 from __future__ import annotations
@@ -168,7 +168,8 @@ class HeatCounter:
                 iv[name] = 0
             self._last_report = now
             fresh = [(key, e) for key, e in self._blocks.items() if e.p_reads or e.p_writes]
-            hottest = heapq.nlargest(k, fresh, key=lambda item: (item[1].decayed(now, self.half_life), item[0]))
+            hottest = heapq.nlargest(k, fresh, key=lambda item: (item[1].p_reads + item[1].p_writes,
+                                                                 item[1].decayed(now, self.half_life), item[0]))
             out = []
             for (job, tensor, block), e in hottest:
                 out.append(BlockHeat(job, tensor, block, e.p_reads, e.p_writes, e.p_read_bytes, e.p_write_bytes))

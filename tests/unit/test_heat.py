@@ -47,6 +47,14 @@ def test_top_k_is_bounded_and_unreported_counts_carry_over():
     assert [h.block for h in hot] == list(range(MAX_REPORTED + 7, 7, -1))   # hottest first
     _load, rest = heat.report(now=0.0)
     assert sorted(h.block for h in rest) == list(range(8)) and all(h.reads == h.block + 1 for h in rest)
+    # more busy blocks than k: the unreported ones' counts grow until they are reported too
+    for _ in range(3):
+        for i in range(MAX_REPORTED + 8):
+            heat.record_reads("j", [("t", i, 100)], now=0.0)
+        _load, hot = heat.report(now=0.0)
+        assert len(hot) == MAX_REPORTED
+    _load, last = heat.report(now=0.0)
+    assert sum(h.reads for h in hot + last) <= 3 * (MAX_REPORTED + 8)   # reported at most once each
     with pytest.raises(ShardlineConfigError, match="got 33"):
         heat.report(k=33)
 

@@ -482,3 +482,14 @@ def test_a_restarted_dispatcher_serves_the_rebalanced_ring_and_resumes_the_chang
     assert snap.pending_epoch == snap.epoch and [n.vnodes for n in snap.pending] == [96, 128, 192]
     register(again, "ps-0", 100.0, port=9000)  # noqa: same fields                               # a retry keeps the counts
     assert [n.vnodes for n in again.snapshot().serving] == [64, 128, 192]
+
+
+def test_a_drain_calls_a_pending_rebalance_off_and_a_stopping_node_still_drains():
+    m = _serving_three()
+    m.rebalance({"ps-0": 64, "ps-1": 128, "ps-2": 192})
+    pending = m.drain("ps-2", leaving=True)        # SIGTERM during a rebalance: drain, not refused
+    snap = m.snapshot()
+    assert not m.rebalancing() and pending == snap.pending_epoch
+    assert [(n.node_id, n.vnodes) for n in snap.pending] == [("ps-0", 128), ("ps-1", 128)]
+    with pytest.raises(ShardlineStateError, match="in progress"):
+        m.rebalance({"ps-0": 64, "ps-1": 192, "ps-2": 128})
