@@ -28,9 +28,11 @@ import math
 from dataclasses import dataclass
 from typing import Mapping
 
+import numpy as np
+
 from shardline.services.blocks import block_hash
 from shardline.services.errors import ShardlineConfigError
-from shardline.services.ring import MAX_VNODES_PER_NODE, HashRing, load_adjusted_vnodes
+from shardline.services.ring import HASH_SPACE, MAX_VNODES_PER_NODE, load_adjusted_vnodes, vnode_position
 
 DEFAULT_MIN_IMPROVEMENT = 0.05
 DEFAULT_TOLERANCE = 0.05
@@ -64,22 +66,56 @@ def imbalance(load: Mapping[str, float]) -> float:
 
 
 class LoadModel:
-    """Predicted per-node load of a ring, from measured node loads and known block rates."""
+    """Predicted per-node load of a ring, from measured node loads and known block rates.
+
+    Rings are evaluated with numpy (the search evaluates hundreds): the same ownership as
+    ``services.ring.HashRing`` (first position >= the key's hash, wrapping; equal positions
+    ordered by node id), checked against it in tests/unit/test_heat.py."""
 
     def __init__(self, node_load: Mapping[str, float], block_bytes: Mapping[tuple, float], nodes):
         self.nodes = sorted(nodes)
-        self._blocks = [(block_hash(job, tensor, index), rate) for (job, tensor, index), rate in sorted(block_bytes.items())]
+        items = sorted(block_bytes.items())
+        self._hashes = np.array([block_hash(job, tensor, index) for (job, tensor, index), _ in items], dtype=np.uint64)
+        self._rates = np.array([rate for _, rate in items], dtype=np.float64)
         # What the nodes carry beyond the known blocks, spread like uniformly hashed keys. A total,
         # so that it does not depend on the ring the load was measured under.
-        self.residual = max(0.0, sum(node_load.get(n, 0.0) for n in self.nodes) - sum(r for _, r in self._blocks))
+        self.residual = max(0.0, sum(node_load.get(n, 0.0) for n in self.nodes) - float(self._rates.sum()))
+        self._points: dict[str, np.ndarray] = {}
+
+    def _positions(self, node: str, count: int) -> np.ndarray:
+        cached = self._points.get(node)
+        if cached is None or len(cached) < count:
+            cached = self._points[node] = np.array([vnode_position(node, i) for i in range(max(count, 2 * count))],
+                                                   dtype=np.uint64)
+        return cached[:count]
+
+    def owners_of(self, vnodes: Mapping[str, int]) -> list[str]:
+        """The owner of every known block (in the model's block order) under ``vnodes``."""
+        index, order, _ = self._ring(vnodes)
+        return [self.nodes[i] for i in order[index]]
+
+    def _ring(self, vnodes: Mapping[str, int]):
+        ids = [i for i, n in enumerate(self.nodes) for _ in range(vnodes[n])]
+        pos = np.concatenate([self._positions(n, vnodes[n]) for n in self.nodes])
+        owner = np.array(ids, dtype=np.int64)
+        sort = np.lexsort((owner, pos))
+        pos, owner = pos[sort], owner[sort]
+        index = np.searchsorted(pos, self._hashes, side="left")
+        index[index == len(pos)] = 0
+        return index, owner, pos
 
     def predict(self, vnodes: Mapping[str, int]) -> dict:
-        ring = HashRing(dict(vnodes))
-        share = ring.share()
-        load = {n: self.residual * share.get(n, 0.0) for n in self.nodes}
-        for h, rate in self._blocks:
-            load[ring.owner(h)] += rate
-        return load
+        index, owner, pos = self._ring(vnodes)
+        load = np.bincount(owner[index], weights=self._rates, minlength=len(self.nodes)) if len(self._rates) else \
+            np.zeros(len(self.nodes))
+        if self.residual:
+            # arc (p_prev, p] belongs to p's node; the first point also owns the wrapped arc
+            arcs = np.empty(len(pos), dtype=np.float64)
+            arcs[1:] = (pos[1:] - pos[:-1]).astype(np.float64)
+            arcs[0] = float(HASH_SPACE - int(pos[-1]) + int(pos[0]))
+            share = np.bincount(owner, weights=arcs, minlength=len(self.nodes)) / float(HASH_SPACE)
+            load = load + self.residual * share
+        return {n: float(load[i]) for i, n in enumerate(self.nodes)}
 
 
 def _clamp(vnodes: Mapping[str, int], base: Mapping[str, int], min_factor: float, max_factor: float) -> dict:

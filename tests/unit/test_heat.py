@@ -12,7 +12,8 @@ from shardline.dispatcher.heatmap import Heatmap
 from shardline.dispatcher.rebalance import LoadModel, imbalance, plan
 from shardline.ps_server.heat import MAX_REPORTED, HeatCounter
 from shardline.services.errors import ShardlineConfigError
-from shardline.services.ring import vnode_counts
+from shardline.services.blocks import block_hash
+from shardline.services.ring import HashRing, vnode_counts
 
 
 def test_counts_are_exact_and_rates_cover_the_interval():
@@ -147,3 +148,17 @@ def test_policy_leaves_balanced_idle_cooling_and_pending_rings_alone():
     assert plan(base, base, missing, blocks, last_change=None, pending=False, **kw) is None   # not measured yet
     with pytest.raises(ShardlineConfigError, match="cooldown"):
         plan(base, base, load, blocks, now=1.0, last_change=None, cooldown=-1.0, pending=False)
+
+
+def test_the_load_model_owns_blocks_like_the_ring():
+    vnodes = {"a": 100, "b": 37, "c": 250}
+    blocks = {("j", "t", i): float(i) for i in range(500)}
+    model = LoadModel({n: 0.0 for n in vnodes}, blocks, vnodes)
+    ring = HashRing(vnodes)
+    assert model.owners_of(vnodes) == [ring.owner(block_hash(*key)) for key in sorted(blocks)]
+    expected = dict.fromkeys(vnodes, 0.0)
+    for key, rate in blocks.items():
+        expected[ring.owner(block_hash(*key))] += rate
+    assert model.predict(vnodes) == pytest.approx(expected)
+    spread = LoadModel({"a": 1000.0, "b": 0.0, "c": 0.0}, {}, vnodes).predict(vnodes)   # all residual
+    assert spread == pytest.approx({n: 1000.0 * f for n, f in ring.share().items()})
