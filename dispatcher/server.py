@@ -346,7 +346,10 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             log.warning("node %s routes with epoch %d, above the dispatcher's %d: the dispatcher moved to epoch %d",
                         request.node_id, request.epoch, before, epoch)
         if registered and (request.HasField("load") or request.hot):
-            state.heatmap.report(request.node_id, request.load.rack, request.load, request.hot, self._clock())
+            try:
+                state.heatmap.report(request.node_id, request.load.rack, request.load, request.hot, self._clock())
+            except ShardlineConfigError as exc:  # a bad heat report must not fail the heartbeat (liveness)
+                log.warning("node %s: heat report ignored: %s", request.node_id, exc)
         if registered and request.ready_epoch and state.membership.report_ready(request.node_id, request.ready_epoch):
             snap = state.membership.snapshot()
             log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving), snap.epoch)

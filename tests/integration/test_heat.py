@@ -92,7 +92,9 @@ def test_a_known_access_pattern_shows_up_in_the_heatmap_and_status_hot(heat_clus
                           "--hot", "--job", "heat", "--json"], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert [(s["tensor"], s["block"]) for s in data["shards"]] == [(s.tensor, s.block) for s in heat.shards]
+    # the same blocks (their order among equal rates may differ: nodes heartbeated since)
+    assert sorted((s["tensor"], s["block"]) for s in data["shards"]) == sorted((s.tensor, s.block) for s in heat.shards)
+    assert [s["tensor"] for s in data["shards"]] == ["hot"] * 4 + ["cold"] * 4
     assert data["rebalance_interval_seconds"] is None
     text = subprocess.run([sys.executable, "-m", "shardline.services.cli", "status", "--cluster", heat_cluster.address,
                            "--hot"], capture_output=True, text=True, timeout=60, env=env)
@@ -101,7 +103,7 @@ def test_a_known_access_pattern_shows_up_in_the_heatmap_and_status_hot(heat_clus
     assert any(line.split()[:3] == ["heat", "hot", str(hot[0].block)] for line in text.stdout.splitlines())
 
 
-REBALANCE_STEPS, HALF_LIFE = 110, 1.0
+REBALANCE_STEPS, HALF_LIFE = 100, 1.0
 
 
 def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_path):
