@@ -162,3 +162,49 @@ def test_the_load_model_owns_blocks_like_the_ring():
     assert model.predict(vnodes) == pytest.approx(expected)
     spread = LoadModel({"a": 1000.0, "b": 0.0, "c": 0.0}, {}, vnodes).predict(vnodes)   # all residual
     assert spread == pytest.approx({n: 1000.0 * f for n, f in ring.share().items()})
+
+
+class _Context:
+    def abort(self, code, message):
+        raise AssertionError(f"aborted {code}: {message}")
+
+    def set_trailing_metadata(self, _metadata):
+        pass
+
+
+def test_the_dispatcher_plans_from_heartbeats_and_serves_the_heatmap():
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.dispatcher.membership import Membership
+    from shardline.dispatcher.server import DispatcherServicer
+    from shardline.services.pb import dispatcher_pb2
+
+    now = [0.0]
+    servicer = DispatcherServicer(Membership(heartbeat_timeout=5.0), JobRegistry(), heartbeat_interval=0.5,
+                                  clock=lambda: now[0], heat_half_life=1.0, rebalance_interval=1.0)
+    nodes = [f"ps{i}" for i in range(4)]
+    for i, n in enumerate(nodes):
+        servicer.membership.register(n, "r1", f"127.0.0.1:{9000 + 2 * i}", f"127.0.0.1:{9001 + 2 * i}", 1.0, 0.0)
+    base, _, _ = servicer.membership.ring_counts()
+    blocks = {("j", "emb", i): 1e4 for i in range(48)}
+    model = LoadModel({n: 0.0 for n in nodes}, blocks, base)
+    owners = model.owners_of(base)
+    load = model.predict(base)
+    assert imbalance(load) > 1.15
+    for t in range(1, 31):                           # 3 s of heartbeats, every 0.1 s
+        now[0] = t / 10
+        assert servicer.rebalance() is None or t >= 20   # not before two half-lives of load
+        for n in nodes:
+            hot = [dispatcher_pb2.HeatEntry(job="j", tensor="emb", block=key[2], reads=1, read_bytes=int(rate / 10))
+                   for key, rate, owner in zip(sorted(blocks), [blocks[k] for k in sorted(blocks)], owners)
+                   if owner == n]
+            servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(
+                node_id=n, load=dispatcher_pb2.NodeLoad(node_id=n, rack="r1", interval_seconds=0.1,
+                                                        bytes_out_per_second=load[n]), hot=hot), _Context())
+        if servicer.membership.rebalancing():
+            break
+    assert servicer.membership.rebalancing(), "no rebalance was planned"
+    heat = servicer.GetHotShards(dispatcher_pb2.HeatRequest(limit=5), _Context())
+    assert len(heat.shards) == 5 and {n.node_id for n in heat.nodes} == set(nodes)
+    assert heat.last_rebalance.startswith("max/mean load") and heat.rebalance_interval_seconds == 1.0
+    assert sum(n.bytes_out_per_second for n in heat.nodes) == pytest.approx(sum(load.values()), rel=1e-6)
+    assert servicer.rebalance() is None              # a change is pending
