@@ -12,7 +12,7 @@ would hold: the 4096 hottest blocks (dispatcher.heatmap.DEFAULT_MAX_SHARDS) and 
 total; the rest is spread like uniformly hashed keys. Loads before and after are evaluated with
 every block's true rate under the ring (not with the policy's prediction). ``bound`` is the best
 any ring could do: max(mean, the hottest block) / mean. Pure computation: no daemons, no
-network; the live 4-node figure is tests/integration/test_heat.py's.
+network; the live 4-node figure is tests/integration/test_heat_cluster.py's.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ class LoadModel:
 
     Rings are evaluated with numpy (the search evaluates hundreds): the same ownership as
     ``services.ring.HashRing`` (first position >= the key's hash, wrapping; equal positions
-    ordered by node id), checked against it in tests/unit/test_heat.py."""
+    ordered by node id), checked against it in tests/unit/test_heatmap.py."""
 
     def __init__(self, node_load: Mapping[str, float], block_bytes: Mapping[tuple, float], nodes):
         self.nodes = sorted(nodes)
