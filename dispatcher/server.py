@@ -13,7 +13,9 @@ Errors map to status codes: ShardlineConfigError -> INVALID_ARGUMENT, UnknownJob
 StateStoreError (the state could not be persisted; the message names the path) and
 ShardlineConnectionError -> UNAVAILABLE, ShardlineStateError -> FAILED_PRECONDITION,
 ShardlineTimeoutError -> DEADLINE_EXCEEDED; the status message says what is wrong. A background
-thread expires silent nodes every ``EXPIRE_PERIOD_SECONDS`` and stops with the server. Calls to PS
+thread expires silent nodes every ``EXPIRE_PERIOD_SECONDS`` and stops with the server; with a
+``rebalance_interval`` another one plans rebalances of the ring from the heartbeats' heat
+(dispatcher/heatmap.py, dispatcher/rebalance.py) and starts them as pending ring changes. Calls to PS
 nodes (DeleteJob, CheckpointJob) run on a thread pool of the servicer, outside every lock.
 """
 
