@@ -26,6 +26,7 @@ from shardline.ps_server.commit_relay import CommitRelay
 from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.grad_norm import GradNormExchange
+from shardline.ps_server.heat import heat_report
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
@@ -93,10 +94,12 @@ class HeartbeatLoop(threading.Thread):
         """One heartbeat and what its reply asks for. Raises ShardlineError."""
         with self._lock:
             blocks, nbytes = self.node.store.totals()
+            load, hot = heat_report(self.node.heat, self.node.node_id, self.registration.get("rack", ""))
             resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
                                          epoch=self.node.routing.epoch, jobs=self.node.held_jobs(),
                                          ready_epoch=self.node.ready_epoch(),
-                                         insecure=bool(self.registration.get("insecure")), timeout=timeout)
+                                         insecure=bool(self.registration.get("insecure")), timeout=timeout,
+                                         load=load, hot=hot)
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
                 self.client.register_node(**self.registration)

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from shardline.ps_server.admission import NameMisses
+from shardline.ps_server.heat import HeatCounter
 from shardline.ps_server.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
@@ -115,6 +116,7 @@ class PSNode:
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
         self.serving = threading.Event()
         self.serving.set()
+        self.heat = HeatCounter()   # reads/writes per block and the node's load, for heartbeats
 
     # --- routing ----------------------------------------------------------------------------
     @property
@@ -283,6 +285,7 @@ class PSNode:
             self.checkpointer.drop(name)
         if self.replicator is not None:
             self.replicator.forget(name)
+        self.heat.drop_job(name)
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
@@ -398,8 +401,12 @@ class PSNode:
         reply = self._reply(header)
         started = time.perf_counter()
         reply.step = job.finish_push(ticket)
-        if self.metrics is not None and job.sync == "asp":  # ASP applies the push here
-            self.metrics.apply(job.name, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.heat.record_writes(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in header.blocks])
+        if job.sync == "asp":  # ASP applies the push here
+            self.heat.record_apply(elapsed)
+            if self.metrics is not None:
+                self.metrics.apply(job.name, elapsed)
         return reply
 
     def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None
@@ -432,11 +439,14 @@ class PSNode:
         if header.op == dp.OP_COMMIT:
             lr = header_lrs(header)
             epoch = header.epoch
+            started = time.perf_counter()
             if self.metrics is None:
                 reply.step = job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch)
             else:  # barrier and optimizer apply time (the last commit of a step applies it)
                 reply.step = self.metrics.timed_commit(
                     job.name, header.step, lambda: job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch))
+            if reply.step > header.step:  # this commit applied the step (or it was applied before)
+                self.heat.record_apply(time.perf_counter() - started)
             return reply, []
         # OP_PULL
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
@@ -463,4 +473,5 @@ class PSNode:
         for tensor, index, version, value in blocks:
             reply.blocks.append(frame.block_ref(tensor, index, value, version=version))
             payloads.append(frame.tensor_bytes(value))
+        self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks])
         return reply, payloads

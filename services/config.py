@@ -356,6 +356,13 @@ OPTIONS: tuple[Option, ...] = (
            "leads.", ("dispatcher",), default_text="the --listen address (its bound port)"),
     Option("replication", "int", "Copies of every block for jobs that do not choose (capped at the number of "
            "live PS nodes).", ("dispatcher",), default=2, minimum=1),
+    Option("rebalance_interval", "float", "How often the leading dispatcher plans a rebalance of the ring from the "
+           "PS nodes' measured load (bytes/s in + out): virtual-node counts move through a pending ring change, "
+           "with hysteresis and a cool-down of one interval. 0: never.", ("dispatcher",), default=60.0, minimum=0,
+           unit="s"),
+    Option("heat_half_life", "float", "Half-life of the dispatcher's access heatmap (`shardline status --hot`, "
+           "rebalancing): older accesses weigh half as much per half-life.", ("dispatcher",), default=30.0,
+           above=0, unit="s"),
     # -- PS --
     Option("node_id", "str", "Node id on the ring (keep it stable across restarts).", ("ps",),
            default_text="host name and data port"),

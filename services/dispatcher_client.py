@@ -325,6 +325,10 @@ class DispatcherClient:
     def cluster_status(self) -> dispatcher_pb2.ClusterStatus:
         return self._call("GetClusterStatus", dispatcher_pb2.GetClusterStatusRequest())
 
+    def hot_shards(self, limit: int = 0, job: str = "") -> dispatcher_pb2.HeatMap:
+        """The dispatcher's access heatmap: the ``limit`` hottest blocks (0: its default) and node loads."""
+        return self._call("GetHotShards", dispatcher_pb2.HeatRequest(limit=limit, job=job))
+
     def delete_job(self, name: str) -> dispatcher_pb2.DeleteJobResponse | None:
         """Delete a job; None if there is no such job."""
         return self._call("DeleteJob", dispatcher_pb2.DeleteJobRequest(name=name), not_found_none=True)
