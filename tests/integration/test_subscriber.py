@@ -5,19 +5,39 @@ subscriber moves only adapters; a timeout raises, naming what is missing."""
 
 from __future__ import annotations
 
+import json
+import re
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import train_model
-from shardline import WeightSubscriber, connect
+from shardline import PSOptimizer, WeightSubscriber, connect
 from shardline.services.errors import ShardlineTimeoutError
 from shardline.services.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 
 STEPS = 10
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_rollout.py"
+EXAMPLE_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A dispatcher (2 s heartbeat timeout: a killed node is noticed fast) and three PS nodes,
+    shared by the module; the last test kills one."""
+    with LocalCluster(tmp_path_factory.mktemp("subscriber")) as c:
+        c.start_dispatcher(heartbeat_timeout=2, heartbeat_interval=0.5)
+        for h in [c.add_node(node_id=f"ps{i}", wait=False) for i in range(3)]:
+            c.wait_ready(h)
+        c.wait_for_nodes(3, timeout=30)
+        yield c
 
 
 def assert_bf16_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
@@ -29,60 +49,7 @@ def assert_bf16_of(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], 
         assert g.dtype == torch.float32 and got[name].dtype == torch.bfloat16 and g.shape == ref.shape
         ulp = torch.finfo(torch.bfloat16).eps * torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(1e-30))))
         err = (g - ref).abs() - (ulp / 2 + 1e-6)
-        if float(err.max()) > 0:
-            v = int(what.split()[1])
-            near = {u: float((train_model.reference("adamw", u, world_size=2)[name] - g).abs().max()) for u in range(max(0, v - 2), v + 3)}
-            raise AssertionError(f"{what}: {name} differs from bf16(reference) by {float(err.max())} beyond; near {near}")
-
-
-def test_subscribers_from_several_bases_through_a_killed_ps(tmp_path):
-    """Two trainer processes (BSP AdamW, replication 2, 3 PS nodes); one subscriber polls every
-    version it can, another waits for versions 2, 6 and 10 (its bases are 4 versions apart). A PS
-    is SIGKILLed at step 5: both go on, and every version either returned equals the single-process
-    torch.optim reference at that version, cast to bf16."""
-    with LocalCluster(tmp_path / "c") as cluster:
-        cluster.start_dispatcher(heartbeat_timeout=2, heartbeat_interval=0.5)
-        nodes = [cluster.add_node(node_id=f"ps{i}", wait=False) for i in range(3)]
-        for h in nodes:
-            cluster.wait_ready(h)
-        cluster.wait_for_nodes(3, timeout=30)
-        workers = train_model.start_workers(cluster.address, "sub-kill", "adamw", "bsp", tmp_path, steps=STEPS,
-                                            step_sleep=0.1)
-        try:
-            every = WeightSubscriber(cluster.address, "sub-kill", pull_timeout=60)
-            sparse = WeightSubscriber(cluster.address, "sub-kill", pull_timeout=60)
-            seen: dict[int, dict[str, torch.Tensor]] = {}
-            engine: dict[str, torch.Tensor] = {}   # what an inference engine would hold
-            killed = False
-            waits = iter([2, 6, STEPS])
-            target = next(waits)
-            held: dict[str, torch.Tensor] = {}
-            sparse_seen = {}
-            while every.version != STEPS or target is not None:
-                version, changed = every.poll(timeout=30)
-                assert version >= (max(seen) if seen else 0)
-                engine.update({n: t.clone() for n, t in changed})
-                seen[version] = dict(engine)
-                if not killed and version >= 5:
-                    cluster.kill(nodes[1])
-                    killed = True
-                if target is not None and version >= target:
-                    v, changed = sparse.wait_for(target, timeout=30)
-                    assert v >= target
-                    held.update({n: t.clone() for n, t in changed})
-                    sparse_seen[v] = dict(held)
-                    target = next(waits, None)
-                time.sleep(0.05)
-            results = train_model.finish_workers(workers)
-        finally:
-            train_model.kill_workers(workers)
-        train_model.assert_equals_reference(results, STEPS)
-        assert killed and len(seen) >= 4 and len(sparse_seen) == 3, (sorted(seen), sorted(sparse_seen))
-        for version, state in [*seen.items(), *sparse_seen.items()]:
-            want = train_model.reference("adamw", version, world_size=2)
-            assert_bf16_of(state, want, f"version {version}")
-        assert every.stats.checksum_failures == 0 and sparse.stats.checksum_failures == 0
-        every.close(), sparse.close()
+        assert float(err.max()) <= 0, f"{what}: {name} differs from bf16(reference) by {float(err.max())} beyond"
 
 
 def test_element_deltas_move_only_changed_elements(cluster):
@@ -201,3 +168,91 @@ def test_lora_subscriber_moves_only_adapter_bytes(cluster):
               f"whole model {model_bf16_bytes:,} B (bf16)")
     finally:
         sub.close(), opt.close()
+
+
+def test_rl_rollout_example_runs_end_to_end(cluster, tmp_path):
+    """examples/rl_rollout.py as a user runs it against a running cluster: a trainer and 2 rollout
+    engine processes; every sample names its policy version, the engines follow the versions to the
+    end and their reward rises."""
+    argv = [sys.executable, str(EXAMPLE), "--cluster", cluster.address, "--job", "rl-example", "--steps", str(EXAMPLE_STEPS),
+            "--rollouts", "2", "--lr", "0.1", "--spool", str(tmp_path / "spool"), "--timeout", "60"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    steps = re.findall(r"step (\d+): reward (\S+), sample staleness mean (\S+) max (\d+)", out.stdout)
+    assert [int(s[0]) for s in steps] == list(range(EXAMPLE_STEPS)), out.stdout[-2000:]
+    assert all(int(s[3]) >= 0 for s in steps)
+    reports = json.loads(out.stdout.strip().splitlines()[-1])["rollouts"]
+    assert len(reports) == 2
+    for r in reports:
+        versions = {int(v) for v in r["versions"]}
+        assert EXAMPLE_STEPS in versions and len(versions) >= 3, r   # the engine followed the trainer to the end
+        assert r["checksum_failures"] == 0 and r["polls"] >= len(versions)
+        assert r["reward_last_version"] > r["reward_first_version"], r
+    # every sample line names the version that produced it, never one the trainer had not made
+    for path in (tmp_path / "spool").glob("rollout-*.jsonl"):
+        for line in path.read_text().splitlines():
+            assert 0 <= json.loads(line)["version"] <= EXAMPLE_STEPS
+
+
+def test_subscribers_from_several_bases_through_a_killed_ps(cluster):
+    """A trainer (BSP AdamW, replication 2) steps while one subscriber polls every version it can
+    and another waits for versions 2, 6 and 10 (its bases 4 versions apart). A PS is SIGKILLed at
+    version 3: both go on, and every version either returned equals the single-process
+    torch.optim reference at that version, cast to bf16. (Last in the module: it kills a node.)"""
+    trained: dict = {}
+
+    def train():
+        model = train_model.SmallModel()
+        opt = PSOptimizer(model.named_parameters(), cluster=cluster.address, job="sub-kill", optimizer="adamw",
+                          world_size=1, rank=0, block_elements=16, pull_timeout=60, **train_model.HYPER["adamw"])
+        try:
+            for step in range(STEPS):
+                tokens, targets = train_model.batch(step, 0)
+                opt.zero_grad()
+                train_model.loss_fn(model, tokens, targets).backward()
+                opt.step()
+                time.sleep(0.1)
+            trained.update({n: p.detach().clone() for n, p in model.state_dict().items()})
+        except BaseException as exc:  # reported by the test below
+            trained["error"] = exc
+        finally:
+            opt.close()
+
+    trainer = threading.Thread(target=train, name="trainer", daemon=True)
+    trainer.start()
+    every = WeightSubscriber(cluster.address, "sub-kill", pull_timeout=60)
+    sparse = WeightSubscriber(cluster.address, "sub-kill", pull_timeout=60)
+    try:
+        seen: dict[int, dict[str, torch.Tensor]] = {}
+        sparse_seen: dict[int, dict[str, torch.Tensor]] = {}
+        engine: dict[str, torch.Tensor] = {}   # what an inference engine would hold
+        held: dict[str, torch.Tensor] = {}
+        killed = False
+        waits = iter([2, 6, STEPS])
+        target = next(waits)
+        while every.version != STEPS or target is not None:
+            assert "error" not in trained, trained.get("error")
+            version, changed = every.poll(timeout=30)
+            assert version >= (max(seen) if seen else 0)
+            engine.update({n: t.clone() for n, t in changed})
+            seen[version] = dict(engine)
+            if not killed and version >= 3:
+                cluster.kill(cluster.nodes[1])
+                killed = True
+            if target is not None and version >= target:
+                v, changed = sparse.wait_for(target, timeout=30)
+                assert v >= target
+                held.update({n: t.clone() for n, t in changed})
+                sparse_seen[v] = dict(held)
+                target = next(waits, None)
+            time.sleep(0.05)
+        trainer.join(60)
+    finally:
+        every.close(), sparse.close()
+    assert not trainer.is_alive() and "error" not in trained, trained.get("error")
+    want = train_model.reference("adamw", STEPS, world_size=1)
+    assert all(float((trained[n] - w).abs().max()) <= 1e-6 for n, w in want.items())
+    assert killed and len(seen) >= 4 and len(sparse_seen) == 3, (sorted(seen), sorted(sparse_seen))
+    for version, state in [*seen.items(), *sparse_seen.items()]:
+        assert_bf16_of(state, train_model.reference("adamw", version, world_size=1), f"version {version}")
+    assert every.stats.checksum_failures == 0 and sparse.stats.checksum_failures == 0
