@@ -447,7 +447,10 @@ class PSNode:
         started = time.perf_counter()
         try:
             keys = [(ref.tensor, ref.index) for ref in header.blocks]
-            job.wait_for_step(header.min_step, timeout, keys,
+            # A subscriber's pull without a min_step asks for the node's step, once its blocks are
+            # visible at it (the reply says which step it waited for).
+            min_step = header.min_step or (job.step if header.subscriber else 0)
+            job.wait_for_step(min_step, timeout, keys,
                               interrupted=lambda: self._routing.epoch > header.epoch or (
                                   cancelled is not None and cancelled.is_set()))
         except StoreError:
@@ -465,6 +468,7 @@ class PSNode:
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
         reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step
         if header.subscriber:  # checksums and element-level deltas (ps_server/delta_history.py)
+            reply.min_step = min_step
             bases = {(t, i): v for t, i, v in wanted if v is not None}
             sent = subscriber_blocks(self.delta_history, (job.uid, job.name), blocks, bases)
             reply.blocks.extend(ref for ref, _ in sent)

@@ -71,12 +71,14 @@ class _SubscriberClient(Client):
         super().__init__(*args, **kwargs)
         self.sub_stats = SubscriberStats()
         self.failed: dict[tuple[str, int], int] = {}   # block -> checksum failures in a row
+        self.waited: dict[str, int] = {}   # node -> the step its last pull reply waited for (visible)
 
     def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
         """Receive a subscriber pull reply into the cache (the back buffer): a dense block straight
         into place, a delta through a scratch buffer; each is checked against its checksum. A block
         that fails is forgotten (its next pull is dense); the block in the back buffer is then
         garbage, but it is never the one the reader uses."""
+        self.waited[node_id] = reply.min_step
         for ref in reply.blocks:
             key = (ref.tensor, ref.index)
             s = expected.pop(key, None)
@@ -199,12 +201,14 @@ class WeightSubscriber:
         target = version
         try:
             while True:
+                client.waited.clear()
                 step = self._pull_once(names, target, deadline, total)
                 newest = max(client._versions.values(), default=0)
-                # Done when every node is at the step the pull waited for (so every block is visible
+                # Done when every node is at the step its reply waited for (so every block is visible
                 # at it) and no block is newer; else pull what changed again, at the newest step seen
-                # (a first pull, one that straddled a step boundary, or a block failed its checksum).
-                if step is not None and step == target and newest <= step and not client.failed:
+                # (a pull that straddled a step boundary, or a block failed its checksum).
+                if step is not None and newest <= step and not client.failed and all(
+                        client.waited.get(node) == step for node in self._last_steps):
                     break
                 target = max(target or 0, newest, *self._last_steps.values())
         except ShardlineTimeoutError as exc:
