@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(180)
 
 STEPS = 10
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "rl_rollout.py"
-EXAMPLE_STEPS = 12
+EXAMPLE_STEPS = 10
 
 
 @pytest.fixture(scope="module")
