@@ -38,8 +38,8 @@ import torch
 
 from shardline.services import delta, frame
 from shardline.services.dataplane_client import DataPlaneConnection
-from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineError,
-                                       ShardlineTimeoutError)
+from shardline.services.errors import (ShardlineChecksumError, ShardlineConfigError, ShardlineConnectionError,
+                                       ShardlineError, ShardlineTimeoutError)
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.worker.client import CACHE_DTYPES, Client
 
@@ -79,6 +79,14 @@ class _SubscriberClient(Client):
         that fails is forgotten (its next pull is dense); the block in the back buffer is then
         garbage, but it is never the one the reader uses."""
         self.waited[node_id] = reply.min_step
+        try:
+            self._receive_checked(conn, node_id, reply, expected)
+        except BaseException:  # the rest of the reply is unread: the connection is off its frame boundary
+            conn.close()
+            self._conns.pop(node_id, None)
+            raise
+
+    def _receive_checked(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
         for ref in reply.blocks:
             key = (ref.tensor, ref.index)
             s = expected.pop(key, None)
@@ -88,8 +96,6 @@ class _SubscriberClient(Client):
                     ref.dtype == frame.WIRE_DTYPE[dest.dtype] or (
                         is_delta and dest.dtype == torch.bfloat16 and key in self._versions
                         and ref.base_version == self._versions[key])):
-                conn.close()
-                self._conns.pop(node_id, None)
                 raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {ref.tensor}[{ref.index}]")
             # not held until checked: a block cut off mid-receive is pulled (or copied) whole again
             self._versions.pop(key, None)
@@ -119,7 +125,7 @@ class _SubscriberClient(Client):
             log.warning("block %s[%d] from node %r failed its checksum (version %d, %s); pulling it again",
                         ref.tensor, ref.index, node_id, ref.version, "delta" if is_delta else "dense")
             if self.failed[key] >= MAX_CHECKSUM_FAILURES:
-                raise ShardlineConnectionError(f"block {ref.tensor}[{ref.index}] of job {self.job!r} from node "
+                raise ShardlineChecksumError(f"block {ref.tensor}[{ref.index}] of job {self.job!r} from node "
                                                f"{node_id!r} failed its checksum {self.failed[key]} times in a row")
 
 

@@ -10,7 +10,7 @@ import torch
 from shardline.ps_server.delta_history import DeltaHistory, subscriber_blocks
 from shardline.services import delta, frame
 from shardline.services.blocks import block_slices
-from shardline.services.errors import FrameError, ShardlineConnectionError
+from shardline.services.errors import FrameError, ShardlineChecksumError, ShardlineConnectionError
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.worker.subscriber import SubscriberStats, _SubscriberClient
 from shardline.worker.client import TransferStats
@@ -181,7 +181,7 @@ def test_receiver_installs_a_good_delta_and_rejects_a_corrupted_payload():
     corrupted[0] ^= 1
     c._receive_blocks(_Conn(bytes(corrupted)), "ps1", reply, {("w", 1): expected[("w", 1)]})
     assert c.failed[("w", 1)] == 2                                      # failures in a row, delta or dense
-    with pytest.raises(ShardlineConnectionError, match="failed its checksum 3 times"):
+    with pytest.raises(ShardlineChecksumError, match="failed its checksum 3 times"):
         c._receive_blocks(_Conn(bytes(corrupted)), "ps1", reply, {("w", 1): expected[("w", 1)]})
 
 
