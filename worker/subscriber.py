@@ -71,14 +71,16 @@ class _SubscriberClient(Client):
         super().__init__(*args, **kwargs)
         self.sub_stats = SubscriberStats()
         self.failed: dict[tuple[str, int], int] = {}   # block -> checksum failures in a row
-        self.waited: dict[str, int] = {}   # node -> the step its last pull reply waited for (visible)
+        # (step, the step it waited for) of each pull reply since cleared: a pull retried in part
+        # (a node lost, NOT_OWNER) has replies of one node from different steps
+        self.replies: list[tuple[int, int]] = []
 
     def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
         """Receive a subscriber pull reply into the cache (the back buffer): a dense block straight
         into place, a delta through a scratch buffer; each is checked against its checksum. A block
         that fails is forgotten (its next pull is dense); the block in the back buffer is then
         garbage, but it is never the one the reader uses."""
-        self.waited[node_id] = reply.min_step
+        self.replies.append((reply.step, reply.min_step))
         try:
             self._receive_checked(conn, node_id, reply, expected)
         except BaseException:  # the rest of the reply is unread: the connection is off its frame boundary
@@ -207,16 +209,17 @@ class WeightSubscriber:
         target = version
         try:
             while True:
-                client.waited.clear()
+                client.replies.clear()
                 step = self._pull_once(names, target, deadline, total)
                 newest = max(client._versions.values(), default=0)
-                # Done when every node is at the step its reply waited for (so every block is visible
-                # at it) and no block is newer; else pull what changed again, at the newest step seen
-                # (a pull that straddled a step boundary, or a block failed its checksum).
+                # Done when every reply came from one step and waited for it (so every block is
+                # visible at it) and no block is newer; else pull what changed again, at the newest
+                # step seen (a pull that straddled a step boundary or was retried in part after a
+                # node failed, or a block that failed its checksum).
                 if step is not None and newest <= step and not client.failed and all(
-                        client.waited.get(node) == step for node in self._last_steps):
+                        r == (step, step) for r in client.replies):
                     break
-                target = max(target or 0, newest, *self._last_steps.values())
+                target = max(target or 0, newest, *self._last_steps.values(), *(r[0] for r in client.replies))
         except ShardlineTimeoutError as exc:
             raise self._timeout(target, total, exc) from None
         finally:  # what the back buffer holds now, also after a failed poll (a block cut off mid-receive is not held)

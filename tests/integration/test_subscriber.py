@@ -195,11 +195,13 @@ def test_rl_rollout_example_runs_end_to_end(cluster, tmp_path):
 
 
 def test_subscribers_from_several_bases_through_a_killed_ps(cluster):
-    """A trainer (BSP AdamW, replication 2) steps while one subscriber polls every version it can
-    and another waits for versions 2, 6 and 10 (its bases 4 versions apart). A PS is SIGKILLed at
-    version 3: both go on, and every version either returned equals the single-process
-    torch.optim reference at that version, cast to bf16. (Last in the module: it kills a node.)"""
+    """A trainer (BSP AdamW, replication 2) steps while one subscriber polls every version (the
+    trainer waits for it) and another waits for versions 2, 6 and 10 (bases 4 versions apart). A
+    PS is SIGKILLed at version 3: both go on, and every version either returned equals the
+    single-process torch.optim reference at that version, cast to bf16. (Last in the module: it
+    kills a node.)"""
     trained: dict = {}
+    polled = {"version": 0}   # the newest version the polling subscriber returned
 
     def train():
         model = train_model.SmallModel()
@@ -207,11 +209,14 @@ def test_subscribers_from_several_bases_through_a_killed_ps(cluster):
                           world_size=1, rank=0, block_elements=16, pull_timeout=60, **train_model.HYPER["adamw"])
         try:
             for step in range(STEPS):
+                # paced by the polling subscriber, so it sees every version (the other's bases differ)
+                deadline = time.monotonic() + 30
+                while polled["version"] < step and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 tokens, targets = train_model.batch(step, 0)
                 opt.zero_grad()
                 train_model.loss_fn(model, tokens, targets).backward()
                 opt.step()
-                time.sleep(0.1)
             trained.update({n: p.detach().clone() for n, p in model.state_dict().items()})
         except BaseException as exc:  # reported by the test below
             trained["error"] = exc
@@ -236,6 +241,7 @@ def test_subscribers_from_several_bases_through_a_killed_ps(cluster):
             assert version >= (max(seen) if seen else 0)
             engine.update({n: t.clone() for n, t in changed})
             seen[version] = dict(engine)
+            polled["version"] = version
             if not killed and version >= 3:
                 cluster.kill(cluster.nodes[1])
                 killed = True
@@ -245,14 +251,14 @@ def test_subscribers_from_several_bases_through_a_killed_ps(cluster):
                 held.update({n: t.clone() for n, t in changed})
                 sparse_seen[v] = dict(held)
                 target = next(waits, None)
-            time.sleep(0.05)
+            time.sleep(0.02)
         trainer.join(60)
     finally:
         every.close(), sparse.close()
     assert not trainer.is_alive() and "error" not in trained, trained.get("error")
     want = train_model.reference("adamw", STEPS, world_size=1)
     assert all(float((trained[n] - w).abs().max()) <= 1e-6 for n, w in want.items())
-    assert killed and len(seen) >= 4 and len(sparse_seen) == 3, (sorted(seen), sorted(sparse_seen))
+    assert killed and set(range(1, STEPS + 1)) <= set(seen) and len(sparse_seen) == 3, (sorted(seen), sorted(sparse_seen))
     for version, state in [*seen.items(), *sparse_seen.items()]:
         assert_bf16_of(state, train_model.reference("adamw", version, world_size=1), f"version {version}")
     assert every.stats.checksum_failures == 0 and sparse.stats.checksum_failures == 0

@@ -138,7 +138,7 @@ def _receiver(values: dict[str, torch.Tensor], versions: dict) -> _SubscriberCli
     c = object.__new__(_SubscriberClient)
     c.job, c._values, c._versions, c._conns = "j", values, dict(versions), {}
     c._slices = {n: block_slices(v.numel(), 64) for n, v in values.items()}
-    c.stats, c.sub_stats, c.failed, c.waited = TransferStats(), SubscriberStats(), {}, {}
+    c.stats, c.sub_stats, c.failed, c.replies = TransferStats(), SubscriberStats(), {}, []
     return c
 
 
