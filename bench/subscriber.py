@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 from report import run_and_report  # bench/report.py (the script's folder is on sys.path)
 
