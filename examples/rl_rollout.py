@@ -1,9 +1,9 @@
 """RL post-training in miniature: a trainer job and rollout engines that follow its policy through
 WeightSubscriber, reporting the policy version of every sample (staleness).
 
-    shardline up --ps 2 --workers 0 &                     # or your own cluster; note its token file
-    export SHARDLINE_CLUSTER_TOKEN_FILE=...                # what `shardline up` printed
-    python examples/rl_rollout.py --cluster 127.0.0.1:7000 --job rl-1 --rollouts 2 --steps 30
+    shardline up --ps 2 --workers 1 --steps 100000 &     # a cluster (training its demo job meanwhile)
+    export SHARDLINE_CLUSTER_TOKEN_FILE=...                # what `shardline up` printed, as its address
+    python examples/rl_rollout.py --cluster 127.0.0.1:PORT --job rl-1 --rollouts 2 --steps 30
 
 The task: a tiny policy (an embedding and a linear head, as a language model's first and last
 layers) sees a prompt token p and is rewarded 1 for answering (p + 1) mod V. This process trains
