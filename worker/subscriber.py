@@ -14,7 +14,9 @@ value before it is installed; one that fails is pulled again, dense, and counted
 Double buffering: the subscriber holds two copies of the job's tensors in ``dtype``. A poll fills
 the one the reader is not using and returns views of it; the tensors it returned stay valid and
 unchanged until the poll after next starts, so an engine keeps serving (or copying) its current
-weights while the next poll runs and switches when it returns. Memory: twice the job in ``dtype``.
+weights while the next poll runs and switches when it returns (a poll that changed nothing
+switches nothing). ``current()`` is every tensor at ``version``, for readers that use the
+tensors in place. Memory: twice the job in ``dtype``.
 
 Consistency: the returned version v is one step of the job: every tensor is its value after step
 v was applied on every PS node (a pull that straddled a step boundary pulls what changed again).
@@ -188,6 +190,13 @@ class WeightSubscriber:
             raise ShardlineConfigError(f"wait_for version must be an integer >= 0, got {version!r}")
         return self._update(version, timeout)
 
+    def current(self) -> dict[str, torch.Tensor]:
+        """Every tensor at ``version`` (views of the reader's buffer, valid as poll's): for a reader
+        that uses the tensors in place rather than loading the changed ones into its own."""
+        if self.version is None:
+            raise ShardlineConfigError(f"WeightSubscriber of job {self.job!r} holds nothing yet: poll() first")
+        return dict(self._buffers[self._front])
+
     def close(self) -> None:
         self._client.close()
 
@@ -226,7 +235,9 @@ class WeightSubscriber:
             self._held[back] = dict(client._versions)
         changed = [n for n in names if any(self._held[back].get((n, s.index)) != self._held[front].get((n, s.index))
                                            for s in client._slices[n])]
-        self._front, self.version = back, step
+        if changed:  # nothing changed: the reader's buffer stays the current one
+            self._front = back
+        self.version = step
         client.sub_stats.polls += 1
         client.sub_stats.pulled_bytes += client.sub_stats.last_poll_bytes
         return step, [(n, self._buffers[back][n]) for n in changed]

@@ -109,6 +109,9 @@ def test_double_buffer_keeps_returned_tensors_until_the_poll_after_next(cluster)
         assert version == 1 and torch.equal(held, snapshot)   # the reader's weights did not move
         assert torch.equal(second[0][1], torch.full((64,), -1.0, dtype=torch.bfloat16))
         assert second[0][1].data_ptr() != held.data_ptr()
+        # a poll that changed nothing switches nothing: the reader's tensors stay the current ones
+        assert sub.poll() == (1, []) and sub.current()["w"].data_ptr() == second[0][1].data_ptr()
+        assert torch.equal(sub.current()["w"], second[0][1])
     finally:
         creator.close(), sub.close()
 
