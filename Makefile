@@ -62,6 +62,7 @@ bench: protos
 	$(PY) bench/vs_ddp.py --out bench/results/vs_ddp.json
 	$(PY) bench/vs_ddp.py --workload balanced --out bench/results/vs_ddp_balanced.json
 	$(PY) bench/step_overhead.py --out bench/results/step_overhead.json
+	$(PY) bench/subscriber.py --out bench/results/subscriber.json
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
 # of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.

@@ -23,6 +23,7 @@ from shardline.ps_server.checkpoint import CheckpointDir, CheckpointError
 from shardline.ps_server.admission import PayloadBudget
 from shardline.ps_server.checkpointer import Checkpointer
 from shardline.ps_server.commit_relay import CommitRelay
+from shardline.ps_server.delta_history import DeltaHistory
 from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.grad_norm import GradNormExchange
@@ -349,6 +350,7 @@ def main(argv=None) -> int:
         return 2
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
+    node.delta_history = DeltaHistory(args.delta_history_bytes)
     node.replicator = Replicator(node, PeerLinks(lambda peer: node.routing.address_of(peer), transport, cluster_token),
                                  metrics=ps_metrics)
     node.grad_norms = GradNormExchange(node, grad_norm_sender(cluster_token, security.tls_ca))

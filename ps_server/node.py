@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from shardline.ps_server.admission import NameMisses
+from shardline.ps_server.delta_history import DEFAULT_MAX_BYTES, DeltaHistory, subscriber_blocks
 from shardline.ps_server.heat import HeatCounter
 from shardline.ps_server.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
@@ -108,6 +109,8 @@ class PSNode:
         self.metrics = metrics
         self.checkpointer = checkpointer
         self.replicator = None
+        # bf16 images sent to subscribers, the bases of their element-level deltas (delta_history_bytes)
+        self.delta_history = DeltaHistory(DEFAULT_MAX_BYTES)
         self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
         self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
         self._settled_epoch = 0
@@ -286,6 +289,7 @@ class PSNode:
         if self.replicator is not None:
             self.replicator.forget(name)
         self.heat.drop_job(name)
+        self.delta_history.forget_job(job.uid, name)
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
@@ -453,7 +457,10 @@ class PSNode:
         started = time.perf_counter()
         try:
             keys = [(ref.tensor, ref.index) for ref in header.blocks]
-            job.wait_for_step(header.min_step, timeout, keys,
+            # A subscriber's pull without a min_step asks for the node's step, once its blocks are
+            # visible at it (the reply says which step it waited for).
+            min_step = header.min_step or (job.step if header.subscriber else 0)
+            job.wait_for_step(min_step, timeout, keys,
                               interrupted=lambda: self._routing.epoch > header.epoch or (
                                   cancelled is not None and cancelled.is_set()))
         except StoreError:
@@ -465,10 +472,17 @@ class PSNode:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         dtypes = [frame.PULL_DTYPES[ref.want_dtype] for ref in header.blocks]
-        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp", dtypes=dtypes)
+        # A subscriber does not hold the step back as a worker does: its copies are made under the lock.
+        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp" or header.subscriber, dtypes=dtypes)
         reply.step = step
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
         reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step
+        if header.subscriber:  # checksums and element-level deltas (ps_server/delta_history.py)
+            reply.min_step = min_step
+            bases = {(t, i): v for t, i, v in wanted if v is not None}
+            sent = subscriber_blocks(self.delta_history, (job.uid, job.name), blocks, bases)
+            reply.blocks.extend(ref for ref, _ in sent)
+            return reply, [payload for _, payload in sent]
         payloads = []
         for tensor, index, version, value in blocks:
             reply.blocks.append(frame.block_ref(tensor, index, value, version=version))

@@ -380,6 +380,10 @@ OPTIONS: tuple[Option, ...] = (
            "the node hold at once; a frame that would exceed it waits up to payload_timeout, then gets "
            "RESOURCE_EXHAUSTED (its client retries). At least max_payload_bytes.", ("ps",),
            default=4 * 1024 ** 3, above=0),
+    Option("delta_history_bytes", "size", "Bound on the bf16 block images the node keeps of what it sent to "
+           "weight subscribers, the bases of element-level deltas (docs/architecture.md, \"Weight subscribers\"); "
+           "a subscriber whose base is no longer held gets dense blocks. 0 = keep none.", ("ps",),
+           default=256 * 1024 ** 2, minimum=0),
     Option("shm_ring_bytes", "size", "Size of the shared-memory ring the node sends through on each shm "
            "data-plane connection (transport auto/shm, local peers): it bounds the node's shared memory to "
            "this times the open shm connections.", ("ps",), default=DEFAULT_SHM_RING_BYTES, minimum=64 * 1024,

@@ -91,6 +91,9 @@ class _Immediate:
 class Client:
     """Connection of one worker to one job. Not thread-safe: one training loop drives it.
 
+    ``subscriber_pulls``: pulls ask for checksums and element-level deltas (worker/subscriber.py,
+    whose client receives them).
+
     Timeouts: ``rpc_timeout`` for control-plane calls, ``pull_timeout`` for a waiting pull (how long
     a worker waits for the slowest worker of a BSP step), ``connect_timeout`` for data-plane
     connections and for waiting on the job creator, ``recovery_timeout`` for a PS node that went
@@ -129,6 +132,8 @@ class Client:
     cluster's gRPC certificates); each not given is read from the file that
     ``SHARDLINE_CLUSTER_TOKEN_FILE`` / ``SHARDLINE_TLS_CA_FILE`` names, if set (services/security.py).
     """
+
+    subscriber_pulls = False
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -841,6 +846,7 @@ class Client:
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
+        header.subscriber = op == dp.OP_PULL and self.subscriber_pulls
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
         # needs them before the commits arrive.
         if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):
