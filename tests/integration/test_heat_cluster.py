@@ -151,11 +151,13 @@ def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_p
     assert plans, f"no rebalance happened; max/mean samples: {[round(s[3], 3) for s in samples]}"
     before = float(plans[0].split("max/mean load ")[1].split()[0])
     changes = [t for (t, e, p, _r, _n), prev in zip(samples[1:], samples) if (e, p) != prev[1:3]]
-    last_change = max(changes, default=samples[0][0])
-    settled = [r for t, _e, p, r, n in samples if not p and n == 4 and t >= last_change + 3 * HALF_LIFE]
+    # Settled: three half-lives after the ring change before it (a later plan may follow; under
+    # load the first plan's ring can settle, then a smaller one be made).
+    settled = [r for t, _e, p, r, n in samples if changes and not p and n == 4
+               and t >= max([c for c in changes if c <= t], default=float("inf")) + 3 * HALF_LIFE]
     print(f"\nrebalance: max/mean node load before {before:.3f}; {len(plans)} plan(s): {plans}; "
           f"after (settled samples): {[round(r, 3) for r in settled]}")
-    assert settled, "training ended before the load settled after the last ring change"
+    assert settled, "training ended before the load settled after a ring change"
     after = sorted(settled)[len(settled) // 2]
     assert before > 1.15, f"the capacity ring was already balanced ({before:.3f}): the test shows nothing"
     assert after <= 1.15, f"max/mean node load after rebalancing {after:.3f} (before {before:.3f})"
