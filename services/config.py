@@ -320,8 +320,8 @@ OPTIONS: tuple[Option, ...] = (
            "etcd state_store, else it exits 1; a worker: also for its job to be created and for data-plane "
            "connections).", _ALL, default=60.0, common=True, above=0, unit="s"),
     Option("transport", "choice", "Data-plane transport: `auto` uses RDMA when a device is present, else "
-           "TCP (a PS under `auto` also accepts shared-memory connections from local peers); `shm` only "
-           "shared memory (a PS not on this host is an error); `rdma` fails at start without a device.", _PS_WORKER, default="auto",
+           "shared memory to a PS on the same host and TCP to others; `shm` only shared memory (a PS not on "
+           "this host is an error); `rdma` fails at start without a device.", _PS_WORKER, default="auto",
            common=True, choices=("tcp", "rdma", "auto", "shm")),
     Option("torch_threads", "int", "torch intra-op threads (PS: optimizer math, whose connection threads "
            "already run in parallel; worker: forward/backward).", _PS_WORKER, default=1, common=True,
