@@ -56,14 +56,20 @@ def replicator_for(node_id, job):
     return Replicator(node, FakeLinks())
 
 
-def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch():
-    torch.manual_seed(0)
+def two_nodes(seed):
+    """``old`` applies every block; ``new`` holds copies of them (the same initial values)."""
+    torch.manual_seed(seed)
     a0, b0 = torch.randn(4, 5), torch.randn(3)
     old, new = JobStore(make_job(lr=0.01)), JobStore(make_job(lr=0.01))
     for node in (old, new):
         init_store(node, {"a": a0, "b": b0, "frozen": torch.zeros(2)})
     keys = set(new.blocks)
-    new.set_primary(set(), epoch=2)                     # a copy holder of old's blocks
+    new.set_primary(set(), epoch=2)
+    return a0, b0, old, new, keys
+
+
+def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch():
+    a0, b0, old, new, keys = two_nodes(0)
     push_and_commit(old, 0)                             # old applies step 0 at epoch 2 ...
     # ... while new already routes at epoch 3 and applies the blocks: old's copy of step 0 is refused
     new.set_primary(keys, epoch=3, awaiting={k: ("old", time.monotonic() + 60) for k in keys})
@@ -101,13 +107,7 @@ def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch()
 
 def test_a_handover_of_the_step_in_flight_still_carries_the_gradients():
     """Nothing applied across the switch: the handover's gradients count, no copy is taken."""
-    torch.manual_seed(1)
-    a0, b0 = torch.randn(4, 5), torch.randn(3)
-    old, new = JobStore(make_job(lr=0.01)), JobStore(make_job(lr=0.01))
-    for node in (old, new):
-        init_store(node, {"a": a0, "b": b0, "frozen": torch.zeros(2)})
-    keys = set(new.blocks)
-    new.set_primary(set(), epoch=2)
+    a0, b0, old, new, keys = two_nodes(1)
     for rank, grads in grads_of(0).items():
         old.push(rank, 0, 1.0, [*items_for("a", grads["a"]), *items_for("b", grads["b"])])
     new.set_primary(keys, epoch=3, awaiting={k: ("old", time.monotonic() + 60) for k in keys})
