@@ -58,10 +58,12 @@ bench: protos
 	$(PY) bench/run.py --out bench/results/latest.json
 	$(PY) bench/checkpoint.py --out bench/results/checkpoint.json
 	$(PY) bench/balance.py --out bench/results/balance.json
+	$(PY) bench/rebalance.py --out bench/results/rebalance.json
 	$(PY) bench/vs_ddp.py --out bench/results/vs_ddp.json
 	$(PY) bench/vs_ddp.py --workload balanced --out bench/results/vs_ddp_balanced.json
 	$(PY) bench/step_overhead.py --out bench/results/step_overhead.json
 	$(PY) bench/rack_cache.py --out bench/results/rack_cache.json
+	$(PY) bench/subscriber.py --out bench/results/subscriber.json
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
 # of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.

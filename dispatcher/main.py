@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
             advertise_address=args.advertise_address,
             connect_timeout=args.connect_timeout,
             replication=args.replication,
+            heat_half_life=args.heat_half_life,
+            rebalance_interval=args.rebalance_interval,
         )
     except (ShardlineConfigError, StateStoreError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

@@ -32,6 +32,13 @@ draining ones are drained, and the epoch moves on. A node that dies leaves the s
 once (its replicas hold its blocks); the pending ring, if any, is recomputed. A node joining an
 empty ring, or a cluster that holds no job data (``has_data()`` false), serves at once: there is
 nothing to sync.
+
+Rebalancing (dispatcher/rebalance.py decides, ``rebalance`` applies) is a ring change of the same
+kind: serving nodes get **pending virtual-node counts**, the pending ring is built with them, and
+the switch makes them the counts in use. It starts only while no change is pending, and any other
+change calls it off (a node that dies, joins or drains: the loads it was planned from no longer
+hold; the next plan starts from fresh measurements). Counts in use and pending are persisted with
+the node, so a restarted (or newly elected) dispatcher serves the same ring and resumes the change.
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from shardline.dispatcher.state_store import EPOCH_KEY, NODE_PREFIX, StateStore,
 from shardline.services.daemon import parse_host_port
 from shardline.services.config import require_positive_number
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
-from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, vnode_counts
+from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, _check_vnodes, vnode_counts
 
 ALIVE = "alive"
 DEAD = "dead"
@@ -101,15 +108,21 @@ class _Node:
     ready_epoch: int = 0          # the pending epoch the node last reported in sync for (not persisted)
     incarnation: str = ""         # the process that registered last (not persisted: a new leader learns it)
     insecure: bool = False        # as the node registered (not persisted: it registers again)
+    pending_vnodes: int = 0       # a rebalance in progress: the count of the pending ring (0: none)
+    rebalanced: int | None = None  # counts set by rebalancing, at this vnodes_per_capacity (None: from capacity)
 
     def published(self) -> tuple:
         """The fields whose change alters the routing table."""
-        return (self.state, self.rack, self.grpc_address, self.data_address, self.capacity, self.vnodes, self.member)
+        return (self.state, self.rack, self.grpc_address, self.data_address, self.capacity, self.vnodes, self.member,
+                self.pending_vnodes)
 
     def persisted(self) -> dict:
         """The value of key ``node/<id>``: the registration and its state, nothing per heartbeat."""
-        return {"rack": self.rack, "grpc_address": self.grpc_address, "data_address": self.data_address,
-                "capacity": self.capacity, "state": self.state, "member": self.member}
+        value = {"rack": self.rack, "grpc_address": self.grpc_address, "data_address": self.data_address,
+                 "capacity": self.capacity, "state": self.state, "member": self.member}
+        if self.rebalanced is not None:  # counts moved by rebalancing, with the density they were made at
+            value.update(vnodes=self.vnodes, pending_vnodes=self.pending_vnodes, vnodes_per_capacity=self.rebalanced)
+        return value
 
 
 def validate_name(value: object, what: str) -> str:
@@ -207,16 +220,25 @@ class Membership:
             state = value["state"]
             if state not in (ALIVE, DEAD):
                 raise ShardlineConfigError(f"state must be {ALIVE} or {DEAD}, got {state!r}")
+            # Rebalanced counts, if made at this density (another density recomputes the ring from capacity).
+            rebalanced = value.get("vnodes_per_capacity") == self.vnodes_per_capacity
+            vnodes = value["vnodes"] if rebalanced else vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id]
+            pending_vnodes = value.get("pending_vnodes", 0) if rebalanced else 0
+            _check_vnodes({node_id: vnodes})
+            if pending_vnodes:
+                _check_vnodes({node_id: pending_vnodes})
             return _Node(
                 node_id=node_id,
                 rack=validate_name(value["rack"], "rack"),
                 grpc_address=validate_address(value["grpc_address"], "grpc_address"),
                 data_address=validate_address(value["data_address"], "data_address"),
                 capacity=float(capacity),
-                vnodes=vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id],
+                vnodes=vnodes,
                 state=state,
                 last_heartbeat=now,
                 member=value.get("member", SERVING) if value.get("member", SERVING) in MEMBER_ROLES else SERVING,
+                pending_vnodes=pending_vnodes,
+                rebalanced=self.vnodes_per_capacity if rebalanced else None,
             )
         except (KeyError, TypeError, ValueError) as exc:  # ShardlineConfigError is a ValueError
             raise StateStoreError(
@@ -243,11 +265,51 @@ class Membership:
             self._pending_epoch = epoch  # a new pending ring: every node must sync for it again
 
     def _changing(self) -> bool:
-        return any(n.state == ALIVE and n.member in (JOINING, DRAINING) for n in self._nodes.values())
+        return any(n.state == ALIVE and (n.member in (JOINING, DRAINING) or n.pending_vnodes)
+                   for n in self._nodes.values())
 
     def _pending_members(self) -> tuple:
-        return tuple(sorted(n.node_id for n in self._nodes.values()
+        return tuple(sorted((n.node_id, n.pending_vnodes or n.vnodes) for n in self._nodes.values()
                             if n.state == ALIVE and n.member in (SERVING, JOINING)))
+
+    def _call_off_rebalance(self, but: str = "") -> list[_Node]:
+        """Records that end a pending rebalance (the nodes keep their counts in use). Caller holds the lock."""
+        return [dataclasses.replace(n, pending_vnodes=0) for n in self._nodes.values()
+                if n.pending_vnodes and n.node_id != but]
+
+    def rebalancing(self) -> bool:
+        """A rebalance (pending virtual-node counts) is in progress."""
+        with self._lock:
+            return any(n.state == ALIVE and n.pending_vnodes for n in self._nodes.values())
+
+    def ring_counts(self) -> tuple[dict[str, int], dict[str, int], bool]:
+        """``(base, current, pending)`` of the serving nodes: capacity-derived counts, counts in use,
+        and whether any ring change is pending."""
+        with self._lock:
+            serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING]
+            base = vnode_counts({n.node_id: n.capacity for n in serving}, self.vnodes_per_capacity)
+            return base, {n.node_id: n.vnodes for n in serving}, self._changing()
+
+    def rebalance(self, vnodes: dict[str, int]) -> int:
+        """Start moving the serving ring to ``vnodes`` (every serving node's new count) as a pending
+        ring change. Returns the pending epoch (0: the counts are those in use, nothing to do).
+
+        Raises ShardlineStateError if another change is pending or ``vnodes`` does not name exactly
+        the serving nodes, ShardlineConfigError for a bad count, StateStoreError if not persisted."""
+        _check_vnodes(vnodes)
+        with self._lock:
+            if self._changing():
+                raise ShardlineStateError("a ring change is in progress: no rebalance until it completes")
+            serving = {n.node_id: n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING}
+            if set(vnodes) != set(serving):
+                raise ShardlineStateError(f"a rebalance must name exactly the serving nodes {sorted(serving)}, "
+                                          f"got {sorted(vnodes)}")
+            changed = [dataclasses.replace(n, pending_vnodes=vnodes[i], rebalanced=self.vnodes_per_capacity)
+                       for i, n in sorted(serving.items()) if vnodes[i] != n.vnodes]
+            if not changed:
+                return 0
+            self._bump(changed)
+            return self._pending_epoch
 
     @property
     def epoch(self) -> int:
@@ -301,6 +363,9 @@ class Membership:
             if before is not None:
                 # Keep the last storage report until the node sends a fresh one.
                 node.blocks, node.bytes = before.blocks, before.bytes
+                if before.capacity == node.capacity:  # keep rebalanced counts (a capacity change resets them)
+                    node.vnodes, node.pending_vnodes = before.vnodes, before.pending_vnodes
+                    node.rebalanced = before.rebalanced
             node.incarnation = incarnation
             node.insecure = bool(insecure)
             serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
@@ -313,7 +378,11 @@ class Membership:
             else:
                 node.member = SERVING        # the first node of an empty ring: nothing to sync
             if before is None or before.published() != node.published():
-                self._bump([node])
+                called_off = []
+                if node.member == JOINING:  # a join calls off a pending rebalance
+                    node.pending_vnodes = 0
+                    called_off = self._call_off_rebalance(but=node_id)
+                self._bump([node] + called_off)
             else:
                 self._nodes[node_id] = node
             return self._epoch
@@ -360,9 +429,13 @@ class Membership:
             switched = []
             for n in participants:
                 if n.member == JOINING:
-                    switched.append(dataclasses.replace(n, member=SERVING))
+                    n = dataclasses.replace(n, member=SERVING)
                 elif n.member == DRAINING:
-                    switched.append(dataclasses.replace(n, member=DRAINED))
+                    n = dataclasses.replace(n, member=DRAINED)
+                if n.pending_vnodes:  # a rebalance: the pending counts serve now
+                    n = dataclasses.replace(n, vnodes=n.pending_vnodes, pending_vnodes=0)
+                if n is not self._nodes[n.node_id]:
+                    switched.append(n)
             self._bump(switched)
             return True
 
@@ -381,7 +454,8 @@ class Membership:
                 return self._pending_epoch
             if node.member != SERVING:
                 raise ShardlineStateError(f"node {node_id!r} is {node.member}, not serving: nothing to drain")
-            if leaving and self._changing():
+            called_off = self._call_off_rebalance()  # a drain supersedes a pending rebalance
+            if leaving and any(n.state == ALIVE and n.member in (JOINING, DRAINING) for n in self._nodes.values()):
                 cancelled = [dataclasses.replace(n, member=SERVING) for n in self._nodes.values()
                              if n.state == ALIVE and n.member == DRAINING]
                 if cancelled:
@@ -390,7 +464,8 @@ class Membership:
             others = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
             if not others:
                 raise ShardlineStateError(f"node {node_id!r} is the only serving node: its blocks have nowhere to go")
-            self._bump([dataclasses.replace(node, member=DRAINING)])
+            self._bump([dataclasses.replace(node, member=DRAINING, pending_vnodes=0)]
+                       + [n for n in called_off if n.node_id != node_id])
             return self._pending_epoch
 
     def snapshot(self, now: float | None = None) -> RoutingSnapshot:
@@ -400,7 +475,7 @@ class Membership:
             serving = [self._record(n, now) for n in alive if n.member in (SERVING, DRAINING)]
             pending = []
             if self._pending_epoch:
-                pending = [self._record(n, now) for n in alive if n.member in (SERVING, JOINING)]
+                pending = [self._record(n, now, pending=True) for n in alive if n.member in (SERVING, JOINING)]
             return RoutingSnapshot(self._epoch, serving, self._pending_epoch, pending)
 
     def expire(self, now: float) -> list[str]:
@@ -415,7 +490,9 @@ class Membership:
                 if node.state == ALIVE and now - node.last_heartbeat > self.heartbeat_timeout
             )
             if expired:
-                changed = [dataclasses.replace(self._nodes[node_id], state=DEAD) for node_id in expired]
+                changed = [dataclasses.replace(self._nodes[node_id], state=DEAD, pending_vnodes=0) for node_id in expired]
+                # a death calls off a pending rebalance (failover changes the loads it was planned from)
+                changed += [n for n in self._call_off_rebalance() if n.node_id not in expired]
                 left = [n for n in self._nodes.values() if n.state == ALIVE and n.node_id not in expired
                         and n.member in (SERVING, JOINING)]
                 if not left:  # draining nodes have nowhere left to move their blocks: they serve on
@@ -438,7 +515,7 @@ class Membership:
             return [self._record(node, now) for node in sorted(self._nodes.values(), key=lambda n: n.node_id)]
 
     @staticmethod
-    def _record(node: _Node, now: float | None) -> NodeRecord:
+    def _record(node: _Node, now: float | None, pending: bool = False) -> NodeRecord:
         return NodeRecord(
             node_id=node.node_id,
             rack=node.rack,
@@ -446,7 +523,7 @@ class Membership:
             data_address=node.data_address,
             capacity=node.capacity,
             state=node.state,
-            vnodes=node.vnodes if node.state == ALIVE else 0,
+            vnodes=0 if node.state != ALIVE else (node.pending_vnodes or node.vnodes) if pending else node.vnodes,
             heartbeat_age_seconds=0.0 if now is None else max(0.0, now - node.last_heartbeat),
             blocks=node.blocks,
             bytes=node.bytes,

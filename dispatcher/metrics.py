@@ -100,3 +100,63 @@ def publish_checkpoints(steps: Mapping[str, int]) -> None:
 
 def state_store_write_failed() -> None:
     STATE_STORE_WRITE_FAILURES.inc()
+
+
+NODE_LOAD = Gauge("shardline_node_load_bytes_per_second",
+                  "PS node's data-plane load from its heartbeats (decayed): push bytes in, pull bytes out",
+                  _NODE_LABELS + ["direction"])
+NODE_APPLY = Gauge("shardline_node_apply_seconds_per_second",
+                   "Seconds per second the PS node spends applying optimizer steps (decayed)", _NODE_LABELS)
+NODE_LOAD_SHARE = Gauge("shardline_node_load_share", "PS node's share of the cluster's data-plane bytes (decayed)",
+                        _NODE_LABELS)
+LOAD_IMBALANCE = Gauge("shardline_load_imbalance", "Max over mean data-plane load of the serving PS nodes")
+JOB_HOT_SHARD_SHARE = Gauge("shardline_job_hottest_shard_share",
+                            "Share of all block accesses (reads + writes) of the job's hottest block", ["job_name"])
+JOB_ACCESS_SHARE = Gauge("shardline_job_access_share", "Share of all block accesses that go to the job's hot blocks "
+                         "(those in the dispatcher's heatmap)", ["job_name"])
+REBALANCES = Counter("shardline_rebalances_total", "Ring rebalances started from measured load")
+_heat_nodes: set[tuple[str, str]] = set()
+_heat_jobs: set[str] = set()
+
+
+def publish_heat(nodes: Iterable, shards: Iterable, imbalance: float) -> None:
+    """Set the load gauges from ``nodes`` (heatmap NodeHeats) and the per-job shares from ``shards``
+    (ShardHeats); series of nodes and jobs no longer present are removed."""
+    hottest: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for s in shards:
+        hottest[s.job] = max(hottest.get(s.job, 0.0), s.share)
+        total[s.job] = total.get(s.job, 0.0) + s.share
+    with _lock:
+        seen = set()
+        for n in nodes:
+            key = (n.node_id, n.rack)
+            seen.add(key)
+            NODE_LOAD.labels(*key, "in").set(n.bytes_in_per_second)
+            NODE_LOAD.labels(*key, "out").set(n.bytes_out_per_second)
+            NODE_APPLY.labels(*key).set(n.apply_seconds_per_second)
+            NODE_LOAD_SHARE.labels(*key).set(n.share)
+        for key in _heat_nodes - seen:
+            for gauge, extra in ((NODE_LOAD, ("in",)), (NODE_LOAD, ("out",)), (NODE_APPLY, ()), (NODE_LOAD_SHARE, ())):
+                try:
+                    gauge.remove(*key, *extra)
+                except KeyError:
+                    pass
+        _heat_nodes.clear()
+        _heat_nodes.update(seen)
+        for job in hottest:
+            JOB_HOT_SHARD_SHARE.labels(job).set(hottest[job])
+            JOB_ACCESS_SHARE.labels(job).set(min(1.0, total[job]))
+        for job in _heat_jobs - hottest.keys():
+            for gauge in (JOB_HOT_SHARD_SHARE, JOB_ACCESS_SHARE):
+                try:
+                    gauge.remove(job)
+                except KeyError:
+                    pass
+        _heat_jobs.clear()
+        _heat_jobs.update(hottest)
+        LOAD_IMBALANCE.set(imbalance)
+
+
+def rebalance_started() -> None:
+    REBALANCES.inc()

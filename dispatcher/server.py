@@ -13,7 +13,9 @@ Errors map to status codes: ShardlineConfigError -> INVALID_ARGUMENT, UnknownJob
 StateStoreError (the state could not be persisted; the message names the path) and
 ShardlineConnectionError -> UNAVAILABLE, ShardlineStateError -> FAILED_PRECONDITION,
 ShardlineTimeoutError -> DEADLINE_EXCEEDED; the status message says what is wrong. A background
-thread expires silent nodes every ``EXPIRE_PERIOD_SECONDS`` and stops with the server. Calls to PS
+thread expires silent nodes every ``EXPIRE_PERIOD_SECONDS`` and stops with the server; with a
+``rebalance_interval`` another one plans rebalances of the ring from the heartbeats' heat
+(dispatcher/heatmap.py, dispatcher/rebalance.py) and starts them as pending ring changes. Calls to PS
 nodes (DeleteJob, CheckpointJob) run on a thread pool of the servicer, outside every lock.
 """
 
@@ -42,7 +44,9 @@ from shardline.dispatcher.fanout import (
     drop_everywhere,
 )
 from shardline.dispatcher.cache_registry import CacheRegistry
+from shardline.dispatcher.heatmap import DEFAULT_HALF_LIFE_SECONDS, Heatmap
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, WorkerLeases
+from shardline.dispatcher import rebalance as rebalance_policy
 from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
 from shardline.dispatcher.leader import Holder, LeaderElection, lease_ttl
 from shardline.dispatcher.membership import ALIVE, Membership, NodeRecord, reachable_address, validate_address
@@ -70,6 +74,8 @@ from shardline.services.ring import vnode_counts
 log = logging.getLogger("shardline.dispatcher")
 
 EXPIRE_PERIOD_SECONDS = 0.25
+DEFAULT_REBALANCE_INTERVAL_SECONDS = 60.0
+DEFAULT_HOT_SHARDS = 32
 # WaitJobReady re-checks this often whether its caller is still there or the server is stopping.
 WAIT_SLICE_SECONDS = 0.5
 
@@ -155,12 +161,15 @@ class LeaderState:
     term: Holder | None = None
     leases: WorkerLeases | None = None   # soft state: a new leader starts with none
     caches: CacheRegistry | None = None  # soft state too: caches register again with a new leader
+    heatmap: Heatmap | None = None       # soft state too: learnt back from the next heartbeats
 
     def __post_init__(self):
         if self.leases is None:
             object.__setattr__(self, "leases", WorkerLeases(self._lease_policy))
         if self.caches is None:  # a cache's lease: as long as a PS node may stay silent
             object.__setattr__(self, "caches", CacheRegistry(self.membership.heartbeat_timeout))
+        if self.heatmap is None:
+            object.__setattr__(self, "heatmap", Heatmap())
 
     def _lease_policy(self, job: str):
         try:
@@ -200,12 +209,19 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         status_timeout: float = DEFAULT_STATUS_TIMEOUT,
         election: LeaderElection | None = None,
         security_flags: Mapping[str, bool] | None = None,
+        heat_half_life: float = DEFAULT_HALF_LIFE_SECONDS,
+        rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL_SECONDS,
     ):
         """``security_flags``: how this dispatcher is secured, as ClusterStatus fields (``insecure``,
-        ``cluster_token``, ``tls``), reported by GetClusterStatus."""
+        ``cluster_token``, ``tls``), reported by GetClusterStatus. ``heat_half_life``: of the access
+        heatmap; ``rebalance_interval``: seconds between rebalance plans (0: off)."""
         if (membership is None) != (jobs is None):
             raise ShardlineConfigError("DispatcherServicer needs both membership and jobs, or neither (a follower)")
-        self._state: LeaderState | None = LeaderState(membership, jobs) if membership is not None else None
+        self.heat_half_life = require_positive_number(heat_half_life, "heat_half_life (seconds)")
+        self.rebalance_interval = _rebalance_interval(rebalance_interval)
+        self._last_rebalance: tuple[float, str] | None = None   # (when, what) under the current leader state
+        self._state: LeaderState | None = (LeaderState(membership, jobs, heatmap=Heatmap(self.heat_half_life))
+                                           if membership is not None else None)
         self.election = election
         self.security_flags = dict(security_flags or {})
         self.heartbeat_interval = heartbeat_interval
@@ -251,7 +267,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
 
     def install(self, membership: Membership, jobs: JobRegistry, term: Holder) -> None:
         """Lead from ``membership`` and ``jobs`` (built over a store fenced by ``term``)."""
-        state = LeaderState(membership, jobs, term)
+        state = LeaderState(membership, jobs, term, heatmap=Heatmap(self.heat_half_life))
+        self._last_rebalance = None
         old, self._state = self._state, state
         if old is not None:
             old.close()
@@ -265,8 +282,13 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
 
     def _publish_gauges(self, state: LeaderState) -> None:
         jobs = state.jobs.list()
-        M.publish(state.membership.epoch, state.membership.all_nodes(self._clock()),
+        now = self._clock()
+        M.publish(state.membership.epoch, state.membership.all_nodes(now),
                   heartbeat_timeout=state.membership.heartbeat_timeout, jobs=len(jobs))
+        serving = {n.node_id for n in state.membership.routing_table()[1]}
+        loads = state.heatmap.nodes(now, only=serving)
+        M.publish_heat(loads, state.heatmap.hottest(now, DEFAULT_HOT_SHARDS * 4),
+                       rebalance_policy.imbalance({n.node_id: n.bytes_per_second for n in loads}))
         M.publish_checkpoints({job.name: job.checkpoint_step for job in jobs if job.has_checkpoint})
 
     def expire(self) -> list[str]:
@@ -284,6 +306,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             log.warning("job %s: rank %d (incarnation %s) lost: no heartbeat for %.3g s", lease.job, lease.rank,
                         lease.incarnation, self._clock() - lease.last)
         M.nodes_declared_dead(len(expired))
+        for node_id in expired:
+            state.heatmap.forget_node(node_id)
         if expired:
             log.warning("nodes declared dead (no heartbeat for %.3g s): %s", state.membership.heartbeat_timeout,
                         ", ".join(expired))
@@ -327,6 +351,11 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if request.epoch > before:
             log.warning("node %s routes with epoch %d, above the dispatcher's %d: the dispatcher moved to epoch %d",
                         request.node_id, request.epoch, before, epoch)
+        if registered and (request.HasField("load") or request.hot):
+            try:
+                state.heatmap.report(request.node_id, request.load.rack, request.load, request.hot, self._clock())
+            except ShardlineConfigError as exc:  # a bad heat report must not fail the heartbeat (liveness)
+                log.warning("node %s: heat report ignored: %s", request.node_id, exc)
         if registered and request.ready_epoch and state.membership.report_ready(request.node_id, request.ready_epoch):
             snap = state.membership.snapshot()
             log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving), snap.epoch)
@@ -478,6 +507,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
     def DeleteJob(self, request, context):
         state = self._leading()
         record = state.jobs.delete(request.name)  # tombstoned and durable before any node is told
+        state.heatmap.forget_job(record.name)
         nodes = state.membership.all_nodes(self._clock())
         alive = [Target(n.node_id, n.grpc_address) for n in nodes if n.state == ALIVE]
         dead = [n.node_id for n in nodes if n.state != ALIVE]
@@ -516,6 +546,57 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         return job_info(record)
 
     @_rpc
+    def GetHotShards(self, request, context):
+        state = self._leading()
+        now = self._clock()
+        snap = state.membership.snapshot(now)
+        serving = {n.node_id for n in snap.serving}
+        shards = state.heatmap.hottest(now, int(request.limit) or DEFAULT_HOT_SHARDS, request.job)
+        return dispatcher_pb2.HeatMap(
+            shards=[dispatcher_pb2.HeatShard(**dataclasses.asdict(s)) for s in shards],
+            nodes=[dispatcher_pb2.NodeLoad(
+                node_id=n.node_id, rack=n.rack, bytes_in_per_second=n.bytes_in_per_second,
+                bytes_out_per_second=n.bytes_out_per_second, pulls_per_second=n.pulls_per_second,
+                pushes_per_second=n.pushes_per_second, apply_seconds_per_second=n.apply_seconds_per_second,
+                reads_per_second=n.reads_per_second, writes_per_second=n.writes_per_second, share=n.share)
+                for n in state.heatmap.nodes(now, only=serving)],
+            half_life_seconds=state.heatmap.half_life, accesses_per_second=state.heatmap.accesses_per_second(now),
+            epoch=snap.epoch, rebalance_interval_seconds=self.rebalance_interval,
+            last_rebalance=self._last_rebalance[1] if self._last_rebalance else "",
+        )
+
+    def rebalance(self) -> rebalance_policy.Plan | None:
+        """Plan a rebalance from the heatmap and start it (a pending ring change); None: nothing moved.
+        A follower, a heatmap that does not cover every serving node for one interval yet, or a ring
+        change in progress: nothing."""
+        state = self._state
+        if not self._current(state) or not self.rebalance_interval:
+            return None
+        now = self._clock()
+        base, current, pending = state.membership.ring_counts()
+        # Plans wait for a heatmap of about two half-lives (every node's, and since the last move):
+        # what it holds then is mostly the load of now, not of the start-up or of the ring before.
+        settle = max(self.rebalance_interval, 2 * state.heatmap.half_life)
+        if pending or not state.heatmap.covered(current, now, settle):
+            return None
+        loads = {n.node_id: n.bytes_per_second for n in state.heatmap.nodes(now, only=set(current))}
+        last = self._last_rebalance[0] if self._last_rebalance else None
+        plan = rebalance_policy.plan(base, current, loads, state.heatmap.block_bytes(now), now=now, last_change=last,
+                                     cooldown=settle, pending=pending)
+        if plan is None:
+            return None
+        try:
+            epoch = state.membership.rebalance(plan.vnodes)
+        except ShardlineStateError as exc:  # a change started meanwhile: plan again next interval
+            log.info("rebalance skipped: %s", exc)
+            return None
+        self._last_rebalance = (now, plan.describe())
+        M.rebalance_started()
+        log.info("rebalancing the ring (pending epoch %d): %s", epoch, plan.describe())
+        self._publish_gauges(state)
+        return plan
+
+    @_rpc
     def GetClusterStatus(self, request, context):
         state = self._leading()
         now = self._clock()
@@ -532,6 +613,12 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                 dispatcher_pb2.DispatcherInfo(address=a, role="leader" if a == status.leader else "follower")
                 for a in self.election.dispatchers)
         return status
+
+
+def _rebalance_interval(value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ShardlineConfigError(f"rebalance_interval must be a finite number of seconds >= 0 (0: off), got {value!r}")
+    return float(value)
 
 
 def _state_over(store, heartbeat_timeout: float, vnodes_per_capacity: int, replication: int):
@@ -572,6 +659,19 @@ class DispatcherServer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._expire_loop, name="dispatcher-expire", daemon=True)
         self._thread.start()
+        self._rebalancer = None
+        if servicer.rebalance_interval:
+            self._rebalancer = threading.Thread(target=self._rebalance_loop, name="dispatcher-rebalance", daemon=True)
+            self._rebalancer.start()
+
+    def _rebalance_loop(self) -> None:
+        while not self._stop.wait(self._servicer.rebalance_interval):
+            try:
+                self._servicer.rebalance()
+            except StateStoreError as exc:  # nothing changed; planned again next interval
+                log.error("rebalance failed: %s", exc)
+            except Exception:
+                log.exception("rebalance failed")
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(EXPIRE_PERIOD_SECONDS):
@@ -592,6 +692,8 @@ class DispatcherServer:
             self.election.close()
         done = self._server.stop(grace)
         self._thread.join(timeout=EXPIRE_PERIOD_SECONDS * 4)
+        if self._rebalancer is not None:
+            self._rebalancer.join(timeout=EXPIRE_PERIOD_SECONDS * 4)
         return done
 
     def close(self) -> None:
@@ -620,6 +722,8 @@ def create_server(
     advertise_address: str | None = None,
     connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
     replication: int = 2,
+    heat_half_life: float = DEFAULT_HALF_LIFE_SECONDS,
+    rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL_SECONDS,
 ) -> tuple[DispatcherServer, int, DispatcherServicer]:
     """Start a dispatcher on ``address`` (port 0: any free port). Returns (server, bound port, servicer).
 
@@ -635,11 +739,15 @@ def create_server(
     Calls to PS nodes carry ``cluster_token`` and use TLS with ``tls_ca`` (PEM); ``server_tls`` (a
     services.security.ServerTLS) makes the server speak TLS; ``insecure`` (exposed without a token)
     is shown in the cluster status. ``replication``: copies of every block for jobs that do not set
-    their own.
+    their own. ``heat_half_life``: of the access heatmap; ``rebalance_interval``: seconds between
+    rebalances of the ring from measured load (0: never).
     """
     security = dict(cluster_token=cluster_token, server_tls=server_tls, tls_ca=tls_ca,
                     security_flags={"insecure": insecure, "cluster_token": cluster_token is not None,
-                                    "tls": server_tls is not None})
+                                    "tls": server_tls is not None},
+                    heat_half_life=heat_half_life, rebalance_interval=rebalance_interval)
+    require_positive_number(heat_half_life, "heat_half_life (seconds)")
+    _rebalance_interval(rebalance_interval)
     # Arguments first: a bad one must not touch the state (opening it persists a new epoch).
     require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
     require_positive_number(heartbeat_interval, "heartbeat_interval (seconds)")
@@ -665,6 +773,7 @@ def create_server(
     servicer = DispatcherServicer(
         membership, jobs, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security["security_flags"],
+        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(
@@ -684,7 +793,8 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
                               vnodes_per_capacity: int, max_workers: int, cluster_token: bytes | None,
                               server_tls, tls_ca: bytes | None, security_flags: Mapping[str, bool],
                               state_store: str, state_prefix: str, leader_lease_timeout: float,
-                              advertise_address: str | None, connect_timeout: float, replication: int):
+                              advertise_address: str | None, connect_timeout: float, replication: int,
+                              heat_half_life: float, rebalance_interval: float):
     """create_server with an etcd state store: a follower that campaigns (create_server's contract)."""
     from shardline.dispatcher.state_etcd import EtcdElectionBackend, parse_etcd_url, validate_prefix
 
@@ -704,6 +814,7 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
     servicer = DispatcherServicer(
         None, None, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security_flags,
+        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(

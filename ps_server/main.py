@@ -23,9 +23,11 @@ from shardline.ps_server.checkpoint import CheckpointDir, CheckpointError
 from shardline.ps_server.admission import PayloadBudget
 from shardline.ps_server.checkpointer import Checkpointer
 from shardline.ps_server.commit_relay import CommitRelay
+from shardline.ps_server.delta_history import DeltaHistory
 from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.grad_norm import GradNormExchange
+from shardline.ps_server.heat import heat_report
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
@@ -93,10 +95,12 @@ class HeartbeatLoop(threading.Thread):
         """One heartbeat and what its reply asks for. Raises ShardlineError."""
         with self._lock:
             blocks, nbytes = self.node.store.totals()
+            load, hot = heat_report(self.node.heat, self.node.node_id, self.registration.get("rack", ""))
             resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
                                          epoch=self.node.routing.epoch, jobs=self.node.held_jobs(),
                                          ready_epoch=self.node.ready_epoch(),
-                                         insecure=bool(self.registration.get("insecure")), timeout=timeout)
+                                         insecure=bool(self.registration.get("insecure")), timeout=timeout,
+                                         load=load, hot=hot)
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
                 self.client.register_node(**self.registration)
@@ -346,6 +350,7 @@ def main(argv=None) -> int:
         return 2
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
+    node.delta_history = DeltaHistory(args.delta_history_bytes)
     node.replicator = Replicator(node, PeerLinks(lambda peer: node.routing.address_of(peer), transport, cluster_token),
                                  metrics=ps_metrics)
     node.grad_norms = GradNormExchange(node, grad_norm_sender(cluster_token, security.tls_ca))

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 
 from shardline.ps_server.admission import NameMisses
+from shardline.ps_server.delta_history import DEFAULT_MAX_BYTES, DeltaHistory, subscriber_blocks
+from shardline.ps_server.heat import HeatCounter
 from shardline.ps_server.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
@@ -50,10 +52,10 @@ def header_lrs(header: frame.FrameHeader):
 
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
-    read) the same block's bytes again."""
+    read) the same block's bytes again. (A handover's copy of a block is its second part, flagged.)"""
     seen = set()
     for ref in header.blocks:
-        key = (ref.tensor, ref.index)
+        key = (ref.tensor, ref.index, header.handover and ref.copy)
         if key in seen:
             raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
                                                  f"more than once")
@@ -107,6 +109,8 @@ class PSNode:
         self.metrics = metrics
         self.checkpointer = checkpointer
         self.replicator = None
+        # bf16 images sent to subscribers, the bases of their element-level deltas (delta_history_bytes)
+        self.delta_history = DeltaHistory(DEFAULT_MAX_BYTES)
         self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
         self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
         self._settled_epoch = 0
@@ -115,6 +119,7 @@ class PSNode:
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
         self.serving = threading.Event()
         self.serving.set()
+        self.heat = HeatCounter()   # reads/writes per block and the node's load, for heartbeats
 
     # --- routing ----------------------------------------------------------------------------
     @property
@@ -283,6 +288,8 @@ class PSNode:
             self.checkpointer.drop(name)
         if self.replicator is not None:
             self.replicator.forget(name)
+        self.heat.drop_job(name)
+        self.delta_history.forget_job(job.uid, name)
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
@@ -347,7 +354,7 @@ class PSNode:
             # that the payload is no larger than copies of these blocks can be.
             for ref in header.blocks:
                 numel = job.expected_numel(ref.tensor, ref.index)
-                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover):
+                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover and not ref.copy):
                     raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
                                                          f"elements, more than a copy of this block holds")
             return
@@ -379,7 +386,7 @@ class PSNode:
 
     def _copy_numel_bound(self, job: JobStore, numel: int, handover: bool) -> int:
         if handover or self.replicator is None:
-            return numel  # a handover carries a gradient sum
+            return numel  # a handover carries a gradient sum (its copies are checked as copies)
         return self.replicator.codec(job).packed_numel(numel)
 
     def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
@@ -398,8 +405,12 @@ class PSNode:
         reply = self._reply(header)
         started = time.perf_counter()
         reply.step = job.finish_push(ticket)
-        if self.metrics is not None and job.sync == "asp":  # ASP applies the push here
-            self.metrics.apply(job.name, time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.heat.record_writes(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in header.blocks])
+        if job.sync == "asp":  # ASP applies the push here
+            self.heat.record_apply(elapsed)
+            if self.metrics is not None:
+                self.metrics.apply(job.name, elapsed)
         return reply
 
     def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None
@@ -432,18 +443,24 @@ class PSNode:
         if header.op == dp.OP_COMMIT:
             lr = header_lrs(header)
             epoch = header.epoch
+            started = time.perf_counter()
             if self.metrics is None:
                 reply.step = job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch)
             else:  # barrier and optimizer apply time (the last commit of a step applies it)
                 reply.step = self.metrics.timed_commit(
                     job.name, header.step, lambda: job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch))
+            if reply.step > header.step:  # this commit applied the step (or it was applied before)
+                self.heat.record_apply(time.perf_counter() - started)
             return reply, []
         # OP_PULL
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
         started = time.perf_counter()
         try:
             keys = [(ref.tensor, ref.index) for ref in header.blocks]
-            job.wait_for_step(header.min_step, timeout, keys,
+            # A subscriber's pull without a min_step asks for the node's step, once its blocks are
+            # visible at it (the reply says which step it waited for).
+            min_step = header.min_step or (job.step if header.subscriber else 0)
+            job.wait_for_step(min_step, timeout, keys,
                               interrupted=lambda: self._routing.epoch > header.epoch or (
                                   cancelled is not None and cancelled.is_set()))
         except StoreError:
@@ -455,12 +472,20 @@ class PSNode:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         dtypes = [frame.PULL_DTYPES[ref.want_dtype] for ref in header.blocks]
-        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp", dtypes=dtypes)
+        # A subscriber does not hold the step back as a worker does: its copies are made under the lock.
+        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp" or header.subscriber, dtypes=dtypes)
         reply.step = step
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
         reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step
+        if header.subscriber:  # checksums and element-level deltas (ps_server/delta_history.py)
+            reply.min_step = min_step
+            bases = {(t, i): v for t, i, v in wanted if v is not None}
+            sent = subscriber_blocks(self.delta_history, (job.uid, job.name), blocks, bases)
+            reply.blocks.extend(ref for ref, _ in sent)
+            return reply, [payload for _, payload in sent]
         payloads = []
         for tensor, index, version, value in blocks:
             reply.blocks.append(frame.block_ref(tensor, index, value, version=version))
             payloads.append(frame.tensor_bytes(value))
+        self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks])
         return reply, payloads

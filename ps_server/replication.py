@@ -44,7 +44,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Callable
 
@@ -232,6 +232,7 @@ class _Pending:
     step: int
     blocks: list
     waiting: set = field(default_factory=set)
+    deposed: bool = False   # a holder answered NOT_OWNER: only blocks still applied here become visible
 
 
 @dataclass
@@ -388,14 +389,18 @@ class Replicator:
         def done(error: Exception | None, _reply) -> None:
             if error is not None:
                 if isinstance(error, RemoteError) and error.code == "NOT_OWNER":
-                    # the peer routes with a newer epoch: this node may be deposed; learn it
+                    # The peer routes with a newer epoch: this node may be deposed; learn it. The
+                    # blocks it lost there never become visible here: their new primary lacks this
+                    # step and takes it from the handover (JobStore.accept_handover).
                     self.node.refresh_routing_quietly()
+                    pending.deposed = True
                 self.drop_holder(pending.job.name, peer, f"replication of step {pending.step} failed: {error}", round_)
             with self._lock:
                 pending.waiting.discard(peer)
                 finished = not pending.waiting
             if finished:
-                pending.job.mark_visible(pending.blocks, pending.step + 1)
+                blocks = [b for b in pending.blocks if b.primary] if pending.deposed else pending.blocks
+                pending.job.mark_visible(blocks, pending.step + 1)
         return done
 
     def replicate_init(self, job: JobStore, keys: list) -> None:
@@ -476,16 +481,25 @@ class Replicator:
             owner = placement.primary(item.key)
             if owner and owner != self.node.node_id:
                 by_peer.setdefault(owner, []).append(item)
+        codec = self.codec(job)
         for peer, items in by_peer.items():
             refs, payloads = [], []
             for item in items:
-                ref = dp.BlockRef(tensor=item.key[0], index=item.key[1], step=item.step, ranks=list(item.ranks))
+                ref = dp.BlockRef(tensor=item.key[0], index=item.key[1], step=item.step, ranks=list(item.ranks),
+                                  version=item.version)
                 if item.grad is None:
                     ref.zero = True
                 else:
                     ref.dtype, ref.numel, ref.nbytes = dp.FLOAT32, item.grad.numel(), item.grad.numel() * 4
                     payloads.append(frame.tensor_bytes(item.grad))
                 refs.append(ref)
+                if item.copy is not None:  # right after its block's ref
+                    value, state = item.copy
+                    copy_ref, parts = copy_refs(codec, [(item.key, SimpleNamespace(
+                        value=value, state=state, version=item.version, step=item.step))])
+                    copy_ref[0].copy = True
+                    refs.extend(copy_ref)
+                    payloads.extend(parts)
             header = self._header(dp.OP_REPLICATE, job, blocks=refs, handover=True,
                                   payload_bytes=sum(r.nbytes for r in refs))
             carried = sum(1 for i in items if i.ranks)
@@ -504,9 +518,18 @@ class Replicator:
 
     def _handle_handover(self, job: JobStore, header, payload) -> None:
         items, offset = [], 0
+        codec = self.codec(job)
         for ref in header.blocks:
             key = (ref.tensor, ref.index)
             numel = job.expected_numel(*key)
+            if ref.copy:  # the previous primary's copy of the block named by the ref before it
+                if not items or items[-1].key != key or ref.numel != codec.packed_numel(numel) or ref.dtype != dp.FLOAT32:
+                    raise StoreError("INVALID_ARGUMENT", f"handover copy of {ref.tensor}[{ref.index}] must follow its "
+                                                         f"block's ref and hold {codec.packed_numel(numel)} float32")
+                flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
+                offset += ref.nbytes
+                items[-1] = replace(items[-1], copy=codec.unpack(numel, flat))
+                continue
             grad = None
             if not ref.zero:
                 if ref.numel != numel or ref.dtype != dp.FLOAT32:
@@ -518,7 +541,7 @@ class Replicator:
             if any(r >= job.world_size for r in ranks):
                 raise StoreError("INVALID_ARGUMENT", f"handover of {ref.tensor}[{ref.index}] names ranks {list(ranks)}, "
                                                      f"the job has {job.world_size}")
-            items.append(Handover(key, int(ref.step), grad, ranks))
+            items.append(Handover(key, int(ref.step), grad, ranks, int(ref.version)))
         job.accept_handover(header.node, items)
 
     def _sync_sent(self, job: JobStore, peer: str, round_: int, last: bool = False):
@@ -576,6 +599,13 @@ class Replicator:
         job.apply_copies(copies)
         if carried:
             job.carry_copies(carried)
+        if not header.sync_reply:
+            # This node took a block over between the fence check and the install (its routing
+            # changed meanwhile): the copy was not installed, so the sender must not count it as held.
+            taken = [key for key in [(r.tensor, r.index) for r in header.blocks] if job.applies(key)]
+            if taken:
+                raise StoreError("NOT_OWNER", f"node {sender!r} is no longer the primary of {taken[0][0]}[{taken[0][1]}]: "
+                                              f"this node applies it now")
         if header.last:
             with self._lock:
                 asked = self._asked.get(job.name, {})

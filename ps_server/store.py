@@ -197,12 +197,17 @@ class PushTicket:
 @dataclass(frozen=True)
 class Handover:
     """What a block's previous primary collected for the step in flight when it lost the block:
-    ``grad`` is the sum of weight * gradient of ``ranks`` (None: no gradient, or only zeros)."""
+    ``grad`` is the sum of weight * gradient of ``ranks`` (None: no gradient, or only zeros).
+    ``version`` is its copy's version; ``copy`` its (value, state) when its last step changed it:
+    an apply of the old primary that crossed the switch (its copy reached the new primary after
+    the new primary took the block over, and was refused) is taken from here."""
 
     key: tuple
     step: int
     grad: torch.Tensor | None
     ranks: tuple
+    version: int = 0
+    copy: tuple | None = None
 
 
 @dataclass
@@ -767,12 +772,7 @@ class JobStore:
             block.pushed_by, block.received, block.handed, block.awaiting = set(), set(), set(), 0.0
             block.staged = None
             self._take_ahead(block)
-        wait_for_replicas = False
-        for hook in self.apply_hooks:
-            wait_for_replicas = hook(self, step, ready) or wait_for_replicas
-        if not wait_for_replicas:
-            for _key, block in ready:
-                block.visible = block.step
+        self._publish(step, ready)
         if step == self.step:
             self.step = step + 1
             self._run_boundary_hooks()
@@ -1013,6 +1013,12 @@ class JobStore:
         if steps and self.collects:
             self.step = max(self.step, min(steps))
 
+    def applies(self, key: tuple) -> bool:
+        """Whether this node is the primary of block ``key``."""
+        with self.cond:
+            block = self.blocks.get(key)
+            return block is not None and block.primary
+
     def oldest_step(self) -> int:
         """BSP: the oldest step a block this node applies still collects (at most the job step):
         lower than the job step when a block changed owner while its step was in flight."""
@@ -1041,7 +1047,11 @@ class JobStore:
                     gained.append(key)
                 elif block.primary and not primary:
                     grad = block.grad_buf.clone() if block.has_grad and block.received else None
-                    lost.append(Handover(key, block.step, grad, tuple(sorted(block.received))))
+                    copy = None
+                    if block.version == block.step > 0:  # changed by its last step: maybe not at the new primary yet
+                        copy = (block.value.clone(),
+                                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()})
+                    lost.append(Handover(key, block.step, grad, tuple(sorted(block.received)), block.version, copy))
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     block.received, block.handed, block.awaiting = set(), set(), 0.0
@@ -1069,11 +1079,20 @@ class JobStore:
     def accept_handover(self, sender: str, items: list[Handover]) -> None:
         """Take what ``sender``, a block's previous primary, collected for the step in flight. A
         block that already moved past that step, or that took pushes meanwhile (the wait timed
-        out), keeps its own."""
+        out), keeps its own.
+
+        A block behind the sender's copy first catches up with it (``_catch_up``): the sender
+        applied a step after this node took the block over (it learnt the new routing later), and
+        workers may have seen that step already, so they will not push it again."""
         with self.cond:
+            caught: dict[int, list] = {}
             for item in items:
                 block = self.blocks.get(item.key)
-                if block is None or not block.primary or block.awaiting_from != sender or not block.awaiting:
+                if block is None or not block.primary or block.awaiting_from != sender:
+                    continue
+                if item.step > block.step and self._catch_up(block, item):
+                    caught.setdefault(item.step - 1, []).append((item.key, block))
+                if not block.awaiting:
                     continue
                 block.awaiting = 0.0
                 if block.step != item.step or block.pushed_by or not item.ranks:
@@ -1084,9 +1103,41 @@ class JobStore:
                     block.grad_buf.copy_(item.grad)
                     block.has_grad = True
                 block.pushed_by, block.received, block.handed = set(item.ranks), set(item.ranks), set(item.ranks)
+            for step, ready in sorted(caught.items()):
+                self._publish(step, ready)
+            self._follow_primaries()
             for step in {b.step for b in self.blocks.values() if b.primary}:
                 self._apply_ready(step)  # blocks that waited (handed over or not) may apply now
             self.cond.notify_all()
+
+    @staticmethod
+    def _catch_up(block: Block, item: Handover) -> bool:
+        """Move ``block`` (this node applies it, one step or more behind) to the previous primary's
+        copy in ``item``; what it collected of its own step is dropped (that step is applied).
+        False if the copy cannot be taken (no payload and another version: the block keeps its
+        step). Call with the lock held."""
+        if item.copy is not None:
+            value, state = item.copy
+            block.value, block.state, block.version = value, dict(state), item.version
+        elif item.version != block.version:
+            return False
+        block.step = item.step
+        block.has_grad, block.pushed_by, block.received, block.handed = False, set(), set(), set()
+        block.staged, block.pending = None, None
+        block.ahead = {s: a for s, a in block.ahead.items() if s >= block.step}
+        JobStore._take_ahead(block)  # SSP: pushes of the step it reaches, collected ahead
+        return True
+
+    def _publish(self, step: int, ready: list) -> None:
+        """``ready`` (key, block) pairs were just carried through ``step``: the apply hooks send
+        them to their copy holders; visible once those acknowledge (at once without any). Call
+        with the lock held."""
+        wait_for_replicas = False
+        for hook in self.apply_hooks:
+            wait_for_replicas = hook(self, step, ready) or wait_for_replicas
+        if not wait_for_replicas:
+            for _key, block in ready:
+                block.visible = block.step
 
     def drop_blocks(self, keys) -> int:
         """Forget blocks this node no longer holds a copy of. Returns how many went."""

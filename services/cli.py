@@ -1,7 +1,7 @@
 """``shardline``: the operator CLI.
 
     shardline up [--ps 2] [--workers 2] [--job examples/demo_job.yaml] [--workdir DIR] [--keep-logs]
-    shardline status --cluster HOST:PORT[,HOST:PORT...] [--json]
+    shardline status --cluster HOST:PORT[,HOST:PORT...] [--json] [--hot [--limit N] [--job NAME]]
     shardline checkpoint --cluster HOST:PORT --job NAME
     shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --out FILE [--dtype bf16]
     shardline export (--cluster HOST:PORT | --checkpoint-dir DIR ...) --job NAME --hf-dir OUT --from-model DIR
@@ -23,7 +23,9 @@ age, blocks, bytes, virtual nodes, share of the key space), the ring epoch, jobs
 world size, tensors, parameters, ready), each job's ranks (alive, lost or never connected, the
 step each last reported and how long ago) and how the cluster is secured (token, TLS; daemons
 running ``allow_insecure`` come first, as WARNING lines), as tables or, with ``--json``, as one
-JSON object. Every command takes ``--cluster-token-file`` and ``--tls-ca-file`` (default
+JSON object. ``status --hot`` shows the dispatcher's access heatmap instead: the hottest blocks
+(job, tensor, block, node, reads/s, writes/s, bytes/s, share of all accesses) and each serving
+node's load (bytes/s in and out, pulls/s, apply seconds per second, share). Every command takes ``--cluster-token-file`` and ``--tls-ca-file`` (default
 ``$SHARDLINE_CLUSTER_TOKEN_FILE``, ``$SHARDLINE_TLS_CA_FILE``).
 """
 
@@ -304,7 +306,67 @@ def _run_command(name: str, body, args: argparse.Namespace) -> int:
         return EXIT_FAILED
 
 
+def hot_dict(heat, cluster: str) -> dict:
+    """A HeatMap (GetHotShards) as plain data, for ``status --hot``."""
+    return {
+        "cluster": cluster, "epoch": int(heat.epoch), "half_life_seconds": heat.half_life_seconds,
+        "accesses_per_second": heat.accesses_per_second,
+        "rebalance_interval_seconds": heat.rebalance_interval_seconds or None,   # None: rebalancing off
+        "last_rebalance": heat.last_rebalance or None,
+        "shards": [{"job": s.job, "tensor": s.tensor, "block": int(s.block), "node": s.node,
+                    "reads_per_second": s.reads_per_second, "writes_per_second": s.writes_per_second,
+                    "bytes_per_second": s.bytes_per_second, "share": s.share} for s in heat.shards],
+        "nodes": [{"node_id": n.node_id, "rack": n.rack, "bytes_in_per_second": n.bytes_in_per_second,
+                   "bytes_out_per_second": n.bytes_out_per_second, "pulls_per_second": n.pulls_per_second,
+                   "pushes_per_second": n.pushes_per_second, "apply_seconds_per_second": n.apply_seconds_per_second,
+                   "share": n.share} for n in heat.nodes],
+    }
+
+
+def render_hot(data: dict) -> str:
+    rebalance = (f"every {data['rebalance_interval_seconds']:g} s" if data["rebalance_interval_seconds"]
+                 else "off")
+    lines = [f"cluster {data['cluster']}  epoch {data['epoch']}  heat half-life {data['half_life_seconds']:g} s  "
+             f"{human_rate(data['accesses_per_second'])} block accesses/s  rebalancing {rebalance}"]
+    if data["last_rebalance"]:
+        lines.append(f"last rebalance: {data['last_rebalance']}")
+    lines += ["", "hottest shards:"]
+    if data["shards"]:
+        lines.append(format_table(
+            ["job", "tensor", "block", "node", "reads/s", "writes/s", "bytes/s", "share"],
+            [[s["job"], s["tensor"], s["block"], s["node"], human_rate(s["reads_per_second"]),
+              human_rate(s["writes_per_second"]), human_bytes(s["bytes_per_second"]) + "/s",
+              f"{100 * s['share']:.1f}%"] for s in data["shards"]], right={2, 4, 5, 6, 7}))
+    else:
+        lines.append("(no accesses reported yet)")
+    lines += ["", "node load:", format_table(
+        ["node", "rack", "in/s", "out/s", "pulls/s", "pushes/s", "apply s/s", "share"],
+        [[n["node_id"], n["rack"], human_bytes(n["bytes_in_per_second"]) + "/s",
+          human_bytes(n["bytes_out_per_second"]) + "/s", human_rate(n["pulls_per_second"]),
+          human_rate(n["pushes_per_second"]), f"{n['apply_seconds_per_second']:.3f}", f"{100 * n['share']:.1f}%"]
+         for n in data["nodes"]], right={2, 3, 4, 5, 6, 7})]
+    return "\n".join(lines)
+
+
+def _status_hot(args: argparse.Namespace) -> int:
+    if args.limit < 0:
+        raise _UsageError(f"--limit must be >= 0, got {args.limit!r}")
+    client = _connect_dispatcher(args)
+    try:
+        data = hot_dict(client.hot_shards(args.limit, args.job or ""), args.cluster)
+    finally:
+        client.close()
+    if args.json:
+        json.dump(data, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        print(render_hot(data))
+    return EXIT_OK
+
+
 def _status(args: argparse.Namespace) -> int:
+    if args.hot:
+        return _status_hot(args)
     client = _connect_dispatcher(args)
     try:
         status = client.cluster_status()
@@ -914,6 +976,9 @@ def build_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show nodes, ring and jobs of a running cluster")
     cluster_args(st)
     st.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    st.add_argument("--hot", action="store_true", help="show the hottest shards and each node's load instead")
+    st.add_argument("--limit", type=int, default=0, help="with --hot: at most this many shards (default 32)")
+    st.add_argument("--job", default=None, help="with --hot: only this job's shards")
     st.set_defaults(func=cmd_status)
 
     ck = sub.add_parser("checkpoint", help="checkpoint a job now, on every node at one same step",

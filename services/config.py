@@ -322,9 +322,9 @@ OPTIONS: tuple[Option, ...] = (
            "etcd state_store, else it exits 1; a worker: also for its job to be created and for data-plane "
            "connections).", _ALL, default=60.0, common=True, above=0, unit="s"),
     Option("transport", "choice", "Data-plane transport: `auto` uses RDMA when a device is present, else "
-           "TCP (a PS under `auto` also accepts shared-memory connections from local peers); `shm` only "
-           "shared memory (a PS not on this host is an error); `rdma` fails at start without a device. A dispatcher "
-           "uses it in the rack-cache role.", _ALL, default="auto",
+           "shared memory to a PS on the same host and TCP to others; `shm` only shared memory (a PS not on "
+           "this host is an error); `rdma` fails at start without a device. A dispatcher uses it in the "
+           "rack-cache role.", _ALL, default="auto",
            common=True, choices=("tcp", "rdma", "auto", "shm")),
     Option("torch_threads", "int", "torch intra-op threads (PS: optimizer math, whose connection threads "
            "already run in parallel; worker: forward/backward).", _PS_WORKER, default=1, common=True,
@@ -359,6 +359,13 @@ OPTIONS: tuple[Option, ...] = (
            "leads.", ("dispatcher",), default_text="the --listen address (its bound port)"),
     Option("replication", "int", "Copies of every block for jobs that do not choose (capped at the number of "
            "live PS nodes).", ("dispatcher",), default=2, minimum=1),
+    Option("rebalance_interval", "float", "How often the leading dispatcher plans a rebalance of the ring from the "
+           "PS nodes' measured load (bytes/s in + out): virtual-node counts move through a pending ring change, "
+           "with hysteresis and a cool-down of one interval. 0: never.", ("dispatcher",), default=60.0, minimum=0,
+           unit="s"),
+    Option("heat_half_life", "float", "Half-life of the dispatcher's access heatmap (`shardline status --hot`, "
+           "rebalancing): older accesses weigh half as much per half-life.", ("dispatcher",), default=30.0,
+           above=0, unit="s"),
     # -- PS --
     Option("node_id", "str", "Node id on the ring (keep it stable across restarts).", ("ps",),
            default_text="host name and data port"),
@@ -379,6 +386,10 @@ OPTIONS: tuple[Option, ...] = (
            "the node hold at once; a frame that would exceed it waits up to payload_timeout, then gets "
            "RESOURCE_EXHAUSTED (its client retries). At least max_payload_bytes.", ("ps",),
            default=4 * 1024 ** 3, above=0),
+    Option("delta_history_bytes", "size", "Bound on the bf16 block images the node keeps of what it sent to "
+           "weight subscribers, the bases of element-level deltas (docs/architecture.md, \"Weight subscribers\"); "
+           "a subscriber whose base is no longer held gets dense blocks. 0 = keep none.", ("ps",),
+           default=256 * 1024 ** 2, minimum=0),
     Option("shm_ring_bytes", "size", "Size of the shared-memory ring the node sends through on each shm "
            "data-plane connection (transport auto/shm, local peers): it bounds the node's shared memory to "
            "this times the open shm connections.", ("ps",), default=DEFAULT_SHM_RING_BYTES, minimum=64 * 1024,

@@ -52,7 +52,7 @@ MAX_RETRY_PAUSE_SECONDS = 0.5
 MIN_ATTEMPT_SECONDS = 0.05
 # wait_until_reachable: a WARNING says what is retried once it failed this long, then at doubling
 # intervals up to the maximum.
-REACHABLE_WARNING_SECONDS = 5.0
+REACHABLE_WARNING_SECONDS = 4.0
 MAX_REACHABLE_WARNING_INTERVAL_SECONDS = 60.0
 # A restarted dispatcher is dialled again within this (gRPC's default backoff grows to 120 s).
 _CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
@@ -324,6 +324,10 @@ class DispatcherClient:
 
     def cluster_status(self) -> dispatcher_pb2.ClusterStatus:
         return self._call("GetClusterStatus", dispatcher_pb2.GetClusterStatusRequest())
+
+    def hot_shards(self, limit: int = 0, job: str = "") -> dispatcher_pb2.HeatMap:
+        """The dispatcher's access heatmap: the ``limit`` hottest blocks (0: its default) and node loads."""
+        return self._call("GetHotShards", dispatcher_pb2.HeatRequest(limit=limit, job=job))
 
     def delete_job(self, name: str) -> dispatcher_pb2.DeleteJobResponse | None:
         """Delete a job; None if there is no such job."""

@@ -55,6 +55,10 @@ class ShardlineWorkerLostError(ShardlineStateError):
         self.ranks = tuple(ranks)
 
 
+class ShardlineChecksumError(ShardlineError):
+    """Data kept failing its end-to-end checksum (a subscriber's block, pulled again each time)."""
+
+
 class FrameError(ShardlineError):
     """A data-plane frame is malformed; the connection it came on cannot be trusted further."""
 

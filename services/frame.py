@@ -23,7 +23,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from shardline.services import compression
+from shardline.services import compression, delta
 from shardline.services.errors import FrameError, FrameTooLargeError
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -117,6 +117,12 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
             problem = _sign_block_problem(header, ref)
             if problem:
                 raise FrameError(problem)
+        if ref.dtype == dp.BF16_DELTA:  # a subscriber's element-level delta (services/delta.py)
+            problem = delta.delta_ref_problem(header, ref)
+            if problem:
+                raise FrameError(problem)
+            total += ref.nbytes
+            continue
         nbytes = wire_nbytes(ref.dtype, ref.numel)
         if nbytes is None:
             raise FrameError(f"block {ref.tensor}[{ref.index}] has unsupported dtype {ref.dtype}")

@@ -3,6 +3,7 @@
 For training scripts::
 
     from shardline import PSOptimizer, connect
+    from shardline import WeightSubscriber        # inference processes that only read weights
     from shardline import balanced_split, CostModel, micro_batches, rank_weights   # imbalanced batches
 
 The wheel installs this one top-level package; the source folders of the tree map under it
@@ -22,6 +23,8 @@ _EXPORTS = {
     "PSOptimizer": "shardline.worker.optim",
     "Client": "shardline.worker.client",
     "connect": "shardline.worker.client",
+    # the newest weights of a job, as deltas, for rollout engines (worker/subscriber.py)
+    "WeightSubscriber": "shardline.worker.subscriber",
     # length-aware balancing of a global minibatch across ranks (worker/balance.py)
     "balanced_split": "shardline.worker.balance",
     "CostModel": "shardline.worker.balance",

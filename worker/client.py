@@ -92,6 +92,9 @@ class _Immediate:
 class Client:
     """Connection of one worker to one job. Not thread-safe: one training loop drives it.
 
+    ``subscriber_pulls``: pulls ask for checksums and element-level deltas (worker/subscriber.py,
+    whose client receives them).
+
     Timeouts: ``rpc_timeout`` for control-plane calls, ``pull_timeout`` for a waiting pull (how long
     a worker waits for the slowest worker of a BSP step), ``connect_timeout`` for data-plane
     connections and for waiting on the job creator, ``recovery_timeout`` for a PS node that went
@@ -134,6 +137,8 @@ class Client:
     cluster's gRPC certificates); each not given is read from the file that
     ``SHARDLINE_CLUSTER_TOKEN_FILE`` / ``SHARDLINE_TLS_CA_FILE`` names, if set (services/security.py).
     """
+
+    subscriber_pulls = False
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -842,7 +847,8 @@ class Client:
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and
         to the node if the cache fails (worker/read_router.py)."""
-        via = self._reads.cache_for(self.routing) if op == dp.OP_PULL else None
+        # Subscriber pulls (checksums, element deltas) are not what a rack cache answers yet: the node.
+        via = self._reads.cache_for(self.routing) if op == dp.OP_PULL and not self.subscriber_pulls else None
         if via is not None:
             try:
                 step = self._exchange_retrying(node_id, keys, op, *args, via=via)
@@ -879,6 +885,7 @@ class Client:
         if via is not None:
             header.via_node = node_id
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
+        header.subscriber = op == dp.OP_PULL and self.subscriber_pulls
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
         # needs them before the commits arrive.
         if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):

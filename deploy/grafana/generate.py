@@ -300,6 +300,21 @@ def build() -> dict:
     g.add(timeseries("Ring share per node", [
         ("shardline_node_vnodes / on (instance) group_left () sum by (instance) (shardline_node_vnodes)", "{{node_id}}"),
     ], unit="percentunit", description="Share of the ring's virtual nodes (about the share of keys) each PS node owns."), w=8)
+    g.add(timeseries("Node load (data plane)", [
+        ('sum by (node_id) (shardline_node_load_bytes_per_second)', "{{node_id}}"),
+    ], unit="Bps", description="Bytes per second each PS node receives (pushes) and sends (pulls), decayed with the "
+                               "dispatcher's heat_half_life: the load rebalancing evens out."), w=8)
+    g.add(timeseries("Hot-shard share", [
+        (f"shardline_job_hottest_shard_share{{{JOB}}}", "hottest block {{job_name}}"),
+        (f"shardline_job_access_share{{{JOB}}}", "heatmap blocks {{job_name}}"),
+    ], unit="percentunit", description="Share of all block accesses (reads + writes) that go to a job's hottest block, "
+                                       "and to the blocks of the job in the dispatcher's heatmap (shardline status "
+                                       "--hot lists them)."), w=8)
+    g.add(timeseries("Load imbalance and rebalances", [
+        ("shardline_load_imbalance", "max / mean node load"),
+        (f"sum(increase(shardline_rebalances_total[{RATE}]))", "rebalances started"),
+    ], description="Max over mean data-plane load of the serving PS nodes, and ring rebalances the leading dispatcher "
+                   "started from it (rebalance_interval)."), w=8)
     g.add(timeseries("Data-plane connections", [
         ("shardline_ps_dataplane_connections", "{{instance}}"),
         (f"sum by (instance) (increase(shardline_ps_dataplane_connections_refused_total[{RATE}]))",

@@ -4,8 +4,8 @@ A transport provides ``listen(host, port, serve_connection, *, max_connections=0
 ``connect(address, connect_timeout) -> Connection``. A Connection has the socket methods the frame
 codec needs (``recv_into``, ``sendall``, ``close``), so ``services.frame`` works unchanged over
 any of them. ``auto`` picks RDMA when an RDMA device is present; otherwise it connects through
-TCP, and a PS listens for both TCP and shared memory (services/transport/shm.py), so a local
-peer may choose ``shm``. RDMA itself falls back to TCP per connection when the peer declines
+shared memory to a peer on this host (services/transport/shm.py) and through TCP to any other,
+and a PS listens for both. RDMA itself falls back to TCP per connection when the peer declines
 it (explicit ``rdma`` does not).
 """
 
@@ -36,8 +36,8 @@ def get_transport(name: str, *, shm_ring_bytes: int | None = None):
     if name == "auto":
         if available:
             return rdma.transport(required=False, device=reason)
-        log.info("no RDMA device (%s); data plane uses TCP (this node also accepts 'shm' from local peers)", reason)
-        return shm.Transport(auto=True, connect_local=False, **ring)
+        log.info("no RDMA device (%s); data plane uses shared memory to local peers, TCP to others", reason)
+        return shm.Transport(auto=True, **ring)
     if not available:
         raise ShardlineConfigError(f"transport 'rdma' requested but {reason}; use 'auto' to fall back to TCP")
     return rdma.transport(required=True, device=reason)

@@ -501,12 +501,9 @@ class Transport:
     """``shm`` (``auto=False``: a peer not on this host is a ShardlineConfigError) or ``auto`` (shm
     for local peers whose endpoint answers, TCP otherwise), with this side's ring size."""
 
-    def __init__(self, *, auto: bool, ring_bytes: int = DEFAULT_RING_BYTES, connect_local: bool = True):
+    def __init__(self, *, auto: bool, ring_bytes: int = DEFAULT_RING_BYTES):
         self.NAME = "auto" if auto else NAME
         self.auto = auto
-        # ``auto`` listens for shm as well but connects through TCP (connect_local=False) until the
-        # fault schedule's open flake (docs/architecture.md, "Shared-memory transport") is explained.
-        self.connect_local = connect_local
         self.ring_bytes = check_ring_bytes(ring_bytes)
 
     def listen(self, host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
@@ -515,8 +512,6 @@ class Transport:
 
     def connect(self, address: str, connect_timeout: float = 10.0):
         host, _port = parse_host_port(address, what="data-plane address")
-        if self.auto and not self.connect_local:
-            return tcp.connect(address, connect_timeout)
         if not is_local_host(host):
             if self.auto:
                 return tcp.connect(address, connect_timeout)

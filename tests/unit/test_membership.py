@@ -424,3 +424,72 @@ def test_a_member_that_restarted_rejoins_through_a_sync():
     assert _members(m)["ps-1"] == "serving"  # a retry of the same process
     m.register("ps-1", "r", "127.0.0.1:9002", "127.0.0.1:9003", 1.0, now=3.0, incarnation="second")
     assert _members(m)["ps-1"] == "joining" and [n.node_id for n in m.snapshot().serving] == ["ps-0"]
+
+
+# --- rebalancing: pending virtual-node counts ------------------------------------------------------
+
+def _serving_three(store=None) -> Membership:
+    data = []   # the nodes serve at once (no job data yet); later joins sync first
+    m = Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, store=store, now=0.0, has_data=lambda: bool(data))
+    for i in range(3):
+        register(m, f"ps-{i}", 0.0, port=9000 + 10 * i)
+    data.append(True)
+    return m
+
+
+def test_rebalance_is_a_pending_ring_change_that_switches_when_every_node_is_ready():
+    m = _serving_three()
+    pending = m.rebalance({"ps-0": 64, "ps-1": 128, "ps-2": 192})
+    snap = m.snapshot()
+    assert pending == snap.pending_epoch == snap.epoch
+    assert [n.vnodes for n in snap.serving] == [128, 128, 128]            # serving stays until the switch
+    assert [n.vnodes for n in snap.pending] == [64, 128, 192]
+    with pytest.raises(ShardlineStateError, match="in progress"):
+        m.rebalance({"ps-0": 100, "ps-1": 128, "ps-2": 128})
+    assert not m.report_ready("ps-0", pending) and not m.report_ready("ps-1", pending)
+    assert m.report_ready("ps-2", pending)
+    snap = m.snapshot()
+    assert snap.pending_epoch == 0 and [n.vnodes for n in snap.serving] == [64, 128, 192]
+    assert m.rebalance({"ps-0": 64, "ps-1": 128, "ps-2": 192}) == 0          # the counts in use: nothing to do
+    with pytest.raises(ShardlineStateError, match="exactly the serving nodes"):
+        m.rebalance({"ps-0": 64})
+
+
+def test_a_death_or_a_join_calls_a_pending_rebalance_off():
+    m = _serving_three()
+    m.rebalance({"ps-0": 64, "ps-1": 128, "ps-2": 192})
+    m.heartbeat("ps-0", 4.0)
+    m.heartbeat("ps-1", 4.0)
+    assert m.expire(5.5) == ["ps-2"]
+    assert not m.rebalancing() and m.snapshot().pending_epoch == 0
+    assert [n.vnodes for n in m.snapshot().serving] == [128, 128]
+    m.rebalance({"ps-0": 64, "ps-1": 192})
+    register(m, "ps-3", 6.0, port=9300)                                     # a join
+    snap = m.snapshot()
+    assert not m.rebalancing() and [(n.node_id, n.vnodes) for n in snap.pending] == [
+        ("ps-0", 128), ("ps-1", 128), ("ps-3", 128)]
+
+
+def test_a_restarted_dispatcher_serves_the_rebalanced_ring_and_resumes_the_change(recording_store):
+    m = _serving_three(recording_store)
+    m.rebalance({"ps-0": 64, "ps-1": 128, "ps-2": 192})
+    for i in range(3):
+        m.report_ready(f"ps-{i}", m.snapshot().pending_epoch)
+    m.rebalance({"ps-0": 96, "ps-1": 128, "ps-2": 192})                     # a second one, left pending
+    again = restart(recording_store)
+    snap = again.snapshot()
+    assert [n.vnodes for n in snap.serving] == [64, 128, 192]
+    assert snap.pending_epoch == snap.epoch and [n.vnodes for n in snap.pending] == [96, 128, 192]
+    register(again, "ps-0", 100.0, port=9000)  # noqa: same fields                               # a retry keeps the counts
+    assert [n.vnodes for n in again.snapshot().serving] == [64, 128, 192]
+
+
+def test_a_drain_calls_a_pending_rebalance_off_and_a_stopping_node_still_drains():
+    m = _serving_three()
+    m.rebalance({"ps-0": 64, "ps-1": 128, "ps-2": 192})
+    pending = m.drain("ps-2", leaving=True)        # SIGTERM during a rebalance: drain, not refused
+    snap = m.snapshot()
+    assert not m.rebalancing() and pending == snap.pending_epoch
+    assert [(n.node_id, n.vnodes) for n in snap.pending] == [("ps-0", 128), ("ps-1", 128)]
+    with pytest.raises(ShardlineStateError, match="in progress"):
+        m.rebalance({"ps-0": 64, "ps-1": 192, "ps-2": 128})
