@@ -62,8 +62,11 @@ def reference(steps: int, world_size: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(cluster: str, job: str, rank: int, world: int, steps: int, step_sleep: float) -> dict:
-    """One rank's training loop against the cluster; returns its parameters and ``_version``."""
+def train(cluster: str, job: str, rank: int, world: int, steps: int, step_sleep: float,
+          stop_at: dict | None = None) -> dict:
+    """One rank's training loop against the cluster; returns its parameters and ``_version``.
+    ``stop_at``: a dict whose ``"step"``, once set (by a test thread), ends training there instead
+    (set it ahead of every rank's step); each rank records its steps done there under its rank."""
     from shardline import PSOptimizer
 
     with _INIT_LOCK:  # the initial values come from the global RNG: one model at a time (threads)
@@ -73,10 +76,14 @@ def train(cluster: str, job: str, rank: int, world: int, steps: int, step_sleep:
                       pull_timeout=120, **HYPER)
     try:
         for step in range(opt.version, steps):
+            if stop_at is not None and stop_at.get("step") is not None and step >= stop_at["step"]:
+                break
             tokens, targets = batch(step, rank)
             opt.zero_grad()
             loss_fn(model, step, tokens, targets).backward()
             opt.step()
+            if stop_at is not None:
+                stop_at[rank] = step + 1
             time.sleep(step_sleep)
         state = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
         state["_version"] = torch.tensor([opt.version])

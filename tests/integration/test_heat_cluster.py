@@ -103,7 +103,15 @@ def test_a_known_access_pattern_shows_up_in_the_heatmap_and_status_hot(heat_clus
     assert any(line.split()[:3] == ["heat", "hot", str(hot[0].block)] for line in text.stdout.splitlines())
 
 
-REBALANCE_STEPS, HALF_LIFE = 100, 1.0
+MIN_STEPS, MAX_STEPS, HALF_LIFE = 100, 400, 1.0
+
+
+def _settled(samples) -> list:
+    """Max/mean node loads sampled three half-lives after the ring change before them (a later
+    plan may follow; under load the first plan's ring can settle, then a smaller one be made)."""
+    changes = [t for (t, e, p, _r, _n), prev in zip(samples[1:], samples) if (e, p) != prev[1:3]]
+    return [r for t, _e, p, r, n in samples if changes and not p and n == 4
+            and t >= max([c for c in changes if c <= t], default=float("inf")) + 3 * HALF_LIFE]
 
 
 def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_path):
@@ -117,11 +125,12 @@ def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_p
         for handle in [c.add_node(node_id=f"ps{i}", wait=False) for i in range(4)]:
             c.wait_ready(handle)
         c.wait_for_nodes(4, timeout=30)
-        results, errors = {}, []
+        results, errors, stop_at = {}, [], {"step": None}
 
         def rank(r: int) -> None:
             try:
-                results[r] = skewed_model.train(c.address, "embedding", r, 2, REBALANCE_STEPS, step_sleep=0.05)
+                results[r] = skewed_model.train(c.address, "embedding", r, 2, MAX_STEPS, step_sleep=0.05,
+                                                stop_at=stop_at)
             except BaseException as exc:  # reported below, with the samples
                 errors.append(exc)
 
@@ -138,23 +147,25 @@ def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_p
                             len(heat.nodes)))
             if heat.last_rebalance and heat.last_rebalance not in plans:
                 plans.append(heat.last_rebalance)
+            # Train on until the load settled after a ring change (a machine under load steps
+            # slower and plans later), then end every rank at the same step a few steps ahead.
+            done = max([v for k, v in stop_at.items() if k != "step"], default=0)
+            if stop_at["step"] is None and len(_settled(samples)) >= 5 and done >= MIN_STEPS:
+                stop_at["step"] = done + 5
             time.sleep(0.2)
         for w in workers:
             w.join(timeout=30)
     assert not errors and len(results) == 2, f"a worker failed: {errors}"
-    expected = skewed_model.reference(REBALANCE_STEPS, world_size=2)
+    steps = stop_at["step"] or MAX_STEPS
+    expected = skewed_model.reference(steps, world_size=2)
     for res in results.values():
-        assert int(res["_version"]) == REBALANCE_STEPS                  # no step lost
+        assert int(res["_version"]) == steps                            # no step lost
         for name, want in expected.items():
             diff = (res[name] - want).abs().max().item()
             assert diff <= 1e-5, f"{name}: max abs diff {diff}"
     assert plans, f"no rebalance happened; max/mean samples: {[round(s[3], 3) for s in samples]}"
     before = float(plans[0].split("max/mean load ")[1].split()[0])
-    changes = [t for (t, e, p, _r, _n), prev in zip(samples[1:], samples) if (e, p) != prev[1:3]]
-    # Settled: three half-lives after the ring change before it (a later plan may follow; under
-    # load the first plan's ring can settle, then a smaller one be made).
-    settled = [r for t, _e, p, r, n in samples if changes and not p and n == 4
-               and t >= max([c for c in changes if c <= t], default=float("inf")) + 3 * HALF_LIFE]
+    settled = _settled(samples)
     print(f"\nrebalance: max/mean node load before {before:.3f}; {len(plans)} plan(s): {plans}; "
           f"after (settled samples): {[round(r, 3) for r in settled]}")
     assert settled, "training ended before the load settled after a ring change"
