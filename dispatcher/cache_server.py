@@ -10,6 +10,8 @@ Thin glue over dispatcher/cache.py. The daemon
 * fetches misses from the PS nodes over data-plane connections of its own (:class:`NodeLinks`),
   naming the versions it holds, at the reader's epoch, so the node checks ownership as it would
   for the reader and its refusals (``NOT_OWNER``, ``TIMEOUT``, ``UNAVAILABLE`` ...) reach the reader;
+  a WeightSubscriber's pull (``FrameHeader.subscriber``) is fetched as one, and its reply blocks
+  carry the node's checksums (``BlockRef.checksum``), dense;
 * registers with the main dispatchers (RegisterCache) and renews its lease (CacheHeartbeat, every
   heartbeat interval): a cache that stops heartbeating leaves the routing table; a dispatcher that
   does not know it (a new leader) gets it registered again; the jobs the heartbeat lists drop the

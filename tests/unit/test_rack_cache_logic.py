@@ -1,5 +1,6 @@
 """The rack cache's logic (dispatcher/cache.py) against a fake PS node whose job keeps stepping:
-version correctness under concurrent writes, miss coalescing, the byte bound."""
+version correctness under concurrent writes, miss coalescing, the byte bound; subscriber pulls:
+the node's checksums forwarded, deltas applied and checked, a corrupted entry caught by the reader."""
 
 import random
 import threading
