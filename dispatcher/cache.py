@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from shardline.services.errors import ShardlineChecksumError, ShardlineConfigError, ShardlineTimeoutError
@@ -350,7 +350,10 @@ class BlockCache:
         bigger than the whole cache is not kept."""
         old = self._entries.get(key)
         if old is not None and (old.epoch, old.version, old.seen) > (entry.epoch, entry.version, entry.seen):
-            return  # what is kept knows more (a concurrent fetch at a later epoch or step ended first)
+            if old.checksum is not None or entry.checksum is None or (old.epoch, old.version) != (entry.epoch,
+                                                                                                  entry.version):
+                return  # what is kept knows more (a concurrent fetch at a later epoch or step ended first)
+            entry = replace(entry, seen=old.seen)  # one value: what the kept entry knew, and the node's checksum
         size = len(entry.data)
         if size > self.capacity_bytes:
             self.stats.passed_through += 1

@@ -467,6 +467,15 @@ def test_the_cache_forwards_the_nodes_checksums_and_learns_changes_as_deltas():
     worker_only._fetch = node.fetch
     sub = worker_only.answer("job", "ps1", 1, 1, [Want("w", 0, None, BF16)], 5.0, subscriber=True)
     assert node.fetches[-1] == (1, [("w", 0, None)]) and sub.checksums[("w", 0)] == delta.checksum(node.values[("w", 0)][1])
+    # a worker's entry that knows a later step takes the node's checksum of the same version
+    version, value = node.values[("w", 2)]
+    worker_only._fetch = lambda *a: Fetched(5, {("w", 2): (version, value.view(torch.int16).numpy().tobytes())})
+    worker_only.answer("job", "ps1", 1, 5, [Want("w", 2, None, BF16)], 5.0)
+    worker_only._fetch = node.fetch
+    worker_only.answer("job", "ps1", 1, 1, [Want("w", 2, None, BF16)], 5.0, subscriber=True)
+    n = len(node.fetches)
+    late = worker_only.answer("job", "ps1", 1, 5, [Want("w", 2, None, BF16)], 5.0, subscriber=True)
+    assert len(node.fetches) == n and late.step == 5 and late.checksums[("w", 2)] == delta.checksum(value)
 
 
 def test_a_block_corrupted_on_its_way_to_the_cache_is_never_kept():
