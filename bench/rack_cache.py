@@ -3,6 +3,7 @@ with the rack's cache (L2) and without it, in the same run.
 
     .venv/bin/python bench/rack_cache.py --out bench/results/rack_cache.json     # 64 MiB job, 8 readers
     .venv/bin/python bench/rack_cache.py --quick                                # 4 MiB, a sanity run
+    .venv/bin/python bench/rack_cache.py --subscribers --out bench/results/rack_cache_subscribers.json
 
 A LocalCluster of one dispatcher, two PS nodes and a rack cache for rack ``r1`` on 127.0.0.1. One
 trainer (BSP, world size 1, SGD lr 1, every block changed every step: its gradient is all ones)
@@ -13,7 +14,8 @@ number this code computed). Per version the bytes the PS nodes sent for pulls
 are divided by the job's bytes. The mode without the cache (``rack=None``: readers pull from the
 nodes) is the baseline; modes alternate, each on a job of its own. The goal of issue 12: <= 1.2x
 the job's bytes per version with the cache (the readers' count without it). Wall times are noisy on
-this shared machine; the byte ratios are not.
+this shared machine; the byte ratios are not. ``--subscribers``: the readers are WeightSubscribers
+(bf16, ``wait_for(v)``, each checked to hold bf16 ``-v``) and ratios are over the job's bf16 bytes.
 """
 
 from __future__ import annotations
@@ -52,29 +54,41 @@ def pull_bytes_sent(metrics_addresses) -> float:
 
 
 def measure_egress(cluster_address: str, ps_metrics: list[str], job: str, *, job_bytes: int, readers: int,
-                   versions: int, rack: str | None, timeout: float = 120.0) -> dict:
+                   versions: int, rack: str | None, timeout: float = 120.0, subscribers: bool = False) -> dict:
     """Train ``versions`` steps of a job of ``job_bytes`` (two fp32 tensors) while ``readers`` clients
-    of ``rack`` (None: no cache) pull each version; the PS nodes' pull bytes per version."""
+    of ``rack`` (None: no cache) pull each version (``subscribers``: WeightSubscribers in bf16 wait
+    for it); the PS nodes' pull bytes per version."""
     import torch
 
-    from shardline import connect
+    from shardline import WeightSubscriber, connect
 
     n = job_bytes // 8
     trainer = connect(cluster_address, job)
     trainer.init({"a": torch.zeros(n), "b": torch.zeros(n)}, optimizer="sgd", lr=1.0)
-    clients = [connect(cluster_address, job, rack=rack, pull_timeout=timeout) for _ in range(readers)]
+    if subscribers:
+        clients = [WeightSubscriber(cluster_address, job, rack=rack, pull_timeout=timeout) for _ in range(readers)]
+    else:
+        clients = [connect(cluster_address, job, rack=rack, pull_timeout=timeout) for _ in range(readers)]
+    reader_bytes = 2 * n * (2 if subscribers else 4)   # what one reader holds: bf16 or fp32
     ones = {"a": torch.ones(n), "b": torch.ones(n)}
     per_version, seconds, errors = [], [], []
     try:
-        for c in clients:
-            c.pull(min_step=0, copy=False)   # version 0 everywhere first: every later version changes it all
+        for c in clients:   # version 0 everywhere first: every later version changes it all
+            if subscribers:
+                c.poll()
+            else:
+                c.pull(min_step=0, copy=False)
         for v in range(1, versions + 1):
             before = pull_bytes_sent(ps_metrics)
             got = [None] * readers
 
             def read(i, v=v):
                 try:
-                    got[i] = clients[i].pull(min_step=v, copy=False)
+                    if subscribers:
+                        clients[i].wait_for(v)
+                        got[i] = clients[i].current()
+                    else:
+                        got[i] = clients[i].pull(min_step=v, copy=False)
                 except BaseException as exc:  # noqa: BLE001 - reported below
                     errors.append(exc)
 
@@ -90,7 +104,7 @@ def measure_egress(cluster_address: str, ps_metrics: list[str], job: str, *, job
                 raise RuntimeError(f"version {v}: a reader failed or hung: {errors[:1]}")
             for values in got:
                 for name, t in values.items():
-                    if not torch.equal(t, torch.full_like(t, -float(v))):
+                    if not torch.equal(t.float(), torch.full((t.numel(),), -float(v))):
                         raise AssertionError(f"version {v}: a reader holds {name} != {-v}")
             # replies of the last reader may still be counted on the node when it returns: settle
             time.sleep(0.2)
@@ -98,10 +112,10 @@ def measure_egress(cluster_address: str, ps_metrics: list[str], job: str, *, job
     finally:
         for c in [trainer, *clients]:
             c.close()
-    return {"job_bytes": 2 * n * 4, "readers": readers, "versions": versions, "rack": rack,
-            "ps_pull_bytes_per_version": per_version,
-            "ratio_per_version": [b / (2 * n * 4) for b in per_version],
-            "ratio_max": max(per_version) / (2 * n * 4),
+    return {"job_bytes": 2 * n * 4, "reader_bytes": reader_bytes, "readers": readers, "versions": versions,
+            "rack": rack, "subscribers": subscribers, "ps_pull_bytes_per_version": per_version,
+            "ratio_per_version": [b / reader_bytes for b in per_version],
+            "ratio_max": max(per_version) / reader_bytes,
             "seconds_per_version_median": statistics.median(seconds)}
 
 
@@ -122,9 +136,11 @@ def run(args) -> dict:
                 for mode, rack in (("without_cache", None), ("with_cache", RACK)):
                     results[mode].append(measure_egress(cluster.address, metrics, f"egress-{mode}-{rep}",
                                                         job_bytes=job_bytes, readers=args.readers,
-                                                        versions=args.versions, rack=rack))
+                                                        versions=args.versions, rack=rack,
+                                                        subscribers=args.subscribers))
     ratio = {mode: max(r["ratio_max"] for r in runs) for mode, runs in results.items()}
     return {"job_bytes": job_bytes, "readers": args.readers, "versions": args.versions, "runs": results,
+            "subscribers": args.subscribers,
             "ps_egress_ratio_max": ratio,
             "with_vs_without": ratio["with_cache"] / ratio["without_cache"],
             "goal": "with_cache <= 1.2 (issue 12)", "goal_met": ratio["with_cache"] <= 1.2}
@@ -132,7 +148,8 @@ def run(args) -> dict:
 
 def print_table(result: dict) -> None:
     mib = result["job_bytes"] / 2 ** 20
-    print(f"PS pull egress per version, job {mib:g} MiB, {result['readers']} readers, {result['versions']} versions:")
+    kind = "bf16 WeightSubscribers (ratios over the job's bf16 bytes)" if result["subscribers"] else "readers"
+    print(f"PS pull egress per version, job {mib:g} MiB, {result['readers']} {kind}, {result['versions']} versions:")
     for mode in ("without_cache", "with_cache"):
         runs = result["runs"][mode]
         secs = statistics.median(r["seconds_per_version_median"] for r in runs)
@@ -150,6 +167,7 @@ def main(argv=None) -> int:
     ap.add_argument("--versions", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="a 4 MiB job")
+    ap.add_argument("--subscribers", action="store_true", help="the readers are WeightSubscribers (bf16)")
     ap.add_argument("--out", help="write the JSON here (e.g. bench/results/rack_cache.json)")
     args = ap.parse_args(argv)
     return run_and_report(run, print_table, args)

@@ -24,6 +24,19 @@ that does not follow the job's pace, e.g. a subscriber), the whole group is fetc
 request, which is one node's consistent snapshot. Pulls of ``min_step`` 0 (a reader learning
 where the job is) always ask the node.
 
+**Subscriber pulls** (``subscriber``: a WeightSubscriber reading through the cache) keep the
+end-to-end checksums: an entry a subscriber may be answered from holds the PS node's checksum of
+its bytes (``Entry.checksum``, zlib.crc32 of the block's value in its dtype, services/delta.py),
+which the reply forwards; the cache never computes one of its own for a reader. Such entries are
+fetched as subscriber pulls: the node sends a changed block dense or as an element delta against
+the version the cache names (it names only entries that carry a checksum), the cache applies the
+delta to a copy of its entry, and stores the result only if it matches the node's checksum (a
+mismatch fails the pull with ShardlineChecksumError: the reader pulls from the node). Readers get
+dense blocks. A subscriber entry's ``seen`` is a step the node waited for (its blocks visible at
+it): a node reply at a later step than it waited for is fetched again at that step. A pull of
+``min_step`` 0 asks the node (it learns the node's step) but moves only the blocks that changed
+since the entries held; those not sent are answered from memory (counted as hits).
+
 **Bound.** Entries are evicted least recently used first so that resident bytes stay within
 ``capacity_bytes``; a block bigger than the cache is passed through (fetched, fanned out to the
 requests that wait for it, not kept).
@@ -34,10 +47,10 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from shardline.services.errors import ShardlineConfigError, ShardlineTimeoutError
+from shardline.services.errors import ShardlineChecksumError, ShardlineConfigError, ShardlineTimeoutError
 
 @dataclass(frozen=True)
 class Want:
@@ -56,28 +69,37 @@ class Entry:
     seen: int
     epoch: int
     data: bytes | memoryview
+    checksum: int | None = None   # the node's checksum of ``data`` (a subscriber fetch learned it)
 
 
 @dataclass(frozen=True)
 class Fetched:
     """What a fetch from a node returned: its job step, and the blocks that changed since the
     versions the cache named: ``(tensor, index) -> (version, bytes)``; ``oldest_step``: what the
-    node said a pull of min_step 0 resumes at (None: ``step``)."""
+    node said a pull of min_step 0 resumes at (None: ``step``). A subscriber fetch also returns
+    ``waited``, the step the node waited for, ``checksums`` ``(tensor, index) -> crc32`` of every
+    block sent, and ``deltas`` ``(tensor, index) -> (base version, elements)`` for the blocks sent
+    as BF16_DELTA (their bytes the delta payload)."""
 
     step: int
     blocks: dict
     oldest_step: int | None = None
+    waited: int | None = None
+    checksums: dict = field(default_factory=dict)
+    deltas: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Answer:
     """The reply to one group: the step it is at, and the blocks to send
-    ``[(tensor, index, version, dtype, bytes)]`` (only those newer than the reader's)."""
+    ``[(tensor, index, version, dtype, bytes)]`` (only those newer than the reader's); a subscriber
+    pull's ``checksums``: ``(tensor, index) -> the node's crc32`` of each block sent."""
 
     step: int
     blocks: list
     fetched: bool           # the node was asked (a miss or a pass-through)
     oldest_step: int = 0    # a pull of min_step 0: the node's answer; otherwise ``step``
+    checksums: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -91,7 +113,8 @@ class CacheStats:
     passed_through: int = 0    # blocks bigger than the cache
 
 
-# fetch(job, node, epoch, min_step, [(tensor, index, have version | None, dtype)], timeout) -> Fetched
+# fetch(job, node, epoch, min_step, [(tensor, index, have version | None, dtype)], timeout) -> Fetched;
+# a subscriber fetch is called with subscriber=True
 FetchFn = Callable[[str, str, int, int, list, float], Fetched]
 
 
@@ -101,6 +124,7 @@ class _Flight:
 
     epoch: int
     min_step: int
+    subscriber: bool = False      # its entries carry the node's checksums
     done: threading.Event = field(default_factory=threading.Event)
     held: dict = field(default_factory=dict)        # key -> the Entry held when it started (or None)
     entries: dict = field(default_factory=dict)
@@ -148,34 +172,39 @@ class BlockCache:
             return dropped
 
     # --- answering ----------------------------------------------------------------------------
-    def answer(self, job: str, node: str, epoch: int, min_step: int, wants: list[Want], timeout: float) -> Answer:
+    def answer(self, job: str, node: str, epoch: int, min_step: int, wants: list[Want], timeout: float, *,
+               subscriber: bool = False) -> Answer:
         """The reply to a pull of ``wants`` from ``node`` (see the module docstring). ``timeout``:
-        how long the pull may wait for ``min_step`` (the reader's wait). Raises what a fetch raised
-        (the node's error), or ShardlineTimeoutError if another request's fetch does not end in time."""
+        how long the pull may wait for ``min_step`` (the reader's wait); ``subscriber``: a
+        subscriber pull (answered with the node's checksums). Raises what a fetch raised (the
+        node's error), ShardlineChecksumError if a fetched block fails the node's checksum, or
+        ShardlineTimeoutError if another request's fetch does not end in time."""
         keys = [(job, w.tensor, w.index, w.dtype) for w in wants]
         if len(set(keys)) != len(keys):
             raise ShardlineConfigError("a pull names a block more than once")
         if not wants or min_step == 0:
-            return self._answer_fetched(job, node, epoch, min_step, wants, keys, timeout)
+            return self._answer_fetched(job, node, epoch, min_step, wants, keys, timeout, subscriber)
         got: dict = {}
         own: list[int] = []                 # indexes of wants this request fetches
         waits: list[tuple[int, _Flight]] = []
         with self._lock:
             for i, key in enumerate(keys):
                 entry = self._entries.get(key)
-                if entry is not None and entry.seen >= min_step and entry.epoch == epoch:
+                if entry is not None and entry.seen >= min_step and entry.epoch == epoch and (
+                        not subscriber or entry.checksum is not None):
                     self._entries.move_to_end(key)
                     got[i] = entry
                     continue
                 flight = self._flights.get(key)
                 # only a fetch for this very step: one for a later step may wait for a commit that
                 # this reader makes only once it has these blocks (BSP), a deadlock until it times out
-                if flight is not None and flight.epoch == epoch and flight.min_step == min_step:
+                if flight is not None and flight.epoch == epoch and flight.min_step == min_step and (
+                        flight.subscriber or not subscriber):
                     waits.append((i, flight))
                 else:
                     own.append(i)
             hits = len(got)
-            flight = self._start_flight([keys[i] for i in own], epoch, min_step) if own else None
+            flight = self._start_flight([keys[i] for i in own], epoch, min_step, subscriber) if own else None
             self.stats.hits += hits
             self.stats.coalesced += len(waits)
             self.stats.misses += len(own)
@@ -194,20 +223,25 @@ class BlockCache:
             got[i] = other.entries[keys[i]]
         step = self._consistent_step(got, len(wants))
         if step is not None:
-            return self._reply(step, wants, got, fetched=bool(own or waits))
+            return self._reply(step, wants, got, fetched=bool(own or waits), subscriber=subscriber)
         # entries learned at different steps: one snapshot of the whole group from the node
         target = max(e.version for e in got.values())
-        return self._answer_fetched(job, node, epoch, max(min_step, target), wants, keys, timeout)
+        return self._answer_fetched(job, node, epoch, max(min_step, target), wants, keys, timeout, subscriber)
 
-    def _answer_fetched(self, job, node, epoch, min_step, wants, keys, timeout) -> Answer:
+    def _answer_fetched(self, job, node, epoch, min_step, wants, keys, timeout, subscriber=False) -> Answer:
         """Fetch the whole group from the node in one request (its consistent snapshot)."""
         with self._lock:
-            flight = self._start_flight(keys, epoch, min_step, register=False)
-            self.stats.misses += len(keys)
+            flight = self._start_flight(keys, epoch, min_step, subscriber, register=False)
+            if not subscriber:
+                self.stats.misses += len(keys)
         result = self._run_fetch(flight, job, node, epoch, min_step, wants, keys, timeout)
+        if subscriber:  # the node sent what changed since the entries held: the rest is answered from memory
+            with self._lock:
+                self.stats.misses += len(result.blocks)
+                self.stats.hits += len(keys) - len(result.blocks)
         got = {i: flight.entries[key] for i, key in enumerate(keys)}
         oldest = result.step if result.oldest_step is None else result.oldest_step
-        return self._reply(result.step, wants, got, fetched=True, oldest_step=oldest)
+        return self._reply(result.step, wants, got, fetched=True, oldest_step=oldest, subscriber=subscriber)
 
     @staticmethod
     def _consistent_step(got: dict, n: int) -> int | None:
@@ -218,23 +252,33 @@ class BlockCache:
         step = min(e.seen for e in got.values())
         return step if all(e.version <= step for e in got.values()) else None
 
-    def _reply(self, step: int, wants: list[Want], got: dict, *, fetched: bool, oldest_step: int | None = None) -> Answer:
+    def _reply(self, step: int, wants: list[Want], got: dict, *, fetched: bool, oldest_step: int | None = None,
+               subscriber: bool = False) -> Answer:
         blocks = []
+        checksums = {}
         served = 0
         for i, w in enumerate(wants):
             entry = got[i]
             if w.have is None or entry.version > w.have:
                 blocks.append((w.tensor, w.index, entry.version, w.dtype, entry.data))
                 served += len(entry.data)
+                if subscriber:
+                    checksums[(w.tensor, w.index)] = entry.checksum
         with self._lock:
             self.stats.bytes_served += served
-        return Answer(step, blocks, fetched, step if oldest_step is None else oldest_step)
+        return Answer(step, blocks, fetched, step if oldest_step is None else oldest_step, checksums)
 
     # --- fetching -----------------------------------------------------------------------------
-    def _start_flight(self, keys: list, epoch: int, min_step: int, *, register: bool = True) -> _Flight:
+    def _start_flight(self, keys: list, epoch: int, min_step: int, subscriber: bool = False, *,
+                      register: bool = True) -> _Flight:
         """Under the lock: a new fetch of ``keys`` that later requests may wait for."""
-        flight = _Flight(epoch, min_step)
-        flight.held = {key: self._entries.get(key) for key in keys}   # what the fetch names as held
+        flight = _Flight(epoch, min_step, subscriber)
+        # what the fetch names as held: for a subscriber fetch only entries with the node's checksum
+        # (the node's "unchanged" must leave the cache a checksum to forward)
+        flight.held = {key: self._entries.get(key) for key in keys}
+        if subscriber:
+            flight.held = {key: e if e is not None and e.checksum is not None else None
+                           for key, e in flight.held.items()}
         if register:
             for key in keys:
                 self._flights[key] = flight
@@ -247,23 +291,31 @@ class BlockCache:
             held = flight.held
             asks = [(w.tensor, w.index, None if held[k] is None else held[k].version, w.dtype)
                     for w, k in zip(wants, keys)]
-            result = self._fetch(job, node, epoch, min_step, asks, timeout)
+            result = self._fetch_from(job, node, epoch, min_step, asks, timeout, flight.subscriber)
+            fetched = 0
+            entries = []
+            for w, key in zip(wants, keys):
+                new = result.blocks.get((w.tensor, w.index))
+                old = held[key]
+                if new is not None:
+                    version, data = new
+                    fetched += len(data)
+                    # the same version's value: the node's checksum of it still holds
+                    checksum = old.checksum if old is not None and old.version == version else None
+                    if flight.subscriber:  # checked here, before it is kept (not under the lock)
+                        data, checksum = _verified(node, w, old, version, data, result)
+                elif old is not None:       # unchanged since the version named
+                    version, data, checksum = old.version, old.data, old.checksum
+                else:
+                    raise ShardlineConfigError(f"node {node!r} did not send block {w.tensor}[{w.index}] the "
+                                               f"cache holds nothing of")
+                if version > result.step:
+                    raise ShardlineConfigError(f"node {node!r} sent block {w.tensor}[{w.index}] at version "
+                                               f"{version}, above its step {result.step}")
+                entries.append((key, Entry(version, result.step, epoch, data, checksum)))
             with self._lock:
-                for w, key in zip(wants, keys):
-                    new = result.blocks.get((w.tensor, w.index))
-                    old = held[key]
-                    if new is not None:
-                        version, data = new
-                        self.stats.bytes_fetched += len(data)
-                    elif old is not None:
-                        version, data = old.version, old.data   # unchanged since the version named
-                    else:
-                        raise ShardlineConfigError(f"node {node!r} did not send block {w.tensor}[{w.index}] the "
-                                                   f"cache holds nothing of")
-                    if version > result.step:
-                        raise ShardlineConfigError(f"node {node!r} sent block {w.tensor}[{w.index}] at version "
-                                                   f"{version}, above its step {result.step}")
-                    entry = Entry(version, result.step, epoch, data)
+                self.stats.bytes_fetched += fetched
+                for key, entry in entries:
                     flight.entries[key] = entry
                     self._store(key, entry)
             return result
@@ -277,13 +329,31 @@ class BlockCache:
                         del self._flights[key]
             flight.done.set()
 
+    def _fetch_from(self, job, node, epoch, min_step, asks, timeout, subscriber) -> Fetched:
+        """One fetch; a subscriber fetch whose node replied at a later step than it waited for (its
+        blocks not all visible at the step named) is made again at that step, within ``timeout``."""
+        if not subscriber:
+            return self._fetch(job, node, epoch, min_step, asks, timeout)
+        deadline = self._clock() + timeout
+        while True:
+            result = self._fetch(job, node, epoch, min_step, asks, timeout, subscriber=True)
+            if result.waited is None or result.waited == result.step:
+                return result
+            min_step, timeout = result.step, deadline - self._clock()
+            if timeout <= 0:
+                raise ShardlineTimeoutError(f"node {node!r} did not reply at a step it waited for within the pull's "
+                                            f"wait (it replied at {result.step}, waited for {result.waited})")
+
     # --- the byte bound -----------------------------------------------------------------------
     def _store(self, key, entry: Entry) -> None:
         """Under the lock: keep ``entry`` (most recently used) and evict down to the bound; a block
         bigger than the whole cache is not kept."""
         old = self._entries.get(key)
         if old is not None and (old.epoch, old.version, old.seen) > (entry.epoch, entry.version, entry.seen):
-            return  # what is kept knows more (a concurrent fetch at a later epoch or step ended first)
+            if old.checksum is not None or entry.checksum is None or (old.epoch, old.version) != (entry.epoch,
+                                                                                                  entry.version):
+                return  # what is kept knows more (a concurrent fetch at a later epoch or step ended first)
+            entry = replace(entry, seen=old.seen)  # one value: what the kept entry knew, and the node's checksum
         size = len(entry.data)
         if size > self.capacity_bytes:
             self.stats.passed_through += 1
@@ -307,3 +377,31 @@ class BlockCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+
+def _verified(node: str, want: Want, old: Entry | None, version: int, data, result: Fetched):
+    """``(bytes, checksum)`` of a block a subscriber fetch received: a BF16_DELTA applied to a
+    copy of the entry held (its base), the result checked against the node's checksum.
+    ShardlineChecksumError if it does not match (nothing is kept)."""
+    import torch
+
+    from shardline.services import delta
+
+    key = (want.tensor, want.index)
+    checksum = result.checksums.get(key)
+    where = f"block {want.tensor}[{want.index}] at version {version} from node {node!r}"
+    if checksum is None:
+        raise ShardlineConfigError(f"{where} came without a checksum")
+    if key in result.deltas:
+        base_version, k = result.deltas[key]
+        if old is None or old.version != base_version:
+            raise ShardlineConfigError(f"{where} is a delta against version {base_version}, which the cache does not hold")
+        block = bytearray(old.data)
+        try:
+            delta.apply_delta(torch.frombuffer(block, dtype=torch.bfloat16), k, data)
+        except delta.DeltaError as exc:
+            raise ShardlineChecksumError(f"{where}: {exc}") from None
+        data = block
+    if not data or delta.checksum(torch.frombuffer(data, dtype=torch.uint8)) != checksum:
+        raise ShardlineChecksumError(f"{where} failed its checksum in the rack cache")
+    return data, checksum

@@ -10,6 +10,8 @@ Thin glue over dispatcher/cache.py. The daemon
 * fetches misses from the PS nodes over data-plane connections of its own (:class:`NodeLinks`),
   naming the versions it holds, at the reader's epoch, so the node checks ownership as it would
   for the reader and its refusals (``NOT_OWNER``, ``TIMEOUT``, ``UNAVAILABLE`` ...) reach the reader;
+  a WeightSubscriber's pull (``FrameHeader.subscriber``) is fetched as one, and its reply blocks
+  carry the node's checksums (``BlockRef.checksum``), dense;
 * registers with the main dispatchers (RegisterCache) and renews its lease (CacheHeartbeat, every
   heartbeat interval): a cache that stops heartbeating leaves the routing table; a dispatcher that
   does not know it (a new leader) gets it registered again; the jobs the heartbeat lists drop the
@@ -159,7 +161,8 @@ class CacheFrontend:
                  for ref in header.blocks]
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
         try:
-            answer = self.cache.answer(header.job, header.via_node, header.epoch, header.min_step, wants, timeout)
+            answer = self.cache.answer(header.job, header.via_node, header.epoch, header.min_step, wants, timeout,
+                                       subscriber=header.subscriber)
         except RemoteError as exc:  # the node's refusal, passed on as the node gave it
             if exc.code == "NOT_OWNER":
                 raise NotOwner(exc.remote_message, exc.epoch) from None
@@ -170,22 +173,27 @@ class CacheFrontend:
             raise StoreError("UNAVAILABLE", f"rack cache {self.node_id!r}: {exc}") from None
         reply = frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job, epoch=header.epoch,
                                   step=answer.step, oldest_step=answer.oldest_step)
+        if header.subscriber:  # every block at the step named is visible at it (dispatcher/cache.py)
+            reply.min_step = answer.step
         payloads = []
         for tensor, index, version, dtype, data in answer.blocks:
             reply.blocks.append(dp.BlockRef(tensor=tensor, index=index, dtype=dtype, version=version,
-                                            numel=len(data) // frame.ITEMSIZE[dtype], nbytes=len(data)))
+                                            numel=len(data) // frame.ITEMSIZE[dtype], nbytes=len(data),
+                                            checksum=answer.checksums.get((tensor, index), 0)))
             payloads.append(data)
         return reply, payloads
 
     # --- fetching from the PS nodes ---------------------------------------------------------
-    def fetch(self, job: str, node: str, epoch: int, min_step: int, asks: list, timeout: float) -> Fetched:
-        """One pull from ``node`` (BlockCache's FetchFn): raises RemoteError with the node's answer."""
-        from shardline.services import frame
+    def fetch(self, job: str, node: str, epoch: int, min_step: int, asks: list, timeout: float, *,
+              subscriber: bool = False) -> Fetched:
+        """One pull from ``node`` (BlockCache's FetchFn): raises RemoteError with the node's answer.
+        ``subscriber``: a subscriber pull (the node's checksums; bf16 blocks may come as deltas)."""
+        from shardline.services import delta, frame
         from shardline.services.dataplane_client import REPLY_LIMITS
 
         address = self._address(node)
         header = frame.FrameHeader(op=dp.OP_PULL, job=job, epoch=epoch, min_step=min_step,
-                                   wait_timeout_seconds=timeout)
+                                   wait_timeout_seconds=timeout, subscriber=subscriber)
         asked = {}
         for tensor, index, have, dtype in asks:
             header.blocks.append(dp.BlockRef(tensor=tensor, index=index, version=have or 0, has=have is not None,
@@ -200,15 +208,22 @@ class CacheFrontend:
                 self.links.give_back(conn)
                 conn = None
                 raise RemoteError(dp.ErrorCode.Name(reply.code), reply.message, epoch=reply.epoch, step=reply.step)
-            blocks = {}
+            blocks, checksums, deltas = {}, {}, {}
             for ref in reply.blocks:
                 key = (ref.tensor, ref.index)
-                if asked.pop(key, None) != ref.dtype or ref.nbytes != frame.wire_nbytes(ref.dtype, ref.numel):
+                dtype = asked.pop(key, None)
+                is_delta = subscriber and ref.dtype == dp.BF16_DELTA and dtype == dp.BFLOAT16
+                if not (is_delta and delta.delta_ref_problem(reply, ref) is None) and (
+                        dtype != ref.dtype or ref.nbytes != frame.wire_nbytes(ref.dtype, ref.numel)):
                     raise ShardlineConnectionError(f"PS node {node!r} sent an unexpected block {ref.tensor[:200]}"
                                                    f"[{ref.index}]")
                 data = bytearray(ref.nbytes)
                 frame.recv_exactly_into(conn.sock, memoryview(data))
                 blocks[key] = (ref.version, data)
+                if subscriber:
+                    checksums[key] = ref.checksum
+                if is_delta:
+                    deltas[key] = (ref.base_version, int(ref.delta_elements))
         except (OSError, ConnectionError) as exc:
             conn.close()
             conn = None
@@ -222,7 +237,7 @@ class CacheFrontend:
             if conn is not None:
                 conn.sock.settimeout(None)
                 self.links.give_back(conn)
-        return Fetched(reply.step, blocks, reply.oldest_step)
+        return Fetched(reply.step, blocks, reply.oldest_step, reply.min_step if subscriber else None, checksums, deltas)
 
 
 class CacheCollector:

@@ -847,8 +847,7 @@ class Client:
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and
         to the node if the cache fails (worker/read_router.py)."""
-        # Subscriber pulls (checksums, element deltas) are not what a rack cache answers yet: the node.
-        via = self._reads.cache_for(self.routing) if op == dp.OP_PULL and not self.subscriber_pulls else None
+        via = self._pull_cache(keys) if op == dp.OP_PULL else None
         if via is not None:
             try:
                 step = self._exchange_retrying(node_id, keys, op, *args, via=via)
@@ -864,6 +863,10 @@ class Client:
                     conn.close()
                 self._reads.failed(via, exc)
         return self._exchange_retrying(node_id, keys, op, *args)
+
+    def _pull_cache(self, keys: list):
+        """The rack cache a pull of ``keys`` goes through (CacheInfo), or None: the node."""
+        return self._reads.cache_for(self.routing)
 
     def _exchange_retrying(self, node_id: str, keys: list, op: int, *args, via=None) -> int:
         """One request to ``node_id`` (see _exchange_once); UNKNOWN_JOB for a job this client holds

@@ -9,7 +9,8 @@
 Each poll pulls, from every PS node, only the blocks newer than the ones the subscriber holds,
 whatever version that is (delta pull); bf16 blocks of which only a few elements changed come as
 indices + values (services/delta.py). Every block is checked against the node's checksum of its
-value before it is installed; one that fails is pulled again, dense, and counted.
+value before it is installed; one that fails is pulled again, dense, from its node (not through
+the rack cache), and counted.
 
 Double buffering: the subscriber holds two copies of the job's tensors in ``dtype``. A poll fills
 the one the reader is not using and returns views of it; the tensors it returned stay valid and
@@ -76,6 +77,13 @@ class _SubscriberClient(Client):
         # (step, the step it waited for) of each pull reply since cleared: a pull retried in part
         # (a node lost, NOT_OWNER) has replies of one node from different steps
         self.replies: list[tuple[int, int]] = []
+
+    def _pull_cache(self, keys: list):
+        # A block that failed its checksum is pulled again from its node: the rack cache would send
+        # the same entry if its copy is what went bad.
+        if any(key in self.failed for key in keys):
+            return None
+        return super()._pull_cache(keys)
 
     def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
         """Receive a subscriber pull reply into the cache (the back buffer): a dense block straight

@@ -118,6 +118,12 @@ def run_traffic(cluster: LocalCluster) -> None:
         assert torch.allclose(got, w0 - 0.5)
     finally:
         client.close()
+    for _ in range(2):   # two readers through the rack cache: misses, then hits
+        reader = connect(cluster.address, job=JOB, rack="r1")
+        try:
+            assert torch.allclose(reader.pull(["w"], min_step=1)["w"], w0 - 0.5)
+        finally:
+            reader.close()
     for node in cluster.nodes:  # garbage instead of a frame: BAD_FRAME, connection closed
         host, port = parse_host_port(node.data)
         with socket.create_connection((host, port), timeout=HTTP_TIMEOUT) as s:
@@ -138,8 +144,10 @@ def cluster(tmp_path_factory):
         c.add_node(node_id="ps1")
         c.add_node(node_id="ps2")
         c.wait_for_nodes(2, timeout=30)
+        cache = c.add_cache("r1", 1 << 20, wait=False)   # the dashboard's rack cache panels
         # A worker daemon training the demo job (BSP, world size 1) keeps data flowing.
         c.add_worker(DEMO_JOB, 0, 1, steps=100000, progress="off", summary="line")
+        c.wait_ready(cache)
         yield c
 
 
@@ -151,7 +159,9 @@ def scrapes(cluster) -> dict[str, str]:
     wait_for(lambda: value(scrape(worker.metrics), "shardline_worker_steps_total") >= 2, 30, "two worker steps")
     # The dispatcher republishes node state every 0.25 s; PS state is read at scrape time.
     wait_for(lambda: value(scrape(cluster.dispatcher.metrics), "shardline_node_blocks") > 0, 10, "node blocks in heartbeats")
-    texts = {h.name: scrape(h.metrics) for h in [cluster.dispatcher, *cluster.nodes, worker]}
+    # and the heatmap's per-job shares (from the nodes' heat reports, every heartbeat or so)
+    wait_for(lambda: has(scrape(cluster.dispatcher.metrics), "shardline_job_access_share"), 10, "the heatmap's job shares")
+    texts = {h.name: scrape(h.metrics) for h in [cluster.dispatcher, *cluster.nodes, worker, cluster.handles["cache-r1"]]}
     assert cluster.stop(worker) == 0, worker.log_tail()  # free the CPU for the rest; SIGTERM exits 0
     return texts
 
@@ -201,6 +211,11 @@ def test_values_reflect_the_traffic(scrapes):
     assert sum(value(t, "shardline_ps_optimizer_apply_seconds_count", job_name=demo) for t in ps) >= 2
     assert sum(value(t, "shardline_ps_bsp_barrier_seconds_count", job_name=demo) for t in ps) >= 2
     assert sum(value(t, "shardline_ps_pull_wait_seconds_count", job_name=demo) for t in ps) >= 2
+
+    cache = scrapes["cache-r1"]
+    assert value(cache, "shardline_cache_misses_total", rack="r1") == value(cache, "shardline_cache_hits_total") == 7
+    assert value(cache, "shardline_cache_served_bytes_total") == 2 * 400
+    assert value(cache, "shardline_cache_resident_bytes") == value(cache, "shardline_cache_fetched_bytes_total") == 400
 
     w = scrapes["worker-0"]
     assert value(w, "shardline_worker_steps_total", job_name=demo, rank="0") >= 2

@@ -1,7 +1,8 @@
 """Rack caches (L2) as real daemons: a dispatcher, two PS nodes and caches for racks r1 and r2.
 
 A cache SIGSTOPped is given up on within cache_timeout; eight readers of one rack make the PS nodes
-send each new version once; bf16 readers through it hold the masters rounded; BSP training whose
+send each new version once; bf16 readers through it hold the masters rounded; so do weight
+subscribers polling through it, the nodes sending each version once for all; BSP training whose
 pulls go through the cache equals single-process torch.optim across a PS failover and the cache's
 SIGKILL (the last test: it kills a node and a cache)."""
 
@@ -122,6 +123,53 @@ def test_bf16_readers_through_the_cache_hold_the_masters_rounded(racks):
         assert torch.equal(readers[0].pull(min_step=1)["w"].float(), master.to(torch.bfloat16).float())
     finally:
         for c in (trainer, direct, *readers):
+            c.close()
+
+
+def test_subscribers_through_the_cache_hold_torch_optim_in_bf16_and_the_nodes_send_each_version_once(racks):
+    """Three WeightSubscribers of rack r2 poll through its cache: the first to ask for a version
+    makes the nodes send it (checked against their checksums), the others are answered from
+    memory; every subscriber holds the torch.optim reference rounded to bf16. The last step
+    changes three elements: the nodes send the cache only those (a delta against its copy)."""
+    from shardline import WeightSubscriber, connect
+    from test_subscriber import assert_bf16_of
+
+    cluster, caches = racks
+    cache = caches["r2"]
+    metrics = [n.metrics for n in cluster.nodes]
+    g = torch.Generator().manual_seed(11)
+    w0 = torch.randn(16384, generator=g)
+    trainer = connect(cluster.address, "rack-sub")
+    trainer.init({"w": w0}, optimizer="sgd", lr=0.1, block_elements=2048)   # 8 blocks over both nodes
+    ref = torch.nn.Parameter(w0.clone())
+    opt = torch.optim.SGD([ref], lr=0.1)
+    subs = [WeightSubscriber(cluster.address, "rack-sub", rack="r2", pull_timeout=30) for _ in range(3)]
+    try:
+        hits, served = cache_counter(cache, "hits"), cache_counter(cache, "served_bytes")
+        for version in range(4):
+            if version:
+                grad = torch.randn(16384, generator=g)
+                if version == 3:
+                    grad = torch.zeros(16384)
+                    grad[[7, 5000, 16000]] = 1.0
+                trainer.push({"w": grad})
+                ref.grad = grad
+                opt.step()
+            before = bench.pull_bytes_sent(metrics)
+            egress = []
+            for sub in subs:
+                got, _ = sub.wait_for(version)
+                assert got == version
+                assert_bf16_of(sub.current(), {"w": ref.detach()}, f"version {version}")
+                egress.append(bench.pull_bytes_sent(metrics) - before)
+            # the first subscriber's pulls fetched the version (its changed blocks, dense or as
+            # deltas against the cache's copy); the other two moved nothing more from the nodes
+            assert 0 < egress[0] <= (16384 * 2 if version < 3 else 3 * 6) and egress[2] == egress[0], (version, egress)
+        assert all(s.stats.checksum_failures == 0 and s.stats.dense_blocks >= 8 for s in subs)
+        assert cache_counter(cache, "hits") - hits >= 2 * 4 * 8          # two subscribers x 4 versions x 8 blocks
+        assert cache_counter(cache, "served_bytes") - served >= 3 * 4 * 16384 * 2
+    finally:
+        for c in (trainer, *subs):
             c.close()
 
 

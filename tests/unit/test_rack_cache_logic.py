@@ -1,11 +1,13 @@
 """The rack cache's logic (dispatcher/cache.py) against a fake PS node whose job keeps stepping:
-version correctness under concurrent writes, miss coalescing, the byte bound."""
+version correctness under concurrent writes, miss coalescing, the byte bound; subscriber pulls:
+the node's checksums forwarded, deltas applied and checked, a corrupted entry caught by the reader."""
 
 import random
 import threading
 import time
 
 import pytest
+import torch
 
 from shardline.dispatcher.cache import BlockCache, Fetched, Want
 from shardline.services.errors import ShardlineConfigError, ShardlineTimeoutError
@@ -381,3 +383,159 @@ def test_a_cache_unknown_to_the_dispatcher_registers_again():
     beats.beat()
     beats.beat()
     assert calls == ["register", "heartbeat", "register", "heartbeat"]
+
+
+# --- subscriber pulls through the cache: the node's checksums end to end ------------------------
+
+BF16 = 3  # dataplane BFLOAT16
+
+
+class SubscriberNode:
+    """A PS node's subscriber pulls of bf16 blocks: the checksum of each block's value, and an
+    element delta against the version the puller names when it sent that version before."""
+
+    def __init__(self, blocks: int, numel: int = 64):
+        self.step = 1
+        self.values = {("w", i): (1, torch.randn(numel).to(torch.bfloat16)) for i in range(blocks)}
+        self.sent = {}            # (key, version) -> the bf16 image sent (the node's delta history)
+        self.fetches = []
+        self.corrupt = False      # flip a byte of every payload on its way (the checksum stays right)
+
+    def change(self, key, elements) -> None:
+        self.step += 1
+        value = self.values[key][1].clone()
+        value[elements] += 1
+        self.values[key] = (self.step, value)
+
+    def fetch(self, job, node, epoch, min_step, asks, timeout, subscriber=False):
+        from shardline.services import delta
+
+        assert subscriber, "a subscriber's blocks are fetched as subscriber pulls"
+        self.fetches.append((min_step, [(t, i, have) for t, i, have, _ in asks]))
+        blocks, checksums, deltas = {}, {}, {}
+        for tensor, index, have, _dtype in asks:
+            key = (tensor, index)
+            version, value = self.values[key]
+            if have is not None and version <= have:
+                continue
+            base = self.sent.get((key, have))
+            encoded = None if base is None else delta.encode_delta(base, value)
+            if encoded is None:
+                payload = bytearray(value.view(torch.int16).numpy().tobytes())
+            else:
+                deltas[key] = (have, encoded[0])
+                payload = bytearray(encoded[1])
+            if self.corrupt:
+                payload[-1] ^= 0x40
+            blocks[key] = (version, payload)
+            checksums[key] = delta.checksum(value)
+            self.sent[(key, version)] = value
+        return Fetched(self.step, blocks, waited=self.step, checksums=checksums, deltas=deltas)
+
+
+def test_the_cache_forwards_the_nodes_checksums_and_learns_changes_as_deltas():
+    from shardline.services import delta
+
+    node = SubscriberNode(blocks=3)
+    cache = BlockCache(1 << 20, node.fetch)
+    keys = sorted(node.values)
+    first = cache.answer("job", "ps1", 1, 0, [Want(t, i, None, BF16) for t, i in keys], 5.0, subscriber=True)
+    assert first.step == 1 and len(first.blocks) == 3
+    for tensor, index, version, _, data in first.blocks:
+        value = node.values[(tensor, index)][1]
+        assert first.checksums[(tensor, index)] == delta.checksum(value)
+        assert bytes(data) == value.view(torch.int16).numpy().tobytes()
+    # a second subscriber at that step: from memory, the same checksums
+    n = len(node.fetches)
+    again = cache.answer("job", "ps1", 1, 1, [Want(t, i, None, BF16) for t, i in keys], 5.0, subscriber=True)
+    assert len(node.fetches) == n and cache.stats.hits == 3 and again.checksums == first.checksums
+    # one element of w[1] changes: the cache names what it holds, learns the delta, and forwards
+    # the node's checksum of the result
+    node.change(("w", 1), [5])
+    fetched_before = cache.stats.bytes_fetched
+    later = cache.answer("job", "ps1", 1, 2, [Want(t, i, 1, BF16) for t, i in keys], 5.0, subscriber=True)
+    assert node.fetches[-1] == (2, [("w", 0, 1), ("w", 1, 1), ("w", 2, 1)])
+    assert cache.stats.bytes_fetched - fetched_before == delta.DELTA_ELEMENT_BYTES
+    (tensor, index, version, _, data), = later.blocks
+    value = node.values[("w", 1)][1]
+    assert (tensor, index, version, later.step) == ("w", 1, 2, 2)
+    assert bytes(data) == value.view(torch.int16).numpy().tobytes()
+    assert later.checksums == {("w", 1): delta.checksum(value)}
+    # a worker's entry (no checksum) is not what a subscriber is answered from
+    worker_only = BlockCache(1 << 20, lambda *a: Fetched(1, {("w", 0): (1, b"\0" * 128)}))
+    worker_only.answer("job", "ps1", 1, 1, [Want("w", 0, None, BF16)], 5.0)
+    worker_only._fetch = node.fetch
+    sub = worker_only.answer("job", "ps1", 1, 1, [Want("w", 0, None, BF16)], 5.0, subscriber=True)
+    assert node.fetches[-1] == (1, [("w", 0, None)]) and sub.checksums[("w", 0)] == delta.checksum(node.values[("w", 0)][1])
+    # a worker's entry that knows a later step takes the node's checksum of the same version
+    version, value = node.values[("w", 2)]
+    worker_only._fetch = lambda *a: Fetched(5, {("w", 2): (version, value.view(torch.int16).numpy().tobytes())})
+    worker_only.answer("job", "ps1", 1, 5, [Want("w", 2, None, BF16)], 5.0)
+    worker_only._fetch = node.fetch
+    worker_only.answer("job", "ps1", 1, 1, [Want("w", 2, None, BF16)], 5.0, subscriber=True)
+    n = len(node.fetches)
+    late = worker_only.answer("job", "ps1", 1, 5, [Want("w", 2, None, BF16)], 5.0, subscriber=True)
+    assert len(node.fetches) == n and late.step == 5 and late.checksums[("w", 2)] == delta.checksum(value)
+
+
+def test_a_block_corrupted_on_its_way_to_the_cache_is_never_kept():
+    from shardline.services.errors import ShardlineChecksumError
+
+    node = SubscriberNode(blocks=2)
+    cache = BlockCache(1 << 20, node.fetch)
+    node.corrupt = True
+    with pytest.raises(ShardlineChecksumError, match="checksum"):
+        cache.answer("job", "ps1", 1, 1, [Want("w", 0, None, BF16), Want("w", 1, None, BF16)], 5.0, subscriber=True)
+    assert len(cache) == 0 and cache.resident_bytes == 0
+    node.corrupt = False   # and a delta that does not produce the node's value either
+    cache.answer("job", "ps1", 1, 1, [Want("w", 0, None, BF16)], 5.0, subscriber=True)
+    node.change(("w", 0), [1, 2])
+    node.corrupt = True
+    with pytest.raises(ShardlineChecksumError):
+        cache.answer("job", "ps1", 1, 2, [Want("w", 0, 1, BF16)], 5.0, subscriber=True)
+    assert next(iter(cache._entries.values())).version == 1   # what it held, untouched
+
+
+def test_a_corrupted_cached_entry_is_caught_by_the_subscriber_and_pulled_again_from_the_node():
+    import socket
+    from types import SimpleNamespace
+
+    from shardline.services import frame
+    from shardline.services.dataplane_client import REPLY_LIMITS
+    from shardline.services.pb import dataplane_pb2 as dp
+    from shardline.worker.client import TransferStats
+    from shardline.worker.read_router import ReadRouter
+    from shardline.worker.subscriber import SubscriberStats, _SubscriberClient
+
+    node = SubscriberNode(blocks=2)
+    frontend = _frontend(node.fetch)
+    header = dp.FrameHeader(op=dp.OP_PULL, request_id=1, job="j", epoch=1, via_node="ps1", min_step=1, subscriber=True,
+                            blocks=[dp.BlockRef(tensor="w", index=i, want_dtype=dp.BFLOAT16) for i in range(2)])
+    frontend.handle(header, memoryview(b""))          # the cache holds both blocks
+    for entry in frontend.cache._entries.values():
+        entry.data[3] ^= 0x01                          # its copy of w[0] and w[1] goes bad in memory
+    reply, payloads = frontend.handle(header, memoryview(b""))
+    assert (reply.step, reply.min_step) == (1, 1) and frontend.cache.stats.hits == 2
+
+    # the subscriber's side of the wire
+    sub = _SubscriberClient.__new__(_SubscriberClient)
+    numel = node.values[("w", 0)][1].numel()
+    sub.job, sub.stats, sub.sub_stats, sub.failed, sub.replies, sub._conns = "j", TransferStats(), SubscriberStats(), {}, [], {}
+    sub._values = {"w": torch.zeros(2 * numel, dtype=torch.bfloat16)}
+    sub._versions = {}
+    sub._reads = ReadRouter("r1")
+    sub.routing = SimpleNamespace(caches=[_info()])
+    expected = {("w", i): SimpleNamespace(start=i * numel, stop=(i + 1) * numel, numel=numel) for i in range(2)}
+    a, b = socket.socketpair()
+    try:
+        frame.send_frame(a, reply, payloads)
+        got = frame.recv_header(b, REPLY_LIMITS)
+        sub._receive_blocks(SimpleNamespace(sock=b, close=lambda: None), "ps1", got, expected)
+    finally:
+        a.close()
+        b.close()
+    assert sub._versions == {} and sub.sub_stats.checksum_failures == 2, "a corrupted block was installed"
+    assert sub.failed == {("w", 0): 1, ("w", 1): 1}
+    # its next pull of those blocks goes to the node, the others still through the cache
+    assert sub._pull_cache([("w", 0)]) is None and sub._pull_cache([("w", 1), ("x", 0)]) is None
+    assert sub._pull_cache([("x", 0)]).cache_id == "c1"
