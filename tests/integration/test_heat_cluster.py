@@ -26,8 +26,10 @@ from shardline.services.local_cluster import LocalCluster
 HOT_STEPS = 10
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def heat_cluster(tmp_path_factory):
+    # One cluster per test: with this cluster still up (module scope), the next test's rebalance
+    # stayed pending until teardown in 3 of 4 runs (not yet understood; see docs/architecture.md).
     # A half-life far above the test's length: decay changes the rates by < 0.1 % here.
     with LocalCluster(tmp_path_factory.mktemp("heat")) as c:
         c.start_dispatcher(heartbeat_interval=0.2, heat_half_life=3600, rebalance_interval=0)
@@ -168,7 +170,10 @@ def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_p
     settled = _settled(samples)
     print(f"\nrebalance: max/mean node load before {before:.3f}; {len(plans)} plan(s): {plans}; "
           f"after (settled samples): {[round(r, 3) for r in settled]}")
-    assert settled, "training ended before the load settled after a ring change"
+    transitions = [(round(t - samples[0][0], 1), e, p, n) for (t, e, p, _r, n), prev in zip(samples[1:], samples)
+                   if (e, p, n) != prev[1:3] + (prev[4],)]
+    assert settled, (f"training ended before the load settled after a ring change; (seconds, epoch, pending, "
+                     f"nodes in the heatmap) at each change: {samples[0][1:3] + (samples[0][4],)} then {transitions}")
     after = sorted(settled)[len(settled) // 2]
     assert before > 1.15, f"the capacity ring was already balanced ({before:.3f}): the test shows nothing"
     assert after <= 1.15, f"max/mean node load after rebalancing {after:.3f} (before {before:.3f})"
