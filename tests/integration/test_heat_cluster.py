@@ -28,8 +28,7 @@ HOT_STEPS = 10
 
 @pytest.fixture
 def heat_cluster(tmp_path_factory):
-    # One cluster per test: with this cluster still up (module scope), the next test's rebalance
-    # stayed pending until teardown in 3 of 4 runs (not yet understood; see docs/architecture.md).
+    # One cluster per test (each test starts its own daemons).
     # A half-life far above the test's length: decay changes the rates by < 0.1 % here.
     with LocalCluster(tmp_path_factory.mktemp("heat")) as c:
         c.start_dispatcher(heartbeat_interval=0.2, heat_half_life=3600, rebalance_interval=0)
@@ -116,6 +115,7 @@ def _settled(samples) -> list:
             and t >= max([c for c in changes if c <= t], default=float("inf")) + 3 * HALF_LIFE]
 
 
+@pytest.mark.rebalance_live
 def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_path):
     """4 PS nodes, BSP, 2 workers (threads of this process); the hot table's 48 blocks land unevenly
     on the capacity ring. The dispatcher moves virtual nodes (rebalance_interval 1 s); the measured
