@@ -602,7 +602,7 @@ class Replicator:
         if not header.sync_reply:
             # This node took a block over between the fence check and the install (its routing
             # changed meanwhile): the copy was not installed, so the sender must not count it as held.
-            taken = [key for key in [(r.tensor, r.index) for r in header.blocks] if job.applies(key)]
+            taken = job.applied_here([(r.tensor, r.index) for r in header.blocks])
             if taken:
                 raise StoreError("NOT_OWNER", f"node {sender!r} is no longer the primary of {taken[0][0]}[{taken[0][1]}]: "
                                               f"this node applies it now")

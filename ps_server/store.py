@@ -217,6 +217,11 @@ class PushItem:
     grad: torch.Tensor | None  # None: the block's gradient is exactly zero (sent as a flag)
 
 
+def _clone_state(state: dict) -> dict:
+    """A private copy of a block's optimizer state (tensors cloned, counters as they are)."""
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
+
+
 def _add_weighted(holder, like: torch.Tensor, ref: "PushRef", payload: torch.Tensor, weight: float) -> None:
     """Add ``weight`` times the pushed block's gradient (``payload`` as ``ref`` describes it,
     decoded if compressed) to ``holder``'s gradient sum (a Block or AheadGrads: ``grad_buf``,
@@ -830,7 +835,7 @@ class JobStore:
         stepping, done = [], []
         for group, key, block, staged in items:
             value = block.value.clone()
-            state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}
+            state = _clone_state(block.state)
             grad = None
             if block.has_grad:
                 grad = block.grad_buf if staged.total == 1.0 else torch.div(block.grad_buf, staged.total)
@@ -1013,11 +1018,10 @@ class JobStore:
         if steps and self.collects:
             self.step = max(self.step, min(steps))
 
-    def applies(self, key: tuple) -> bool:
-        """Whether this node is the primary of block ``key``."""
+    def applied_here(self, keys) -> list:
+        """The blocks of ``keys`` this node is the primary of (one look under the lock)."""
         with self.cond:
-            block = self.blocks.get(key)
-            return block is not None and block.primary
+            return [key for key in keys if (block := self.blocks.get(key)) is not None and block.primary]
 
     def oldest_step(self) -> int:
         """BSP: the oldest step a block this node applies still collects (at most the job step):
@@ -1049,8 +1053,7 @@ class JobStore:
                     grad = block.grad_buf.clone() if block.has_grad and block.received else None
                     copy = None
                     if block.version == block.step > 0:  # changed by its last step: maybe not at the new primary yet
-                        copy = (block.value.clone(),
-                                {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()})
+                        copy = (block.value.clone(), _clone_state(block.state))
                     lost.append(Handover(key, block.step, grad, tuple(sorted(block.received)), block.version, copy))
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
@@ -1174,7 +1177,7 @@ class JobStore:
             for (tensor, index), block in blocks.items():
                 if since is not None and since.get((tensor, index)) == block.version:
                     continue
-                state = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in block.state.items()}
+                state = _clone_state(block.state)
                 copies.append((tensor, index, block.version, block.value.clone(), state))
             return self.step, held, copies
 
