@@ -72,7 +72,6 @@ CHAOS_SEEDS ?= 1,2,3
 CHAOS_FAULTS ?= 40
 chaos: protos system-deps
 	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
-	$(PY) -m pytest -q -m rebalance_live tests/integration/test_heat_cluster.py
 
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache

@@ -265,7 +265,9 @@ class Replicator:
         self._request_ids = itertools.count(1)
         # copy holder side: job -> node asked -> epoch the sync was asked at (until it completes)
         self._asked: dict[str, dict[str, int]] = {}
-        self._fetching: dict[str, set] = {}    # job -> keys this node applies but still lacks
+        # job -> key this node applies but still lacks -> the previous holders to ask, the one
+        # asked now first (a holder whose sync answer lacks the key hands the fetch to the next)
+        self._fetching: dict[str, dict[tuple, list[str]]] = {}
         self._failed: set[str] = set()          # jobs whose sync requests failed: asked again
         self._unowned: dict[str, dict] = {}    # job -> key -> when it stopped being owned here
         self._sync_waits: dict[str, list[_SyncWait]] = {}
@@ -611,10 +613,10 @@ class Replicator:
                 asked = self._asked.get(job.name, {})
                 if asked.get(sender) == header.sync_epoch:  # the answer to the current request
                     del asked[sender]
-                fetching = self._fetching.get(job.name)
-                if fetching:
-                    fetching.difference_update(k for k in list(fetching) if k in job.blocks)
+            ask_next = self._answered_fetch(job, sender)
             self.node.on_synced(job, sender)
+            for node, refs in ask_next.items():
+                self._ask_sync(job, node, refs)
 
     # --- which copies to bring in sync ------------------------------------------------------------
     def resync(self, job: JobStore, placement, primary: set, copies: set, previous, poke=()) -> None:
@@ -632,7 +634,7 @@ class Replicator:
                 owner = placement.primary(key)
                 if owner and owner != me:
                     by_node.setdefault(owner, []).append(self._holding_ref(job, key))
-            missing = []  # blocks this node applies now, lacks, and a previous owner still holds
+            missing = {}  # blocks this node applies now, lacks, and a previous owner may hold -> holders
             if previous is not None and previous.ring is not None:
                 before = place(previous, job.spec)
                 for key in primary:
@@ -640,8 +642,7 @@ class Replicator:
                         continue
                     holders = [n for n in before.owners.get(key, ()) if n != me and n in self.node.routing.nodes]
                     if holders:
-                        missing.append(key)
-                        by_node.setdefault(holders[0], []).append(self._holding_ref(job, key))
+                        missing[key] = holders
             now = time.monotonic()
             held = set(job.blocks)
             with self._lock:
@@ -651,13 +652,51 @@ class Replicator:
                 for key in list(unowned):
                     if key in primary or key in copies:
                         del unowned[key]
-                if missing:
-                    self._fetching.setdefault(job.name, set()).update(missing)
+                fetching = self._fetching.setdefault(job.name, {})
+                for key in list(fetching):
+                    # Still missing from an earlier change: asked again of a holder still routed.
+                    holders = [n for n in fetching.pop(key) if n in routed and n != me]
+                    if key in primary and key not in job.blocks and holders and key not in missing:
+                        missing[key] = holders
+                fetching.update(missing)
+                for key, holders in missing.items():
+                    by_node.setdefault(holders[0], []).append(self._holding_ref(job, key))
                 # A new routing: only syncs asked under it count (older answers may predate it).
                 self._asked[job.name] = {node: epoch for node in by_node}
         for node, refs in by_node.items():
-            header = self._header(dp.OP_SYNC, job, blocks=refs)
-            self.links.link(node).send(_Send(header, [], self._sync_asked(job, node)))
+            self._ask_sync(job, node, refs)
+
+    def _ask_sync(self, job: JobStore, node: str, refs: list) -> None:
+        header = self._header(dp.OP_SYNC, job, blocks=refs)
+        self.links.link(node).send(_Send(header, [], self._sync_asked(job, node)))
+
+    def _answered_fetch(self, job: JobStore, sender: str) -> dict[str, list]:
+        """``sender`` finished a sync answer: the blocks asked of it are fetched, or it lacks
+        them. A lacked block is asked of the next previous holder; with none left the fetch ends
+        (no node holds the block: a job not initialized yet, whose INIT brings it). Returns the
+        new requests, node -> refs."""
+        ask_next: dict[str, list] = {}
+        with job.cond, self._lock:
+            fetching = self._fetching.get(job.name)
+            if not fetching:
+                return ask_next
+            for key in list(fetching):
+                holders = fetching[key]
+                if key in job.blocks:
+                    del fetching[key]
+                elif holders and holders[0] == sender:
+                    holders.pop(0)
+                    if holders:
+                        ask_next.setdefault(holders[0], []).append(self._holding_ref(job, key))
+                    else:
+                        del fetching[key]
+                        log.info("job %s: no previous holder of %s[%d] has it (not initialized yet); not waiting for it",
+                                 job.name, key[0], key[1])
+            if ask_next:
+                asked = self._asked.setdefault(job.name, {})
+                for node in ask_next:
+                    asked[node] = self.node.routing.epoch
+        return ask_next
 
     @staticmethod
     def _holding_ref(job: JobStore, key) -> dp.BlockRef:
@@ -686,13 +725,22 @@ class Replicator:
 
     def fetching(self, name: str) -> bool:
         """Whether this node still waits for blocks it applies (requests for them: UNAVAILABLE)."""
+        job = self.node.store.get(name)
         with self._lock:
-            return bool(self._fetching.get(name))
+            fetching = self._fetching.get(name)
+            if fetching and job is not None:
+                for key in [k for k in fetching if k in job.blocks]:  # arrived otherwise (an INIT)
+                    del fetching[key]
+            return bool(fetching)
 
     def ready(self) -> bool:
         """Every sync this node asked for has completed (a pending ring change may switch)."""
         with self._lock:
-            return not any(self._asked.values()) and not any(self._fetching.values())
+            names = [name for name, keys in self._fetching.items() if keys]
+        if any(self.fetching(name) for name in names):
+            return False
+        with self._lock:
+            return not any(self._asked.values())
 
     def sweep(self, grace: float = 10.0) -> None:
         """Drop copies that no owner role needed for ``grace`` seconds."""

@@ -115,7 +115,6 @@ def _settled(samples) -> list:
             and t >= max([c for c in changes if c <= t], default=float("inf")) + 3 * HALF_LIFE]
 
 
-@pytest.mark.rebalance_live
 def test_a_skewed_job_is_rebalanced_while_it_trains_and_equals_torch_optim(tmp_path):
     """4 PS nodes, BSP, 2 workers (threads of this process); the hot table's 48 blocks land unevenly
     on the capacity ring. The dispatcher moves virtual nodes (rebalance_interval 1 s); the measured
