@@ -2,7 +2,8 @@
 
 One process per rank, as torchrun starts them (RANK / WORLD_SIZE from the environment):
 
-    shardline up --ps 2 --workers 0 &                     # or your own cluster; note its token file
+    shardline up --ps 2 --workers 1 --steps 100000 &     # a cluster (training its demo job meanwhile),
+                                                           # or your own; note its address and token file
     export SHARDLINE_CLUSTER_TOKEN_FILE=...                # what `shardline up` printed
     torchrun --nproc-per-node 2 examples/hf_sft.py --cluster 127.0.0.1:7000 --job sft-1 \\
         --model ./my-model --data train.jsonl --lora-r 8 --steps 100
