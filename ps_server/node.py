@@ -475,6 +475,7 @@ class PSNode:
         # A subscriber does not hold the step back as a worker does: its copies are made under the lock.
         step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp" or header.subscriber, dtypes=dtypes)
         reply.step = step
+        reply.revision = job.revision  # a reader that holds an older spec learns tensors were added
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
         reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step
         if header.subscriber:  # checksums and element-level deltas (ps_server/delta_history.py)

@@ -330,7 +330,8 @@ class Client:
 
         ``tensors``: tensors new to the job, trainable unless ``trainable`` says otherwise;
         ``unfreeze``: names of frozen tensors of the job that train in the new group; ``group``: its
-        hyperparameters (torch.optim names of the job's optimizer). With ``initialize`` (the job's
+        hyperparameters (torch.optim names of the job's optimizer; those it leaves out are the
+        job's, as torch's ``add_param_group`` takes the optimizer's defaults). With ``initialize`` (the job's
         creator, rank 0) this client sends the new tensors' initial values and marks the revision
         ready; the others wait for that, up to ``ready_timeout`` (default ``pull_timeout``), and
         then pull them like any tensor. Returns True if this call made the revision.
@@ -344,7 +345,9 @@ class Client:
         trainable = trainable or {}
         step = self._current_step()
         ext = common_pb2.JobExtension(revision=self.revision + 1, step=step, unfreeze=list(unfreeze),
-                                      group=OptimizerConfig.from_kwargs(spec.optimizer.kind, **(group or {})).to_proto())
+                                      group=OptimizerConfig.from_kwargs(spec.optimizer.kind, **{
+                                          **OptimizerConfig.from_proto(spec.optimizer).torch_kwargs(), **(group or {})
+                                      }).to_proto())
         for name, t in tensors.items():
             ext.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True))
         resp = self.dispatcher.extend_job(self.job, self.uid, ext)

@@ -22,6 +22,11 @@ tensors in place. Memory: twice the job in ``dtype``.
 Consistency: the returned version v is one step of the job: every tensor is its value after step
 v was applied on every PS node (a pull that straddled a step boundary pulls what changed again).
 
+Tensors added to the job (a parameter group from step K, ``Client.extend``) are followed: a PS
+reply names the job revision the node holds, and a poll that sees a newer one (or, through a rack
+cache, at most every SPEC_CHECK_SECONDS) takes the job's spec again and returns the new tensors
+with the version that has them.
+
 Timeouts: ``poll`` and ``wait_for`` fail with ShardlineTimeoutError after ``timeout`` (default
 ``pull_timeout``) naming the job, the version waited for and the nodes behind it; a PS node that
 died is waited for (its replica takes over once the dispatcher declares it dead) within the same
@@ -53,6 +58,9 @@ log = logging.getLogger("shardline.subscriber")
 MAX_CHECKSUM_FAILURES = 3
 # A poll out of time asks the nodes their step for this long, to name those behind in its error.
 PROBE_TIMEOUT_SECONDS = 1.0
+# How often a poll asks the dispatcher for a newer job revision when no reply named one (replies
+# through a rack cache name none).
+SPEC_CHECK_SECONDS = 2.0
 
 
 @dataclass
@@ -77,6 +85,25 @@ class _SubscriberClient(Client):
         # (step, the step it waited for) of each pull reply since cleared: a pull retried in part
         # (a node lost, NOT_OWNER) has replies of one node from different steps
         self.replies: list[tuple[int, int]] = []
+        self.seen_revision = 0   # the newest job revision a node's reply named
+        self._spec_checked = time.monotonic()
+
+    def follow_revision(self) -> bool:
+        """Take the job's spec again when a reply named a newer revision, or SPEC_CHECK_SECONDS
+        passed: True if it added tensors."""
+        if self.seen_revision <= self.revision and time.monotonic() - self._spec_checked < SPEC_CHECK_SECONDS:
+            return False
+        self._spec_checked = time.monotonic()
+        try:
+            info = self.dispatcher.get_job(self.job)
+        except ShardlineError as exc:  # the weights it holds stay usable; asked again next time
+            log.debug("job %s: no newer spec from the dispatcher: %s", self.job, exc)
+            return False
+        if info is None or len(info.spec.extensions) <= self.revision:
+            return False
+        known = set(self._shapes)
+        self._load_spec(info.spec, info.uid)
+        return set(self._shapes) != known
 
     def _pull_cache(self, keys: list):
         # A block that failed its checksum is pulled again from its node: the rack cache would send
@@ -91,6 +118,7 @@ class _SubscriberClient(Client):
         that fails is forgotten (its next pull is dense); the block in the back buffer is then
         garbage, but it is never the one the reader uses."""
         self.replies.append((reply.step, reply.min_step))
+        self.seen_revision = max(self.seen_revision, reply.revision)
         try:
             self._receive_checked(conn, node_id, reply, expected)
         except BaseException:  # the rest of the reply is unread: the connection is off its frame boundary
@@ -219,6 +247,7 @@ class WeightSubscriber:
         total = self.pull_timeout if timeout is None else _check_timeout(timeout, "timeout")
         deadline = time.monotonic() + total
         client = self._client
+        client.follow_revision()
         names = list(client._shapes)
         front, back = self._front, 1 - self._front
         self._prepare_back(names, front, back)
@@ -233,7 +262,10 @@ class WeightSubscriber:
                 # visible at it) and no block is newer; else pull what changed again, at the newest
                 # step seen (a pull that straddled a step boundary or was retried in part after a
                 # node failed, or a block that failed its checksum).
-                if step is not None and newest <= step and not client.failed and all(
+                if client.follow_revision():  # tensors added meanwhile: pulled too, with the version that has them
+                    names = list(client._shapes)
+                    self._prepare_back(names, front, back, keep=True)
+                elif step is not None and newest <= step and not client.failed and all(
                         r == (step, step) for r in client.replies):
                     break
                 target = max(target or 0, newest, *self._last_steps.values(), *(r[0] for r in client.replies))
@@ -250,15 +282,19 @@ class WeightSubscriber:
         client.sub_stats.pulled_bytes += client.sub_stats.last_poll_bytes
         return step, [(n, self._buffers[back][n]) for n in changed]
 
-    def _prepare_back(self, names: list[str], front: int, back: int) -> None:
+    def _prepare_back(self, names: list[str], front: int, back: int, keep: bool = False) -> None:
         """Make the back buffer hold what the front holds (only the blocks the last poll changed
         are copied) and point the client's cache at it, naming the front's versions: the pull
-        then moves only what changed since the reader's version, into the back buffer."""
+        then moves only what changed since the reader's version, into the back buffer. ``keep``:
+        mid-poll, only buffers for tensors added to the job (what was pulled stays)."""
         client = self._client
         for n in names:
             for i in (front, back):
                 if n not in self._buffers[i]:
                     self._buffers[i][n] = torch.zeros(client._shapes[n], dtype=self.dtype)
+        if keep:
+            client._values = {n: self._buffers[back][n].view(-1) for n in names}
+            return
         held_front, held_back = self._held[front], self._held[back]
         for n in names:
             f, b = self._buffers[front][n].view(-1), self._buffers[back][n].view(-1)

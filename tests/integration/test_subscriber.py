@@ -116,6 +116,39 @@ def test_double_buffer_keeps_returned_tensors_until_the_poll_after_next(cluster)
         creator.close(), sub.close()
 
 
+def test_a_tensor_added_after_the_subscriber_started_is_followed(cluster):
+    """The trainer adds a tensor at step 1 (Client.extend): the subscriber's next poll returns it
+    with the version that has it, equal to torch.optim's (bf16-rounded), and then only what changes."""
+    g = torch.Generator().manual_seed(3)
+    w0, b0, gw, gb = (torch.randn(256, generator=g) for _ in range(4))
+    creator = connect(cluster.address, job="sub-extend")
+    creator.init({"w": w0}, optimizer="sgd", lr=0.5)
+    w, b = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(b0.clone())
+    opt = torch.optim.SGD([w], lr=0.5)
+    sub = WeightSubscriber(cluster.address, "sub-extend", pull_timeout=30)
+    try:
+        assert [n for n, _ in sub.poll()[1]] == ["w"]
+        creator.push({"w": gw})
+        w.grad = gw.clone()
+        opt.step()
+        creator.extend({"b": b0}, initialize=True)
+        opt.add_param_group({"params": [b]})
+        creator.push({"w": gw, "b": gb})
+        w.grad, b.grad = gw.clone(), gb.clone()
+        opt.step()
+        version, changed = sub.wait_for(2)
+        assert version == 2 and sorted(n for n, _ in changed) == ["b", "w"]
+        assert_bf16_of(dict(changed), {"w": w.detach(), "b": b.detach()}, "after the extension")
+        creator.push({"w": None, "b": gb})
+        b.grad = gb.clone()
+        torch.optim.SGD([b], lr=0.5).step()
+        version, changed = sub.wait_for(3)
+        assert version == 3 and [n for n, _ in changed] == ["b"]
+        assert_bf16_of(sub.current(), {"w": w.detach(), "b": b.detach()}, "step 3")
+    finally:
+        creator.close(), sub.close()
+
+
 def test_wait_for_times_out_naming_job_version_and_nodes(cluster):
     creator = connect(cluster.address, job="sub-timeout")
     creator.init({"w": torch.zeros(8)}, optimizer="sgd", lr=0.1)
