@@ -72,6 +72,7 @@ CHAOS_SEEDS ?= 1,2,3
 CHAOS_FAULTS ?= 40
 chaos: protos system-deps
 	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
+	$(PY) tests/fault/chaos.py --seeds 4 --faults $(CHAOS_FAULTS) --rebalance --out bench/results/chaos_rebalance.json
 
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache

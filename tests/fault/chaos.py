@@ -18,6 +18,11 @@ time, chosen by a seeded RNG, each at a random point of the BSP step:
 * ``leader_kill9`` / ``leader_stop`` — SIGKILL or SIGSTOP the leading dispatcher (another takes
   over; the stopped one comes back fenced).
 
+With ``--rebalance`` the dispatchers also rebalance the ring from measured load every
+REBALANCE_INTERVAL seconds (heat half-life 1 s), so faults also land on pending rebalances (a
+node killed or restarted, the leader killed mid-rebalance); the report counts the rebalances
+the leaders started.
+
 After each fault the harness waits for the next applied step and records how long it took. At
 the end every worker must report the full number of steps and parameters equal to one process
 running torch.optim (no step lost), and no wait may have hung.
@@ -56,6 +61,7 @@ PS_FAILPOINTS = ("ps.after_apply", "ps.checkpoint.values.tmp", "ps.checkpoint.st
 RECOVERY_TIMEOUT = 90.0
 LEASE = 1
 HEARTBEAT_TIMEOUT = 2.0
+REBALANCE_INTERVAL = 2.0   # --rebalance: seconds between the leader's plans
 
 
 @dataclass
@@ -66,6 +72,7 @@ class Report:
     steps_lost: int = 0
     max_abs_diff: float = 0.0
     seconds: float = 0.0
+    rebalances: int | None = None   # started by the leaders (--rebalance), None: rebalancing off
 
     def recovery(self) -> list[float]:
         return [f["recovery_seconds"] for f in self.faults if f["recovery_seconds"] is not None]
@@ -79,12 +86,15 @@ class Report:
                 "recovery_p50_seconds": pct(0.5), "recovery_p99_seconds": pct(0.99),
                 "recovery_mean_seconds": statistics.mean(rec) if rec else None, "wall_seconds": self.seconds,
                 "by_kind": {k: sum(1 for f in self.faults if f["kind"] == k) for k in FAULTS},
+                "rebalances_started": self.rebalances,
                 "faults": self.faults}
 
 
 class Chaos:
-    def __init__(self, workdir: Path, etcd, seed: int, faults: int, log=print, keep_checkpoints: bool = False):
+    def __init__(self, workdir: Path, etcd, seed: int, faults: int, log=print, keep_checkpoints: bool = False,
+                 rebalance: bool = False):
         self.keep_checkpoints = keep_checkpoints  # every chain kept: a divergence can be found step by step
+        self.rebalance = rebalance
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.etcd = etcd
@@ -101,7 +111,9 @@ class Chaos:
         for _ in range(2):
             cluster.add_dispatcher(state_store=self.etcd.url, state_prefix=f"/chaos-{self.report.seed}",
                                    leader_lease_timeout=LEASE, heartbeat_timeout=HEARTBEAT_TIMEOUT,
-                                   heartbeat_interval=0.5, wait=False)
+                                   heartbeat_interval=0.5, wait=False,
+                                   **({"rebalance_interval": REBALANCE_INTERVAL, "heat_half_life": 1.0}
+                                      if self.rebalance else {}))
         for h in cluster.dispatchers:
             cluster.wait_ready(h)
         cluster.leader()
@@ -263,6 +275,9 @@ class Chaos:
                     raise AssertionError(f"training did not finish: at step {self.progress()} of {self.steps}")
                 time.sleep(0.05)
             results = train_model.finish_workers(list(self.workers.values()), timeout=600)
+            if self.rebalance:
+                self.report.rebalances = sum(h.log_path.read_text(errors="replace").count("rebalancing the ring")
+                                             for h in cluster.dispatchers)
         expected = train_model.reference("adamw", self.steps, world_size=2)
         self.report.steps_lost = sum(self.steps - int(r["_version"]) for r in results)
         self.report.max_abs_diff = max((r[name] - want).abs().max().item()
@@ -278,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="run in DIR/seed-N and keep it (daemon logs, checkpoints) instead of a temporary directory")
+    ap.add_argument("--rebalance", action="store_true",
+                    help=f"the dispatchers rebalance the ring every {REBALANCE_INTERVAL:g} s meanwhile")
     args = ap.parse_args(argv)
     reports = []
     with EtcdServer() as etcd:
@@ -285,10 +302,11 @@ def main(argv=None) -> int:
             if args.keep:
                 workdir = Path(args.keep) / f"seed-{seed}"
                 workdir.mkdir(parents=True, exist_ok=False)
-                report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=True).run().to_dict()
+                report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=True,
+                               rebalance=args.rebalance).run().to_dict()
             else:
                 with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
-                    report = Chaos(Path(tmp), etcd, seed, args.faults).run().to_dict()
+                    report = Chaos(Path(tmp), etcd, seed, args.faults, rebalance=args.rebalance).run().to_dict()
             reports.append(report)
             print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1), flush=True)
     ok = all(r["steps_lost"] == 0 and r["max_abs_diff_vs_no_fault_run"] <= 1e-6 for r in reports)
