@@ -39,3 +39,19 @@ def test_is_all_zero(dtype):
     assert not is_all_zero(z)
     assert not is_all_zero(torch.ones(3, dtype=dtype))
     assert is_all_zero(torch.zeros(6, dtype=dtype)[::2])  # non-contiguous
+
+
+@pytest.mark.parametrize("numel", [1, 1023, 1024, 1025, 4096 + 7, 262_144])
+def test_all_finite_float32_columns_and_tail(numel):
+    """The float32 check sums 1024-wide columns plus a tail: a NaN/Inf anywhere, in the body or
+    the tail, is found, and column sums that overflow fall back to the exact check."""
+    for pos in {0, numel // 2, numel - 1}:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            t = torch.ones(numel)
+            t[pos] = bad
+            assert not all_finite(t)
+        assert all_finite(torch.ones(numel))
+    big = torch.full((numel,), 3e38)
+    big[::2] = -3e38
+    assert all_finite(big)  # finite, though sums of it may overflow
+    assert all_finite(torch.arange(float(2 * numel))[::2].contiguous())
