@@ -379,6 +379,7 @@ TPUT_ROWS = {
     "ps1_step": ("diag: push + commit + SGD, 1 PS", "client.push({'w': grad}): transfer, commit round trip, server-side SGD step over 64 MiB"),
     "frame_pull": ("diag: frame-level pull, 1 PS", "services.frame over a bare socket to the PS: PULL of all 64 blocks with an empty cache, payload into one preallocated buffer (no worker.client)"),
     "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks; same server work)"),
+    "memcpy": ("diag: torch copy_ 64 MiB, in-process", "dest.copy_(grad) between two preallocated 64 MiB tensors in this process: one memcpy, the floor of every shm transfer (which needs two: into the ring and out of it)"),
 }
 # ratio key -> (numerator, denominator)
 TPUT_RATIOS = {
@@ -392,6 +393,7 @@ TPUT_RATIOS = {
     "step_1ps": ("ps1_step", "raw_push"),
     "frame_pull_1ps": ("frame_pull", "raw_pull"),
     "frame_push_1ps": ("frame_push", "raw_push"),
+    "memcpy_vs_raw": ("memcpy", "raw_push"),
 }
 HEADLINE_RATIOS = ("pull_1ps", "push_1ps", "pull_2ps", "push_2ps", "pull_shm_1ps", "push_shm_1ps")
 # Goals of issue 11 for some ratios (the others: TARGET_RATIO): TCP close to a raw socket, shm well past it.
@@ -489,6 +491,15 @@ def run(args) -> dict:
         ]
         if fpeer is None:
             groups.pop()
+        mem_dest = torch.empty_like(grad)
+        mem_dest.copy_(grad)  # faulted in outside the timed copies
+
+        def memcpy():
+            t0 = time.perf_counter()
+            mem_dest.copy_(grad)
+            return time.perf_counter() - t0
+
+        groups.append(("mem", [("memcpy", memcpy)]))
         times: dict[str, list[float]] = {k: [] for k in TPUT_ROWS}
         print(f"throughput: {warmup} warm-up + {reps} reps of {len(groups)} interleaved groups", flush=True)
         t_tput = time.monotonic()
