@@ -216,6 +216,10 @@ def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes]
         sock.sendall(b"".join([head, *[bytes(p) for p in payloads]]))
         return
     sock.sendall(head)
+    send_many = getattr(sock, "sendall_many", None)
+    if send_many is not None:  # a shm connection: several blocks per doorbell
+        send_many(payloads)
+        return
     for p in payloads:
         if len(p):
             sock.sendall(p)
