@@ -52,3 +52,12 @@ def is_all_zero(t: torch.Tensor) -> bool:
     if t.dtype == torch.float32 and t.is_contiguous():
         return not t.numpy().any()
     return not bool(t.any())
+
+
+def zero_parts(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bool]:
+    """``is_all_zero(flat[start:stop])`` for each of ``bounds`` (a 1-D tensor's blocks). Dense
+    gradients answer with one gather of every block's first element instead of a scan each."""
+    if not bounds or any(not 0 <= start < stop <= flat.numel() for start, stop in bounds):
+        return [is_all_zero(flat[start:stop]) for start, stop in bounds]
+    firsts = (flat[torch.tensor([start for start, _ in bounds])] != 0).tolist()
+    return [False if first else is_all_zero(flat[start:stop]) for first, (start, stop) in zip(firsts, bounds)]

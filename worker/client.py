@@ -30,7 +30,7 @@ import torch
 from shardline.services import failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.compression import SignBlock, check_compression, compression_of
-from shardline.services.tensor_checks import all_finite, is_all_zero
+from shardline.services.tensor_checks import all_finite, zero_parts
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
 from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
@@ -533,9 +533,9 @@ class Client:
             flat = flat.contiguous()
             if not spec.allow_nonfinite and not all_finite(flat):
                 raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
-            for s in self._slices[name]:
-                part = flat[s.start:s.stop]
-                payload[(name, s.index)] = None if is_all_zero(part) else part
+            slices = self._slices[name]
+            for s, zero in zip(slices, zero_parts(flat, [(s.start, s.stop) for s in slices])):
+                payload[(name, s.index)] = None if zero else flat[s.start:s.stop]
         self.start_lease()
         step = self._current_step()
         failpoints.hit("worker.before_push", step)
