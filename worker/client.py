@@ -552,8 +552,9 @@ class Client:
         # short and the node keeps nothing of it. A push spread over several nodes is checked
         # whole first, or some would keep their part; so is one over TCP, where the sender is
         # the slower side and a check between two blocks only stalls the stream.
-        owners = {self.routing.owner(self.job, *key) for key, g in payload.items() if g is not None}
-        check_while_sending = not spec.allow_nonfinite and self._compressor is None and len(owners) == 1
+        check_while_sending = (not spec.allow_nonfinite and self._compressor is None
+                               and len({self.routing.owner(self.job, *key) for key, g in payload.items()
+                                        if g is not None}) == 1)
         if not spec.allow_nonfinite and not check_while_sending:
             for name, flat in flats:
                 if not all_finite(flat):

@@ -1,6 +1,7 @@
 """A NaN/Inf gradient is refused whole, also when the client finds it while the push is already
-on the wire (a push to one node is checked block by block as it is sent): the frame is cut short,
-the node keeps nothing of it, and the next push of the same step counts, equal to torch.optim."""
+on the wire (over shm a push to one node is checked block by block as it is sent; over TCP before
+it is sent): the frame is cut short, the node keeps nothing of it, and the next push of the same
+step counts, equal to torch.optim."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_a_bad_block_found_mid_frame_leaves_nothing_behind(one_node, transport):
     try:
         client.init({"w": w0}, optimizer="sgd", lr=LR, block_elements=BLOCK)
         bad = torch.randn(8 * BLOCK, generator=gen)
-        bad[-1] = float("nan")  # in the last block: the seven before it were on the wire already
+        bad[-1] = float("nan")  # in the last block: over shm the seven before it are on the wire already
         with pytest.raises(ShardlineConfigError, match="'w'.*NaN or Inf"):
             client.push({"w": bad})
         assert client.step == 0
