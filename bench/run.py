@@ -262,9 +262,10 @@ class FramePeer:
 class ShardlineBig:
     """A 64 MiB tensor job on one cluster (SGD, BSP, world_size 1), driven through worker.client."""
 
-    def __init__(self, cluster: Cluster, job: str, init: torch.Tensor, transport: str = "tcp"):
+    def __init__(self, cluster: Cluster, job: str, init: torch.Tensor, transport: str = "tcp",
+                 allow_nonfinite: bool = False):
         self.client = connect(cluster.dispatcher, job, transport=transport, pull_timeout=60.0)
-        self.client.init({"w": init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1)
+        self.client.init({"w": init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1, allow_nonfinite=allow_nonfinite)
         owners: dict[str, int] = {}
         for s in self.client._slices["w"]:
             node = self.client.routing.owner(job, "w", s.index)
@@ -379,6 +380,9 @@ TPUT_ROWS = {
     "ps1_step": ("diag: push + commit + SGD, 1 PS", "client.push({'w': grad}): transfer, commit round trip, server-side SGD step over 64 MiB"),
     "frame_pull": ("diag: frame-level pull, 1 PS", "services.frame over a bare socket to the PS: PULL of all 64 blocks with an empty cache, payload into one preallocated buffer (no worker.client)"),
     "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks; same server work)"),
+    "ps1_push_nocheck": ("diag: push, no NaN checks, 1 PS", "as ps1_push for a job with allow_nonfinite (neither the client nor the PS checks the gradient for NaN/Inf): what the checks cost"),
+    "shm1_push_nocheck": ("diag: push, no NaN checks, shm", "as shm1_push for a job with allow_nonfinite"),
+    "memcpy": ("diag: torch copy_ 64 MiB, in-process", "dest.copy_(grad) between two preallocated 64 MiB tensors in this process: one memcpy, the floor of every shm transfer (which needs two: into the ring and out of it)"),
 }
 # ratio key -> (numerator, denominator)
 TPUT_RATIOS = {
@@ -392,6 +396,9 @@ TPUT_RATIOS = {
     "step_1ps": ("ps1_step", "raw_push"),
     "frame_pull_1ps": ("frame_pull", "raw_pull"),
     "frame_push_1ps": ("frame_push", "raw_push"),
+    "push_nocheck_1ps": ("ps1_push_nocheck", "raw_push"),
+    "push_nocheck_shm_1ps": ("shm1_push_nocheck", "raw_push"),
+    "memcpy_vs_raw": ("memcpy", "raw_push"),
 }
 HEADLINE_RATIOS = ("pull_1ps", "push_1ps", "pull_2ps", "push_2ps", "pull_shm_1ps", "push_shm_1ps")
 # Goals of issue 11 for some ratios (the others: TARGET_RATIO): TCP close to a raw socket, shm well past it.
@@ -447,7 +454,9 @@ def run(args) -> dict:
         init = torch.randn(BIG_ELEMENTS, generator=gen)
         grad = torch.randn(BIG_ELEMENTS, generator=gen)
         big = {"ps1": ShardlineBig(clusters["ps1"], "tput", init), "ps2": ShardlineBig(clusters["ps2"], "tput", init),
-               "shm1": ShardlineBig(clusters["shm1"], "tput", init, transport="shm")}
+               "shm1": ShardlineBig(clusters["shm1"], "tput", init, transport="shm"),
+               "ps1nc": ShardlineBig(clusters["ps1"], "tput_nocheck", init, allow_nonfinite=True),
+               "shm1nc": ShardlineBig(clusters["shm1"], "tput_nocheck", init, transport="shm", allow_nonfinite=True)}
         closers.extend(b.close for b in big.values())
 
         # frame-level diagnostics use their own job so the worker.client job's steps stay consistent
@@ -485,10 +494,21 @@ def run(args) -> dict:
                      ("ps1_step", lambda: big["ps1"].step(grad)), ("ps1_pull_copy", big["ps1"].pull_copy)]),
             ("ps2", [("ps2_push", lambda: big["ps2"].push(grad)), ("ps2_pull", big["ps2"].pull)]),
             ("shm1", [("shm1_push", lambda: big["shm1"].push(grad)), ("shm1_pull", big["shm1"].pull)]),
+            ("nocheck", [("ps1_push_nocheck", lambda: big["ps1nc"].push(grad)),
+                         ("shm1_push_nocheck", lambda: big["shm1nc"].push(grad))]),
             ("frame", [("frame_pull", lambda: fpeer.pull_full(fblocks, fdest)), ("frame_push", frame_push)]),
         ]
         if fpeer is None:
             groups.pop()
+        mem_dest = torch.empty_like(grad)
+        mem_dest.copy_(grad)  # faulted in outside the timed copies
+
+        def memcpy():
+            t0 = time.perf_counter()
+            mem_dest.copy_(grad)
+            return time.perf_counter() - t0
+
+        groups.append(("mem", [("memcpy", memcpy)]))
         times: dict[str, list[float]] = {k: [] for k in TPUT_ROWS}
         print(f"throughput: {warmup} warm-up + {reps} reps of {len(groups)} interleaved groups", flush=True)
         t_tput = time.monotonic()

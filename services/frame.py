@@ -207,16 +207,43 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")
 
 
-def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes] = ()) -> None:
-    """Send a frame; ``header.payload_bytes`` is set from ``payloads``."""
+# A shm connection gets a frame's blocks in groups of about this many bytes (its doorbell size).
+SEND_GROUP_BYTES = 4 * 1024 * 1024
+
+
+def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes] = (),
+               before_each=None) -> None:
+    """Send a frame; ``header.payload_bytes`` is set from ``payloads``.
+
+    ``before_each(i)``, if given, runs before payload ``i`` goes out (all of them before anything,
+    for a small frame): a check that raises there leaves the frame cut short, and the caller must
+    drop the connection (a receiver keeps nothing of a frame whose sender vanished mid-way)."""
     header.payload_bytes = sum(len(p) for p in payloads)
     head = encode_prefix_and_header(header)
     if header.payload_bytes < 65536:
         # Small frames: one syscall keeps latency down.
+        for i in range(len(payloads) if before_each is not None else 0):
+            before_each(i)
         sock.sendall(b"".join([head, *[bytes(p) for p in payloads]]))
         return
     sock.sendall(head)
-    for p in payloads:
+    send_many = getattr(sock, "sendall_many", None)
+    if send_many is not None:  # a shm connection: several blocks per doorbell, checked just before
+        group, size = [], 0
+        for i, p in enumerate(payloads):
+            if before_each is not None:
+                before_each(i)
+            group.append(p)
+            size += len(p)
+            if size >= SEND_GROUP_BYTES:
+                send_many(group)
+                group, size = [], 0
+        if group:
+            send_many(group)
+        return
+    for i, p in enumerate(payloads):
+        if before_each is not None:
+            before_each(i)
         if len(p):
             sock.sendall(p)
 

@@ -30,7 +30,7 @@ import torch
 from shardline.services import failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.compression import SignBlock, check_compression, compression_of
-from shardline.services.tensor_checks import all_finite, is_all_zero
+from shardline.services.tensor_checks import all_finite, zero_parts
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
 from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
@@ -72,6 +72,15 @@ class TransferStats:
     pulled_bytes: int = 0
     pushed_zero_blocks: int = 0
     pulled_blocks: int = 0
+
+
+class _NonFiniteGradient(ShardlineConfigError):
+    """A gradient block held NaN or Inf (found while its push was being sent)."""
+
+
+def _check_finite(key: tuple[str, int], block: torch.Tensor) -> None:
+    if not all_finite(block):
+        raise _NonFiniteGradient(f"gradient for tensor {key[0]!r} contains NaN or Inf; not pushed")
 
 
 class _Immediate:
@@ -182,6 +191,7 @@ class Client:
         # parameter group (a tuple), or None: the job's own.
         self.lr: float | tuple[float, ...] | None = None
         self._commit_follows = False   # the push being sent is followed by this worker's commit
+        self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, still to check for NaN/Inf
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
@@ -521,6 +531,7 @@ class Client:
             raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
         trainable = {t.name: t.trainable for t in spec.tensors}
         payload: dict[tuple[str, int], torch.Tensor | None] = {}
+        flats: list[tuple[str, torch.Tensor]] = []
         for name, g in grads.items():
             if g is None:
                 continue
@@ -534,20 +545,63 @@ class Client:
             if flat.dtype not in frame.WIRE_DTYPE:
                 flat = flat.to(torch.float32)
             flat = flat.contiguous()
-            if not spec.allow_nonfinite and not all_finite(flat):
-                raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
-            for s in self._slices[name]:
-                part = flat[s.start:s.stop]
-                payload[(name, s.index)] = None if is_all_zero(part) else part
+            flats.append((name, flat))
+            slices = self._slices[name]
+            for s, zero in zip(slices, zero_parts(flat, [(s.start, s.stop) for s in slices])):
+                payload[(name, s.index)] = None if zero else flat[s.start:s.stop]
+        # A push that goes to one node in one frame over shm has its blocks checked for NaN/Inf as
+        # they are sent (each just before it is copied into the ring, while the node copies out
+        # the previous ones) instead of in a pass of its own first: a bad block cuts the frame
+        # short and the node keeps nothing of it. A push spread over several nodes is checked
+        # whole first, or some would keep their part; so is one over TCP, where the sender is
+        # the slower side and a check between two blocks only stalls the stream.
+        check_while_sending = (not spec.allow_nonfinite and self._compressor is None
+                               and len({self.routing.owner(self.job, *key) for key, g in payload.items()
+                                        if g is not None}) == 1)
+        if not spec.allow_nonfinite and not check_while_sending:
+            for name, flat in flats:
+                if not all_finite(flat):
+                    raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
         self.start_lease()
         step = self._current_step()
         failpoints.hit("worker.before_push", step)
         if self._compressor is not None:
             payload = self._compressor.encode(payload, None if spec.sync == "asp" else step)
-        if self._collects:
-            self._inflight_record(step, weight)["grads"].update(payload)
-        self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+        record = self._inflight_record(step, weight)["grads"] if self._collects else {}
+        replaced = {key: record[key] for key in payload if key in record}
+        record.update(payload)
+        if check_while_sending:
+            self._unchecked = {key: g for key, g in payload.items() if g is not None}
+        try:
+            self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+        except _NonFiniteGradient:  # nothing of this push stayed anywhere: neither does its record
+            for key in payload:
+                record.pop(key, None)
+            record.update(replaced)
+            raise
+        finally:
+            self._unchecked = {}
         failpoints.hit("worker.after_push", step)
+
+    def _push_checks(self, keys: list, grads: dict, conn: DataPlaneConnection):
+        """``before_each`` for send_frame of a push frame of ``keys`` over ``conn``: checks each
+        block not yet checked (``_unchecked``) just before it is sent (shm). A frame that does not
+        carry all of them (the routing moved mid-push), or goes over TCP, checks all of them
+        before anything is sent."""
+        unchecked = self._unchecked
+        if not unchecked:
+            return None
+        if not unchecked.keys() <= set(keys) or not hasattr(conn.sock, "sendall_many"):
+            for key, g in list(unchecked.items()):
+                _check_finite(key, g)
+            return None
+        sent = [key for key in keys if grads[key] is not None]  # the frame's payloads, in order
+
+        def before_each(i: int) -> None:
+            g = unchecked.pop(sent[i], None)
+            if g is not None:
+                _check_finite(sent[i], g)
+        return before_each
 
     def _commit(self, weight: float) -> None:
         step = self._current_step()
@@ -926,13 +980,18 @@ class Client:
                 expected[(name, index)] = s
         conn = self._conn(node_id, via)
         key = node_id if via is None else _cache_key(via, node_id)
+        before_each = self._push_checks(keys, grads, conn) if op == dp.OP_PUSH else None
         with conn.lock:
             try:
                 # a node that stops answering (paused, partitioned) is given up on after this
                 io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
                 conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
-                frame.send_frame(conn.sock, header, payloads)
+                frame.send_frame(conn.sock, header, payloads, before_each)
                 reply = frame.recv_header(conn.sock, REPLY_LIMITS)
+            except _NonFiniteGradient:  # the frame is cut short: dropping the connection drops it on the node
+                conn.close()
+                self._conns.pop(key, None)
+                raise
             except (OSError, ConnectionError) as exc:
                 conn.close()
                 self._conns.pop(key, None)

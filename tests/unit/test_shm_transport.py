@@ -85,6 +85,43 @@ def test_frames_with_payloads_larger_than_the_ring_arrive_intact():
     assert shm_mappings() == 0
 
 
+def test_a_frames_blocks_share_doorbells_and_arrive_intact(monkeypatch):
+    """send_frame hands a frame's blocks to sendall_many: consecutive blocks are announced together
+    (chunks of up to CHUNK_BYTES that never cross the ring's end), yet each block arrives intact."""
+    monkeypatch.setattr(shm, "CHUNK_BYTES", 3 * shm.INLINE_MAX_BYTES)
+    kinds: list[int] = []
+    pump = ShmConnection._pump
+
+    def counting_pump(self):
+        alive = pump(self)
+        if self is b and alive:
+            kinds.append(MESSAGE.unpack(self._message)[0])
+        return alive
+
+    monkeypatch.setattr(ShmConnection, "_pump", counting_pump)
+    a, b = pair(ring=32 * shm.MIN_RING_BYTES)  # 2 MiB: the two frames wrap it once
+    try:
+        # 12 blocks just over the inline limit (each would be a doorbell of its own), about three
+        # to a chunk
+        blocks = [torch.full(((shm.INLINE_MAX_BYTES + 64) // 4,), float(i)) for i in range(12)]
+        header = frame.FrameHeader(op=frame.Op.OP_PUSH, job="j")
+        for i, t in enumerate(blocks):
+            header.blocks.append(frame.block_ref("w", i, t))
+        for _ in range(2):  # twice: the second frame starts mid-ring
+            join = in_thread(frame.send_frame, a, header, [frame.tensor_bytes(t) for t in blocks])
+            assert frame.recv_header(b).payload_bytes == sum(t.numel() * 4 for t in blocks)
+            for t in blocks:
+                out = torch.empty_like(t)
+                frame.recv_exactly_into(b, frame.tensor_bytes(out))
+                assert torch.equal(out, t)
+            join()
+        chunks = kinds.count(shm.CHUNK)
+        assert chunks <= 24 // 2, f"{chunks} doorbells for 24 blocks"
+    finally:
+        a.close()
+        b.close()
+
+
 def test_end_of_stream_reads_zero_and_timeouts_raise():
     a, b = pair()
     a.settimeout(0.2)

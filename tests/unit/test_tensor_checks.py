@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shardline.services.tensor_checks import all_finite, is_all_zero
+from shardline.services.tensor_checks import all_finite, is_all_zero, zero_parts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -39,3 +39,32 @@ def test_is_all_zero(dtype):
     assert not is_all_zero(z)
     assert not is_all_zero(torch.ones(3, dtype=dtype))
     assert is_all_zero(torch.zeros(6, dtype=dtype)[::2])  # non-contiguous
+
+
+@pytest.mark.parametrize("numel", [1, 1023, 1024, 1025, 4096 + 7, 262_144])
+def test_all_finite_float32_columns_and_tail(numel):
+    """The float32 check sums 1024-wide columns plus a tail: a NaN/Inf anywhere, in the body or
+    the tail, is found, and column sums that overflow fall back to the exact check."""
+    for pos in {0, numel // 2, numel - 1}:
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            t = torch.ones(numel)
+            t[pos] = bad
+            assert not all_finite(t)
+        assert all_finite(torch.ones(numel))
+    big = torch.full((numel,), 3e38)
+    big[::2] = -3e38
+    assert all_finite(big)  # finite, though sums of it may overflow
+    assert all_finite(torch.arange(float(2 * numel))[::2].contiguous())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_parts_agrees_with_is_all_zero_per_block(dtype):
+    flat = torch.randn(40).to(dtype)
+    flat[0:10] = 0            # all zero
+    flat[10] = 0              # starts with zero, is not all zero
+    flat[20:30] = -0.0        # negative zeros count as zero
+    bounds = [(0, 10), (10, 20), (20, 30), (30, 40)]
+    assert zero_parts(flat, bounds) == [True, False, True, False]
+    assert zero_parts(flat, bounds) == [is_all_zero(flat[a:b]) for a, b in bounds]
+    assert zero_parts(flat, [(0, 0), (0, 10)]) == [True, True]  # an empty part: the per-block path
+    assert zero_parts(flat, []) == []
