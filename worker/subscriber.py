@@ -77,6 +77,7 @@ class _SubscriberClient(Client):
     """A Client whose pulls ask for checksums and element-level deltas, received here."""
 
     subscriber_pulls = True
+    seen_revision = 0   # the newest job revision a node's reply named (set per instance once one does)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -85,7 +86,6 @@ class _SubscriberClient(Client):
         # (step, the step it waited for) of each pull reply since cleared: a pull retried in part
         # (a node lost, NOT_OWNER) has replies of one node from different steps
         self.replies: list[tuple[int, int]] = []
-        self.seen_revision = 0   # the newest job revision a node's reply named
         self._spec_checked = time.monotonic()
 
     def follow_revision(self) -> bool:
