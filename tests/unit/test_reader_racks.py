@@ -1,0 +1,170 @@
+"""Topology-aware placement: the reader-rack rule of ps_server/placement.py and the dispatcher's
+decision of dispatcher/reader_racks.py (docs/architecture.md, "Reader racks").
+
+The placement properties are checked against their definition (R distinct owners, one per rack
+without a preference, the primary is ring.owner, exactly one owner on the reader rack with one,
+only blocks lacking a copy there move), over a few hundred blocks; the decision with a fake clock.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shardline.dispatcher.reader_racks import ReaderRacks
+from shardline.ps_server.placement import place
+from shardline.services.blocks import block_hash
+from shardline.services.errors import ShardlineConfigError
+from shardline.services.pb import common_pb2
+from shardline.services.routing import RoutingView
+
+RACKS = {"ps-0": "a", "ps-1": "a", "ps-2": "b", "ps-3": "b", "ps-4": "c", "ps-5": "c"}
+
+
+def spec(name="job", replication=2) -> common_pb2.JobSpec:
+    s = common_pb2.JobSpec(name=name, sync="bsp", world_size=1, block_elements=64, replication=replication)
+    s.tensors.add(name="w", shape=[300, 64], dtype="float32", trainable=True)
+    return s
+
+
+def view(racks=RACKS, reader=None, pending_reader=None, pending=None) -> RoutingView:
+    t = common_pb2.RoutingTable(epoch=3, default_replication=2)
+    for n, rack in racks.items():
+        t.nodes.add(node_id=n, rack=rack, grpc_address="x:1", data_address=f"{n}:1", vnodes=64)
+    if reader:
+        t.reader_racks.update(reader)
+    if pending is not None:
+        t.pending_epoch = 4
+        for n, rack in pending.items():
+            t.pending_nodes.add(node_id=n, rack=rack, grpc_address="x:1", data_address=f"{n}:1", vnodes=64)
+        if pending_reader:
+            t.pending_reader_racks.update(pending_reader)
+    return RoutingView.from_proto(common_pb2.RoutingTable.FromString(t.SerializeToString()))
+
+
+def racks_of(owners, racks=RACKS):
+    return [racks[n] for n in owners]
+
+
+@pytest.mark.parametrize("r", [2, 3])
+def test_no_preference_keeps_rack_diversity(r):
+    v = view()
+    p = place(v, spec(replication=r))
+    assert len(p.owners) == 300
+    for key, owners in p.owners.items():
+        assert len(set(owners)) == r
+        assert len(set(racks_of(owners))) == r  # 3 racks, R <= 3: one copy per rack
+        assert owners[0] == v.ring.owner(block_hash("job", *key))
+
+
+@pytest.mark.parametrize("r", [2, 3])
+def test_preference_puts_exactly_the_rule_on_the_reader_rack(r):
+    base = place(view(), spec(replication=r)).owners
+    v = view(reader={"job": "c"})
+    p = place(v, spec(replication=r))
+    moved = 0
+    for key, owners in p.owners.items():
+        before = base[key]
+        assert len(set(owners)) == r and owners[0] == before[0] == v.ring.owner(block_hash("job", *key))
+        assert "c" in racks_of(owners)
+        if "c" in racks_of(before):
+            assert owners == before  # minimal movement: it had a copy there already
+        else:
+            moved += 1
+            assert owners[:-1] == before[:-1]  # one replica changes, the rest keep their racks
+            assert racks_of(owners).count("c") == 1
+    assert moved > 0 if r == 2 else moved == 0  # R = 3 on 3 racks: every rack has a copy already
+
+
+def test_preference_is_deterministic_and_per_job():
+    a = place(view(reader={"job": "a"}), spec()).owners
+    b = place(view(reader={"job": "a"}), spec()).owners
+    assert a == b
+    other = place(view(reader={"job": "a"}), spec(name="other")).owners
+    assert other == place(view(), spec(name="other")).owners  # no preference for that job
+
+
+def test_replication_one_and_rack_without_nodes_are_untouched():
+    assert place(view(reader={"job": "c"}), spec(replication=1)).owners == place(view(), spec(replication=1)).owners
+    assert place(view(reader={"job": "z"}), spec()).owners == place(view(), spec()).owners
+
+
+def test_pending_ring_uses_pending_preference():
+    v = view(reader={}, pending=RACKS, pending_reader={"job": "b"})
+    p = place(v, spec())
+    assert p.owners == place(view(), spec()).owners
+    for key, owners in p.pending_owners.items():
+        assert "b" in racks_of(owners)
+    # The copies to send while pending are exactly the new owners on rack b (learners).
+    learners = {n for key in p.pending_owners for n in p.pending_owners[key] if n not in p.owners[key]}
+    assert learners and {RACKS[n] for n in learners} == {"b"}
+
+
+# -- the decision ------------------------------------------------------------------------------
+
+def tracker(**kw) -> ReaderRacks:
+    return ReaderRacks(10.0, warm_seconds=5.0, **kw)
+
+
+def feed(t: ReaderRacks, start: float, end: float, per_rack: dict, job="job"):
+    now = start
+    while now < end:
+        for rack, rate in per_rack.items():
+            t.report(rack, {job: rate}, now)
+        now += 1.0
+    return now
+
+
+NODE_RACKS = ["a", "b"]
+R2 = {"job": 2}
+
+
+def test_enters_at_share_and_only_when_warm():
+    t = tracker()
+    feed(t, 0, 3, {"a": 700, "b": 300})
+    assert t.decide({}, R2, NODE_RACKS, 3) == {}  # not warm yet
+    now = feed(t, 3, 10, {"a": 700, "b": 300})
+    assert t.shares("job", now)["a"] == pytest.approx(0.7)
+    assert t.decide({}, R2, NODE_RACKS, now) == {"job": "a"}
+    assert t.decide({}, {"job": 1}, NODE_RACKS, now) == {}  # nothing to move with R = 1
+
+
+def test_hysteresis_keeps_then_drops():
+    t = tracker()
+    now = feed(t, 0, 10, {"a": 500, "b": 500})
+    assert t.decide({}, R2, NODE_RACKS, now) == {}  # 50 % is below enter
+    assert t.decide({"job": "a"}, R2, NODE_RACKS, now) == {"job": "a"}  # but above leave: kept
+    now = feed(t, now, now + 60, {"a": 200, "b": 800})
+    assert t.decide({"job": "a"}, R2, NODE_RACKS, now) == {"job": "b"}
+
+
+def test_rack_that_stops_reading_is_dropped():
+    t = tracker()
+    now = feed(t, 0, 10, {"a": 1000})
+    assert t.decide({}, R2, NODE_RACKS, now) == {"job": "a"}
+    # No reads at all for many half-lives: the rate falls below the floor.
+    assert t.decide({"job": "a"}, R2, NODE_RACKS, now + 300) == {}
+
+
+def test_rack_without_nodes_is_never_chosen():
+    t = tracker()
+    now = feed(t, 0, 10, {"z": 900, "a": 100})
+    assert t.decide({}, R2, NODE_RACKS, now) == {}
+    assert t.decide({"job": "z"}, R2, NODE_RACKS, now) == {}
+
+
+def test_bounded_racks_and_forget():
+    t = tracker(max_racks=2)
+    now = feed(t, 0, 10, {"a": 10, "b": 100, "c": 1000})
+    assert set(t.shares("job", now)) == {"b", "c"}
+    t.forget(["job"])
+    assert t.shares("job", now) == {}
+    assert t.decide({"job": "c"}, {}, NODE_RACKS, now) == {}  # a deleted job keeps nothing
+
+
+@pytest.mark.parametrize("kw", [{"enter_share": 0}, {"enter_share": 1.5}, {"leave_share": 0.9},
+                                {"max_racks": 0}, {"min_bytes_per_second": -1}])
+def test_bad_options_quote_the_value(kw):
+    with pytest.raises(ShardlineConfigError):
+        ReaderRacks(**kw)
+    with pytest.raises(ShardlineConfigError, match="-5"):
+        ReaderRacks().report("a", {"job": -5}, 0.0)
