@@ -168,3 +168,21 @@ def test_bad_options_quote_the_value(kw):
         ReaderRacks(**kw)
     with pytest.raises(ShardlineConfigError, match="-5"):
         ReaderRacks().report("a", {"job": -5}, 0.0)
+
+
+def test_status_shows_a_jobs_reader_rack():
+    from shardline.services.cli import render_status, status_dict
+    from shardline.services.pb import dispatcher_pb2
+
+    status = dispatcher_pb2.ClusterStatus()
+    status.routing.epoch, status.routing.pending_epoch = 3, 4
+    status.routing.reader_racks["job"] = "a"
+    status.routing.pending_reader_racks["job"] = "b"
+    status.routing.reader_racks["steady"] = "a"
+    status.routing.pending_reader_racks["steady"] = "a"
+    for name in ("job", "steady", "plain"):
+        status.jobs.add(spec=spec(name=name), ready=True)
+    text = render_status(status_dict(status, "127.0.0.1:1"))
+    assert "job job: reader rack a (moving to b)" in text
+    assert "job steady: reader rack a\n" in text + "\n"
+    assert "job plain:" not in text
