@@ -378,7 +378,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                                        pending_epoch=snap.pending_epoch,
                                        pending_nodes=[node_info(n) for n in snap.pending],
                                        default_replication=state.jobs.default_replication,
-                                       caches=state.caches.live(self._clock()))
+                                       caches=state.caches.live(self._clock()),
+                                       reader_racks=snap.reader_racks, pending_reader_racks=snap.pending_reader_racks)
 
     @_rpc
     def RegisterCache(self, request, context):

@@ -13,7 +13,7 @@ import pytest
 from shardline.dispatcher.reader_racks import ReaderRacks
 from shardline.ps_server.placement import place
 from shardline.services.blocks import block_hash
-from shardline.services.errors import ShardlineConfigError
+from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.pb import common_pb2
 from shardline.services.routing import RoutingView
 
@@ -186,3 +186,75 @@ def test_status_shows_a_jobs_reader_rack():
     assert "job job: reader rack a (moving to b)" in text
     assert "job steady: reader rack a\n" in text + "\n"
     assert "job plain:" not in text
+
+
+# -- the change: a two-phase ring change of the membership ------------------------------------
+
+def membership(store=None):
+    from shardline.dispatcher.membership import Membership
+
+    m = Membership(5.0, 16, store=store)
+    for i, rack in enumerate(["a", "a", "b", "b"]):
+        m.register(f"ps-{i}", rack, f"127.0.0.1:{7000 + 2 * i}", f"127.0.0.1:{7001 + 2 * i}", 1.0, now=0.0)
+    return m
+
+
+def ready_all(m, epoch):
+    return [m.report_ready(f"ps-{i}", epoch) for i in range(4)][-1]
+
+
+def test_reader_rack_change_is_pending_then_switches():
+    m = membership()
+    before = m.snapshot()
+    pending = m.set_reader_racks({"job": "b"})
+    snap = m.snapshot()
+    assert pending == snap.pending_epoch == snap.epoch > before.epoch
+    assert snap.reader_racks == {} and snap.pending_reader_racks == {"job": "b"}
+    assert [n.node_id for n in snap.pending] == [n.node_id for n in snap.serving]  # same ring, new placement
+    with pytest.raises(ShardlineStateError, match="in progress"):
+        m.set_reader_racks({"job": "a"})
+    assert ready_all(m, pending)
+    snap = m.snapshot()
+    assert snap.pending_epoch == 0 and snap.reader_racks == {"job": "b"} and snap.epoch > pending
+    assert m.set_reader_racks({"job": "b"}) == 0  # the map in use: nothing to do
+    with pytest.raises(ShardlineConfigError, match="bad rack!"):
+        m.set_reader_racks({"job": "bad rack!"})
+
+
+def test_a_death_calls_off_a_pending_reader_rack_change():
+    m = membership()
+    m.set_reader_racks({"job": "b"})
+    for i in range(3):
+        m.heartbeat(f"ps-{i}", 4.0)
+    assert m.expire(6.0) == ["ps-3"]
+    snap = m.snapshot()
+    assert snap.pending_epoch == 0 and snap.reader_racks == {}
+
+
+def test_reader_racks_survive_a_new_leader(tmp_path):
+    from shardline.dispatcher.state_store import open_state_store
+
+    store = open_state_store(str(tmp_path))
+    m = membership(store)
+    pending = m.set_reader_racks({"job": "b"})
+    ready_all(m, pending)
+    m.set_reader_racks({"job": "a"})
+    store.close()
+    again = membership(open_state_store(str(tmp_path)))  # a restarted (or newly elected) dispatcher
+    snap = again.snapshot()
+    again.store.close()
+    assert snap.reader_racks == {"job": "b"} and snap.pending_reader_racks == {"job": "a"} and snap.pending_epoch
+
+
+def test_routing_table_carries_the_reader_racks():
+    m = membership()
+    m.set_reader_racks({"job": "b"})
+    snap = m.snapshot()
+    table = common_pb2.RoutingTable(epoch=snap.epoch, pending_epoch=snap.pending_epoch,
+                                    reader_racks=snap.reader_racks, pending_reader_racks=snap.pending_reader_racks)
+    for n in snap.serving:
+        table.nodes.add(node_id=n.node_id, rack=n.rack, data_address=n.data_address, vnodes=n.vnodes)
+        table.pending_nodes.add(node_id=n.node_id, rack=n.rack, data_address=n.data_address, vnodes=n.vnodes)
+    p = place(RoutingView.from_proto(table), spec())
+    racks = {n.node_id: n.rack for n in snap.serving}
+    assert all("b" in [racks[o] for o in owners] for owners in p.pending_owners.values())
