@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from shardline.dispatcher.reader_racks import ReaderRacks
+from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.ps_server.placement import place
 from shardline.services.blocks import block_hash
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
@@ -258,3 +259,59 @@ def test_routing_table_carries_the_reader_racks():
     p = place(RoutingView.from_proto(table), spec())
     racks = {n.node_id: n.rack for n in snap.serving}
     assert all("b" in [racks[o] for o in owners] for owners in p.pending_owners.values())
+
+
+# -- the source: the PS counts bytes per reader rack; the leader decides from heartbeats -------
+
+def test_ps_counts_bytes_by_reader_rack_bounded():
+    from shardline.ps_server.heat import MAX_RACK_READS, HeatCounter, rack_reads_report
+
+    heat = HeatCounter(clock=lambda: 0.0)
+    heat.record_reads("job", [("w", 0, 100), ("w", 1, 50)], rack="a")
+    heat.record_reads("job", [("w", 0, 10)])                # no rack named: load only
+    heat.record_rack_read("job", "b", 7)                     # a subscriber pull
+    assert [(r.job, r.rack, r.bytes) for r in rack_reads_report(heat)] == [("job", "a", 150), ("job", "b", 7)]
+    assert heat.rack_reads() == {}                           # sums restart
+    for i in range(MAX_RACK_READS + 5):
+        heat.record_rack_read(f"j{i}", "a", 1)
+    assert len(heat.rack_reads()) == MAX_RACK_READS
+
+
+class _Context:
+    def abort(self, code, message):
+        raise AssertionError(f"aborted {code}: {message}")
+
+    def set_trailing_metadata(self, _metadata):
+        pass
+
+
+def test_leader_moves_a_jobs_reader_rack_from_heartbeats():
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.dispatcher.membership import Membership
+    from shardline.dispatcher.server import DispatcherServicer
+    from shardline.services.pb import dispatcher_pb2
+
+    now = [0.0]
+    servicer = DispatcherServicer(Membership(heartbeat_timeout=5.0), JobRegistry(), heartbeat_interval=0.5,
+                                  clock=lambda: now[0], heat_half_life=1.0, rebalance_interval=1.0, reader_racks=True)
+    for i, rack in enumerate(["a", "a", "b", "b"]):
+        servicer.membership.register(f"ps{i}", rack, f"127.0.0.1:{9000 + 2 * i}", f"127.0.0.1:{9001 + 2 * i}", 1.0, 0.0)
+    job = spec()
+    job.optimizer.CopyFrom(OptimizerConfig.from_kwargs("sgd", lr=0.1).to_proto())
+    servicer.jobs.create(job)
+    pending = 0
+    for t in range(1, 31):
+        now[0] = t / 10
+        for i in range(4):
+            servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id=f"ps{i}", rack_reads=[
+                dispatcher_pb2.RackReads(job="job", rack="b", bytes=9000),
+                dispatcher_pb2.RackReads(job="job", rack="a", bytes=1000)]), _Context())
+        pending = pending or servicer.update_reader_racks()
+        assert not pending or t >= 10  # not before a half-life of reports
+    assert pending and servicer.membership.snapshot().pending_reader_racks == {"job": "b"}
+    for i in range(4):
+        servicer.membership.report_ready(f"ps{i}", pending)
+    assert servicer.membership.reader_racks() == ({"job": "b"}, False)
+    assert servicer.update_reader_racks() == 0  # decided again: the same map, nothing moves
+    off = DispatcherServicer(Membership(heartbeat_timeout=5.0), JobRegistry(), heartbeat_interval=0.5)
+    assert off.update_reader_racks() == 0 and not off.reader_racks
