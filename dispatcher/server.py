@@ -812,7 +812,7 @@ def create_server(
     servicer = DispatcherServicer(
         membership, jobs, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security["security_flags"],
-        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval,
+        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval, reader_racks=reader_racks,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(
@@ -833,7 +833,7 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
                               server_tls, tls_ca: bytes | None, security_flags: Mapping[str, bool],
                               state_store: str, state_prefix: str, leader_lease_timeout: float,
                               advertise_address: str | None, connect_timeout: float, replication: int,
-                              heat_half_life: float, rebalance_interval: float):
+                              heat_half_life: float, rebalance_interval: float, reader_racks: bool = False):
     """create_server with an etcd state store: a follower that campaigns (create_server's contract)."""
     from shardline.dispatcher.state_etcd import EtcdElectionBackend, parse_etcd_url, validate_prefix
 
@@ -853,7 +853,7 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
     servicer = DispatcherServicer(
         None, None, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security_flags,
-        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval,
+        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval, reader_racks=reader_racks,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(
