@@ -1,10 +1,10 @@
 """Where each job's readers are, and which rack its placement should prefer: pure, thread-safe.
 
-Rack caches report, with each lease heartbeat, the bytes they fetched per job since the previous
-one (a cache serves the readers of one rack, so its fetches are that rack's reads without any
-data-plane change). Counts are decayed like the heatmap's (dispatcher/heatmap.py): a count ``c``
+PS nodes report, with each heartbeat, the bytes they sent per (job, reader rack) since the
+previous one (pulls name their reader's rack: a rack cache's fetches its own, a client with
+``rack=`` its own; ps_server/heat.py). Counts are decayed like the heatmap's (dispatcher/heatmap.py): a count ``c``
 reported at ``t`` weighs ``c * 2**(-(now - t) / half_life)`` at ``now``. Memory is bounded: at
-most ``max_racks`` racks per job (the decayed-smallest is dropped) and the jobs the caller lists.
+most ``max_racks`` racks per job (the decayed-smallest is dropped); the caller forgets deleted jobs.
 
 ``decide`` turns the shares into a job -> reader rack map for the routing table's
 ``reader_racks`` (ps_server/placement.py ``prefer_rack`` applies it). Hysteresis keeps it from
@@ -60,7 +60,7 @@ class ReaderRacks:
         self._first: float | None = None
 
     def report(self, rack: str, fetched: Mapping[str, float], now: float) -> None:
-        """A rack cache's heartbeat: ``fetched`` is job -> bytes fetched since its previous one."""
+        """Reads from ``rack``: ``fetched`` is job -> bytes sent since the reporter's previous report."""
         if not rack:
             return  # a reader with no rack says nothing about where reads are
         with self._lock:
@@ -79,6 +79,11 @@ class ReaderRacks:
                     for r in racks.values():
                         r.advance(now, self.half_life)
                     del racks[min(racks, key=lambda r: (racks[r].values[0], r))]
+
+    def jobs(self) -> set[str]:
+        """The jobs with records."""
+        with self._lock:
+            return set(self._jobs)
 
     def forget(self, jobs: Iterable[str]) -> None:
         """Drop the records of ``jobs`` (deleted jobs)."""

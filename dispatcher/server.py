@@ -620,7 +620,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if pending:
             return 0
         replication = {j.name: int(j.spec.replication) or state.jobs.default_replication for j in state.jobs.list()}
-        state.reader_racks.forget([job for job in current if job not in replication])
+        state.reader_racks.forget(state.reader_racks.jobs() - set(replication))  # deleted jobs
         racks = {n.rack for n in state.membership.snapshot().serving}
         wanted = state.reader_racks.decide(current, replication, racks, now)
         if wanted == current:
