@@ -99,8 +99,9 @@ class CacheFrontend:
     place of a PSNode: ``precheck`` before the payload, ``handle`` after it."""
 
     def __init__(self, cache_id: str, capacity_bytes: int, links: NodeLinks, fetch_routing, *,
-                 fetch_timeout: float = FETCH_TIMEOUT_SECONDS):
+                 fetch_timeout: float = FETCH_TIMEOUT_SECONDS, rack: str = ""):
         self.node_id = cache_id
+        self.rack = rack  # named in its fetches: the nodes count where a job's reads come from
         self.store = _NoJobs()
         self.links = links
         self._fetch_routing = fetch_routing
@@ -193,7 +194,7 @@ class CacheFrontend:
 
         address = self._address(node)
         header = frame.FrameHeader(op=dp.OP_PULL, job=job, epoch=epoch, min_step=min_step,
-                                   wait_timeout_seconds=timeout, subscriber=subscriber)
+                                   wait_timeout_seconds=timeout, subscriber=subscriber, reader_rack=self.rack)
         asked = {}
         for tensor, index, have, dtype in asks:
             header.blocks.append(dp.BlockRef(tensor=tensor, index=index, version=have or 0, has=have is not None,
@@ -337,7 +338,7 @@ def run_cache(args, security, stop: threading.Event, *, prog: str) -> int:
     transport = get_transport(args.transport)
     links = NodeLinks(transport, args.connect_timeout, security.token)
     cache_id = f"cache-{args.rack}-{socket.gethostname()}-{os.getpid()}"
-    frontend = CacheFrontend(cache_id, args.cache_bytes, links, client.get_routing)
+    frontend = CacheFrontend(cache_id, args.cache_bytes, links, client.get_routing, rack=args.rack)
     # A pull has no payload; the budget is there because the loop takes one.
     policy = ConnectionPolicy(limits=frame.FrameLimits(max_payload_bytes=0), cluster_token=security.token,
                               budget=PayloadBudget(1 << 20))

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             replication=args.replication,
             heat_half_life=args.heat_half_life,
             rebalance_interval=args.rebalance_interval,
+            reader_racks=args.reader_racks,
         )
     except (ShardlineConfigError, StateStoreError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)

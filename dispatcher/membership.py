@@ -39,6 +39,12 @@ the switch makes them the counts in use. It starts only while no change is pendi
 change calls it off (a node that dies, joins or drains: the loads it was planned from no longer
 hold; the next plan starts from fresh measurements). Counts in use and pending are persisted with
 the node, so a restarted (or newly elected) dispatcher serves the same ring and resumes the change.
+
+Reader racks (dispatcher/reader_racks.py decides, ``set_reader_racks`` applies; docs/architecture.md,
+"Reader racks") change the same way: the new job -> rack map is published as the pending one with
+a pending ring of the serving nodes, and the switch makes it the one in use. Like a rebalance it
+starts only while nothing is pending and any other change calls it off. Both maps are persisted
+(key ``reader_racks``).
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ MEMBER_ROLES = (SERVING, JOINING, DRAINING, DRAINED)
 # Epochs travel as uint64; a node may report at most this, so E + 1 and a restart's + 1 stay in range.
 MAX_EPOCH = 2**63 - 1
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
+READER_RACKS_KEY = "reader_racks"
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,8 @@ class RoutingSnapshot:
     serving: list                 # NodeRecords, sorted by id
     pending_epoch: int            # 0: no change in progress
     pending: list                 # NodeRecords of the pending ring
+    reader_racks: dict = dataclasses.field(default_factory=dict)          # job -> rack, serving ring
+    pending_reader_racks: dict = dataclasses.field(default_factory=dict)  # job -> rack, pending ring
 
 
 @dataclass
@@ -202,6 +211,7 @@ class Membership:
         self._nodes: dict[str, _Node] = {
             node_id: self._decode_node(node_id, value, now) for node_id, value in with_prefix(state, NODE_PREFIX).items()
         }
+        self._reader_racks, self._pending_reader_racks = self._decode_reader_racks(state.get(READER_RACKS_KEY))
         epoch = 1 if self.recovered_epoch is None else self.recovered_epoch + 1
         self.store.apply({EPOCH_KEY: {"epoch": epoch}})
         self._epoch = epoch
@@ -212,6 +222,19 @@ class Membership:
         if not isinstance(epoch, int) or isinstance(epoch, bool) or not 1 <= epoch <= MAX_EPOCH:
             raise StateStoreError(f"state store {self.store.location}: key {EPOCH_KEY!r} holds a bad epoch {value!r}")
         return epoch
+
+    def _decode_reader_racks(self, value) -> tuple[dict, dict | None]:
+        if value is None:
+            return {}, None
+        try:
+            maps = [value["serving"], value.get("pending")]
+            for m in maps:
+                for job, rack in (m or {}).items():
+                    validate_name(rack, f"reader rack of job {job!r}")
+            return dict(maps[0]), (dict(maps[1]) if maps[1] is not None else None)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise StateStoreError(f"state store {self.store.location}: key {READER_RACKS_KEY!r} holds bad reader "
+                                  f"racks {value!r}: {exc}") from None
 
     def _decode_node(self, node_id: str, value: dict, now: float) -> _Node:
         try:
@@ -245,19 +268,25 @@ class Membership:
                 f"state store {self.store.location}: key {NODE_PREFIX + node_id!r} holds a bad node record: {exc}"
             ) from None
 
-    def _bump(self, changed: list[_Node], epoch: int | None = None) -> None:
+    def _bump(self, changed: list[_Node], epoch: int | None = None, readers=None) -> None:
         """Persist ``epoch`` (default: the current one + 1) with the new records of ``changed``,
-        then publish them. Caller holds the lock.
+        then publish them. Caller holds the lock. ``readers`` is the new (serving, pending) reader
+        racks; without it a pending reader-rack change is called off when nodes change.
 
         Write-ahead: if the store fails, it raises and nothing in memory has changed.
         """
         epoch = self._epoch + 1 if epoch is None else epoch
+        if readers is None:
+            readers = (self._reader_racks, None if changed else self._pending_reader_racks)
         puts = {NODE_PREFIX + node.node_id: node.persisted() for node in changed}
         puts[EPOCH_KEY] = {"epoch": epoch}
+        if readers != (self._reader_racks, self._pending_reader_racks):
+            puts[READER_RACKS_KEY] = {"serving": readers[0], "pending": readers[1]}
         self.store.apply(puts)
         pending_before = self._pending_members()
         for node in changed:
             self._nodes[node.node_id] = node
+        self._reader_racks, self._pending_reader_racks = readers
         self._epoch = epoch
         if not self._changing():
             self._pending_epoch = 0
@@ -265,12 +294,13 @@ class Membership:
             self._pending_epoch = epoch  # a new pending ring: every node must sync for it again
 
     def _changing(self) -> bool:
-        return any(n.state == ALIVE and (n.member in (JOINING, DRAINING) or n.pending_vnodes)
-                   for n in self._nodes.values())
+        return self._pending_reader_racks is not None or any(
+            n.state == ALIVE and (n.member in (JOINING, DRAINING) or n.pending_vnodes) for n in self._nodes.values())
 
     def _pending_members(self) -> tuple:
         return tuple(sorted((n.node_id, n.pending_vnodes or n.vnodes) for n in self._nodes.values()
-                            if n.state == ALIVE and n.member in (SERVING, JOINING)))
+                            if n.state == ALIVE and n.member in (SERVING, JOINING))), \
+            tuple(sorted((self._pending_reader_racks or self._reader_racks).items()))
 
     def _call_off_rebalance(self, but: str = "") -> list[_Node]:
         """Records that end a pending rebalance (the nodes keep their counts in use). Caller holds the lock."""
@@ -309,6 +339,26 @@ class Membership:
             if not changed:
                 return 0
             self._bump(changed)
+            return self._pending_epoch
+
+    def reader_racks(self) -> tuple[dict[str, str], bool]:
+        """``(job -> reader rack in use, whether any ring change is pending)``."""
+        with self._lock:
+            return dict(self._reader_racks), self._changing()
+
+    def set_reader_racks(self, racks: dict[str, str]) -> int:
+        """Start moving to the reader racks ``racks`` (job -> rack; every job's, absent: none) as a
+        pending ring change. Returns the pending epoch (0: the map is the one in use).
+
+        Raises ShardlineStateError if another change is pending, ShardlineConfigError for a bad
+        rack name, StateStoreError if not persisted."""
+        racks = {job: validate_name(rack, f"reader rack of job {job!r}") for job, rack in racks.items()}
+        with self._lock:
+            if self._changing():
+                raise ShardlineStateError("a ring change is in progress: no reader-rack change until it completes")
+            if racks == self._reader_racks:
+                return 0
+            self._bump([], readers=(self._reader_racks, racks))
             return self._pending_epoch
 
     @property
@@ -436,7 +486,8 @@ class Membership:
                     n = dataclasses.replace(n, vnodes=n.pending_vnodes, pending_vnodes=0)
                 if n is not self._nodes[n.node_id]:
                     switched.append(n)
-            self._bump(switched)
+            pending_readers = self._pending_reader_racks
+            self._bump(switched, readers=(self._reader_racks if pending_readers is None else pending_readers, None))
             return True
 
     def drain(self, node_id: str, *, leaving: bool = False) -> int:
@@ -476,7 +527,10 @@ class Membership:
             pending = []
             if self._pending_epoch:
                 pending = [self._record(n, now, pending=True) for n in alive if n.member in (SERVING, JOINING)]
-            return RoutingSnapshot(self._epoch, serving, self._pending_epoch, pending)
+            readers = dict(self._reader_racks)
+            pending_readers = dict(self._pending_reader_racks if self._pending_reader_racks is not None else readers)
+            return RoutingSnapshot(self._epoch, serving, self._pending_epoch, pending, readers,
+                                   pending_readers if self._pending_epoch else {})
 
     def expire(self, now: float) -> list[str]:
         """Declare dead every alive node silent for more than ``heartbeat_timeout``. Returns their ids.

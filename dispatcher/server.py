@@ -45,6 +45,7 @@ from shardline.dispatcher.fanout import (
 )
 from shardline.dispatcher.cache_registry import CacheRegistry
 from shardline.dispatcher.heatmap import DEFAULT_HALF_LIFE_SECONDS, Heatmap
+from shardline.dispatcher.reader_racks import ReaderRacks
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, WorkerLeases
 from shardline.dispatcher import rebalance as rebalance_policy
 from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
@@ -162,6 +163,7 @@ class LeaderState:
     leases: WorkerLeases | None = None   # soft state: a new leader starts with none
     caches: CacheRegistry | None = None  # soft state too: caches register again with a new leader
     heatmap: Heatmap | None = None       # soft state too: learnt back from the next heartbeats
+    reader_racks: ReaderRacks | None = None  # soft state too (dispatcher/reader_racks.py)
 
     def __post_init__(self):
         if self.leases is None:
@@ -170,6 +172,8 @@ class LeaderState:
             object.__setattr__(self, "caches", CacheRegistry(self.membership.heartbeat_timeout))
         if self.heatmap is None:
             object.__setattr__(self, "heatmap", Heatmap())
+        if self.reader_racks is None:
+            object.__setattr__(self, "reader_racks", ReaderRacks(self.heatmap.half_life))
 
     def _lease_policy(self, job: str):
         try:
@@ -211,14 +215,19 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         security_flags: Mapping[str, bool] | None = None,
         heat_half_life: float = DEFAULT_HALF_LIFE_SECONDS,
         rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL_SECONDS,
+        reader_racks: bool = False,
     ):
         """``security_flags``: how this dispatcher is secured, as ClusterStatus fields (``insecure``,
         ``cluster_token``, ``tls``), reported by GetClusterStatus. ``heat_half_life``: of the access
-        heatmap; ``rebalance_interval``: seconds between rebalance plans (0: off)."""
+        heatmap; ``rebalance_interval``: seconds between rebalance plans (0: off); ``reader_racks``:
+        also move each job's reader rack every interval (``update_reader_racks``)."""
         if (membership is None) != (jobs is None):
             raise ShardlineConfigError("DispatcherServicer needs both membership and jobs, or neither (a follower)")
         self.heat_half_life = require_positive_number(heat_half_life, "heat_half_life (seconds)")
         self.rebalance_interval = _rebalance_interval(rebalance_interval)
+        if not isinstance(reader_racks, bool):
+            raise ShardlineConfigError(f"reader_racks must be true or false, got {reader_racks!r}")
+        self.reader_racks = reader_racks
         self._last_rebalance: tuple[float, str] | None = None   # (when, what) under the current leader state
         self._state: LeaderState | None = (LeaderState(membership, jobs, heatmap=Heatmap(self.heat_half_life))
                                            if membership is not None else None)
@@ -356,6 +365,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                 state.heatmap.report(request.node_id, request.load.rack, request.load, request.hot, self._clock())
             except ShardlineConfigError as exc:  # a bad heat report must not fail the heartbeat (liveness)
                 log.warning("node %s: heat report ignored: %s", request.node_id, exc)
+        for reads in request.rack_reads if registered else ():
+            state.reader_racks.report(reads.rack, {reads.job: reads.bytes}, self._clock())
         if registered and request.ready_epoch and state.membership.report_ready(request.node_id, request.ready_epoch):
             snap = state.membership.snapshot()
             log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving), snap.epoch)
@@ -378,7 +389,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                                        pending_epoch=snap.pending_epoch,
                                        pending_nodes=[node_info(n) for n in snap.pending],
                                        default_replication=state.jobs.default_replication,
-                                       caches=state.caches.live(self._clock()))
+                                       caches=state.caches.live(self._clock()),
+                                       reader_racks=snap.reader_racks, pending_reader_racks=snap.pending_reader_racks)
 
     @_rpc
     def RegisterCache(self, request, context):
@@ -596,6 +608,31 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         self._publish_gauges(state)
         return plan
 
+    def update_reader_racks(self) -> int:
+        """Decide each job's reader rack from the reads measured and start the change (a pending
+        ring change); returns its pending epoch (0: nothing changed). A follower, the option off, a
+        ring change in progress or a tracker not yet warm: nothing."""
+        state = self._state
+        if not self._current(state) or not self.reader_racks:
+            return 0
+        now = self._clock()
+        current, pending = state.membership.reader_racks()
+        if pending:
+            return 0
+        replication = {j.name: int(j.spec.replication) or state.jobs.default_replication for j in state.jobs.list()}
+        state.reader_racks.forget(state.reader_racks.jobs() - set(replication))  # deleted jobs
+        racks = {n.rack for n in state.membership.snapshot().serving}
+        wanted = state.reader_racks.decide(current, replication, racks, now)
+        if wanted == current:
+            return 0
+        try:
+            epoch = state.membership.set_reader_racks(wanted)
+        except ShardlineStateError as exc:  # a change started meanwhile: decided again next interval
+            log.info("reader-rack change skipped: %s", exc)
+            return 0
+        log.info("moving reader racks (pending epoch %d): %s", epoch, wanted or "none")
+        return epoch
+
     @_rpc
     def GetClusterStatus(self, request, context):
         state = self._leading()
@@ -668,6 +705,7 @@ class DispatcherServer:
         while not self._stop.wait(self._servicer.rebalance_interval):
             try:
                 self._servicer.rebalance()
+                self._servicer.update_reader_racks()
             except StateStoreError as exc:  # nothing changed; planned again next interval
                 log.error("rebalance failed: %s", exc)
             except Exception:
@@ -724,6 +762,7 @@ def create_server(
     replication: int = 2,
     heat_half_life: float = DEFAULT_HALF_LIFE_SECONDS,
     rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL_SECONDS,
+    reader_racks: bool = False,
 ) -> tuple[DispatcherServer, int, DispatcherServicer]:
     """Start a dispatcher on ``address`` (port 0: any free port). Returns (server, bound port, servicer).
 
@@ -745,7 +784,7 @@ def create_server(
     security = dict(cluster_token=cluster_token, server_tls=server_tls, tls_ca=tls_ca,
                     security_flags={"insecure": insecure, "cluster_token": cluster_token is not None,
                                     "tls": server_tls is not None},
-                    heat_half_life=heat_half_life, rebalance_interval=rebalance_interval)
+                    heat_half_life=heat_half_life, rebalance_interval=rebalance_interval, reader_racks=reader_racks)
     require_positive_number(heat_half_life, "heat_half_life (seconds)")
     _rebalance_interval(rebalance_interval)
     # Arguments first: a bad one must not touch the state (opening it persists a new epoch).
@@ -773,7 +812,7 @@ def create_server(
     servicer = DispatcherServicer(
         membership, jobs, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security["security_flags"],
-        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval,
+        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval, reader_racks=reader_racks,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(
@@ -794,7 +833,7 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
                               server_tls, tls_ca: bytes | None, security_flags: Mapping[str, bool],
                               state_store: str, state_prefix: str, leader_lease_timeout: float,
                               advertise_address: str | None, connect_timeout: float, replication: int,
-                              heat_half_life: float, rebalance_interval: float):
+                              heat_half_life: float, rebalance_interval: float, reader_racks: bool = False):
     """create_server with an etcd state store: a follower that campaigns (create_server's contract)."""
     from shardline.dispatcher.state_etcd import EtcdElectionBackend, parse_etcd_url, validate_prefix
 
@@ -814,7 +853,7 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
     servicer = DispatcherServicer(
         None, None, heartbeat_interval=heartbeat_interval, max_waiters=max(1, max_workers // 2),
         node_caller=GrpcNodeCaller(cluster_token, tls_ca), security_flags=security_flags,
-        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval,
+        heat_half_life=heat_half_life, rebalance_interval=rebalance_interval, reader_racks=reader_racks,
     )
     try:
         grpc_server, port, health_servicer = create_grpc_server(

@@ -20,6 +20,10 @@ reported: those with the most accesses not reported yet (ties: the higher decaye
 half-life ``half_life`` seconds). A block's counts are never lost: those not reported carry over
 and grow until they are, so the sum of every report's counts of a block equals its accesses, and
 a node with more than ``k`` busy blocks reports all of them in turn (the hottest every time).
+
+Reader racks. A pull naming its reader's rack (``FrameHeader.reader_rack``) also adds the bytes
+sent to that (job, rack); ``rack_reads()`` returns those sums since the previous call (at most
+``MAX_RACK_READS`` pairs per interval: a pull of a further pair counts in the load only).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from typing import Callable, Iterable
 from shardline.services.errors import ShardlineConfigError
 
 MAX_REPORTED = 32
+MAX_RACK_READS = 64   # (job, rack) pairs counted per heartbeat interval; further pairs wait for the next
 DEFAULT_MAX_TRACKED = 1 << 20
 DEFAULT_HALF_LIFE_SECONDS = 30.0
 
@@ -95,6 +100,7 @@ class HeatCounter:
         self.untracked = 0          # accesses of blocks beyond max_tracked (counted in the load only)
         self._last_report = clock()
         self._interval = dict.fromkeys(("bytes_in", "bytes_out", "pulls", "pushes", "apply", "reads", "writes"), 0)
+        self._rack_reads: dict[tuple[str, str], int] = {}
 
     def _entry(self, key: tuple[str, str, int], now: float) -> _Block | None:
         entry = self._blocks.get(key)
@@ -128,9 +134,27 @@ class HeatCounter:
                 entry.score = entry.decayed(now, self.half_life) + max(1, nbytes)
                 entry.scored_at = now
 
-    def record_reads(self, job: str, blocks: Iterable[tuple[str, int, int]], now: float | None = None) -> None:
-        """One pull answered with ``blocks`` (``(tensor, index, bytes sent)``; empty: nothing changed)."""
+    def record_reads(self, job: str, blocks: Iterable[tuple[str, int, int]], now: float | None = None,
+                     rack: str = "") -> None:
+        """One pull answered with ``blocks`` (``(tensor, index, bytes sent)``; empty: nothing changed),
+        for a reader on ``rack`` (empty: not named)."""
+        blocks = list(blocks)
         self._record(job, blocks, False, now)
+        self.record_rack_read(job, rack, sum(n for _, _, n in blocks))
+
+    def record_rack_read(self, job: str, rack: str, nbytes: int) -> None:
+        """``nbytes`` sent to a reader on ``rack`` (empty: not named; nothing counted)."""
+        if rack:
+            with self._lock:
+                key = (job, rack)
+                if key in self._rack_reads or len(self._rack_reads) < MAX_RACK_READS:
+                    self._rack_reads[key] = self._rack_reads.get(key, 0) + nbytes
+
+    def rack_reads(self) -> dict[tuple[str, str], int]:
+        """Bytes sent per (job, reader rack) since the previous call (those sums restart at 0)."""
+        with self._lock:
+            out, self._rack_reads = self._rack_reads, {}
+            return out
 
     def record_writes(self, job: str, blocks: Iterable[tuple[str, int, int]], now: float | None = None) -> None:
         """One push received carrying ``blocks`` (``(tensor, index, bytes received)``)."""
@@ -175,6 +199,13 @@ class HeatCounter:
                 out.append(BlockHeat(job, tensor, block, e.p_reads, e.p_writes, e.p_read_bytes, e.p_write_bytes))
                 e.p_reads = e.p_writes = e.p_read_bytes = e.p_write_bytes = 0
             return load, out
+
+
+def rack_reads_report(counter: HeatCounter) -> list:
+    """``counter.rack_reads()`` as HeartbeatRequest ``rack_reads`` (RackReads)."""
+    from shardline.services.pb import dispatcher_pb2
+
+    return [dispatcher_pb2.RackReads(job=job, rack=rack, bytes=n) for (job, rack), n in sorted(counter.rack_reads().items())]
 
 
 def heat_report(counter: HeatCounter, node_id: str, rack: str, now: float | None = None):

@@ -27,7 +27,7 @@ from shardline.ps_server.delta_history import DeltaHistory
 from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.grad_norm import GradNormExchange
-from shardline.ps_server.heat import heat_report
+from shardline.ps_server.heat import heat_report, rack_reads_report
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
@@ -100,7 +100,7 @@ class HeartbeatLoop(threading.Thread):
                                          epoch=self.node.routing.epoch, jobs=self.node.held_jobs(),
                                          ready_epoch=self.node.ready_epoch(),
                                          insecure=bool(self.registration.get("insecure")), timeout=timeout,
-                                         load=load, hot=hot)
+                                         load=load, hot=hot, rack_reads=rack_reads_report(self.node.heat))
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
                 self.client.register_node(**self.registration)

@@ -483,10 +483,13 @@ class PSNode:
             bases = {(t, i): v for t, i, v in wanted if v is not None}
             sent = subscriber_blocks(self.delta_history, (job.uid, job.name), blocks, bases)
             reply.blocks.extend(ref for ref, _ in sent)
+            # where the job's readers are (subscriber pulls count in no other heat)
+            self.heat.record_rack_read(job.name, header.reader_rack, sum(ref.nbytes for ref, _ in sent))
             return reply, [payload for _, payload in sent]
         payloads = []
         for tensor, index, version, value in blocks:
             reply.blocks.append(frame.block_ref(tensor, index, value, version=version))
             payloads.append(frame.tensor_bytes(value))
-        self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks])
+        self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],
+                               rack=header.reader_rack)
         return reply, payloads

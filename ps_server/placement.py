@@ -7,7 +7,9 @@ always ``ring.owner``, so workers route without knowing the replication), the ot
 pending, the owners under the pending ring that are not owners now are **learners**: they are
 brought in sync and then replicated to like replicas, so that the change can switch over with
 every new owner holding the blocks it gains. ``R`` is the job's replication (the dispatcher's
-default when the job sets none), capped at the number of nodes in the ring.
+default when the job sets none), capped at the number of nodes in the ring. A job with a reader rack in the table
+(``reader_racks``; ``pending_reader_racks`` under the pending ring) keeps one copy of each block on
+that rack (``prefer_rack``).
 """
 
 from __future__ import annotations
@@ -37,10 +39,31 @@ def _blocks(tensor, spec) -> int:
     return num_blocks(numel, int(spec.block_elements))
 
 
-def _owners(ring: HashRing | None, racks: dict, job: str, key: tuple[str, int], r: int) -> tuple[str, ...]:
+def _owners(ring: HashRing | None, racks: dict, job: str, key: tuple[str, int], r: int,
+            reader_rack: str | None = None) -> tuple[str, ...]:
     if ring is None or len(ring) == 0:
         return ()
-    return tuple(ring.owners(block_hash(job, key[0], key[1]), min(r, len(ring)), racks))
+    key_hash = block_hash(job, key[0], key[1])
+    return tuple(prefer_rack(ring, racks, key_hash, ring.owners(key_hash, min(r, len(ring)), racks), reader_rack))
+
+
+def prefer_rack(ring: HashRing, racks: dict, key_hash: int, owners: list[str],
+                reader_rack: str | None) -> list[str]:
+    """``owners`` with one copy moved onto ``reader_rack`` (docs/architecture.md, "Reader racks").
+
+    With at least 2 owners, none of them on ``reader_rack`` and a node of ``reader_rack`` in the
+    ring, the last owner is replaced by the first node of that rack in the ring's walk from
+    ``key_hash``. The primary never changes (workers route to ``ring.owner``), the other replicas
+    keep their rack diversity, and a block that already has a copy there keeps its owners: so
+    setting or clearing a preference moves only the blocks that lack a copy on the rack, by one
+    replica each. Without a preference, or with a rack that has no node, ``owners`` is returned as is.
+    """
+    if not reader_rack or len(owners) < 2 or any(racks.get(n) == reader_rack for n in owners):
+        return owners
+    for node_id in ring.owners(key_hash, len(ring)):  # every node, in walk order
+        if racks.get(node_id) == reader_rack:
+            return owners[:-1] + [node_id]
+    return owners
 
 
 @dataclass
@@ -86,9 +109,11 @@ def place(view, spec: common_pb2.JobSpec) -> JobPlacement:
     r = replication_of(spec, view.default_replication)
     racks = {**{n: i.rack for n, i in view.pending_nodes.items()}, **{n: i.rack for n, i in view.nodes.items()}}
     placement = JobPlacement(spec.name, r)
+    serving_rack = view.reader_racks.get(spec.name)
+    pending_rack = view.pending_reader_racks.get(spec.name)
     for block in all_keys(spec):
-        placement.owners[block] = _owners(view.ring, racks, spec.name, block, r)
+        placement.owners[block] = _owners(view.ring, racks, spec.name, block, r, serving_rack)
         if view.pending_ring is not None:
-            placement.pending_owners[block] = _owners(view.pending_ring, racks, spec.name, block, r)
+            placement.pending_owners[block] = _owners(view.pending_ring, racks, spec.name, block, r, pending_rack)
     view.placements[key] = placement
     return placement

@@ -154,6 +154,10 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "ready": bool(j.ready), "created_unix_ms": int(j.created_unix_ms),
             "replication": int(j.spec.replication) or None, "on_worker_failure": j.spec.on_worker_failure or "wait",
             "compression": j.spec.compression or "none",  # empty: a job made before the option
+            # topology-aware placement: the rack one copy of each block is kept on (None: none)
+            "reader_rack": status.routing.reader_racks.get(j.spec.name) or None,
+            # the reader rack under a pending ring change when it differs ("": none), else None
+            "reader_rack_change": _reader_rack_change(status.routing, j.spec.name),
             "workers": workers, "missing_ranks": sorted(w["rank"] for w in workers if w["state"] == "lost"),
         })
     return {
@@ -172,6 +176,12 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
                      "tls": bool(status.tls),
                      "insecure_nodes": [n["node_id"] for n in nodes if n["insecure"] and n["state"] == "alive"]},
     }
+
+
+def _reader_rack_change(routing, job: str) -> str | None:
+    serving = routing.reader_racks.get(job, "")
+    pending = routing.pending_reader_racks.get(job, "") if routing.pending_epoch else serving
+    return pending if pending != serving else None
 
 
 def security_lines(security: dict) -> tuple[list[str], str]:
@@ -229,6 +239,10 @@ def render_status(data: dict) -> str:
         if workers:
             lines += ["", "workers:", workers]
         for j in data["jobs"]:
+            change = j.get("reader_rack_change")
+            if j.get("reader_rack") or change is not None:
+                lines.append(f"job {j['name']}: reader rack {j.get('reader_rack') or 'none'}"
+                             + (f" (moving to {change or 'none'})" if change is not None else ""))
             for w in j.get("workers", []):
                 if w["state"] == "lost":
                     lines.append(f"job {j['name']}: rank {w['rank']} missing for {w['lost_for_seconds']:.0f} s "

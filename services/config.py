@@ -363,6 +363,10 @@ OPTIONS: tuple[Option, ...] = (
            "PS nodes' measured load (bytes/s in + out): virtual-node counts move through a pending ring change, "
            "with hysteresis and a cool-down of one interval. 0: never.", ("dispatcher",), default=60.0, minimum=0,
            unit="s"),
+    Option("reader_racks", "bool", "With rebalance_interval: every interval, keep one copy of each block of a "
+           "job (replication >= 2) on the rack most of its reads come from (>= 60 %, kept down to 40 %), moved "
+           "through a pending ring change (docs/architecture.md, \"Reader racks\").", ("dispatcher",),
+           default=False),
     Option("heat_half_life", "float", "Half-life of the dispatcher's access heatmap (`shardline status --hot`, "
            "rebalancing): older accesses weigh half as much per half-life.", ("dispatcher",), default=30.0,
            above=0, unit="s"),

@@ -24,6 +24,8 @@ class RoutingView:
     pending_ring: HashRing | None = None
     default_replication: int = 1
     caches: tuple = ()  # common_pb2.CacheInfo of the rack caches (L2) with a live lease
+    reader_racks: dict = field(default_factory=dict)          # job -> preferred rack (serving ring)
+    pending_reader_racks: dict = field(default_factory=dict)  # job -> preferred rack (pending ring)
     placements: dict = field(default_factory=dict, compare=False, repr=False)  # cache of placement.place
 
     @classmethod
@@ -32,7 +34,7 @@ class RoutingView:
         pending = {n.node_id: n for n in table.pending_nodes}
         return cls(int(table.epoch), nodes, _ring(nodes), int(table.pending_epoch), pending,
                    _ring(pending) if table.pending_epoch else None, int(table.default_replication) or 1,
-                   tuple(table.caches))
+                   tuple(table.caches), dict(table.reader_racks), dict(table.pending_reader_racks))
 
     @classmethod
     def empty(cls) -> "RoutingView":

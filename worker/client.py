@@ -946,6 +946,8 @@ class Client:
             header.via_node = node_id
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
         header.subscriber = op == dp.OP_PULL and self.subscriber_pulls
+        if op == dp.OP_PULL and self._reads.rack:
+            header.reader_rack = self._reads.rack  # where this job's reads come from (ps_server/heat.py)
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
         # needs them before the commits arrive.
         if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):
