@@ -16,6 +16,12 @@ loads to ``services.ring.load_adjusted_vnodes`` (a node's counts scaled by the i
 relative load), then nudges single nodes up or down while that lowers the predicted max/mean; the
 best counts found win, within ``[min_factor, max_factor]`` times ``base``. Deterministic.
 
+Readers' racks. Given the racks of the nodes and, per job, the rack its reads come from
+(dispatcher/reader_racks.py), the best counts are then nudged toward putting the known blocks of
+those jobs on nodes of their readers' rack: a nudge is kept when it raises the bytes/s of such
+blocks owned on their readers' rack and the predicted max/mean stays within the balance band
+(the best found, or ``1 + tolerance`` if that is larger): capacity first, locality where it allows.
+
 Hysteresis. Nothing moves when: a ring change is pending; the cool-down since the last change
 has not passed; the cluster carries less than ``min_load`` bytes/s (idle); the measured max/mean
 is within ``tolerance`` of 1 (balanced); or the predicted max/mean does not improve by at least
@@ -75,12 +81,17 @@ class LoadModel:
     def __init__(self, node_load: Mapping[str, float], block_bytes: Mapping[tuple, float], nodes):
         self.nodes = sorted(nodes)
         items = sorted(block_bytes.items())
+        self.blocks = [key for key, _ in items]   # (job, tensor, index), the model's block order
         self._hashes = np.array([block_hash(job, tensor, index) for (job, tensor, index), _ in items], dtype=np.uint64)
         self._rates = np.array([rate for _, rate in items], dtype=np.float64)
         # What the nodes carry beyond the known blocks, spread like uniformly hashed keys. A total,
         # so that it does not depend on the ring the load was measured under.
         self.residual = max(0.0, sum(node_load.get(n, 0.0) for n in self.nodes) - float(self._rates.sum()))
         self._points: dict[str, np.ndarray] = {}
+
+    @property
+    def rates(self) -> np.ndarray:
+        return self._rates
 
     def _positions(self, node: str, count: int) -> np.ndarray:
         cached = self._points.get(node)
@@ -150,16 +161,51 @@ def search(model: LoadModel, base: Mapping[str, int], *, min_factor: float = MIN
     return best, best_ratio
 
 
+def rack_local_bytes(model: LoadModel, vnodes: Mapping[str, int], wanted: list) -> float:
+    """Bytes/s of the known blocks owned under ``vnodes`` on the rack ``wanted`` names for each
+    (the model's block order; None: no preference)."""
+    owners = model.owners_of(vnodes)
+    return float(sum(rate for owner, want, rate in zip(owners, wanted, model.rates) if want is not None
+                     and owner in want))
+
+
+def toward_readers(model: LoadModel, best: Mapping[str, int], base: Mapping[str, int], limit: float,
+                   readers: list, *, min_factor: float = MIN_FACTOR, max_factor: float = MAX_FACTOR) -> dict:
+    """``best`` nudged toward rack-local ownership of the blocks ``readers`` names (per block in
+    the model's order: the set of nodes on its readers' rack, or None) while the predicted max/mean
+    stays <= ``limit`` (module docstring). Deterministic."""
+    if not any(r for r in readers):
+        return dict(best)
+    best = dict(best)
+    local = rack_local_bytes(model, best, readers)
+    for _ in range(_ROUNDS):
+        improved = False
+        for node in sorted(best):
+            for factor in _NUDGES:
+                trial = _clamp({**best, node: max(1, round(best[node] * factor))}, base, min_factor, max_factor)
+                if trial == best or imbalance(model.predict(trial)) > limit + 1e-12:
+                    continue
+                gained = rack_local_bytes(model, trial, readers)
+                if gained > local + 1e-9:
+                    best, local, improved = trial, gained, True
+        if not improved:
+            break
+    return best
+
+
 def plan(base: Mapping[str, int], current: Mapping[str, int], node_load: Mapping[str, float],
          block_bytes: Mapping[tuple, float], *, now: float, last_change: float | None, cooldown: float,
          pending: bool, min_improvement: float = DEFAULT_MIN_IMPROVEMENT, tolerance: float = DEFAULT_TOLERANCE,
-         hysteresis: float = DEFAULT_HYSTERESIS, min_load: float = DEFAULT_MIN_LOAD) -> Plan | None:
+         hysteresis: float = DEFAULT_HYSTERESIS, min_load: float = DEFAULT_MIN_LOAD,
+         node_racks: Mapping[str, str] | None = None, reader_racks: Mapping[str, str] | None = None) -> Plan | None:
     """New virtual-node counts for the serving nodes, or None to leave the ring as it is.
 
     ``base``: capacity-derived counts of the serving nodes; ``current``: their counts now;
     ``node_load``: measured bytes/s per node (a serving node without a measurement: no plan);
     ``block_bytes``: bytes/s of the blocks the heatmap knows, ``(job, tensor, index) -> rate``;
-    ``last_change``: when the last rebalance was applied (None: never). See the module docstring.
+    ``last_change``: when the last rebalance was applied (None: never); ``node_racks``: node ->
+    rack and ``reader_racks``: job -> its readers' rack, for the tie-break toward the readers' rack.
+    See the module docstring.
     """
     if set(base) != set(current):
         raise ShardlineConfigError(f"base and current counts name different nodes: {sorted(base)} vs {sorted(current)}")
@@ -179,7 +225,13 @@ def plan(base: Mapping[str, int], current: Mapping[str, int], node_load: Mapping
         return None                                      # balanced enough
     model = LoadModel(measured_load, block_bytes, current)
     before = imbalance(model.predict(current))
-    best, _ = search(model, base)
+    best, best_ratio = search(model, base)
+    if node_racks and reader_racks:
+        on_rack = {}
+        for node in current:
+            on_rack.setdefault(node_racks.get(node), set()).add(node)
+        wanted = [on_rack.get(reader_racks[job]) if job in reader_racks else None for job, _t, _i in model.blocks]
+        best = toward_readers(model, best, base, max(best_ratio, 1.0 + tolerance), wanted)
     new = {n: best[n] if abs(best[n] - current[n]) > hysteresis * current[n] else current[n] for n in current}
     after = imbalance(model.predict(new))
     if new == dict(current) or before - after < min_improvement:

@@ -593,8 +593,10 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             return None
         loads = {n.node_id: n.bytes_per_second for n in state.heatmap.nodes(now, only=set(current))}
         last = self._last_rebalance[0] if self._last_rebalance else None
+        racks = {n.node_id: n.rack for n in state.membership.routing_table(now)[1]}
+        readers, _changing = state.membership.reader_racks()
         plan = rebalance_policy.plan(base, current, loads, state.heatmap.block_bytes(now), now=now, last_change=last,
-                                     cooldown=settle, pending=pending)
+                                     cooldown=settle, pending=pending, node_racks=racks, reader_racks=readers)
         if plan is None:
             return None
         try:

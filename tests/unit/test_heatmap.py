@@ -208,3 +208,24 @@ def test_the_dispatcher_plans_from_heartbeats_and_serves_the_heatmap():
     assert heat.last_rebalance.startswith("max/mean load") and heat.rebalance_interval_seconds == 1.0
     assert sum(n.bytes_out_per_second for n in heat.nodes) == pytest.approx(sum(load.values()), rel=1e-6)
     assert servicer.rebalance() is None              # a change is pending
+
+
+def test_a_plan_prefers_the_readers_rack_within_the_balance_band():
+    """Racks a (ps0, ps1) and b (ps2, ps3); job "j" is read from rack a. The plan with the
+    preference keeps the predicted max/mean within the band of the plan without it and puts at
+    least as many of j's bytes on rack a (strictly more here); a job without a reader rack, or no
+    racks known, plans exactly as before."""
+    from shardline.dispatcher.rebalance import rack_local_bytes
+
+    base, blocks, load = _skewed(hot_blocks=48)
+    racks = {"ps0": "a", "ps1": "a", "ps2": "b", "ps3": "b"}
+    kw = dict(now=100.0, last_change=None, cooldown=10.0, pending=False)
+    plain = plan(base, base, load, blocks, **kw)
+    local = plan(base, base, load, blocks, node_racks=racks, reader_racks={"j": "a"}, **kw)
+    assert plain is not None and local is not None
+    model = LoadModel(load, blocks, base)
+    wanted = [{"ps0", "ps1"}] * len(model.blocks)
+    assert local.predicted_after <= max(plain.predicted_after, 1.05) + 1e-9
+    assert rack_local_bytes(model, local.vnodes, wanted) > rack_local_bytes(model, plain.vnodes, wanted)
+    assert plan(base, base, load, blocks, node_racks=racks, reader_racks={"other": "a"}, **kw) == plain
+    assert plan(base, base, load, blocks, node_racks=None, reader_racks={"j": "a"}, **kw) == plain
