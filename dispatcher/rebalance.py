@@ -88,6 +88,7 @@ class LoadModel:
         # so that it does not depend on the ring the load was measured under.
         self.residual = max(0.0, sum(node_load.get(n, 0.0) for n in self.nodes) - float(self._rates.sum()))
         self._points: dict[str, np.ndarray] = {}
+        self._last_ring: tuple | None = None
 
     @property
     def rates(self) -> np.ndarray:
@@ -106,6 +107,15 @@ class LoadModel:
         return [self.nodes[i] for i in order[index]]
 
     def _ring(self, vnodes: Mapping[str, int]):
+        # One entry: a trial's balance and its owners (toward_readers) come from the same ring.
+        key = tuple(sorted(vnodes.items()))
+        if self._last_ring is not None and self._last_ring[0] == key:
+            return self._last_ring[1]
+        ring = self._build_ring(vnodes)
+        self._last_ring = (key, ring)
+        return ring
+
+    def _build_ring(self, vnodes: Mapping[str, int]):
         ids = [i for i, n in enumerate(self.nodes) for _ in range(vnodes[n])]
         pos = np.concatenate([self._positions(n, vnodes[n]) for n in self.nodes])
         owner = np.array(ids, dtype=np.int64)
