@@ -211,28 +211,19 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 SEND_GROUP_BYTES = 4 * 1024 * 1024
 
 
-def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes] = (),
-               before_each=None) -> None:
-    """Send a frame; ``header.payload_bytes`` is set from ``payloads``.
-
-    ``before_each(i)``, if given, runs before payload ``i`` goes out (all of them before anything,
-    for a small frame): a check that raises there leaves the frame cut short, and the caller must
-    drop the connection (a receiver keeps nothing of a frame whose sender vanished mid-way)."""
+def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes] = ()) -> None:
+    """Send a frame; ``header.payload_bytes`` is set from ``payloads``."""
     header.payload_bytes = sum(len(p) for p in payloads)
     head = encode_prefix_and_header(header)
     if header.payload_bytes < 65536:
         # Small frames: one syscall keeps latency down.
-        for i in range(len(payloads) if before_each is not None else 0):
-            before_each(i)
         sock.sendall(b"".join([head, *[bytes(p) for p in payloads]]))
         return
     sock.sendall(head)
     send_many = getattr(sock, "sendall_many", None)
-    if send_many is not None:  # a shm connection: several blocks per doorbell, checked just before
+    if send_many is not None:  # a shm connection: several blocks per doorbell
         group, size = [], 0
-        for i, p in enumerate(payloads):
-            if before_each is not None:
-                before_each(i)
+        for p in payloads:
             group.append(p)
             size += len(p)
             if size >= SEND_GROUP_BYTES:
@@ -241,9 +232,7 @@ def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes]
         if group:
             send_many(group)
         return
-    for i, p in enumerate(payloads):
-        if before_each is not None:
-            before_each(i)
+    for p in payloads:
         if len(p):
             sock.sendall(p)
 

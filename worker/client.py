@@ -75,7 +75,7 @@ class TransferStats:
 
 
 class _NonFiniteGradient(ShardlineConfigError):
-    """A gradient block held NaN or Inf (found while its push was being sent)."""
+    """A gradient block held NaN or Inf (found by this client, or by the node it was pushed to)."""
 
 
 def _check_finite(key: tuple[str, int], block: torch.Tensor) -> None:
@@ -191,7 +191,7 @@ class Client:
         # parameter group (a tuple), or None: the job's own.
         self.lr: float | tuple[float, ...] | None = None
         self._commit_follows = False   # the push being sent is followed by this worker's commit
-        self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, still to check for NaN/Inf
+        self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, left to the node's NaN/Inf check
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
@@ -549,16 +549,15 @@ class Client:
             slices = self._slices[name]
             for s, zero in zip(slices, zero_parts(flat, [(s.start, s.stop) for s in slices])):
                 payload[(name, s.index)] = None if zero else flat[s.start:s.stop]
-        # A push that goes to one node in one frame over shm has its blocks checked for NaN/Inf as
-        # they are sent (each just before it is copied into the ring, while the node copies out
-        # the previous ones) instead of in a pass of its own first: a bad block cuts the frame
-        # short and the node keeps nothing of it. A push spread over several nodes is checked
-        # whole first, or some would keep their part; so is one over TCP, where the sender is
-        # the slower side and a check between two blocks only stalls the stream.
-        check_while_sending = (not spec.allow_nonfinite and self._compressor is None
-                               and len({self.routing.owner(self.job, *key) for key, g in payload.items()
-                                        if g is not None}) == 1)
-        if not spec.allow_nonfinite and not check_while_sending:
+        # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
+        # checks each block as its bytes arrive (cache-hot, on the side of the stream with slack)
+        # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
+        # nodes is checked whole here first, or some would keep their part; so is a compressed one
+        # (the error feedback must not take in a NaN).
+        node_checks = (not spec.allow_nonfinite and self._compressor is None
+                       and len({self.routing.owner(self.job, *key) for key, g in payload.items()
+                                if g is not None}) == 1)
+        if not spec.allow_nonfinite and not node_checks:
             for name, flat in flats:
                 if not all_finite(flat):
                     raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
@@ -570,7 +569,7 @@ class Client:
         record = self._inflight_record(step, weight)["grads"] if self._collects else {}
         replaced = {key: record[key] for key in payload if key in record}
         record.update(payload)
-        if check_while_sending:
+        if node_checks:
             self._unchecked = {key: g for key, g in payload.items() if g is not None}
         try:
             self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
@@ -583,25 +582,15 @@ class Client:
             self._unchecked = {}
         failpoints.hit("worker.after_push", step)
 
-    def _push_checks(self, keys: list, grads: dict, conn: DataPlaneConnection):
-        """``before_each`` for send_frame of a push frame of ``keys`` over ``conn``: checks each
-        block not yet checked (``_unchecked``) just before it is sent (shm). A frame that does not
-        carry all of them (the routing moved mid-push), or goes over TCP, checks all of them
-        before anything is sent."""
+    def _push_checks(self, keys: list) -> None:
+        """Before a push frame of ``keys`` goes out: the blocks left to the node's check
+        (``_unchecked``) stay so if this frame carries them all; a frame that does not (the routing
+        moved mid-push and the push now spans several nodes) checks all of them here first."""
         unchecked = self._unchecked
-        if not unchecked:
-            return None
-        if not unchecked.keys() <= set(keys) or not hasattr(conn.sock, "sendall_many"):
-            for key, g in list(unchecked.items()):
+        if unchecked and not unchecked.keys() <= set(keys):
+            for key, g in unchecked.items():
                 _check_finite(key, g)
-            return None
-        sent = [key for key in keys if grads[key] is not None]  # the frame's payloads, in order
-
-        def before_each(i: int) -> None:
-            g = unchecked.pop(sent[i], None)
-            if g is not None:
-                _check_finite(sent[i], g)
-        return before_each
+            unchecked.clear()
 
     def _commit(self, weight: float) -> None:
         step = self._current_step()
@@ -982,18 +971,15 @@ class Client:
                 expected[(name, index)] = s
         conn = self._conn(node_id, via)
         key = node_id if via is None else _cache_key(via, node_id)
-        before_each = self._push_checks(keys, grads, conn) if op == dp.OP_PUSH else None
+        if op == dp.OP_PUSH:
+            self._push_checks(keys)
         with conn.lock:
             try:
                 # a node that stops answering (paused, partitioned) is given up on after this
                 io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
                 conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
-                frame.send_frame(conn.sock, header, payloads, before_each)
+                frame.send_frame(conn.sock, header, payloads)
                 reply = frame.recv_header(conn.sock, REPLY_LIMITS)
-            except _NonFiniteGradient:  # the frame is cut short: dropping the connection drops it on the node
-                conn.close()
-                self._conns.pop(key, None)
-                raise
             except (OSError, ConnectionError) as exc:
                 conn.close()
                 self._conns.pop(key, None)
@@ -1003,6 +989,8 @@ class Client:
                 code = dp.ErrorCode.Name(reply.code)
                 if reply.code == dp.NOT_OWNER:
                     raise NotOwnerError(code, reply.message, epoch=reply.epoch, step=reply.step)
+                if reply.code == dp.NONFINITE and op == dp.OP_PUSH:  # the node's check of a push left to it
+                    raise _NonFiniteGradient(f"{reply.message}; not pushed (refused by node {node_id!r})")
                 if reply.code in (dp.BAD_FRAME, dp.TOO_LARGE):
                     conn.close()
                     self._conns.pop(key, None)

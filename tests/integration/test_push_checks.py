@@ -1,7 +1,6 @@
-"""A NaN/Inf gradient is refused whole, also when the client finds it while the push is already
-on the wire (over shm a push to one node is checked block by block as it is sent; over TCP before
-it is sent): the frame is cut short, the node keeps nothing of it, and the next push of the same
-step counts, equal to torch.optim."""
+"""A NaN/Inf gradient in a push to one node is found by the node (the client leaves the check to
+it): the node refuses the whole push and keeps nothing of it, the client raises naming the tensor
+and the node, and the next push of the same step counts, equal to torch.optim."""
 
 from __future__ import annotations
 
@@ -27,15 +26,15 @@ def one_node(tmp_path_factory):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_bad_block_found_mid_frame_leaves_nothing_behind(one_node, transport):
+def test_a_bad_block_in_a_push_to_one_node_is_refused_by_the_node_which_keeps_nothing(one_node, transport):
     gen = torch.Generator().manual_seed(0)
     w0 = torch.randn(8 * BLOCK, generator=gen)
     client = connect(one_node.address, job=f"checks-{transport}", transport=transport)
     try:
         client.init({"w": w0}, optimizer="sgd", lr=LR, block_elements=BLOCK)
         bad = torch.randn(8 * BLOCK, generator=gen)
-        bad[-1] = float("nan")  # in the last block: over shm the seven before it are on the wire already
-        with pytest.raises(ShardlineConfigError, match="'w'.*NaN or Inf"):
+        bad[-1] = float("nan")  # in the last block: the seven before it reached the node already
+        with pytest.raises(ShardlineConfigError, match="'w'.*NaN or Inf.*refused by node 'ps1'"):
             client.push({"w": bad})
         assert client.step == 0
         good = torch.randn(8 * BLOCK, generator=gen)
@@ -48,4 +47,31 @@ def test_a_bad_block_found_mid_frame_leaves_nothing_behind(one_node, transport):
     p.grad = good.clone()
     opt.step()
     torch.testing.assert_close(got, p.detach(), rtol=1e-6, atol=1e-7)
+    assert client.step == 1
+
+
+def test_a_push_spread_over_two_nodes_is_checked_by_the_client_before_any_byte(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    w0 = torch.randn(8 * BLOCK, generator=gen)
+    with LocalCluster(tmp_path) as c:
+        c.start_dispatcher()
+        for node in ("ps1", "ps2"):
+            c.add_node(node_id=node)
+        c.wait_for_nodes(2, timeout=30)
+        client = connect(c.address, job="checks-spread", transport="tcp")
+        try:
+            client.init({"w": w0}, optimizer="sgd", lr=LR, block_elements=BLOCK)
+            owners = {client.routing.owner(client.job, "w", i) for i in range(8)}
+            assert len(owners) == 2, owners  # else this proves nothing about a spread push
+            bad = torch.randn(8 * BLOCK, generator=gen)
+            bad[-1] = float("inf")
+            with pytest.raises(ShardlineConfigError, match="'w' contains NaN or Inf; not pushed$"):
+                client.push({"w": bad})
+            assert client.step == 0 and client.stats.pushed_bytes == 0  # nothing went out
+            good = torch.randn(8 * BLOCK, generator=gen)
+            client.push({"w": good})
+            got = client.pull(["w"])["w"]
+        finally:
+            client.close()
+    torch.testing.assert_close(got, w0 - LR * good, rtol=1e-6, atol=1e-7)
     assert client.step == 1
