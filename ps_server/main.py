@@ -60,6 +60,9 @@ FINAL_REPORT_TIMEOUT_SECONDS = 3.0
 MIN_HEARTBEAT_SPACING_SECONDS = 0.25
 # How long a stopping node waits for the others to take its blocks over (its unit allows it).
 LEAVE_TIMEOUT_SECONDS = 30.0
+# ... unless no dispatcher answers for this long meanwhile (longer than a leader failover, whose
+# lease is 3 s by default): with the dispatchers stopping too, nobody can switch the ring.
+LEAVE_UNREACHABLE_TIMEOUT_SECONDS = 6.0
 PEER_STATUS_TIMEOUT_SECONDS = 2.0
 
 
@@ -234,10 +237,13 @@ def _extend_systemd_timeout(what: str) -> None:
                                             STATUS=what))
 
 
-def leave_ring(node: PSNode, client: DispatcherClient, timeout: float = LEAVE_TIMEOUT_SECONDS) -> bool:
+def leave_ring(node: PSNode, client: DispatcherClient, timeout: float = LEAVE_TIMEOUT_SECONDS,
+               unreachable_timeout: float = LEAVE_UNREACHABLE_TIMEOUT_SECONDS) -> bool:
     """Move this node's blocks to the others before it stops (a drain: two-phase, the others hold
     them in sync before the ring switches; training goes on meanwhile). False if the dispatcher
-    refused (the last node, or every node stopping at once) or the move did not finish in time."""
+    refused (the last node, or every node stopping at once), the move did not finish within
+    ``timeout``, or no dispatcher answered for ``unreachable_timeout`` meanwhile (they are
+    stopping too: only a leader switches the ring)."""
     try:
         client.drain_node(node.node_id, leaving=True)
     except ShardlineError as exc:
@@ -245,10 +251,16 @@ def leave_ring(node: PSNode, client: DispatcherClient, timeout: float = LEAVE_TI
         return False
     log.info("leaving the ring: waiting until the other nodes hold this node's blocks")
     deadline = time.monotonic() + timeout
+    answered = time.monotonic()
     while time.monotonic() < deadline:
         try:
             view = node.refresh_routing()
-        except ShardlineError:
+            answered = time.monotonic()
+        except ShardlineError as exc:
+            if time.monotonic() - answered >= unreachable_timeout:
+                log.warning("no dispatcher answered for %g s while this node left the ring (%s); stopping "
+                            "without waiting for the others to take its blocks over", unreachable_timeout, exc)
+                return False
             view = node.routing
         if node.node_id not in view.nodes and not view.pending_epoch:
             log.info("left the ring at epoch %d", view.epoch)
