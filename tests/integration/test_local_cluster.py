@@ -184,6 +184,31 @@ def test_shutdown_reaps_every_daemon(tmp_path):
         kill_leftovers(str(workdir))
 
 
+def test_sigterm_to_the_whole_cluster_at_once_stops_every_daemon_within_10_s(tmp_path):
+    """A host shutdown SIGTERMs everything together: a PS whose drain the dispatcher accepted just
+    before it stopped too does not wait out the 30 s leave timeout (no dispatcher can switch the
+    ring any more)."""
+    import torch
+
+    from shardline.worker.client import connect
+
+    with LocalCluster(tmp_path / "c") as cluster:
+        dispatcher = cluster.start_dispatcher(**HEARTBEAT)
+        nodes = [cluster.add_node(node_id=f"ps{i}") for i in range(2)]
+        cluster.wait_for_nodes(2, timeout=30)
+        client = connect(cluster.address, job="j", transport="tcp")
+        client.init({"w": torch.zeros(1024)}, optimizer="sgd", lr=0.1)
+        client.close()
+        t0 = time.monotonic()
+        nodes[0].proc.send_signal(signal.SIGTERM)  # its drain is accepted ...
+        time.sleep(0.1)
+        for handle in (dispatcher, nodes[1]):  # ... and then the dispatcher stops as well
+            handle.proc.send_signal(signal.SIGTERM)
+        for handle in nodes + [dispatcher]:
+            assert handle.proc.wait(timeout=15) == 0, handle.log_tail()
+        assert time.monotonic() - t0 < 10
+
+
 def test_start_failure_reports_the_log_tail(tmp_path):
     with LocalCluster(tmp_path / "c") as cluster:
         with pytest.raises(DaemonStartError) as info:
