@@ -13,6 +13,10 @@ from shardline.services.pb import common_pb2
 from shardline.services.ring import HashRing
 
 
+# Blocks whose owner a view remembers (~200 bytes each); beyond that owners are computed each time.
+OWNER_CACHE_ENTRIES = 1 << 18
+
+
 @dataclass(frozen=True)
 class RoutingView:
     epoch: int
@@ -27,6 +31,7 @@ class RoutingView:
     reader_racks: dict = field(default_factory=dict)          # job -> preferred rack (serving ring)
     pending_reader_racks: dict = field(default_factory=dict)  # job -> preferred rack (pending ring)
     placements: dict = field(default_factory=dict, compare=False, repr=False)  # cache of placement.place
+    owners: dict = field(default_factory=dict, compare=False, repr=False)      # cache of owner()
 
     @classmethod
     def from_proto(cls, table: common_pb2.RoutingTable) -> "RoutingView":
@@ -46,11 +51,20 @@ class RoutingView:
         return info.data_address if info is not None else None
 
     def owner(self, job: str, tensor: str, index: int) -> str:
+        """The serving ring's node for the block (cached: every push and pull asks for each block,
+        a client several times per step, and a view never changes)."""
+        key = (job, tensor, index)
+        node = self.owners.get(key)
+        if node is not None:
+            return node
         if self.ring is None:
             from shardline.services.errors import ShardlineStateError
 
             raise ShardlineStateError(f"routing table at epoch {self.epoch} has no alive PS nodes")
-        return self.ring.owner(block_hash(job, tensor, index))
+        node = self.ring.owner(block_hash(job, tensor, index))
+        if len(self.owners) < OWNER_CACHE_ENTRIES:
+            self.owners[key] = node
+        return node
 
     def data_address(self, node_id: str) -> str:
         return self.nodes[node_id].data_address
