@@ -31,7 +31,7 @@ class RoutingView:
     reader_racks: dict = field(default_factory=dict)          # job -> preferred rack (serving ring)
     pending_reader_racks: dict = field(default_factory=dict)  # job -> preferred rack (pending ring)
     placements: dict = field(default_factory=dict, compare=False, repr=False)  # cache of placement.place
-    owners: dict = field(default_factory=dict, compare=False, repr=False)      # cache of owner()
+    owners: dict = field(default_factory=dict, init=False, compare=False, repr=False)  # cache of owner()
 
     @classmethod
     def from_proto(cls, table: common_pb2.RoutingTable) -> "RoutingView":

@@ -554,6 +554,8 @@ class Client:
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
         # nodes is checked whole here first, or some would keep their part; so is a compressed one
         # (the error feedback must not take in a NaN).
+        if not spec.allow_nonfinite and self._compressor is None:
+            self._wait_for_ring()
         node_checks = (not spec.allow_nonfinite and self._compressor is None
                        and len({self.routing.owner(self.job, *key) for key, g in payload.items()
                                 if g is not None}) == 1)
@@ -572,7 +574,15 @@ class Client:
         if node_checks:
             self._unchecked = {key: g for key, g in payload.items() if g is not None}
         try:
-            self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+            try:
+                self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+            except _NonFiniteGradient:
+                raise
+            except BaseException:
+                # The push failed before a node said it checked it (a node died mid-frame...): the
+                # record, which a replay resends, must not keep a NaN that no node refused yet.
+                self._push_checks(())
+                raise
         except _NonFiniteGradient:  # nothing of this push stayed anywhere: neither does its record
             for key in payload:
                 record.pop(key, None)
@@ -775,6 +785,7 @@ class Client:
                 if op == dp.OP_COMMIT:
                     return node_steps  # the replay committed on every node at the new epoch
                 done_nodes.clear()
+            self._wait_for_ring()
             groups: dict[str, list] = {}
             for key in pending:
                 groups.setdefault(self.routing.owner(self.job, *key), []).append(key)
@@ -837,6 +848,30 @@ class Client:
                                                   f"routing refreshes (epoch {self.routing.epoch})")
                     time.sleep(min(1.0, 0.05 * 2 ** refreshes))  # the node's routing lags the dispatcher's
             pending = retry
+
+    def _wait_for_ring(self) -> None:
+        """Every PS node was declared dead (the ring this client holds is empty): wait, refreshing
+        the routing, until one serves again (a restarted node restores its checkpoint), up to
+        ``recovery_timeout``; then ShardlineStateError."""
+        if self.routing.ring is not None:
+            return
+        deadline = time.monotonic() + self.recovery_timeout
+        log.warning("no PS node serves job %r's ring (epoch %d); waiting up to %g s (recovery_timeout)",
+                    self.job, self.routing.epoch, self.recovery_timeout)
+        delay = 0.1
+        while True:
+            try:
+                self.refresh_routing()
+            except (ShardlineConnectionError, ShardlineTimeoutError) as exc:
+                log.debug("routing refresh failed: %s", exc)
+            if self.routing.ring is not None:
+                log.info("PS nodes serve again at epoch %d", self.routing.epoch)
+                return
+            if time.monotonic() + delay > deadline:
+                raise ShardlineStateError(f"no PS node served job {self.job!r} within {self.recovery_timeout:g} s "
+                                          f"(recovery_timeout); routing epoch {self.routing.epoch}")
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
 
     def _recover(self, node_id: str, cause: Exception) -> int | None:
         """A node dropped out (``cause``): wait until it answers again, then replay this worker's

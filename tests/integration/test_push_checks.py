@@ -75,3 +75,36 @@ def test_a_push_spread_over_two_nodes_is_checked_by_the_client_before_any_byte(t
             client.close()
     torch.testing.assert_close(got, w0 - LR * good, rtol=1e-6, atol=1e-7)
     assert client.step == 1
+
+
+def test_a_nan_push_that_fails_on_a_dead_node_is_not_resent_after_the_node_is_back(tmp_path):
+    """The node that should have checked the push died before it could: the client checks the
+    push itself then, so the record its replay resends never keeps the NaN, and the step goes on
+    once the node is back (restored from its checkpoint)."""
+    gen = torch.Generator().manual_seed(2)
+    w0, g1 = torch.randn(4 * BLOCK, generator=gen), torch.randn(4 * BLOCK, generator=gen)
+    with LocalCluster(tmp_path) as c:
+        c.start_dispatcher(heartbeat_timeout=1, heartbeat_interval=0.2)
+        node = c.add_node(node_id="ps1", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_steps=1)
+        c.wait_for_nodes(1, timeout=30)
+        client = connect(c.address, job="checks-dead", transport="tcp", recovery_timeout=2.0)
+        try:
+            client.init({"w": w0}, optimizer="sgd", lr=LR, block_elements=BLOCK)
+            client.push({"w": g1})
+            assert client.pull(["w"]) and client.step == 1
+            c.wait_until(lambda st: any(j.spec.name == "checks-dead" and j.has_checkpoint and j.checkpoint_step >= 1
+                                        for j in st.jobs), 30, "step 1 durable")
+            c.kill(node)
+            bad = torch.randn(4 * BLOCK, generator=gen)
+            bad[0] = float("nan")
+            with pytest.raises(ShardlineConfigError, match="'w' contains NaN or Inf; not pushed"):
+                client.push({"w": bad})
+            c.restart(node)
+            c.wait_for_nodes(1, timeout=30)
+            good = torch.randn(4 * BLOCK, generator=gen)
+            client.push({"w": good})
+            got = client.pull(["w"])["w"]
+        finally:
+            client.close()
+    torch.testing.assert_close(got, w0 - LR * g1 - LR * good, rtol=1e-6, atol=1e-6)
+    assert client.step == 2
