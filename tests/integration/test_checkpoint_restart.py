@@ -197,8 +197,8 @@ def test_dispatcher_without_state_dir_learns_back_from_the_nodes(tmp_path):
     port = free_port()
     with LocalCluster(tmp_path / "c") as cluster:
         cluster.start_dispatcher(listen=f"127.0.0.1:{port}", heartbeat_timeout=3)
-        for i in range(2):
-            cluster.add_node(node_id=f"ps{i}")
+        for node in [cluster.add_node(node_id=f"ps{i}", wait=False) for i in range(2)]:  # in parallel
+            cluster.wait_ready(node)
         cluster.wait_for_nodes(2, timeout=30)
         (before,) = train_model.finish_workers(
             train_model.start_workers(cluster.address, "amnesia", "adamw", "bsp", tmp_path, world=1, steps=4))
