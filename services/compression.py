@@ -19,12 +19,15 @@ decoding. Everything is plain tensor arithmetic; nothing is pickled.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from shardline.services.errors import ShardlineConfigError
 from shardline.services.pb import dataplane_pb2 as dp
+
+if TYPE_CHECKING:  # the codecs import torch when called: the dispatcher validates the option without it
+    import torch
 
 COMPRESSIONS = ("none", "bf16", "sign")
 
@@ -66,6 +69,8 @@ class SignBlock:
 def encode_signs(v: torch.Tensor) -> SignBlock:
     """Compress a 1-D float block: its signs and ``scale = mean(|v|)``, rounded to fp32 (the
     value the receiver decodes with, so ``decode_signs`` of the result is exactly what it adds)."""
+    import torch
+
     v = v.detach().reshape(-1)
     n = v.numel()
     scale = float(torch.linalg.vector_norm(v.to(torch.float32), 1) / n) if n else 0.0
@@ -76,6 +81,8 @@ def encode_signs(v: torch.Tensor) -> SignBlock:
 
 def decode_signs(packed: torch.Tensor, numel: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """The fp32 block ``packed`` encodes (into ``out`` if given, a 1-D fp32 tensor of ``numel``)."""
+    import torch
+
     bits = torch.from_numpy(np.unpackbits(packed.numpy(), count=numel, bitorder="little"))
     out = torch.empty(numel, dtype=torch.float32) if out is None else out
     out.copy_(bits)

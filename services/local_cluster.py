@@ -300,7 +300,7 @@ class LocalCluster:
                     f"{handle.name} (pid {proc.pid}) did not write {handle.ready_file} within {timeout:g} s; "
                     f"last lines of {handle.log_path}:\n{handle.log_tail()}")
             time.sleep(delay)
-            delay = min(delay * 1.5, 0.2)
+            delay = min(delay * 1.5, 0.05)  # reading a small file is cheap; each start waits on it
 
     def _start(self, handle: DaemonHandle, wait: bool) -> DaemonHandle:
         self._spawn(handle)
@@ -543,7 +543,7 @@ class LocalCluster:
             client.close()
 
     def wait_until(self, predicate: Callable[[Any], bool], timeout: float, what: str = "condition",
-                   interval: float = 0.1):
+                   interval: float = 0.05):
         """Poll GetClusterStatus until ``predicate(status)`` is true; returns that status.
         Raises TimeoutError naming ``what`` and the last status seen."""
         from shardline.services.errors import ShardlineError

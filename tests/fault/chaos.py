@@ -18,6 +18,12 @@ time, chosen by a seeded RNG, each at a random point of the BSP step:
 * ``leader_kill9`` / ``leader_stop`` — SIGKILL or SIGSTOP the leading dispatcher (another takes
   over; the stopped one comes back fenced).
 
+With ``cover`` (``--cover``; make test's run) the schedule is every kind once and every failpoint
+once, in a seeded order, with room in the training for each, and a worker whose failpoint has not
+fired yet is let reach it before another fault restarts it. Otherwise (make chaos) each fault's
+kind is drawn by weight. Either way a PS failpoint that did not fire counts as not injected, and
+the report lists the worker failpoints that fired.
+
 With ``--rebalance`` the dispatchers also rebalance the ring from measured load every
 REBALANCE_INTERVAL seconds (heat half-life 1 s), so faults also land on pending rebalances (a
 node killed or restarted, the leader killed mid-rebalance); the report counts the rebalances
@@ -58,6 +64,10 @@ FAULTS = {  # kind -> weight
 WORKER_FAILPOINTS = ("worker.before_push", "worker.after_push", "worker.commit_partial")
 PS_FAILPOINTS = ("ps.after_apply", "ps.checkpoint.values.tmp", "ps.checkpoint.state.renamed",
                  "ps.checkpoint.manifest.tmp")
+POINTS = {"ps_failpoint": PS_FAILPOINTS, "worker_failpoint": WORKER_FAILPOINTS}
+# Steps of training a fault of this kind may take (3 for the others): a PS failpoint waits past
+# the step and past the next checkpoints, a worker failpoint may be armed 4 steps ahead.
+STEP_ROOM = {"ps_failpoint": 13, "worker_failpoint": 5}
 RECOVERY_TIMEOUT = 90.0
 LEASE = 1
 HEARTBEAT_TIMEOUT = 2.0
@@ -70,6 +80,7 @@ class Report:
     faults: list = field(default_factory=list)   # (kind, detail, seconds to the next applied step)
     steps: int = 0
     steps_lost: int = 0
+    worker_failpoints_fired: list = field(default_factory=list)
     max_abs_diff: float = 0.0
     seconds: float = 0.0
     rebalances: int | None = None   # started by the leaders (--rebalance), None: rebalancing off
@@ -86,24 +97,38 @@ class Report:
                 "recovery_p50_seconds": pct(0.5), "recovery_p99_seconds": pct(0.99),
                 "recovery_mean_seconds": statistics.mean(rec) if rec else None, "wall_seconds": self.seconds,
                 "by_kind": {k: sum(1 for f in self.faults if f["kind"] == k) for k in FAULTS},
-                "rebalances_started": self.rebalances,
+                "rebalances_started": self.rebalances, "worker_failpoints_fired": self.worker_failpoints_fired,
                 "faults": self.faults}
 
 
+def cover_schedule(rng: random.Random) -> list[tuple[str, str | None]]:
+    """(kind, failpoint or None): every kind, each failpoint kind once per failpoint, shuffled."""
+    deck = [(kind, point) for kind in FAULTS for point in POINTS.get(kind, (None,))]
+    rng.shuffle(deck)
+    return deck
+
+
 class Chaos:
-    def __init__(self, workdir: Path, etcd, seed: int, faults: int, log=print, keep_checkpoints: bool = False,
-                 rebalance: bool = False):
+    """``faults`` faults drawn by weight, or with ``cover`` the :func:`cover_schedule` (``faults`` unused)."""
+
+    def __init__(self, workdir: Path, etcd, seed: int, faults: int = 0, log=print, keep_checkpoints: bool = False,
+                 rebalance: bool = False, cover: bool = False):
         self.keep_checkpoints = keep_checkpoints  # every chain kept: a divergence can be found step by step
         self.rebalance = rebalance
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.etcd = etcd
-        self.n_faults = faults
+        self.cover = cover
+        self.schedule = cover_schedule(self.rng) if cover else None
+        self.n_faults = len(self.schedule) if cover else faults
         self.log = log
-        self.steps = 3 * faults + 12
+        self.steps = (12 + sum(STEP_ROOM.get(kind, 3) for kind, _ in self.schedule) if cover
+                      else 3 * faults + 12)
         self.report = Report(seed, steps=self.steps)
         self.job = f"chaos-{seed}"
         self.gate = workdir / "step-gate"
+        self.allowed = 0
+        self.armed: dict[int, tuple[str, int]] = {}   # rank -> (worker failpoint, step) its process has
 
     # -- cluster ---------------------------------------------------------------------------
     def start(self, cluster: LocalCluster) -> None:
@@ -134,19 +159,33 @@ class Chaos:
 
     def allow(self, steps: int) -> None:
         """Let training run up to ``steps`` (each fault gets a few steps around it)."""
-        self.gate.write_text(str(min(steps, self.steps)))
+        self.allowed = min(steps, self.steps)
+        self.gate.write_text(str(self.allowed))
 
     def progress(self) -> int:
         return min(train_model.steps_done(p) for _, _, p in self.workers.values())
 
     def restart_worker(self, rank: int, env: dict | None = None) -> None:
+        if self.cover and rank in self.armed:
+            self.let_fire(rank)  # cover: every failpoint fires; killing its worker first would disarm it
         proc = self.workers[rank][0]
         if proc.poll() is None:
             proc.kill()
-        proc.wait()
+        if proc.wait() == 137 and rank in self.armed:   # failpoints exit 137, a SIGKILL -9
+            self.report.worker_failpoints_fired.append(self.armed[rank][0])
+        self.armed.pop(rank, None)
         (self.workers[rank],) = train_model.start_workers(self.cluster.address, self.job, "adamw", "bsp",
                                                           self.workdir, steps=self.steps, ranks=[rank],
                                                           env=self.worker_env(env), step_sleep=0.05)
+
+    def let_fire(self, rank: int, timeout: float = 20.0) -> None:
+        """Let training reach the step of ``rank``'s armed failpoint; wait up to ``timeout`` s for it."""
+        proc, (_, at) = self.workers[rank][0], self.armed[rank]
+        self.allow(max(self.allowed, at + 1))
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline and self.progress() < self.steps:
+            self.revive_workers()  # the other rank's failpoint may fire first
+            time.sleep(0.05)
 
     def wait_serving(self, n: int = 3) -> None:
         self.cluster.wait_for_nodes(n, timeout=RECOVERY_TIMEOUT)
@@ -172,12 +211,15 @@ class Chaos:
 
     # -- faults ----------------------------------------------------------------------------
     def inject(self) -> dict:
-        kind = self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0]
+        if self.schedule:
+            kind, point = self.schedule.pop(0)
+        else:
+            kind, point = self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0], None
         self.not_reached = False
         at = self.progress()
         self.allow(at + 3)  # the fault lands while these steps run
         started = time.monotonic()
-        detail = getattr(self, f"_{kind}")()
+        detail = getattr(self, f"_{kind}")(*([point] if point else []))
         recovery = self.wait_step_after(at, started) if self.progress() < self.steps else None
         if self.not_reached:  # the armed point never came: no fault, no recovery to time
             recovery = None
@@ -199,9 +241,9 @@ class Chaos:
         self.cluster.restart(node, wait=True)
         return node.node_id
 
-    def _ps_failpoint(self) -> str:
+    def _ps_failpoint(self, point: str | None = None) -> str:
         node = self._pick_node()
-        point = self.rng.choice(PS_FAILPOINTS)
+        point = point or self.rng.choice(PS_FAILPOINTS)
         at = self.progress() + self.rng.randint(1, 3)
         # ps.after_apply fires at that step; a checkpoint failpoint at the node's next checkpoint
         node.env = {"SHARDLINE_FAILPOINTS": f"{point}@{at}" if point == "ps.after_apply" else point}
@@ -238,11 +280,12 @@ class Chaos:
         self.restart_worker(rank)
         return f"rank {rank}"
 
-    def _worker_failpoint(self) -> str:
+    def _worker_failpoint(self, point: str | None = None) -> str:
         rank = self.rng.randrange(2)
-        point = self.rng.choice(WORKER_FAILPOINTS)
+        point = point or self.rng.choice(WORKER_FAILPOINTS)
         at = self.progress() + self.rng.randint(2, 4)
         self.restart_worker(rank, env={"SHARDLINE_FAILPOINTS": f"{point}@{at}"})
+        self.armed[rank] = (point, at)  # it fires when training gets there, maybe during the next faults
         return f"rank {rank} {point}@{at}"
 
     def _leader_kill9(self) -> str:
@@ -293,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="run in DIR/seed-N and keep it (daemon logs, checkpoints) instead of a temporary directory")
+    ap.add_argument("--cover", action="store_true",
+                    help="every kind and every failpoint once (make test's schedule) instead of --faults draws")
     ap.add_argument("--rebalance", action="store_true",
                     help=f"the dispatchers rebalance the ring every {REBALANCE_INTERVAL:g} s meanwhile")
     args = ap.parse_args(argv)
@@ -303,10 +348,11 @@ def main(argv=None) -> int:
                 workdir = Path(args.keep) / f"seed-{seed}"
                 workdir.mkdir(parents=True, exist_ok=False)
                 report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=True,
-                               rebalance=args.rebalance).run().to_dict()
+                               rebalance=args.rebalance, cover=args.cover).run().to_dict()
             else:
                 with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
-                    report = Chaos(Path(tmp), etcd, seed, args.faults, rebalance=args.rebalance).run().to_dict()
+                    report = Chaos(Path(tmp), etcd, seed, args.faults, rebalance=args.rebalance,
+                                   cover=args.cover).run().to_dict()
             reports.append(report)
             print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1), flush=True)
     ok = all(r["steps_lost"] == 0 and r["max_abs_diff_vs_no_fault_run"] <= 1e-6 for r in reports)

@@ -15,7 +15,8 @@ def cluster(tmp_path_factory):
     (tests use distinct job names); everything is reaped afterwards."""
     with LocalCluster(tmp_path_factory.mktemp("cluster")) as c:
         c.start_dispatcher()
-        c.add_node(node_id="ps1")
-        c.add_node(node_id="ps2")
+        nodes = [c.add_node(node_id=node_id, wait=False) for node_id in ("ps1", "ps2")]  # they start in parallel
+        for node in nodes:
+            c.wait_ready(node)
         c.wait_for_nodes(2, timeout=30)
         yield c

@@ -40,6 +40,15 @@ def start_cluster(cluster: LocalCluster, tmp_path: Path, *, nodes: int = 2, ever
     return handles
 
 
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """(cluster, its directory) of start_cluster, for the tests that kill nothing (each its own job)."""
+    root = tmp_path_factory.mktemp("shared")
+    with LocalCluster(root / "c") as cluster:
+        start_cluster(cluster, root)
+        yield cluster, root
+
+
 def test_kill_everything_then_resume_equals_uninterrupted(tmp_path):
     """kill -9 of every daemon (dispatcher, both PS, both workers) mid-run, then everything starts
     again with the same directories; the workers resume at opt.version."""
@@ -103,24 +112,23 @@ def test_dispatcher_kill_and_restart_keeps_jobs_and_epoch(tmp_path):
         cluster.wait_until(lambda s: all(n.state == "alive" for n in s.all_nodes), 10, "nodes alive again")
 
 
-def test_lora_incremental_checkpoints_write_only_the_adapter(tmp_path):
+def test_lora_incremental_checkpoints_write_only_the_adapter(shared):
     """A LoRA-shaped job (a large frozen base, small trainable adapters): each incremental checkpoint
     writes about the adapters' value + AdamW state bytes, not the model's."""
     from shardline import connect
 
+    cluster, root = shared  # checkpoints every step
     base, lora_a, lora_b = torch.randn(1024, 1024), torch.randn(8, 512) * 0.01, torch.zeros(512, 8)
-    with LocalCluster(tmp_path / "c") as cluster:
-        start_cluster(cluster, tmp_path, every=1)
-        client = connect(cluster.address, job="lora")
-        client.init({"base": base, "lora_a": lora_a, "lora_b": lora_b}, optimizer="adamw", lr=1e-3,
-                    trainable={"base": False}, block_elements=65536)
-        for _ in range(4):
-            client.push({"lora_a": torch.randn(8, 512), "lora_b": torch.randn(512, 8)})
-            client.pull_changed()
-        client.close()
-        time.sleep(0.5)  # the last checkpoint is written in the background
+    client = connect(cluster.address, job="lora")
+    client.init({"base": base, "lora_a": lora_a, "lora_b": lora_b}, optimizer="adamw", lr=1e-3,
+                trainable={"base": False}, block_elements=65536)
+    for _ in range(4):
+        client.push({"lora_a": torch.randn(8, 512), "lora_b": torch.randn(512, 8)})
+        client.pull_changed()
+    client.close()
+    time.sleep(0.5)  # the last checkpoint is written in the background
     adapter_bytes = (lora_a.numel() + lora_b.numel()) * 4 * 3  # value, exp_avg, exp_avg_sq
-    manifests = sorted(p for d in tmp_path.glob("ps*-ckpt") for p in (d / "lora").glob("*.manifest.json"))
+    manifests = sorted(p for d in root.glob("ps*-ckpt") for p in (d / "lora").glob("*.manifest.json"))
     incrementals = [json.loads(p.read_text()) for p in manifests]
     incrementals = [m for m in incrementals if m["kind"] == "incremental"]
     assert incrementals, manifests
@@ -131,26 +139,26 @@ def test_lora_incremental_checkpoints_write_only_the_adapter(tmp_path):
     assert base.numel() * 4 > 20 * adapter_bytes  # the base would dwarf it
 
 
-def test_export_from_cluster_and_offline_equals_the_model(tmp_path):
-    with LocalCluster(tmp_path / "c") as cluster:
-        start_cluster(cluster, tmp_path)
-        (result,) = train_model.finish_workers(
-            train_model.start_workers(cluster.address, "export", "adamw", "bsp", tmp_path, world=1, steps=5))
-        cli = [sys.executable, "-m", "shardline.services.cli"]
-        online = tmp_path / "online.safetensors"
-        out = subprocess.run([*cli, "export", "--cluster", cluster.address, "--job", "export", "--out", str(online)],
-                             capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stderr
-        assert "at step 5" in out.stdout
-        ck = subprocess.run([*cli, "checkpoint", "--cluster", cluster.address, "--job", "export"],
-                            capture_output=True, text=True, timeout=60)
-        assert ck.returncode == 0 and "step 5 durable on 2 node(s)" in ck.stdout, ck.stdout + ck.stderr
-        status = subprocess.run([*cli, "status", "--cluster", cluster.address, "--json"], capture_output=True,
-                                text=True, timeout=60)
-        job = next(j for j in json.loads(status.stdout)["jobs"] if j["name"] == "export")
-        assert job["checkpoint_step"] == 5
+def test_export_from_cluster_and_offline_equals_the_model(shared, tmp_path):
+    cluster, root = shared
+    (result,) = train_model.finish_workers(
+        train_model.start_workers(cluster.address, "export", "adamw", "bsp", tmp_path, world=1, steps=5))
+    cli = [sys.executable, "-m", "shardline.services.cli"]
+    online = tmp_path / "online.safetensors"
+    out = subprocess.run([*cli, "export", "--cluster", cluster.address, "--job", "export", "--out", str(online)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "at step 5" in out.stdout
+    ck = subprocess.run([*cli, "checkpoint", "--cluster", cluster.address, "--job", "export"],
+                        capture_output=True, text=True, timeout=60)
+    assert ck.returncode == 0 and "step 5 durable on 2 node(s)" in ck.stdout, ck.stdout + ck.stderr
+    status = subprocess.run([*cli, "status", "--cluster", cluster.address, "--json"], capture_output=True,
+                            text=True, timeout=60)
+    job = next(j for j in json.loads(status.stdout)["jobs"] if j["name"] == "export")
+    assert job["checkpoint_step"] == 5
+    # offline: the nodes' checkpoint directories alone (the job is done: nothing writes them meanwhile)
     offline = tmp_path / "offline.safetensors"
-    dirs = [arg for i in range(2) for arg in ("--checkpoint-dir", str(tmp_path / f"ps{i}-ckpt"))]
+    dirs = [arg for i in range(2) for arg in ("--checkpoint-dir", str(root / f"ps{i}-ckpt"))]
     out = subprocess.run([*cli, "export", *dirs, "--job", "export", "--out", str(offline), "--dtype", "bf16"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
@@ -165,27 +173,26 @@ def test_export_from_cluster_and_offline_equals_the_model(tmp_path):
         assert value.dtype == torch.bfloat16 and torch.equal(value, trained[name].to(torch.bfloat16)), name
 
 
-def test_job_delete_removes_blocks_and_checkpoints(tmp_path):
+def test_job_delete_removes_blocks_and_checkpoints(shared):
     from shardline import connect
 
-    with LocalCluster(tmp_path / "c") as cluster:
-        start_cluster(cluster, tmp_path)
-        client = connect(cluster.address, job="doomed")
-        client.init({"w": torch.ones(1000)}, optimizer="sgd", lr=0.1, block_elements=100)
-        client.push({"w": torch.ones(1000)})
-        client.pull_changed()
-        client.close()
-        cluster.wait_until(lambda s: any(j.spec.name == "doomed" and j.has_checkpoint for j in s.jobs), 10,
-                           "a checkpoint of job doomed")
-        assert any((tmp_path / f"ps{i}-ckpt" / "doomed").exists() for i in range(2))
-        out = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
-                              cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0 and "deleted" in out.stdout, out.stdout + out.stderr
-        assert not any((tmp_path / f"ps{i}-ckpt" / "doomed").exists() for i in range(2))
-        assert all(j.spec.name != "doomed" for j in cluster.cluster_status().jobs)
-        again = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
-                                cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
-        assert again.returncode == 1 and "no job named 'doomed'" in again.stderr
+    cluster, root = shared
+    client = connect(cluster.address, job="doomed")
+    client.init({"w": torch.ones(1000)}, optimizer="sgd", lr=0.1, block_elements=100)
+    client.push({"w": torch.ones(1000)})
+    client.pull_changed()
+    client.close()
+    cluster.wait_until(lambda s: any(j.spec.name == "doomed" and j.has_checkpoint for j in s.jobs), 10,
+                       "a checkpoint of job doomed")
+    assert any((root / f"ps{i}-ckpt" / "doomed").exists() for i in range(2))
+    out = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
+                          cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "deleted" in out.stdout, out.stdout + out.stderr
+    assert not any((root / f"ps{i}-ckpt" / "doomed").exists() for i in range(2))
+    assert all(j.spec.name != "doomed" for j in cluster.cluster_status().jobs)
+    again = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
+                            cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 1 and "no job named 'doomed'" in again.stderr
 
 
 def test_dispatcher_without_state_dir_learns_back_from_the_nodes(tmp_path):
@@ -197,8 +204,8 @@ def test_dispatcher_without_state_dir_learns_back_from_the_nodes(tmp_path):
     port = free_port()
     with LocalCluster(tmp_path / "c") as cluster:
         cluster.start_dispatcher(listen=f"127.0.0.1:{port}", heartbeat_timeout=3)
-        for i in range(2):
-            cluster.add_node(node_id=f"ps{i}")
+        for node in [cluster.add_node(node_id=f"ps{i}", wait=False) for i in range(2)]:  # in parallel
+            cluster.wait_ready(node)
         cluster.wait_for_nodes(2, timeout=30)
         (before,) = train_model.finish_workers(
             train_model.start_workers(cluster.address, "amnesia", "adamw", "bsp", tmp_path, world=1, steps=4))

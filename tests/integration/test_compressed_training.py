@@ -42,8 +42,10 @@ def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("compression")
     with LocalCluster(root / "cluster") as c:
         c.start_dispatcher()
-        for i in (1, 2):
-            c.add_node(node_id=f"ps{i}", checkpoint_dir=str(root / f"ps{i}-ckpt"), checkpoint_every_steps=1)
+        nodes = [c.add_node(node_id=f"ps{i}", checkpoint_dir=str(root / f"ps{i}-ckpt"), checkpoint_every_steps=1,
+                            wait=False) for i in (1, 2)]
+        for node in nodes:  # started in parallel
+            c.wait_ready(node)
         c.wait_for_nodes(2, timeout=30)
         yield c
 

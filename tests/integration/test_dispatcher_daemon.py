@@ -360,6 +360,15 @@ def test_without_state_dir_a_warning_says_state_is_in_memory_only(daemon):
     assert lines and "restart forgets every job" in lines[0]
 
 
+def test_the_dispatcher_serves_jobs_without_loading_torch(daemon):
+    """Every cluster start waits for its dispatcher: torch (seconds of imports) stays out of it,
+    job specs and their compression option included."""
+    daemon.stub.CreateJob(dispatcher_pb2.CreateJobRequest(spec=job_spec("no-torch", compression="sign")),
+                          timeout=RPC_TIMEOUT)
+    maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, [line for line in maps.splitlines() if "torch" in line][:3]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -28,6 +28,14 @@ def start(cluster: LocalCluster, nodes: int, node_flags: dict | None = None, **d
     return handles
 
 
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    """A dispatcher and two PS nodes shared by the tests that only fail workers (each its own job)."""
+    with LocalCluster(tmp_path_factory.mktemp("two-nodes")) as cluster:
+        start(cluster, 2)
+        yield cluster
+
+
 def test_kill_one_of_three_ps_mid_run(tmp_path):
     """kill -9 of a PS at step 5: its replicas take over, the workers resend the step in flight,
     and the dead node's blocks are re-replicated (every block has two copies again)."""
@@ -80,23 +88,20 @@ def test_drain_a_ps_mid_run(tmp_path):
 
 
 @pytest.mark.parametrize("failpoint", ["worker.after_push", "worker.commit_partial"])
-def test_a_worker_killed_mid_step_restarts_and_redoes_it(tmp_path, failpoint):
+def test_a_worker_killed_mid_step_restarts_and_redoes_it(two_nodes, tmp_path, failpoint):
     """Rank 1 dies between its push and its commit (or after committing on one node only) at
     step 6; restarted with the same rank it resumes at opt.version: its resent pushes replace
     nothing (they are the same gradients), a half-made commit is completed from the other nodes."""
-    with LocalCluster(tmp_path / "c") as cluster:
-        start(cluster, 2)
-        env = {1: {"SHARDLINE_FAILPOINTS": f"{failpoint}@6"}}
-        workers = train_model.start_workers(cluster.address, "worker-crash", "adamw", "bsp", tmp_path, steps=STEPS,
-                                            env=env)
-        crashed = workers[1][0]
-        crashed.wait(60)
-        assert crashed.returncode == 137, crashed.communicate()[0]
-        restarted = train_model.start_workers(cluster.address, "worker-crash", "adamw", "bsp", tmp_path,
-                                              steps=STEPS, ranks=[1])
-        results = train_model.finish_workers([workers[0], *restarted])
-        train_model.assert_equals_reference(results, STEPS)
-        assert int(results[1]["_start_version"]) in (6, 7)
+    cluster, job = two_nodes, f"worker-crash-{failpoint.split('.')[-1]}"
+    env = {1: {"SHARDLINE_FAILPOINTS": f"{failpoint}@6"}}
+    workers = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, steps=STEPS, env=env)
+    crashed = workers[1][0]
+    crashed.wait(60)
+    assert crashed.returncode == 137, crashed.communicate()[0]
+    restarted = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, steps=STEPS, ranks=[1])
+    results = train_model.finish_workers([workers[0], *restarted])
+    train_model.assert_equals_reference(results, STEPS)
+    assert int(results[1]["_start_version"]) in (6, 7)
 
 
 def test_a_ps_restarts_while_a_rank_that_half_committed_is_dead(tmp_path):
@@ -120,41 +125,39 @@ def test_a_ps_restarts_while_a_rank_that_half_committed_is_dead(tmp_path):
         train_model.assert_equals_reference(results, STEPS)
 
 
-def test_on_worker_failure_fail_names_the_lost_rank(tmp_path):
+def test_on_worker_failure_fail_names_the_lost_rank(two_nodes, tmp_path):
     """A rank that stops heartbeating fails the job within the lease timeout: the other rank gets
     ShardlineWorkerLostError naming it instead of waiting for pull_timeout."""
-    with LocalCluster(tmp_path / "c") as cluster:
-        start(cluster, 2)
-        env = {"SHARDLINE_TEST_ON_WORKER_FAILURE": "fail", "SHARDLINE_TEST_LEASE_TIMEOUT": "3",
-               1: {"SHARDLINE_FAILPOINTS": "worker.before_push@4"}}
-        env = {0: {k: v for k, v in env.items() if isinstance(k, str)},
-               1: {**{k: v for k, v in env.items() if isinstance(k, str)}, **env[1]}}
-        workers = train_model.start_workers(cluster.address, "lose-a-rank", "adamw", "bsp", tmp_path, steps=STEPS,
-                                            env=env)
-        survivor = workers[0][0]
-        started = time.monotonic()
-        output, _ = survivor.communicate(timeout=60)
-        took = time.monotonic() - started
-        assert survivor.returncode != 0
-        assert "ShardlineWorkerLostError" in output and "rank 1 lost" in output, output
-        assert took < 3 + 10, f"the survivor learned it after {took:.1f} s"
-        train_model.kill_workers(workers)
+    cluster = two_nodes
+    env = {"SHARDLINE_TEST_ON_WORKER_FAILURE": "fail", "SHARDLINE_TEST_LEASE_TIMEOUT": "3",
+           1: {"SHARDLINE_FAILPOINTS": "worker.before_push@4"}}
+    env = {0: {k: v for k, v in env.items() if isinstance(k, str)},
+           1: {**{k: v for k, v in env.items() if isinstance(k, str)}, **env[1]}}
+    workers = train_model.start_workers(cluster.address, "lose-a-rank", "adamw", "bsp", tmp_path, steps=STEPS,
+                                        env=env)
+    survivor = workers[0][0]
+    started = time.monotonic()
+    output, _ = survivor.communicate(timeout=60)
+    took = time.monotonic() - started
+    assert survivor.returncode != 0
+    assert "ShardlineWorkerLostError" in output and "rank 1 lost" in output, output
+    assert took < 3 + 10, f"the survivor learned it after {took:.1f} s"
+    train_model.kill_workers(workers)
 
 
-def test_a_missing_rank_is_named_when_the_pull_times_out(tmp_path):
+def test_a_missing_rank_is_named_when_the_pull_times_out(two_nodes, tmp_path):
     """on_worker_failure: wait (the default) and a short pull_timeout: the error names the rank that
     did not commit (the issue's reproduction waited 600 s and named no rank)."""
-    with LocalCluster(tmp_path / "c") as cluster:
-        start(cluster, 2)
-        common = {"SHARDLINE_TEST_PULL_TIMEOUT": "4", "SHARDLINE_TEST_LEASE_TIMEOUT": "2"}
-        env = {0: common, 1: {**common, "SHARDLINE_FAILPOINTS": "worker.before_push@3"}}
-        workers = train_model.start_workers(cluster.address, "wait-for-rank", "adamw", "bsp", tmp_path, steps=STEPS,
-                                            env=env)
-        output, _ = workers[0][0].communicate(timeout=60)
-        assert workers[0][0].returncode != 0
-        assert "StepTimeoutError" in output and "pull_timeout" in output, output
-        assert "ranks [1] did not commit step 3 (PS nodes ps0, ps1 wait for them); rank 1: lost" in output, output
-        status = subprocess.run([*CLI, "status", "--cluster", cluster.address], capture_output=True, text=True,
-                                timeout=30)
-        assert "job wait-for-rank: rank 1 missing for" in status.stdout, status.stdout
-        train_model.kill_workers(workers)
+    cluster = two_nodes
+    common = {"SHARDLINE_TEST_PULL_TIMEOUT": "4", "SHARDLINE_TEST_LEASE_TIMEOUT": "2"}
+    env = {0: common, 1: {**common, "SHARDLINE_FAILPOINTS": "worker.before_push@3"}}
+    workers = train_model.start_workers(cluster.address, "wait-for-rank", "adamw", "bsp", tmp_path, steps=STEPS,
+                                        env=env)
+    output, _ = workers[0][0].communicate(timeout=60)
+    assert workers[0][0].returncode != 0
+    assert "StepTimeoutError" in output and "pull_timeout" in output, output
+    assert "ranks [1] did not commit step 3 (PS nodes ps0, ps1 wait for them); rank 1: lost" in output, output
+    status = subprocess.run([*CLI, "status", "--cluster", cluster.address], capture_output=True, text=True,
+                            timeout=30)
+    assert "job wait-for-rank: rank 1 missing for" in status.stdout, status.stdout
+    train_model.kill_workers(workers)

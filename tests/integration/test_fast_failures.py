@@ -37,14 +37,15 @@ def _read_lines(stream, into: list, started: list) -> None:
 
 def test_an_unreachable_cluster_is_reported_on_stderr_within_6_s():
     """A training script with no logging set up: PSOptimizer on an address nobody listens on prints
-    a WARNING saying what it retries within 6 s, and fails after connect_timeout naming the reason."""
+    a WARNING saying what it retries within 6 s, and fails after connect_timeout naming the reason
+    (6 s: past the WARNING, which falls due after 4 s, with time to spare on a loaded machine)."""
     address = f"127.0.0.1:{_closed_port()}"
     script = (
         "import sys, torch\n"
         "from shardline import PSOptimizer\n"
         "model = torch.nn.Linear(2, 2)\n"
         "print('calling', flush=True)\n"
-        f"PSOptimizer(model.named_parameters(), cluster={address!r}, job='j', connect_timeout=8)\n")
+        f"PSOptimizer(model.named_parameters(), cluster={address!r}, job='j', connect_timeout=6)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started: list = []
@@ -66,7 +67,7 @@ def test_an_unreachable_cluster_is_reported_on_stderr_within_6_s():
     assert warning[0] <= 6.0, f"the WARNING came after {warning[0]:.1f} s:\n{text}"
     assert address in warning[1] and "connection refused" in warning[1], text
     assert proc.returncode != 0 and "ShardlineTimeoutError" in text and "connect_timeout" in text, text
-    assert took < 8 + 5, f"it failed after {took:.1f} s"
+    assert took < 6 + 5, f"it failed after {took:.1f} s"
 
 
 def _wait_for_log(handle, needle: str, timeout: float) -> str:

@@ -141,8 +141,8 @@ def run_traffic(cluster: LocalCluster) -> None:
 def cluster(tmp_path_factory):
     with LocalCluster(tmp_path_factory.mktemp("metrics-cluster"), start_timeout=45) as c:
         c.start_dispatcher(heartbeat_interval=0.2, heartbeat_timeout=2)
-        c.add_node(node_id="ps1")
-        c.add_node(node_id="ps2")
+        for node in [c.add_node(node_id=node_id, wait=False) for node_id in ("ps1", "ps2")]:  # in parallel
+            c.wait_ready(node)
         c.wait_for_nodes(2, timeout=30)
         cache = c.add_cache("r1", 1 << 20, wait=False)   # the dashboard's rack cache panels
         # A worker daemon training the demo job (BSP, world size 1) keeps data flowing.

@@ -3,7 +3,10 @@ clean venv, with its generated protobuf modules, and works from anywhere.
 
 The wheel is built from a copy of the tree without any generated modules (as a fresh clone has
 it), so the build itself must run protoc. The venv gets torch first, as users install it, and the
-wheel must keep that torch (its requirement is a range, never a CUDA build pulled on top).
+wheel must keep that torch (its requirement is a range, never a CUDA build pulled on top). That
+torch (with pip and what torch requires) is the one pip installed for the tests' own interpreter
+(the Makefile's TORCH_SPEC), hard-linked into the venv rather than unpacked and byte-compiled
+again; the wheel and its other requirements are installed by pip as a user's would be.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 GENERIC_NAMES = ("services", "worker", "jobs", "dispatcher", "ps_server", "protos")
 STEP_TIMEOUT = 600
 
@@ -45,6 +47,38 @@ def tree_copy(dest: Path) -> Path:
     return dest
 
 
+def link_distributions(names, site: Path) -> list[str]:
+    """Put the installed distributions ``names`` and everything they require, as pip installed
+    them for this interpreter (files, metadata, RECORD), into the ``site`` directory of another
+    environment: hard links, copies across file systems. Scripts outside site-packages are left
+    out (their shebangs name this interpreter). Returns the distributions' names."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    done: set[str] = set()
+    todo = list(names)
+    while todo:
+        dist = metadata.distribution(todo.pop())
+        name = canonicalize_name(dist.metadata["Name"])
+        if name in done:
+            continue
+        done.add(name)
+        root = Path(dist.locate_file(""))
+        for rel in dist.files or ():
+            src, dest = root / rel, site / rel
+            if rel.parts[0] == ".." or not src.is_file():
+                continue
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dest)
+            except OSError:
+                shutil.copy2(src, dest)
+        todo += [r.name for r in map(Requirement, dist.requires or ()) if r.marker is None or r.marker.evaluate({"extra": ""})]
+    return sorted(done)
+
+
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
     """(venv python, the wheel, a directory outside the tree) after building and installing."""
@@ -54,9 +88,10 @@ def installed(tmp_path_factory):
     run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, src], cwd=root)
     (wheel,) = wheels.glob("shardline-*.whl")
     venv = root / "venv"
-    run([sys.executable, "-m", "venv", venv], cwd=root)
+    run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=root)
     python = venv / "bin" / "python"
-    run([python, "-m", "pip", "install", "-q", TORCH_SPEC], cwd=root)
+    site = Path(run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], cwd=root).stdout.strip())
+    assert "torch" in link_distributions(["pip", "torch"], site)
     before = run([python, "-c", "import torch; print(torch.__version__)"], cwd=root).stdout.strip()
     run([python, "-m", "pip", "install", "-q", wheel], cwd=root)
     after = run([python, "-c", "import torch; print(torch.__version__)"], cwd=root).stdout.strip()

@@ -45,8 +45,8 @@ def cache_counter(handle, name: str) -> float:
 def racks(tmp_path_factory):
     with LocalCluster(tmp_path_factory.mktemp("rack-cache")) as c:
         c.start_dispatcher(heartbeat_timeout=2)
-        c.add_node(node_id="ps1")
-        c.add_node(node_id="ps2")
+        for node in [c.add_node(node_id=node_id, wait=False) for node_id in ("ps1", "ps2")]:  # in parallel
+            c.wait_ready(node)
         c.wait_for_nodes(2, timeout=30)
         caches = {rack: c.add_cache(rack, CACHE_BYTES, wait=False) for rack in ("r1", "r2")}
         for handle in caches.values():

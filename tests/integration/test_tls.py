@@ -30,8 +30,8 @@ def test_tls_cluster_trains_and_refuses_clients_without_the_ca(tmp_path, monkeyp
     with LocalCluster(tmp_path / "cluster", cluster_token_file=str(token_file), tls_cert_file=str(tls.cert),
                       tls_key_file=str(tls.key), tls_ca_file=str(tls.ca), env=env) as c:
         c.start_dispatcher()
-        c.add_node(node_id="ps1")
-        c.add_node(node_id="ps2")
+        for node in [c.add_node(node_id=node_id, wait=False) for node_id in ("ps1", "ps2")]:
+            c.wait_ready(node)
         c.wait_for_nodes(2, timeout=60)
 
         # A worker daemon trains a BSP job to the end over the TLS control plane.
@@ -49,12 +49,13 @@ def test_tls_cluster_trains_and_refuses_clients_without_the_ca(tmp_path, monkeyp
         torch.testing.assert_close(script.pull()["w"], torch.full((8,), -0.5))
         script.close()
 
-        # Without the CA (plaintext), or with a CA that did not sign the servers' certificates: refused, saying why.
+        # Without the CA (plaintext), or with a CA that did not sign the servers' certificates: refused, saying why
+        # (the first try fails so on loopback: a connect_timeout of 1 s is waited out, not needed).
         monkeypatch.delenv("SHARDLINE_TLS_CA_FILE")
         with pytest.raises(ShardlineTimeoutError, match="if the cluster uses TLS, set tls_ca_file"):
-            connect(c.address, job="tls-job", connect_timeout=3)
+            connect(c.address, job="tls-job", connect_timeout=1)
         with pytest.raises(ShardlineTimeoutError, match="TLS handshake failed"):
-            connect(c.address, job="tls-job", tls_ca=tls.other_cert.read_bytes(), connect_timeout=3)
+            connect(c.address, job="tls-job", tls_ca=tls.other_cert.read_bytes(), connect_timeout=1)
 
         # The CLI: status over TLS shows it; the dispatcher's calls to the PS nodes (job delete) go over TLS.
         cli_env = {**env, "SHARDLINE_CLUSTER_TOKEN_FILE": str(token_file)}
@@ -66,7 +67,7 @@ def test_tls_cluster_trains_and_refuses_clients_without_the_ca(tmp_path, monkeyp
                              capture_output=True, text=True, timeout=60,
                              env={**cli_env, "SHARDLINE_TLS_CA_FILE": str(tls.ca)})
         assert res.returncode == 0 and "dropped on ps1, ps2" in res.stdout, res.stdout + res.stderr
-        res = subprocess.run([*shardline_cmd(), "status", "--cluster", c.address, "--timeout", "2"],
+        res = subprocess.run([*shardline_cmd(), "status", "--cluster", c.address, "--timeout", "1"],
                              capture_output=True, text=True, timeout=60, env=cli_env)
         assert res.returncode == 1 and "set tls_ca_file" in res.stderr, res.stderr
 
