@@ -335,7 +335,7 @@ def offline_client(comp: str) -> tuple[Client, list]:
     client.job, client.rank, client._lost, client._lease, client._replaying = "j", 0, None, object(), False
     client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
     client._shapes, client._slices, client.step, client.uid = {}, {}, 0, ""
-    client.routing = types.SimpleNamespace(epoch=2, owner=lambda job, tensor, index: "ps")
+    client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")
     client._load_spec(job_spec(comp=comp))
     client._scatter = lambda op, keys, **kw: sent.append((op, list(keys), dict(kw.get("grads") or {}))) or {}
     return client, sent
