@@ -592,13 +592,15 @@ class Client:
             self._unchecked = {}
         failpoints.hit("worker.after_push", step)
 
-    def _push_checks(self, keys: list) -> None:
-        """Before a push frame of ``keys`` goes out: the blocks left to the node's check
-        (``_unchecked``) stay so if this frame carries them all; a frame that does not (the routing
-        moved mid-push and the push now spans several nodes) checks all of them here first."""
+    def _push_checks(self, keys) -> None:
+        """Before a push frame of ``keys`` goes out (frames to several nodes go out in parallel):
+        the blocks left to the node's check (``_unchecked``) stay so while one frame carries them
+        all; a frame that carries only some of them (the routing moved mid-push and they now span
+        several nodes) checks all of them here first. ``keys=()``: check whatever is left."""
         unchecked = self._unchecked
-        if unchecked and not unchecked.keys() <= set(keys):
-            for key, g in unchecked.items():
+        carried = unchecked.keys() & set(keys)
+        if unchecked and (not keys or carried and carried != unchecked.keys()):
+            for key, g in list(unchecked.items()):  # a copy: another frame's thread may clear it
                 _check_finite(key, g)
             unchecked.clear()
 
