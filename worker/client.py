@@ -78,9 +78,9 @@ class _NonFiniteGradient(ShardlineConfigError):
     """A gradient block held NaN or Inf (found by this client, or by the node it was pushed to)."""
 
 
-def _check_finite(key: tuple[str, int], block: torch.Tensor) -> None:
-    if not all_finite(block):
-        raise _NonFiniteGradient(f"gradient for tensor {key[0]!r} contains NaN or Inf; not pushed")
+def _check_finite(name: str, grad: torch.Tensor) -> None:
+    if not all_finite(grad):
+        raise _NonFiniteGradient(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
 
 
 class _Immediate:
@@ -554,15 +554,13 @@ class Client:
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
         # nodes is checked whole here first, or some would keep their part; so is a compressed one
         # (the error feedback must not take in a NaN).
-        if not spec.allow_nonfinite and self._compressor is None:
-            self._wait_for_ring()
+        self._wait_for_ring()
         node_checks = (not spec.allow_nonfinite and self._compressor is None
                        and len({self.routing.owner(self.job, *key) for key, g in payload.items()
                                 if g is not None}) == 1)
         if not spec.allow_nonfinite and not node_checks:
             for name, flat in flats:
-                if not all_finite(flat):
-                    raise ShardlineConfigError(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
+                _check_finite(name, flat)
         self.start_lease()
         step = self._current_step()
         failpoints.hit("worker.before_push", step)
@@ -581,7 +579,7 @@ class Client:
             except BaseException:
                 # The push failed before a node said it checked it (a node died mid-frame...): the
                 # record, which a replay resends, must not keep a NaN that no node refused yet.
-                self._push_checks(())
+                self._check_unchecked()
                 raise
         except _NonFiniteGradient:  # nothing of this push stayed anywhere: neither does its record
             for key in payload:
@@ -592,17 +590,20 @@ class Client:
             self._unchecked = {}
         failpoints.hit("worker.after_push", step)
 
-    def _push_checks(self, keys) -> None:
+    def _push_checks(self, keys: list) -> None:
         """Before a push frame of ``keys`` goes out (frames to several nodes go out in parallel):
         the blocks left to the node's check (``_unchecked``) stay so while one frame carries them
         all; a frame that carries only some of them (the routing moved mid-push and they now span
-        several nodes) checks all of them here first. ``keys=()``: check whatever is left."""
-        unchecked = self._unchecked
-        carried = unchecked.keys() & set(keys)
-        if unchecked and (not keys or carried and carried != unchecked.keys()):
-            for key, g in list(unchecked.items()):  # a copy: another frame's thread may clear it
-                _check_finite(key, g)
-            unchecked.clear()
+        several nodes) checks all of them here first."""
+        carried = self._unchecked.keys() & set(keys)
+        if carried and carried != self._unchecked.keys():
+            self._check_unchecked()
+
+    def _check_unchecked(self) -> None:
+        """Check the blocks left to the node's check here, and leave none."""
+        for (name, _index), g in list(self._unchecked.items()):  # a copy: another frame's thread may clear it
+            _check_finite(name, g)
+        self._unchecked.clear()
 
     def _commit(self, weight: float) -> None:
         step = self._current_step()
