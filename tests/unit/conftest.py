@@ -27,3 +27,18 @@ class RecordingStore(MemoryStateStore):
 @pytest.fixture
 def recording_store() -> RecordingStore:
     return RecordingStore()
+
+
+class ServicerContext:
+    """The grpc.ServicerContext a servicer method is called with, outside a server: an abort fails the test."""
+
+    def abort(self, code, message):
+        raise AssertionError(f"aborted {code}: {message}")
+
+    def set_trailing_metadata(self, _metadata):
+        pass
+
+
+@pytest.fixture
+def grpc_context() -> ServicerContext:
+    return ServicerContext()

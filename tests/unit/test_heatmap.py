@@ -164,15 +164,7 @@ def test_the_load_model_owns_blocks_like_the_ring():
     assert spread == pytest.approx({n: 1000.0 * f for n, f in ring.share().items()})
 
 
-class _Context:
-    def abort(self, code, message):
-        raise AssertionError(f"aborted {code}: {message}")
-
-    def set_trailing_metadata(self, _metadata):
-        pass
-
-
-def test_the_dispatcher_plans_from_heartbeats_and_serves_the_heatmap():
+def test_the_dispatcher_plans_from_heartbeats_and_serves_the_heatmap(grpc_context):
     from shardline.dispatcher.jobs import JobRegistry
     from shardline.dispatcher.membership import Membership
     from shardline.dispatcher.server import DispatcherServicer
@@ -199,11 +191,11 @@ def test_the_dispatcher_plans_from_heartbeats_and_serves_the_heatmap():
                    if owner == n]
             servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(
                 node_id=n, load=dispatcher_pb2.NodeLoad(node_id=n, rack="r1", interval_seconds=0.1,
-                                                        bytes_out_per_second=load[n]), hot=hot), _Context())
+                                                        bytes_out_per_second=load[n]), hot=hot), grpc_context)
         if servicer.membership.rebalancing():
             break
     assert servicer.membership.rebalancing(), "no rebalance was planned"
-    heat = servicer.GetHotShards(dispatcher_pb2.HeatRequest(limit=5), _Context())
+    heat = servicer.GetHotShards(dispatcher_pb2.HeatRequest(limit=5), grpc_context)
     assert len(heat.shards) == 5 and {n.node_id for n in heat.nodes} == set(nodes)
     assert heat.last_rebalance.startswith("max/mean load") and heat.rebalance_interval_seconds == 1.0
     assert sum(n.bytes_out_per_second for n in heat.nodes) == pytest.approx(sum(load.values()), rel=1e-6)

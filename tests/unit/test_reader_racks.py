@@ -277,15 +277,7 @@ def test_ps_counts_bytes_by_reader_rack_bounded():
     assert len(heat.rack_reads()) == MAX_RACK_READS
 
 
-class _Context:
-    def abort(self, code, message):
-        raise AssertionError(f"aborted {code}: {message}")
-
-    def set_trailing_metadata(self, _metadata):
-        pass
-
-
-def test_leader_moves_a_jobs_reader_rack_from_heartbeats():
+def test_leader_moves_a_jobs_reader_rack_from_heartbeats(grpc_context):
     from shardline.dispatcher.jobs import JobRegistry
     from shardline.dispatcher.membership import Membership
     from shardline.dispatcher.server import DispatcherServicer
@@ -305,7 +297,7 @@ def test_leader_moves_a_jobs_reader_rack_from_heartbeats():
         for i in range(4):
             servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id=f"ps{i}", rack_reads=[
                 dispatcher_pb2.RackReads(job="job", rack="b", bytes=9000),
-                dispatcher_pb2.RackReads(job="job", rack="a", bytes=1000)]), _Context())
+                dispatcher_pb2.RackReads(job="job", rack="a", bytes=1000)]), grpc_context)
         pending = pending or servicer.update_reader_racks()
         assert not pending or t >= 10  # not before a half-life of reports
     assert pending and servicer.membership.snapshot().pending_reader_racks == {"job": "b"}
