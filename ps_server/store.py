@@ -551,6 +551,7 @@ class JobStore:
             if self.sync == "asp":
                 self._apply_asp(ticket)
                 return self.step
+            self._check_still_collecting(ticket)
             w = ticket.weight
             for ref, block, dest, direct, resent in zip(ticket.refs, ticket.blocks, ticket.dests, ticket.direct,
                                                         ticket.resent):
@@ -561,9 +562,6 @@ class JobStore:
                     if not resent and block.step == ticket.step:
                         block.received.add(ticket.rank)
                     continue
-                if block.step != ticket.step:  # applied (or handed over) while the push was in flight
-                    self._release(ticket)
-                    raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
                 if direct:
                     block.receiving = None
                     if w != 1.0:
@@ -588,6 +586,22 @@ class JobStore:
         if early:
             self._step_early(early)
         return job_step
+
+    def _check_still_collecting(self, ticket: "PushTicket") -> None:
+        """Before a BSP/SSP push changes anything: every block it claimed is still this node's
+        and still collects the push's step. Else nothing of it is kept: NOT_OWNER (the block
+        changed owner meanwhile and was handed over without this push; the worker resends it to
+        the new owner) or STALE_STEP. Call with the lock held."""
+        for ref, block, dest, resent in zip(ticket.refs, ticket.blocks, ticket.dests, ticket.resent):
+            if resent:
+                continue
+            if not block.primary:
+                self._release(ticket)
+                raise StoreError("NOT_OWNER", f"block {ref.tensor}[{ref.index}] changed owner while its push was "
+                                              f"in flight")
+            if dest is not None and block.step > ticket.step:  # applied while the push was in flight
+                self._release(ticket)
+                raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
 
     def abort_push(self, ticket: "PushTicket") -> None:
         """Forget a push that failed or whose connection broke: nothing of it stays."""

@@ -752,23 +752,33 @@ class Client:
         """The epoch changed while a BSP step (SSP: steps) was in flight: push each step's blocks
         again, and commit again on every node if this worker had committed, oldest step first.
         True if it did."""
-        old, self._replay_from = self._replay_from, None
-        if old is None or not self._inflight or self._replaying or self.spec is None or not self._collects:
+        if self._replaying:
+            return False  # the replay running notices the change and starts over (below)
+        if self._replay_from is None or not self._inflight or self.spec is None or not self._collects:
+            self._replay_from = None
             return False
         self._replaying = True
         try:
-            for step, inflight in sorted(self._inflight.items()):
-                # Every block, not only those whose owner differs between the two tables this worker
-                # saw: a node may have lost a block and got it back in epochs in between (forgetting
-                # the pushes); a node that still holds a push ignores the resend.
-                moved = list(inflight["grads"])
-                weight = inflight["weight"]
-                if moved:
-                    self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
-                if inflight["committed"]:
-                    self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
-                log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch, step,
-                         len(moved), " and the commit" if inflight["committed"] else "")
+            # A commit at epoch E counts, on a node that took a block over at E, as "this rank
+            # pushed the block to me": so the replay that commits at E must have pushed every block
+            # at E. The routing moving again during the replay (its pushes or commits refused)
+            # starts it over at the newer epoch.
+            while self._replay_from is not None:
+                self._replay_from = None
+                for step, inflight in sorted(self._inflight.items()):
+                    # Every block, not only those whose owner differs between the two tables this
+                    # worker saw: a node may have lost a block and got it back in epochs in between
+                    # (forgetting the pushes); a node that still holds a push ignores the resend.
+                    moved = list(inflight["grads"])
+                    weight = inflight["weight"]
+                    if moved:
+                        self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
+                    if self._replay_from is not None:
+                        break  # moved again: pushes at the newer epoch first
+                    if inflight["committed"]:
+                        self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
+                    log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch,
+                             step, len(moved), " and the commit" if inflight["committed"] else "")
             return True
         finally:
             self._replaying = False

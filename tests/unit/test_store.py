@@ -246,6 +246,26 @@ def test_aborted_push_leaves_nothing_and_frees_the_buffers():
     torch.testing.assert_close(values(store, "a", (4, 5)), a0 - g, rtol=0, atol=1e-6)
 
 
+def test_a_push_whose_block_changed_owner_meanwhile_is_refused_and_keeps_nothing():
+    """The node lost a block while the push's bytes were arriving (its handover went out without
+    this rank): the push gets NOT_OWNER, so the worker resends it to the new owner, and no block
+    of it, also none the node still applies, keeps a part."""
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    refs, flat = _refs("a", torch.ones(4, 5))
+    ticket = store.begin_push(0, 0, 1.0, refs, bytearray(80))
+    _receive(store, ticket, flat)
+    kept = {k for k in store.blocks if k != ("a", len(refs) - 1)}
+    _gained, handovers = store.set_primary(kept, epoch=2)   # the last block of "a" moved away
+    assert [h.ranks for h in handovers] == [()]
+    with pytest.raises(StoreError) as e:
+        store.finish_push(ticket)
+    assert e.value.code == "NOT_OWNER"
+    assert all(not b.pushed_by and not b.received and not b.has_grad and b.receiving is None
+               for b in store.blocks.values())
+    assert not store.push_weights.get(0)
+
+
 def test_stalled_reservation_times_out(monkeypatch):
     import shardline.ps_server.store as store_module
 
