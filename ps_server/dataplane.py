@@ -185,8 +185,9 @@ class _Connection:
     def run(self, header, view):
         """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""
         hangups = self.policy.hangups
+        regions = self.sock if hasattr(self.sock, "place") else None  # a shm connection
         if header.op != dp.OP_PULL or hangups is None or not header.min_step:
-            return self.node.handle(header, view)  # nothing to wait for
+            return self.node.handle(header, view, regions=regions)  # nothing to wait for
         cancelled = threading.Event()
         node = self.node
 
@@ -199,7 +200,7 @@ class _Connection:
 
         handle = hangups.watch(self.sock, on_hangup)
         try:
-            return node.handle(header, view, cancelled=cancelled)
+            return node.handle(header, view, cancelled=cancelled, regions=regions)
         finally:
             hangups.unwatch(handle)
 

@@ -50,6 +50,29 @@ def header_lrs(header: frame.FrameHeader):
     return header.lr if header.has_lr else None
 
 
+def _placements(job: JobStore, header: frame.FrameHeader, regions) -> dict:
+    """The blocks a pull asks to have placed in its connection's regions: {(tensor, index):
+    (region, offset)}, each checked to fit (StoreError INVALID_ARGUMENT) before anything waits."""
+    placements = {}
+    for ref in header.blocks:
+        if not ref.dest_region:
+            continue
+        if header.subscriber:
+            raise StoreError("INVALID_ARGUMENT", "a subscriber's pull cannot place blocks in a region")
+        size = 0 if regions is None else regions.region_size(ref.dest_region)
+        if not size:
+            raise StoreError("INVALID_ARGUMENT", f"pull places {ref.tensor}[{ref.index}] in region {ref.dest_region}, "
+                                                 f"which this connection did not share")
+        itemsize = frame.ITEMSIZE[ref.want_dtype or dp.FLOAT32]
+        nbytes = job.expected_numel(ref.tensor, ref.index) * itemsize
+        if ref.dest_offset % itemsize or ref.dest_offset + nbytes > size:
+            raise StoreError("INVALID_ARGUMENT", f"{ref.tensor}[{ref.index}] ({nbytes} bytes) does not fit at offset "
+                                                 f"{ref.dest_offset} of region {ref.dest_region} ({size} bytes, "
+                                                 f"aligned to {itemsize})")
+        placements[(ref.tensor, ref.index)] = (ref.dest_region, ref.dest_offset)
+    return placements
+
+
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
     read) the same block's bytes again. (A handover's copy of a block is its second part, flagged.)"""
@@ -413,11 +436,13 @@ class PSNode:
                 self.metrics.apply(job.name, elapsed)
         return reply
 
-    def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None
-               ) -> tuple[frame.FrameHeader, list]:
+    def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None,
+               regions=None) -> tuple[frame.FrameHeader, list]:
         """Run a prechecked request other than PUSH. ``payload`` holds ``header.payload_bytes`` bytes.
 
-        ``cancelled`` set (the client hung up) ends a waiting pull: ConnectionAbortedError."""
+        ``cancelled`` set (the client hung up) ends a waiting pull: ConnectionAbortedError.
+        ``regions``: the shm connection the request came on (its peer's regions take the blocks
+        a pull asks to be placed, ``BlockRef.dest_region``); None on other transports."""
         reply = self._reply(header)
         if header.op == dp.OP_PING:
             return reply, []
@@ -453,6 +478,7 @@ class PSNode:
                 self.heat.record_apply(time.perf_counter() - started)
             return reply, []
         # OP_PULL
+        placements = _placements(job, header, regions)
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
         started = time.perf_counter()
         try:
@@ -488,8 +514,14 @@ class PSNode:
             return reply, [payload for _, payload in sent]
         payloads = []
         for tensor, index, version, value in blocks:
-            reply.blocks.append(frame.block_ref(tensor, index, value, version=version))
-            payloads.append(frame.tensor_bytes(value))
+            ref = frame.block_ref(tensor, index, value, version=version)
+            place = placements.get((tensor, index))
+            if place is not None:  # one copy, straight into the client's cache
+                regions.place(place[0], place[1], value)
+                ref.placed = True
+            else:
+                payloads.append(frame.tensor_bytes(value))
+            reply.blocks.append(ref)
         self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],
                                rack=header.reader_rack)
         return reply, payloads

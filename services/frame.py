@@ -107,6 +107,15 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         raise FrameTooLargeError(f"frame lists {len(header.blocks)} blocks, limit is {limits.max_blocks}")
     total = 0
     for ref in header.blocks:
+        if ref.dest_region and header.op != dp.OP_PULL:
+            raise FrameError(f"block {ref.tensor}[{ref.index}] names a destination region in a "
+                             f"{dp.Op.Name(header.op)} frame (only pulls do)")
+        if ref.placed:
+            if header.op != dp.OP_REPLY or ref.zero or wire_nbytes(ref.dtype, ref.numel) != ref.nbytes \
+                    or ref.dtype in (dp.SIGN1, dp.BF16_DELTA):
+                raise FrameError(f"block {ref.tensor}[{ref.index}] is flagged placed in a {dp.Op.Name(header.op)} "
+                                 f"frame, or with inconsistent numel/nbytes/dtype")
+            continue  # its bytes are in the requester's region, not in the payload
         if ref.zero:
             if ref.nbytes != 0:
                 raise FrameError(f"block {ref.tensor}[{ref.index}] is flagged zero but claims {ref.nbytes} bytes")

@@ -41,7 +41,7 @@ from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
-from shardline.services.transport import get_transport
+from shardline.services.transport import get_transport, shm
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
@@ -66,12 +66,18 @@ IO_TIMEOUT_SECONDS = 30.0
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a cache line: each tensor of a shared cache region starts on one."""
+    return (nbytes + 63) // 64 * 64
+
+
 @dataclass
 class TransferStats:
     pushed_bytes: int = 0
     pulled_bytes: int = 0
     pushed_zero_blocks: int = 0
     pulled_blocks: int = 0
+    placed_blocks: int = 0   # of pulled_blocks: copied by the node straight into this client's cache (shm)
 
 
 class _NonFiniteGradient(ShardlineConfigError):
@@ -194,6 +200,10 @@ class Client:
         self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, left to the node's NaN/Inf check
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
+        # Caches in shared memory a local node copies pulled blocks into (shm transport): name ->
+        # (region, byte offset of the tensor, the cache tensor it holds while not rebound)
+        self._placement: dict[str, tuple] = {}
+        self._regions: list = []
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
@@ -214,13 +224,37 @@ class Client:
         kind = compression_of(spec)
         if (self._compressor.kind if self._compressor else "none") != kind:
             self._compressor = None if kind == "none" else GradientCompressor(kind)
+        new = []
         for t in spec.tensors:
             shape = tuple(int(d) for d in t.shape)
             numel = math.prod(shape)
             self._shapes[t.name] = shape
             self._slices[t.name] = block_slices(numel, int(spec.block_elements))
             if t.name not in self._values:
-                self._values[t.name] = torch.zeros(numel, dtype=torch.float32)
+                new.append((t.name, numel))
+        self._allocate_caches(new)
+
+    def _allocate_caches(self, tensors: list[tuple[str, int]]) -> None:
+        """Zeroed float32 caches of ``tensors`` (name, numel): in one shared region when the
+        transport can reach a node over shm (the node then copies pulled blocks straight into
+        them, one copy instead of two through the ring), else ordinary tensors."""
+        region = None
+        total = sum(_aligned(numel * 4) for _name, numel in tensors)
+        if total and getattr(self._transport, "shares_memory", False):
+            try:
+                region = shm.SharedRegion(total)
+            except OSError as exc:  # memfds refused here (a sandbox): caches in ordinary memory
+                log.info("no shared-memory cache (%s): pulls go through the ring", exc)
+        if region is not None:
+            self._regions.append(region)
+        offset = 0
+        for name, numel in tensors:
+            if region is None:
+                self._values[name] = torch.zeros(numel, dtype=torch.float32)
+                continue
+            self._values[name] = region.tensor(torch.float32, offset, numel)
+            self._placement[name] = (region, offset, self._values[name])
+            offset += _aligned(numel * 4)
 
     @property
     def sync(self) -> str:
@@ -290,8 +324,7 @@ class Client:
                         "(docs/architecture.md, \"Gradient compression\")", self.job, opt.kind)
         if resp.created:
             self._load_spec(resp.job.spec, resp.job.uid)
-            for name, t in tensors.items():
-                self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
+            self._fill_caches(tensors)
             self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=0)
             for name in tensors:
                 for s in self._slices[name]:
@@ -367,8 +400,7 @@ class Client:
             self._load_spec(resp.job.spec, resp.job.uid)
         elif initialize:
             self._load_spec(resp.job.spec, resp.job.uid)
-            for name, t in tensors.items():
-                self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
+            self._fill_caches(tensors)
             self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=step)
             for name in tensors:
                 for s in self._slices[name]:
@@ -379,6 +411,25 @@ class Client:
             info = self.dispatcher.wait_job_ready(self.job, timeout, revision=ext.revision)
             self._load_spec(info.spec, info.uid)
         return resp.applied
+
+    def shared_cache(self, name: str) -> torch.Tensor | None:
+        """The cache of ``name``, shaped like the job's tensor, if it is in shared memory (a local
+        node copies pulled blocks straight into it); None otherwise."""
+        place = self._placement.get(name)
+        if place is None or self._values.get(name) is not place[2]:
+            return None
+        return place[2].view(self._shapes[name])
+
+    def _fill_caches(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The caches of a job's new ``tensors`` take their initial values (in place: a cache in a
+        shared region stays there)."""
+        with torch.no_grad():
+            for name, t in tensors.items():
+                cache = self._values[name]
+                if cache.dtype == torch.float32 and cache.numel() == t.numel():
+                    cache.copy_(t.detach().reshape(-1))
+                else:
+                    self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
 
     @staticmethod
     def bindable(tensor: torch.Tensor) -> bool:
@@ -391,7 +442,8 @@ class Client:
         Pulls then write into it directly, in its dtype: a bfloat16 tensor receives the nodes'
         bf16 conversion of the fp32 masters. Unless ``same_contents`` (the caller guarantees it
         holds exactly the cached values, converted to its dtype), its contents are unknown, so the
-        next pull transfers every block of it once.
+        next pull transfers every block of it once. The client's own cache in shared memory
+        (``shared_cache``) stays where it is: local nodes go on copying pulls straight into it.
         """
         self._require_spec()
         if name not in self._shapes:
@@ -401,7 +453,10 @@ class Client:
                                        f"{tensor.dtype} on {tensor.device}")
         if tuple(tensor.shape) != self._shapes[name]:
             raise ShardlineConfigError(f"bind({name!r}): shape {tuple(tensor.shape)} != job shape {self._shapes[name]}")
-        self._values[name] = tensor.view(-1)
+        place = self._placement.get(name)
+        if place is None or tensor.dtype != torch.float32 or tensor.data_ptr() != place[2].data_ptr():
+            self._values[name] = tensor.view(-1)
+            self._placement.pop(name, None)  # the caller's tensor is not in a shared region
         if same_contents:
             return
         for s in self._slices[name]:
@@ -1022,6 +1077,7 @@ class Client:
         if op == dp.OP_PUSH:
             self._push_checks(keys)
         with conn.lock:
+            placed = self._ask_placement(conn, header) if op == dp.OP_PULL and via is None else set()
             try:
                 # a node that stops answering (paused, partitioned) is given up on after this
                 io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
@@ -1029,12 +1085,15 @@ class Client:
                 frame.send_frame(conn.sock, header, payloads)
                 reply = frame.recv_header(conn.sock, REPLY_LIMITS)
             except (OSError, ConnectionError) as exc:
+                self._forget_versions(placed)   # the node may have been copying into them
                 conn.close()
                 self._conns.pop(key, None)
                 who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
                 raise ShardlineConnectionError(f"{who} at {conn.address}: {exc}") from exc
             if reply.op == dp.OP_ERROR:
                 code = dp.ErrorCode.Name(reply.code)
+                if reply.code == dp.INTERNAL:
+                    self._forget_versions(placed)
                 if reply.code == dp.NOT_OWNER:
                     raise NotOwnerError(code, reply.message, epoch=reply.epoch, step=reply.step)
                 if reply.code == dp.NONFINITE and op == dp.OP_PUSH:  # the node's check of a push left to it
@@ -1046,22 +1105,52 @@ class Client:
             if op == dp.OP_PUSH:
                 self.stats.pushed_bytes += header.payload_bytes
             if op == dp.OP_PULL:
-                self._receive_blocks(conn, key, reply, expected)
+                self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
         return reply.step
 
-    def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
+    def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
+        """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region
+        straight into it (sharing the region on this connection first). Returns their keys."""
+        if header.subscriber or not hasattr(conn.sock, "share_region"):
+            return set()
+        placed = set()
+        for ref in header.blocks:
+            place = self._placement.get(ref.tensor)
+            if place is None or ref.want_dtype:
+                continue
+            region, base, cache = place
+            if self._values[ref.tensor] is not cache:  # rebound since (bind): the new cache is not shared
+                continue
+            conn.sock.share_region(region)
+            ref.dest_region, ref.dest_offset = region.id, base + self._slices[ref.tensor][ref.index].start * 4
+            placed.add((ref.tensor, ref.index))
+        return placed
+
+    def _forget_versions(self, keys) -> None:
+        """The cached bytes of ``keys`` are unknown now (a node's copy into them broke off): the
+        next pull moves them whole."""
+        for key in keys:
+            self._versions.pop(key, None)
+
+    def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict,
+                        placed: set = frozenset()) -> None:
         """Receive a pull reply's payload straight into the cached tensors, validating each block
         first: one the pull asked for, once, in the cache's dtype (so a reply is never larger than
-        what was asked)."""
+        what was asked); a block the node placed in the shared cache (``placed``: asked so) has
+        no payload bytes."""
         for ref in reply.blocks:
             s = expected.pop((ref.tensor, ref.index), None)
             dest = None if s is None else self._values[ref.tensor][s.start:s.stop]
-            if dest is None or ref.dtype != frame.WIRE_DTYPE[dest.dtype] or ref.numel != s.numel or ref.zero:
+            if dest is None or ref.dtype != frame.WIRE_DTYPE[dest.dtype] or ref.numel != s.numel or ref.zero \
+                    or (ref.placed and (ref.tensor, ref.index) not in placed):
                 conn.close()
                 self._conns.pop(node_id, None)
                 raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {ref.tensor}[{ref.index}]")
-            frame.recv_exactly_into(conn.sock, frame.tensor_bytes(dest))
+            if ref.placed:
+                self.stats.placed_blocks += 1
+            else:
+                frame.recv_exactly_into(conn.sock, frame.tensor_bytes(dest))
             self._versions[(ref.tensor, ref.index)] = ref.version
             self.stats.pulled_bytes += ref.nbytes
             self.stats.pulled_blocks += 1
@@ -1101,6 +1190,8 @@ class Client:
             conn.close()
         self._conns.clear()
         self._pool.shutdown(wait=False)
+        for region in self._regions:
+            region.close()
         self.dispatcher.close()
 
     def __enter__(self):

@@ -264,11 +264,7 @@ class PSOptimizer(torch.optim.Optimizer):
         # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []
         for name, p in self.params:
-            if self.client.bindable(p.data):
-                # The creator's parameters are exactly what it initialized the job with.
-                self.client.bind(name, p.data, same_contents=created)
-            else:
-                self._copy_back.append((name, p))
+            self._attach_cache(name, p, same_contents=created)  # the creator initialized the job with them
         self.client.join([n for n, _ in self.params])
         self._sync_copies()
         if overlap:
@@ -286,6 +282,25 @@ class PSOptimizer(torch.optim.Optimizer):
             except BaseException:
                 self.close()
                 raise
+
+    def _attach_cache(self, name: str, p: torch.Tensor, *, same_contents: bool) -> None:
+        """Make pulls of ``name`` land in parameter ``p``. An fp32 parameter takes the client's
+        cache as its storage where that is in shared memory (a local node then copies pulled
+        blocks straight into it: one copy); another contiguous CPU fp32/bf16 one becomes the
+        cache (``bind``); any other is copied back after each pull. ``same_contents``: ``p`` holds
+        what the job was initialized with (the cache holds it too)."""
+        shared = self.client.shared_cache(name)
+        if shared is not None and p.dtype == torch.float32 and p.device.type == "cpu" \
+                and tuple(p.shape) == tuple(shared.shape):
+            with torch.no_grad():
+                if not same_contents:
+                    shared.copy_(p.data)
+                p.data = shared
+            self.client.bind(name, shared, same_contents=same_contents)
+        elif self.client.bindable(p.data):
+            self.client.bind(name, p.data, same_contents=same_contents)
+        else:
+            self._copy_back.append((name, p))
 
     # --- param groups -----------------------------------------------------------------------
     def _group_config(self, index: int, group: dict) -> OptimizerConfig:
@@ -361,10 +376,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._group_configs.append(config)
         self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
         for name, p in new.items():
-            if self.client.bindable(p.data):
-                self.client.bind(name, p.data, same_contents=self.rank == 0)
-            else:
-                self._copy_back.append((name, p))
+            self._attach_cache(name, p, same_contents=self.rank == 0)
         self._check_job_groups(self.client.spec, {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]})
         if self._pusher is not None:  # hooks on the parameters that train now
             self._pusher.reset(self.params)

@@ -9,7 +9,11 @@ SCM_RIGHTS and then reuses for every later frame. The socket carries 16-byte mes
   small payloads, the HELLO handshake (authentication is the data plane's, above this layer);
 - ``CHUNK``: ``length`` bytes are at ``offset`` of the sender's segment (a doorbell);
 - ``CREDIT``: the receiver copied out ``length`` more bytes of the sender's segment, in order;
-- ``SEGMENT``: the sender's segment (its fd in the ancillary data) of ``offset`` bytes.
+- ``SEGMENT``: the sender's segment (its fd in the ancillary data) of ``offset`` bytes;
+- ``REGION``: region ``length`` of ``offset`` bytes, a sealed memfd of the sender's whose fd comes
+  on the one byte that follows the message: memory the receiver may write into (a client's value
+  cache, ``SharedRegion``), so a pull reply's blocks are copied once, by the node, straight into
+  it (``place``), instead of into the ring and out again.
 
 So a 64 MiB payload costs one memcpy into the sender's ring and one out of it into the receiver's
 buffer (``recv_into``), in chunks of at most CHUNK_BYTES that overlap: the receiver copies out
@@ -42,6 +46,7 @@ import collections
 import errno
 import fcntl
 import functools
+import itertools
 import ipaddress
 import logging
 import mmap
@@ -61,7 +66,7 @@ log = logging.getLogger("shardline.transport.shm")
 
 NAME = "shm"
 MESSAGE = struct.Struct("<B3xIQ")
-INLINE, CHUNK, CREDIT, SEGMENT = 1, 2, 3, 4
+INLINE, CHUNK, CREDIT, SEGMENT, REGION = 1, 2, 3, 4, 5
 # Sends up to this size travel inline on the socket (one syscall beats a ring copy + doorbell).
 INLINE_MAX_BYTES = 64 * 1024
 # Inline bytes a side may buffer while it waits for credit (a legit peer sends one error reply).
@@ -72,6 +77,10 @@ DEFAULT_RING_BYTES = 16 * 1024 * 1024
 MIN_RING_BYTES = 64 * 1024
 # Largest segment a side maps from its peer (it costs the mapping side address space only).
 MAX_PEER_RING_BYTES = 1024 ** 3
+# Regions a side maps from its peer, and their bytes in all (address space, not memory: the
+# pages are the peer's).
+MAX_PEER_REGIONS = 64
+MAX_PEER_REGION_BYTES = 1 << 40
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _ANCILLARY_BYTES = socket.CMSG_SPACE(4 * array.array("i").itemsize)
 # plain ints: IntFlag arithmetic costs microseconds per message
@@ -160,6 +169,8 @@ class ShmConnection:
         self._inline_buffered = 0
         # received, not yet consumed: [kind, source, position, length]; source is bytes (INLINE) or an offset
         self._pending: collections.deque = collections.deque()
+        self._shared: set[int] = set()              # ids of our regions the peer has
+        self._peer_regions: dict[int, mmap.mmap] = {}   # the peer's regions, mapped writable
 
     # --- socket-like surface ------------------------------------------------------------------
     def fileno(self) -> int:
@@ -186,6 +197,9 @@ class ShmConnection:
                 if segment is not None:
                     segment.close()
             self._tx_view = self._tx = self._rx_view = self._rx = None
+            for region in self._peer_regions.values():
+                region.close()
+            self._peer_regions.clear()
         _drain(self._sock)
         self._sock.close()
 
@@ -309,6 +323,37 @@ class ShmConnection:
         if self._broken is not None:
             raise self._broken
 
+    # --- regions: memory the peer writes into -------------------------------------------------
+    def share_region(self, region: "SharedRegion") -> None:
+        """Give the peer ``region`` (once per connection; later calls do nothing)."""
+        if region.id in self._shared:
+            return
+        self._raise_broken()
+        self._sock.sendall(MESSAGE.pack(REGION, region.id, region.size))
+        socket.send_fds(self._sock, [b"\0"], [region.fd])
+        self._shared.add(region.id)
+
+    def region_size(self, region_id: int) -> int:
+        """The size of the peer's region ``region_id``; 0 if the peer shared none by that id."""
+        region = self._peer_regions.get(region_id)
+        return 0 if region is None else len(region)
+
+    def place(self, region_id: int, offset: int, value) -> None:
+        """Copy tensor ``value`` (contiguous) to ``offset`` of the peer's region ``region_id``. The
+        caller checked the bounds (``region_size``); they are checked again here."""
+        import torch  # the transport itself moves bytes; only the copy into a region takes a tensor
+
+        nbytes = value.numel() * value.element_size()
+        with self._map_lock:
+            region = self._peer_regions.get(region_id)
+            if self._closed or region is None:
+                raise OSError(errno.EBADF, f"no region {region_id} on this shm connection")
+            if offset < 0 or offset + nbytes > len(region) or offset % value.element_size():
+                raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
+                                 f"of {len(region)} bytes (aligned to {value.element_size()})")
+            if nbytes:
+                torch.frombuffer(region, dtype=value.dtype, count=value.numel(), offset=offset).copy_(value.view(-1))
+
     # --- the protocol -------------------------------------------------------------------------
     def _create_segment(self) -> None:
         fd = os.memfd_create("shardline-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
@@ -392,6 +437,8 @@ class ShmConnection:
             self._tx_freed += length
         elif kind == SEGMENT:
             self._map_peer_segment(offset, fds)
+        elif kind == REGION:
+            self._map_peer_region(length, offset)
         else:
             raise ShmProtocolError(f"unknown shm message kind {kind}")
         return True
@@ -400,16 +447,10 @@ class ShmConnection:
         try:
             if len(fds) != 1 or self._rx is not None:
                 raise ShmProtocolError(f"segment message with {len(fds)} fds (one segment per direction, once)")
-            st = os.fstat(fds[0])
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size or not MIN_RING_BYTES <= size <= MAX_PEER_RING_BYTES:
-                raise ShmProtocolError(f"peer segment of {st.st_size} bytes (announced {size}) is not a ring of "
+            if not MIN_RING_BYTES <= size <= MAX_PEER_RING_BYTES:
+                raise ShmProtocolError(f"peer segment of {size} bytes is not a ring of "
                                        f"[{MIN_RING_BYTES}, {MAX_PEER_RING_BYTES}] bytes")
-            try:
-                seals = fcntl.fcntl(fds[0], fcntl.F_GET_SEALS)
-            except OSError:
-                seals = 0
-            if seals & _SEALS != _SEALS:
-                raise ShmProtocolError("peer segment is not sealed against resizing")
+            _check_sealed_file(fds[0], size, "segment")
             segment = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
         finally:
             _close_fds(fds)
@@ -418,6 +459,81 @@ class ShmConnection:
                 segment.close()
                 raise OSError(errno.EBADF, "shm connection is closed")
             self._rx, self._rx_view = segment, memoryview(segment)
+
+
+    def _map_peer_region(self, region_id: int, size: int) -> None:
+        """Map the peer's region ``region_id`` of ``size`` bytes, whose fd comes on the next byte."""
+        byte, fds = bytearray(1), []
+        try:
+            n, ancillary, msg_flags, _ = self._sock.recvmsg_into([byte], _ANCILLARY_BYTES)
+            for level, kind, data in ancillary:
+                if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+            if n == 0:
+                raise ConnectionError("peer closed the connection before its region's file descriptor")
+            if msg_flags & _MSG_CTRUNC or len(fds) != 1:
+                raise ShmProtocolError(f"region message with {len(fds)} file descriptors, not one")
+            mapped = sum(len(r) for r in self._peer_regions.values())
+            if not region_id or region_id in self._peer_regions or len(self._peer_regions) >= MAX_PEER_REGIONS \
+                    or not 0 < size <= MAX_PEER_REGION_BYTES - mapped:
+                raise ShmProtocolError(f"region {region_id} of {size} bytes refused ({len(self._peer_regions)} "
+                                       f"regions of {mapped} bytes mapped; at most {MAX_PEER_REGIONS} of "
+                                       f"{MAX_PEER_REGION_BYTES} bytes, ids unique and > 0)")
+            _check_sealed_file(fds[0], size, "region")
+            region = mmap.mmap(fds[0], size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            _close_fds(fds)
+        with self._map_lock:
+            if self._closed:
+                region.close()
+                raise OSError(errno.EBADF, "shm connection is closed")
+            self._peer_regions[region_id] = region
+
+
+class SharedRegion:
+    """Memory of this process a local peer may write into: a sealed memfd (it can neither shrink
+    under the peer's mapping nor grow), mapped here read-write. ``tensor`` views it; the fd stays
+    open (for connections made later) until ``close``, the memory until the last view is gone."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, size: int):
+        if size <= 0:
+            raise ValueError(f"a shared region needs a size > 0, got {size!r}")
+        self.id, self.size = next(SharedRegion._ids), size
+        self.fd = os.memfd_create("shardline-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self.fd, size)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
+            self.memory = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+
+    def tensor(self, dtype, offset: int, numel: int):
+        import torch
+
+        return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=offset)
+
+    def close(self) -> None:
+        """Close the fd (no connection gets the region after this); the mapping lives on in its views."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _check_sealed_file(fd: int, size: int, what: str) -> None:
+    """``fd`` is a regular file of ``size`` bytes sealed against resizing: a mapping of it can
+    never fault on pages the peer took away."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
+        raise ShmProtocolError(f"peer {what} of {st.st_size} bytes (announced {size}) is not a file of that size")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = 0
+    if seals & _SEALS != _SEALS:
+        raise ShmProtocolError(f"peer {what} is not sealed against resizing")
 
 
 def _byte_view(data) -> memoryview:
@@ -541,6 +657,11 @@ class Transport:
         self.NAME = "auto" if auto else NAME
         self.auto = auto
         self.ring_bytes = check_ring_bytes(ring_bytes)
+
+    @property
+    def shares_memory(self) -> bool:
+        """True if connections may share regions (``SharedRegion``) with local peers here."""
+        return shm_supported()[0]
 
     def listen(self, host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
         return Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse,

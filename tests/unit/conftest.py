@@ -1,4 +1,4 @@
-"""Fixtures shared by the dispatcher's unit tests."""
+"""Fixtures shared by unit tests: the dispatcher's state stores and servicer context, a worker Client with no cluster."""
 
 from __future__ import annotations
 
@@ -42,3 +42,24 @@ class ServicerContext:
 @pytest.fixture
 def grpc_context() -> ServicerContext:
     return ServicerContext()
+
+
+@pytest.fixture
+def offline_client():
+    """A factory: ``offline_client(spec)`` is a worker Client of rank 0 with job ``spec`` loaded
+    and no cluster (no dispatcher, connections or lease thread; caches in ordinary memory). A
+    test sets ``routing``, ``_scatter`` or ``_exchange`` to what it drives."""
+    import types
+
+    from shardline.worker.client import Client
+
+    def make(spec):
+        client = Client.__new__(Client)
+        client.job, client.rank, client._lost, client._lease, client._replaying = spec.name, 0, None, object(), False
+        client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
+        client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
+        client._transport, client._placement, client._regions, client._versions = None, {}, [], {}
+        client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")
+        client._load_spec(spec)
+        return client
+    return make

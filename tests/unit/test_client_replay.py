@@ -73,14 +73,10 @@ class ScriptedCluster:
         return torch.cat([self.stores[owners[k]].blocks[k].value for k in KEYS])
 
 
-def cluster_client(cluster: ScriptedCluster, monkeypatch) -> Client:
+def cluster_client(cluster: ScriptedCluster, monkeypatch, offline_client) -> Client:
     """A Client of rank 0 with its job loaded, talking to ``cluster`` through the real _scatter."""
     monkeypatch.setattr(client_module, "RoutingView", types.SimpleNamespace(from_proto=lambda view: view))
-    client = Client.__new__(Client)
-    client.job, client.rank, client._lost, client._lease, client._replaying = "j", 0, None, object(), False
-    client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
-    client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
-    client._load_spec(spec())
+    client = offline_client(spec())
     client.routing = cluster.view()
     client.dispatcher = types.SimpleNamespace(get_routing=cluster.view)
     client._pool = types.SimpleNamespace(submit=_Immediate)   # the frames of one op in order
@@ -89,14 +85,14 @@ def cluster_client(cluster: ScriptedCluster, monkeypatch) -> Client:
     return client
 
 
-def test_a_replay_that_the_routing_interrupts_pushes_everything_again_before_it_commits(monkeypatch):
+def test_a_replay_that_the_routing_interrupts_pushes_everything_again_before_it_commits(monkeypatch, offline_client):
     gen = torch.Generator().manual_seed(3)
     init, g0, g1 = (torch.randn(2 * BLOCK, generator=gen) for _ in range(3))
     # Epoch 1: w0 on A, w1 on B. Epoch 2 swaps them. Epoch 3 swaps them back: A regains w0 and B
     # w1, both having forgotten rank 0's pushes of epoch 1.
     cluster = ScriptedCluster(init, {1: {KEYS[0]: "A", KEYS[1]: "B"}, 2: {KEYS[0]: "B", KEYS[1]: "A"},
                                      3: {KEYS[0]: "A", KEYS[1]: "B"}})
-    client = cluster_client(cluster, monkeypatch)
+    client = cluster_client(cluster, monkeypatch, offline_client)
     client._push({"w": g0}, 1.0)
     cluster.move_to(2)
 

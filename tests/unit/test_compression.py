@@ -5,7 +5,6 @@ accumulators, bf16, and the worker resending the same encoded bytes when it repl
 import math
 import socket
 import threading
-import types
 
 import pytest
 import torch
@@ -328,21 +327,18 @@ def test_none_is_the_identity():
 
 
 # --- the worker resends the same encoded bytes ------------------------------------------------------
-def offline_client(comp: str) -> tuple[Client, list]:
-    """A Client with its job loaded and no cluster: _scatter records what would be sent."""
-    client = Client.__new__(Client)
-    sent = []
-    client.job, client.rank, client._lost, client._lease, client._replaying = "j", 0, None, object(), False
-    client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
-    client._shapes, client._slices, client.step, client.uid = {}, {}, 0, ""
-    client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")
-    client._load_spec(job_spec(comp=comp))
-    client._scatter = lambda op, keys, **kw: sent.append((op, list(keys), dict(kw.get("grads") or {}))) or {}
-    return client, sent
+@pytest.fixture
+def recording_client(offline_client):
+    """``recording_client(comp)``: (a Client with no cluster whose _scatter records what would be sent, the record)."""
+    def make(comp: str) -> tuple[Client, list]:
+        client, sent = offline_client(job_spec(comp=comp)), []
+        client._scatter = lambda op, keys, **kw: sent.append((op, list(keys), dict(kw.get("grads") or {}))) or {}
+        return client, sent
+    return make
 
 
-def test_a_replayed_step_resends_the_encoded_blocks_not_a_new_encoding():
-    client, sent = offline_client("sign")
+def test_a_replayed_step_resends_the_encoded_blocks_not_a_new_encoding(recording_client):
+    client, sent = recording_client("sign")
     g = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(6))
     client._push({"w": g}, 1.0)
     (op, keys, grads), = sent
@@ -357,8 +353,8 @@ def test_a_replayed_step_resends_the_encoded_blocks_not_a_new_encoding():
     assert all(torch.equal(client._compressor.residuals[k], residuals[k]) for k in residuals)
 
 
-def test_uncompressed_jobs_push_the_gradient_as_is():
-    client, sent = offline_client("none")
+def test_uncompressed_jobs_push_the_gradient_as_is(recording_client):
+    client, sent = recording_client("none")
     g = torch.randn(2 * BLOCK)
     client._push({"w": g}, 1.0)
     assert client._compressor is None

@@ -385,3 +385,71 @@ def test_the_hello_challenge_runs_over_shm_and_the_node_maps_nothing_of_its_own_
         raw.close()
     finally:
         listener.close()
+
+
+# --- regions: memory the peer writes into (one-copy pulls) ----------------------------------------
+def region_mappings() -> int:
+    with open("/proc/self/maps") as fh:
+        return sum("memfd:shardline-region" in line for line in fh)
+
+
+def test_a_shared_region_takes_the_peers_copies_in_place_and_is_shared_once():
+    client, node = pair()
+    region = shm.SharedRegion(4096)
+    try:
+        cache = region.tensor(torch.float32, 0, 1024)
+        client.share_region(region)
+        client.share_region(region)   # once per connection
+        client.sendall(b"x")          # the node takes the region on its way to the next frame bytes
+        node.settimeout(5)
+        assert node.recv_into(bytearray(1)) == 1
+        assert node.region_size(region.id) == 4096 and node.region_size(region.id + 1) == 0
+        value = torch.arange(16, dtype=torch.float32)
+        node.place(region.id, 64, value)
+        assert torch.equal(cache[16:32], value) and not cache[:16].any() and not cache[32:].any()
+        with pytest.raises(ValueError, match="do not fit"):
+            node.place(region.id, 4096 - 32, value)
+        with pytest.raises(ValueError, match="aligned"):
+            node.place(region.id, 2, value)
+        assert not cache[32:].any()
+    finally:
+        client.close()
+        node.close()
+        region.close()
+    assert region_mappings() == 1   # the node's mapping went with its connection; ours lives in `cache`
+    del cache
+
+
+@pytest.mark.parametrize("lie", ["unsealed", "size differs from the file", "id 0", "same id twice", "too many",
+                                 "no fd", "two fds"])
+def test_a_lying_region_is_refused_and_leaves_no_fd_or_mapping(lie, monkeypatch):
+    monkeypatch.setattr(shm, "MAX_PEER_REGIONS", 1)
+    before = len(os.listdir("/proc/self/fd"))
+    raw, mine = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn = ShmConnection(mine, ring_bytes=RING)
+
+    def send_region(region_id: int, size: int, fds) -> None:
+        raw.sendall(MESSAGE.pack(shm.REGION, region_id, size))
+        if fds:
+            socket.send_fds(raw, [b"\0"], fds)
+        else:
+            raw.sendall(b"\0")
+        for fd in fds:
+            os.close(fd)
+
+    try:
+        if lie in ("same id twice", "too many"):
+            send_region(7, 4096, [sealed_memfd(4096)])
+        region_id = {"id 0": 0, "too many": 8}.get(lie, 7)
+        fds = {"no fd": lambda: [], "two fds": lambda: [sealed_memfd(4096), sealed_memfd(4096)],
+               "unsealed": lambda: [sealed_memfd(4096, seal=False)]}.get(lie, lambda: [sealed_memfd(4096)])()
+        send_region(region_id, 8192 if lie == "size differs from the file" else 4096, fds)
+        conn.settimeout(5)
+        with pytest.raises(ShmProtocolError):
+            for _ in range(4):
+                conn.recv_into(bytearray(16))
+    finally:
+        conn.close()
+        raw.close()
+    assert shm_mappings() == 0
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -1,0 +1,125 @@
+"""One-copy pulls over shm: the node copies a pull's blocks straight into the client's shared
+region (BlockRef.dest_region / dest_offset; the reply flags them ``placed``). A PSNode served over
+a real ShmConnection pair; the values are checked against what was initialized."""
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.ps_server.node import PSNode
+from shardline.ps_server.optimizer import OptimizerConfig
+from shardline.services import frame
+from shardline.services.errors import FrameError
+from shardline.services.pb import common_pb2, dispatcher_pb2
+from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.transport import shm
+
+pytestmark = pytest.mark.timeout(60)
+BLOCK = 1000
+
+
+def spec() -> common_pb2.JobSpec:
+    s = common_pb2.JobSpec(name="j", sync="bsp", world_size=1, block_elements=BLOCK,
+                           optimizer=OptimizerConfig.from_kwargs("sgd", lr=1.0).to_proto())
+    s.tensors.add(name="w", shape=[2 * BLOCK], dtype="float32", trainable=True)
+    return s
+
+
+class ServedOverShm:
+    """A node (routing: itself alone) serving one shm connection; ``client`` is the other end."""
+
+    def __init__(self):
+        table = common_pb2.RoutingTable(epoch=1)
+        table.nodes.add(node_id="n1", rack="r", grpc_address="x:1", data_address="x:2", vnodes=16)
+        self.node = PSNode("n1", lambda name: dispatcher_pb2.JobInfo(spec=spec(), uid="u", ready=True), lambda: table)
+        self.node.refresh_routing()
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.client, server = shm.ShmConnection(a), shm.ShmConnection(b)
+        self.client.settimeout(10)
+        self.thread = threading.Thread(target=serve_connection, daemon=True,
+                                       args=(server, "local(shm):1", self.node, ConnectionPolicy(payload_timeout=5.0)))
+        self.thread.start()
+
+    def ask(self, header, payloads=()):
+        frame.send_frame(self.client, header, list(payloads))
+        reply = frame.recv_header(self.client)
+        body = bytearray(reply.payload_bytes)
+        frame.recv_exactly_into(self.client, memoryview(body))
+        return reply, body
+
+    def close(self):
+        self.client.close()
+        self.thread.join(10)
+
+
+def pull(request_id: int, places: dict) -> frame.FrameHeader:
+    header = frame.FrameHeader(op=dp.OP_PULL, request_id=request_id, job="j", epoch=1)
+    for index in (0, 1):
+        ref = dp.BlockRef(tensor="w", index=index)
+        if index in places:
+            ref.dest_region, ref.dest_offset = places[index]
+        header.blocks.append(ref)
+    return header
+
+
+def test_a_pull_places_the_blocks_asked_in_the_region_and_sends_the_rest():
+    served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4 + 64)
+    try:
+        init = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(0))
+        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
+        header.blocks.extend([frame.block_ref("w", i, init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])
+        assert served.ask(header, [frame.tensor_bytes(init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])[0].op \
+            == dp.OP_REPLY
+        served.client.share_region(region)
+        reply, body = served.ask(pull(2, {1: (region.id, 64)}))   # block 1 placed, block 0 in the payload
+        assert reply.op == dp.OP_REPLY, reply.message
+        assert [(r.index, r.placed) for r in reply.blocks] == [(0, False), (1, True)]
+        assert reply.payload_bytes == BLOCK * 4
+        assert torch.equal(torch.frombuffer(body, dtype=torch.float32), init[:BLOCK])
+        assert torch.equal(region.tensor(torch.float32, 64, BLOCK), init[BLOCK:])
+    finally:
+        served.close()
+        region.close()
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({0: (99, 0)}, "did not share"),
+    ({0: ("region", 2 * BLOCK * 4 - 8)}, "does not fit"),
+    ({0: ("region", 2)}, "aligned"),
+])
+def test_a_placement_that_does_not_fit_is_refused_and_the_connection_serves_on(bad, message):
+    served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4)
+    try:
+        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
+        zeros = torch.zeros(BLOCK)
+        header.blocks.extend([frame.block_ref("w", i, zeros) for i in (0, 1)])
+        served.ask(header, [frame.tensor_bytes(zeros)] * 2)
+        served.client.share_region(region)
+        places = {i: (region.id if r == "region" else r, off) for i, (r, off) in bad.items()}
+        reply, _ = served.ask(pull(2, places))
+        assert reply.op == dp.OP_ERROR and reply.code == dp.INVALID_ARGUMENT and message in reply.message
+        assert not region.tensor(torch.float32, 0, 2 * BLOCK).any()
+        reply, _ = served.ask(pull(3, {}))
+        assert reply.op == dp.OP_REPLY and reply.payload_bytes == 2 * BLOCK * 4
+    finally:
+        served.close()
+        region.close()
+
+
+def test_a_pull_over_tcp_cannot_ask_for_placement_and_only_pulls_name_regions():
+    node = PSNode("n1", lambda name: dispatcher_pb2.JobInfo(spec=spec(), uid="u", ready=True),
+                  lambda: common_pb2.RoutingTable(epoch=1))
+    from shardline.ps_server import node as node_module
+    with pytest.raises(Exception, match="did not share"):
+        node_module._placements(node.add_job(spec(), "u"), pull(1, {0: (1, 0)}), None)
+    push = frame.FrameHeader(op=dp.OP_PUSH, request_id=1, job="j")
+    push.blocks.append(dp.BlockRef(tensor="w", index=0, dest_region=1, zero=True))
+    with pytest.raises(FrameError, match="destination region"):
+        frame.validate_header(push)
+    reply = frame.FrameHeader(op=dp.OP_PULL, request_id=1, job="j")
+    reply.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=4, nbytes=16, placed=True))
+    with pytest.raises(FrameError, match="placed"):
+        frame.validate_header(reply)
