@@ -11,6 +11,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -37,6 +38,8 @@ HANDOVER_TIMEOUT_SECONDS = 3.0
 # A frame naming a job revision the dispatcher did not have when last asked is refused without
 # asking again for this long (a sender cannot make the node query the dispatcher per frame).
 REVISION_MISS_SECONDS = 1.0
+# A one-copy pull placing at least this many bytes splits its copies with a helper thread.
+PARALLEL_PLACE_BYTES = 8 * 1024 * 1024
 
 
 # Ops whose frames carry tensor bytes; every other op's payload must be empty.
@@ -143,6 +146,8 @@ class PSNode:
         self.serving = threading.Event()
         self.serving.set()
         self.heat = HeatCounter()   # reads/writes per block and the node's load, for heartbeats
+        self._place_pool: ThreadPoolExecutor | None = None   # helps copy large one-copy pulls (_place)
+        self._place_pool_lock = threading.Lock()
 
     # --- routing ----------------------------------------------------------------------------
     @property
@@ -407,6 +412,28 @@ class PSNode:
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
+    def _place(self, regions, places: list) -> None:
+        """Copy ``places`` ((region, offset, value)) into the connection's regions. A large pull's
+        copies are split with one helper thread (the copy is the whole transfer: two cores copy
+        64 MiB in about two thirds of the time one takes); if the helper is busy with another
+        pull, this thread does its share too."""
+        def copy(items) -> None:
+            for region, offset, value in items:
+                regions.place(region, offset, value)
+
+        if len(places) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
+            copy(places)
+            return
+        with self._place_pool_lock:
+            if self._place_pool is None:
+                self._place_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-place")
+        helper = self._place_pool.submit(copy, places[1::2])
+        copy(places[::2])
+        if helper.cancel():
+            copy(places[1::2])
+        else:
+            helper.result()
+
     def _copy_numel_bound(self, job: JobStore, numel: int, handover: bool) -> int:
         if handover or self.replicator is None:
             return numel  # a handover carries a gradient sum (its copies are checked as copies)
@@ -512,16 +539,17 @@ class PSNode:
             # where the job's readers are (subscriber pulls count in no other heat)
             self.heat.record_rack_read(job.name, header.reader_rack, sum(ref.nbytes for ref, _ in sent))
             return reply, [payload for _, payload in sent]
-        payloads = []
+        payloads, places = [], []
         for tensor, index, version, value in blocks:
             ref = frame.block_ref(tensor, index, value, version=version)
             place = placements.get((tensor, index))
             if place is not None:  # one copy, straight into the client's cache
-                regions.place(place[0], place[1], value)
+                places.append((*place, value))
                 ref.placed = True
             else:
                 payloads.append(frame.tensor_bytes(value))
             reply.blocks.append(ref)
+        self._place(regions, places)
         self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],
                                rack=header.reader_rack)
         return reply, payloads

@@ -171,6 +171,7 @@ class ShmConnection:
         self._pending: collections.deque = collections.deque()
         self._shared: set[int] = set()              # ids of our regions the peer has
         self._peer_regions: dict[int, mmap.mmap] = {}   # the peer's regions, mapped writable
+        self._placing = 0   # copies into them in progress (they may run in parallel, outside the lock)
 
     # --- socket-like surface ------------------------------------------------------------------
     def fileno(self) -> int:
@@ -197,9 +198,8 @@ class ShmConnection:
                 if segment is not None:
                     segment.close()
             self._tx_view = self._tx = self._rx_view = self._rx = None
-            for region in self._peer_regions.values():
-                region.close()
-            self._peer_regions.clear()
+            if not self._placing:  # else the last copy still running unmaps them
+                self._unmap_regions()
         _drain(self._sock)
         self._sock.close()
 
@@ -340,7 +340,8 @@ class ShmConnection:
 
     def place(self, region_id: int, offset: int, value) -> None:
         """Copy tensor ``value`` (contiguous) to ``offset`` of the peer's region ``region_id``. The
-        caller checked the bounds (``region_size``); they are checked again here."""
+        caller checked the bounds (``region_size``); they are checked again here. Several threads
+        may place at once; a ``close`` meanwhile unmaps once the last of them is done."""
         import torch  # the transport itself moves bytes; only the copy into a region takes a tensor
 
         nbytes = value.numel() * value.element_size()
@@ -351,8 +352,21 @@ class ShmConnection:
             if offset < 0 or offset + nbytes > len(region) or offset % value.element_size():
                 raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
                                  f"of {len(region)} bytes (aligned to {value.element_size()})")
+            self._placing += 1
+        try:
             if nbytes:
                 torch.frombuffer(region, dtype=value.dtype, count=value.numel(), offset=offset).copy_(value.view(-1))
+        finally:
+            with self._map_lock:
+                self._placing -= 1
+                if self._closed and not self._placing:
+                    self._unmap_regions()
+
+    def _unmap_regions(self) -> None:
+        """Call with the map lock held, no copy into a region running."""
+        for region in self._peer_regions.values():
+            region.close()
+        self._peer_regions.clear()
 
     # --- the protocol -------------------------------------------------------------------------
     def _create_segment(self) -> None:

@@ -123,3 +123,25 @@ def test_a_pull_over_tcp_cannot_ask_for_placement_and_only_pulls_name_regions():
     reply.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=4, nbytes=16, placed=True))
     with pytest.raises(FrameError, match="placed"):
         frame.validate_header(reply)
+
+
+def test_a_large_placement_split_with_the_helper_thread_lands_whole(monkeypatch):
+    from shardline.ps_server import node as node_module
+
+    monkeypatch.setattr(node_module, "PARALLEL_PLACE_BYTES", 0)   # every pull of two blocks or more splits
+    served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4)
+    try:
+        init = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(2))
+        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
+        header.blocks.extend([frame.block_ref("w", i, init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])
+        served.ask(header, [frame.tensor_bytes(init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])
+        served.client.share_region(region)
+        for request_id in range(2, 12):
+            region.tensor(torch.float32, 0, 2 * BLOCK).zero_()
+            reply, _ = served.ask(pull(request_id, {0: (region.id, 0), 1: (region.id, BLOCK * 4)}))
+            assert reply.op == dp.OP_REPLY and reply.payload_bytes == 0 and all(r.placed for r in reply.blocks)
+            assert torch.equal(region.tensor(torch.float32, 0, 2 * BLOCK), init)
+        assert served.node._place_pool is not None
+    finally:
+        served.close()
+        region.close()

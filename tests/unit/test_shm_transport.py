@@ -388,11 +388,6 @@ def test_the_hello_challenge_runs_over_shm_and_the_node_maps_nothing_of_its_own_
 
 
 # --- regions: memory the peer writes into (one-copy pulls) ----------------------------------------
-def region_mappings() -> int:
-    with open("/proc/self/maps") as fh:
-        return sum("memfd:shardline-region" in line for line in fh)
-
-
 def test_a_shared_region_takes_the_peers_copies_in_place_and_is_shared_once():
     client, node = pair()
     region = shm.SharedRegion(4096)
@@ -416,7 +411,7 @@ def test_a_shared_region_takes_the_peers_copies_in_place_and_is_shared_once():
         client.close()
         node.close()
         region.close()
-    assert region_mappings() == 1   # the node's mapping went with its connection; ours lives in `cache`
+    assert shm_mappings_of("region") == 1   # the node's mapping went with its connection; ours lives in `cache`
     del cache
 
 
@@ -453,3 +448,45 @@ def test_a_lying_region_is_refused_and_leaves_no_fd_or_mapping(lie, monkeypatch)
         raw.close()
     assert shm_mappings() == 0
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_close_during_a_copy_into_a_region_unmaps_only_after_it():
+    client, node = pair()
+    region = shm.SharedRegion(4096)
+    try:
+        client.share_region(region)
+        client.sendall(b"x")
+        node.settimeout(5)
+        assert node.recv_into(bytearray(1)) == 1
+        started, release = threading.Event(), threading.Event()
+
+        class SlowValue:   # a tensor whose bytes take until `release` to arrive
+            dtype = torch.float32
+
+            def numel(self):
+                return 16
+
+            def element_size(self):
+                return 4
+
+            def view(self, *_):
+                started.set()
+                assert release.wait(10)
+                return torch.ones(16)
+
+        join = in_thread(node.place, region.id, 0, SlowValue())
+        assert started.wait(10)
+        node.close()
+        assert shm_mappings_of("region") == 2   # ours and the node's, still mapped under the copy
+        release.set()
+        join()
+        assert shm_mappings_of("region") == 1 and torch.equal(region.tensor(torch.float32, 0, 16), torch.ones(16))
+    finally:
+        client.close()
+        node.close()
+        region.close()
+
+
+def shm_mappings_of(kind: str) -> int:
+    with open("/proc/self/maps") as fh:
+        return sum(f"memfd:shardline-{kind}" in line for line in fh)
