@@ -374,7 +374,7 @@ TPUT_ROWS = {
     "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}, commit=False): client checks, transfer, server checks and accumulation; the commit is not timed"),
     "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
     "ps2_push": ("shardline push, 2 PS", "as ps1_push, over 2 PS nodes"),
-    "shm1_pull": ("shardline pull, shm, 1 PS", "as ps1_pull over transport shm (the PS on this host: payloads through shared-memory rings)"),
+    "shm1_pull": ("shardline pull, shm, 1 PS", "as ps1_pull over transport shm (the PS on this host copies the blocks straight into the client's shared cache)"),
     "shm1_push": ("shardline push, shm, 1 PS", "as ps1_push over transport shm"),
     "ps1_pull_copy": ("diag: pull() with copy, 1 PS", "client.pull(['w']) returning a fresh copy (an extra 64 MiB memcpy)"),
     "ps1_step": ("diag: push + commit + SGD, 1 PS", "client.push({'w': grad}): transfer, commit round trip, server-side SGD step over 64 MiB"),
@@ -382,7 +382,7 @@ TPUT_ROWS = {
     "frame_push": ("diag: frame-level push+commit, 1 PS", "services.frame over a bare socket: PUSH of 64 prebuilt blocks + COMMIT (no worker.client checks; same server work)"),
     "ps1_push_nocheck": ("diag: push, no NaN checks, 1 PS", "as ps1_push for a job with allow_nonfinite (neither the client nor the PS checks the gradient for NaN/Inf): what the checks cost"),
     "shm1_push_nocheck": ("diag: push, no NaN checks, shm", "as shm1_push for a job with allow_nonfinite"),
-    "memcpy": ("diag: torch copy_ 64 MiB, in-process", "dest.copy_(grad) between two preallocated 64 MiB tensors in this process: one memcpy, the floor of every shm transfer (which needs two: into the ring and out of it)"),
+    "memcpy": ("diag: torch copy_ 64 MiB, in-process", "dest.copy_(grad) between two preallocated 64 MiB tensors in this process: one memcpy, the floor of every shm transfer (a pull takes one, by the node; a push two: into the ring and out of it)"),
 }
 # ratio key -> (numerator, denominator)
 TPUT_RATIOS = {
