@@ -145,3 +145,44 @@ def test_a_large_placement_split_with_the_helper_thread_lands_whole(monkeypatch)
     finally:
         served.close()
         region.close()
+
+
+# --- the client's caches ---------------------------------------------------------------------------
+@pytest.fixture
+def shm_client(offline_client, monkeypatch):
+    """``shm_client(spec)``: an offline Client whose transport is ``auto`` (shm for local nodes)."""
+    import shardline.worker.client as client_module
+
+    real_load = client_module.Client._load_spec
+
+    def load_with_shm(self, spec, uid=""):
+        self._transport = shm.Transport(auto=True)
+        return real_load(self, spec, uid)
+    monkeypatch.setattr(client_module.Client, "_load_spec", load_with_shm)
+    return offline_client
+
+
+def test_caches_live_in_one_shared_region_and_bind_keeps_or_drops_it(shm_client):
+    s = spec()
+    s.tensors.add(name="b", shape=[3], dtype="float32", trainable=True)
+    client = shm_client(s)
+    region, offset_b, _ = client._placement["b"]
+    assert client._placement["w"][0] is region and client._placement["w"][1] == 0
+    assert offset_b == 2 * BLOCK * 4 and offset_b % 64 == 0   # each tensor on a cache line
+    shared = client.shared_cache("w")
+    assert shared.shape == (2 * BLOCK,) and shared.data_ptr() == client._values["w"].data_ptr()
+    client._versions[("w", 0)] = 3
+    client.bind("w", shared, same_contents=True)          # its own shared cache: stays shared
+    assert client.shared_cache("w") is not None and client._versions[("w", 0)] == 3
+    own = torch.zeros(3)
+    client.bind("b", own)                                  # the caller's memory: pulled through the ring
+    assert client.shared_cache("b") is None and client._values["b"].data_ptr() == own.data_ptr()
+
+
+def test_without_memfds_the_caches_are_ordinary_memory(shm_client, monkeypatch):
+    def refused(size):
+        raise OSError(38, "Function not implemented")
+    monkeypatch.setattr(shm, "SharedRegion", refused)
+    client = shm_client(spec())
+    assert client.shared_cache("w") is None and not client._placement
+    assert client._values["w"].shape == (2 * BLOCK,) and not client._values["w"].any()
