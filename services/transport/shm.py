@@ -474,7 +474,6 @@ class ShmConnection:
                 raise OSError(errno.EBADF, "shm connection is closed")
             self._rx, self._rx_view = segment, memoryview(segment)
 
-
     def _map_peer_region(self, region_id: int, size: int) -> None:
         """Map the peer's region ``region_id`` of ``size`` bytes, whose fd comes on the next byte."""
         byte, fds = bytearray(1), []

@@ -63,3 +63,4 @@ def offline_client():
         client._load_spec(spec)
         return client
     return make
+

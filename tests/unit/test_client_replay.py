@@ -10,8 +10,8 @@ torch.optim on the mean gradient of both ranks."""
 import types
 
 import torch
+from job_specs import one_tensor_spec
 
-from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.ps_server.store import JobStore, PushItem
 from shardline.services.errors import NotOwnerError
 from shardline.services.pb import common_pb2
@@ -24,10 +24,7 @@ KEYS = [("w", 0), ("w", 1)]
 
 
 def spec() -> common_pb2.JobSpec:
-    s = common_pb2.JobSpec(name="j", sync="bsp", world_size=2, block_elements=BLOCK,
-                           optimizer=OptimizerConfig.from_kwargs("adamw", lr=0.1).to_proto())
-    s.tensors.add(name="w", shape=[2 * BLOCK], dtype="float32", trainable=True)
-    return s
+    return one_tensor_spec(2, "adamw", BLOCK, lr=0.1)
 
 
 class ScriptedCluster:

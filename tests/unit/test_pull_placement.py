@@ -7,10 +7,10 @@ import threading
 
 import pytest
 import torch
+from job_specs import one_tensor_spec
 
 from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.node import PSNode
-from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.services import frame
 from shardline.services.errors import FrameError
 from shardline.services.pb import common_pb2, dispatcher_pb2
@@ -22,10 +22,7 @@ BLOCK = 1000
 
 
 def spec() -> common_pb2.JobSpec:
-    s = common_pb2.JobSpec(name="j", sync="bsp", world_size=1, block_elements=BLOCK,
-                           optimizer=OptimizerConfig.from_kwargs("sgd", lr=1.0).to_proto())
-    s.tensors.add(name="w", shape=[2 * BLOCK], dtype="float32", trainable=True)
-    return s
+    return one_tensor_spec(1, "sgd", BLOCK, lr=1.0)
 
 
 class ServedOverShm:
