@@ -152,8 +152,13 @@ class CacheFrontend:
             raise StoreError("INVALID_ARGUMENT", "a pull through a rack cache names the PS node (via_node)")
         _refuse_duplicates(header)
         _check_want_dtypes(header)
+        if any(ref.dest_region for ref in header.blocks):
+            raise StoreError("INVALID_ARGUMENT", f"rack cache {self.node_id!r} places no blocks in a client's shared "
+                                                 f"region (pull them from their node for that)")
 
-    def handle(self, header, view, cancelled=None):
+    def handle(self, header, view, cancelled=None, regions=None):
+        """Serve a prechecked pull from the cache; its blocks go in the payload (``regions``, the
+        shm connection's, is unused: see precheck)."""
         from shardline.ps_server.node import NotOwner
         from shardline.ps_server.store import StoreError
         from shardline.services import frame

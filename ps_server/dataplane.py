@@ -178,9 +178,10 @@ class _Connection:
                 continue
             sock.settimeout(policy.payload_timeout)  # a client that stops reading its reply is dropped
             frame.send_frame(sock, reply, payloads)
-            if metrics:
+            if metrics:  # a pull's blocks copied into the client's shared cache are sent bytes too
+                placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)
                 metrics.request(op, "OK", seconds=time.perf_counter() - started,
-                                bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes)
+                                bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes + placed)
 
     def run(self, header, view):
         """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""

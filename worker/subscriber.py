@@ -112,11 +112,13 @@ class _SubscriberClient(Client):
             return None
         return super()._pull_cache(keys)
 
-    def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict) -> None:
+    def _receive_blocks(self, conn: DataPlaneConnection, node_id: str, reply, expected: dict,
+                        placed: set = frozenset()) -> None:
         """Receive a subscriber pull reply into the cache (the back buffer): a dense block straight
         into place, a delta through a scratch buffer; each is checked against its checksum. A block
         that fails is forgotten (its next pull is dense); the block in the back buffer is then
-        garbage, but it is never the one the reader uses."""
+        garbage, but it is never the one the reader uses. (A subscriber's pull asks for no block
+        to be placed in shared memory: ``placed`` is empty, and a reply flagging one is refused.)"""
         self.replies.append((reply.step, reply.min_step))
         self.seen_revision = max(self.seen_revision, reply.revision)
         try:
@@ -132,7 +134,7 @@ class _SubscriberClient(Client):
             s = expected.pop(key, None)
             dest = None if s is None else self._values[ref.tensor][s.start:s.stop]
             is_delta = ref.dtype == dp.BF16_DELTA
-            if dest is None or ref.numel != s.numel or ref.zero or not (
+            if dest is None or ref.numel != s.numel or ref.zero or ref.placed or not (
                     ref.dtype == frame.WIRE_DTYPE[dest.dtype] or (
                         is_delta and dest.dtype == torch.bfloat16 and key in self._versions
                         and ref.base_version == self._versions[key])):

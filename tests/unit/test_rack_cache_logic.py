@@ -326,7 +326,8 @@ def test_the_cache_answers_pulls_only_and_checks_them_before_anything_is_fetched
     for change, fragment in ((dict(op=dp.OP_PUSH), "pulls only"), (dict(payload_bytes=4), "no payload"),
                              (dict(via_node=""), "via_node"), (dict(job="../x"), "invalid job name"),
                              (dict(blocks=[dp.BlockRef(tensor="w"), dp.BlockRef(tensor="w")]), "more than once"),
-                             (dict(blocks=[dp.BlockRef(tensor="w", want_dtype=dp.FLOAT16)]), "FLOAT32 or BFLOAT16")):
+                             (dict(blocks=[dp.BlockRef(tensor="w", want_dtype=dp.FLOAT16)]), "FLOAT32 or BFLOAT16"),
+                             (dict(blocks=[dp.BlockRef(tensor="w", dest_region=1)]), "places no blocks")):
         with pytest.raises(StoreError, match=fragment):
             frontend.precheck(dp.FrameHeader(**{**good, **change}))
 
