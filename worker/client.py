@@ -204,6 +204,11 @@ class Client:
         # (region, byte offset of the tensor, the cache tensor it holds while not rebound)
         self._placement: dict[str, tuple] = {}
         self._regions: list = []
+        # Pulls writing into the caches now, and whether a node this client gave up on mid-pull
+        # may still write into its shared ones (they move to fresh memory once no pull runs)
+        self._cache_writes = threading.Condition()
+        self._pulls_writing = 0
+        self._revoke_pending = False
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
@@ -1076,16 +1081,31 @@ class Client:
         key = node_id if via is None else _cache_key(via, node_id)
         if op == dp.OP_PUSH:
             self._push_checks(keys)
+        if op == dp.OP_PULL:
+            self._begin_cache_write()
+        try:
+            return self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via)
+        finally:
+            if op == dp.OP_PULL:
+                self._end_cache_write()
+
+    def _exchange_locked(self, conn, key, node_id: str, header, payloads, expected: dict, op: int, timeout: float,
+                         via) -> int:
         with conn.lock:
-            placed = self._ask_placement(conn, header) if op == dp.OP_PULL and via is None else set()
+            placed: set = set()
             try:
+                if op == dp.OP_PULL and via is None:
+                    placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
                 # a node that stops answering (paused, partitioned) is given up on after this
                 io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
                 conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
                 frame.send_frame(conn.sock, header, payloads)
                 reply = frame.recv_header(conn.sock, REPLY_LIMITS)
             except (OSError, ConnectionError) as exc:
-                self._forget_versions(placed)   # the node may have been copying into them
+                if placed:  # the node may be copying into them still (stalled, not dead): see _revoke_regions
+                    self._forget_versions(placed)
+                    with self._cache_writes:
+                        self._revoke_pending = True
                 conn.close()
                 self._conns.pop(key, None)
                 who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
@@ -1126,6 +1146,44 @@ class Client:
             ref.dest_region, ref.dest_offset = region.id, base + self._slices[ref.tensor][ref.index].start * 4
             placed.add((ref.tensor, ref.index))
         return placed
+
+    def _begin_cache_write(self) -> None:
+        """A pull is about to write into the caches: wait while they move to fresh memory."""
+        with self._cache_writes:
+            while self._revoke_pending:   # the pulls in flight end, then the last one revokes
+                self._cache_writes.wait()
+            self._pulls_writing += 1
+
+    def _end_cache_write(self) -> None:
+        with self._cache_writes:
+            self._pulls_writing -= 1
+            if not (self._revoke_pending and self._pulls_writing == 0):
+                return
+        try:
+            self._revoke_regions()
+        finally:
+            with self._cache_writes:
+                self._revoke_pending = False
+                self._cache_writes.notify_all()
+
+    def _revoke_regions(self) -> None:
+        """A pull was given up on while its node (stalled, not known dead) may still be copying
+        into the shared caches: move them to fresh memory at the same addresses (the caches and
+        the parameters viewing them keep their values), so whatever it writes later lands where
+        nobody reads; the live nodes are told to unmap the old memory. No pull runs meanwhile."""
+        for region in self._regions:
+            old = region.revoke()
+            for conn in list(self._conns.values()):
+                unshare = getattr(conn.sock, "unshare_region", None)
+                if unshare is None:
+                    continue
+                with conn.lock:
+                    try:
+                        unshare(old)
+                    except OSError as exc:  # that connection is broken: its next use finds out
+                        log.debug("unsharing region %d failed: %s", old, exc)
+        log.warning("job %s: a pull into the shared caches was given up on (its node may still write); the caches "
+                    "moved to fresh shared memory", self.job)
 
     def _forget_versions(self, keys) -> None:
         """The cached bytes of ``keys`` are unknown now (a node's copy into them broke off): the

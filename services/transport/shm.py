@@ -13,7 +13,8 @@ SCM_RIGHTS and then reuses for every later frame. The socket carries 16-byte mes
 - ``REGION``: region ``length`` of ``offset`` bytes, a sealed memfd of the sender's whose fd comes
   on the one byte that follows the message: memory the receiver may write into (a client's value
   cache, ``SharedRegion``), so a pull reply's blocks are copied once, by the node, straight into
-  it (``place``), instead of into the ring and out again.
+  it (``place``), instead of into the ring and out again;
+- ``UNSHARE``: the receiver unmaps region ``length`` (its owner moved it to new memory: ``revoke``).
 
 So a 64 MiB payload costs one memcpy into the sender's ring and one out of it into the receiver's
 buffer (``recv_into``), in chunks of at most CHUNK_BYTES that overlap: the receiver copies out
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import array
 import collections
+import ctypes
 import errno
 import fcntl
 import functools
@@ -66,7 +68,7 @@ log = logging.getLogger("shardline.transport.shm")
 
 NAME = "shm"
 MESSAGE = struct.Struct("<B3xIQ")
-INLINE, CHUNK, CREDIT, SEGMENT, REGION = 1, 2, 3, 4, 5
+INLINE, CHUNK, CREDIT, SEGMENT, REGION, UNSHARE = 1, 2, 3, 4, 5, 6
 # Sends up to this size travel inline on the socket (one syscall beats a ring copy + doorbell).
 INLINE_MAX_BYTES = 64 * 1024
 # Inline bytes a side may buffer while it waits for credit (a legit peer sends one error reply).
@@ -172,6 +174,7 @@ class ShmConnection:
         self._shared: set[int] = set()              # ids of our regions the peer has
         self._peer_regions: dict[int, mmap.mmap] = {}   # the peer's regions, mapped writable
         self._placing = 0   # copies into them in progress (they may run in parallel, outside the lock)
+        self._retired: list[mmap.mmap] = []   # unshared while copies ran: unmapped after the last
 
     # --- socket-like surface ------------------------------------------------------------------
     def fileno(self) -> int:
@@ -333,6 +336,13 @@ class ShmConnection:
         socket.send_fds(self._sock, [b"\0"], [region.fd])
         self._shared.add(region.id)
 
+    def unshare_region(self, region_id: int) -> None:
+        """Tell the peer to unmap our region ``region_id`` (if it has it)."""
+        if region_id not in self._shared:
+            return
+        self._shared.discard(region_id)
+        self._sock.sendall(MESSAGE.pack(UNSHARE, region_id, 0))
+
     def region_size(self, region_id: int) -> int:
         """The size of the peer's region ``region_id``; 0 if the peer shared none by that id."""
         region = self._peer_regions.get(region_id)
@@ -359,14 +369,29 @@ class ShmConnection:
         finally:
             with self._map_lock:
                 self._placing -= 1
-                if self._closed and not self._placing:
-                    self._unmap_regions()
+                if not self._placing:
+                    if self._closed:
+                        self._unmap_regions()
+                    for region in self._retired:
+                        region.close()
+                    self._retired.clear()
 
     def _unmap_regions(self) -> None:
         """Call with the map lock held, no copy into a region running."""
-        for region in self._peer_regions.values():
+        for region in [*self._peer_regions.values(), *self._retired]:
             region.close()
         self._peer_regions.clear()
+        self._retired.clear()
+
+    def _unshare_peer_region(self, region_id: int) -> None:
+        with self._map_lock:
+            region = self._peer_regions.pop(region_id, None)
+            if region is None:
+                return  # never shared, or unshared already: nothing mapped
+            if self._placing:
+                self._retired.append(region)
+            else:
+                region.close()
 
     # --- the protocol -------------------------------------------------------------------------
     def _create_segment(self) -> None:
@@ -453,6 +478,8 @@ class ShmConnection:
             self._map_peer_segment(offset, fds)
         elif kind == REGION:
             self._map_peer_region(length, offset)
+        elif kind == UNSHARE:
+            self._unshare_peer_region(length)
         else:
             raise ShmProtocolError(f"unknown shm message kind {kind}")
         return True
@@ -528,11 +555,53 @@ class SharedRegion:
 
         return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=offset)
 
+    def revoke(self) -> int:
+        """Move this region to fresh memory at the same addresses (every view keeps its contents
+        and its address) under a new id, so that a peer that still maps the old memory (one that
+        stalled mid-copy and that this process gave up on) writes where nobody reads. Returns the
+        old id (peers still holding it are told to unshare it). The caller guarantees no copy into
+        the region is running (a write into the old memory meanwhile would be lost)."""
+        fd = os.memfd_create("shardline-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(fd, self.size)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            fresh = mmap.mmap(fd, self.size)
+            try:
+                fresh[:] = self.memory
+            finally:
+                fresh.close()
+            view = ctypes.c_char.from_buffer(self.memory)
+            address = ctypes.addressof(view)
+            del view
+            mapped = _libc_mmap(address, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
+                                fd, 0)
+            if mapped != address:
+                raise OSError(ctypes.get_errno(), f"mmap(MAP_FIXED) of a fresh region failed: {os.strerror(ctypes.get_errno())}")
+        except BaseException:
+            os.close(fd)
+            raise
+        old, self.id = self.id, next(SharedRegion._ids)
+        if self.fd >= 0:
+            os.close(self.fd)
+        self.fd = fd
+        return old
+
     def close(self) -> None:
         """Close the fd (no connection gets the region after this); the mapping lives on in its views."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+_MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+
+
+def _libc_mmap(address: int, size: int, prot: int, flags: int, fd: int, offset: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    result = libc.mmap(address, size, prot, flags, fd, offset)
+    return -1 if result is None or result == ctypes.c_void_p(-1).value else result
 
 
 def _check_sealed_file(fd: int, size: int, what: str) -> None:

@@ -183,3 +183,46 @@ def test_without_memfds_the_caches_are_ordinary_memory(shm_client, monkeypatch):
     client = shm_client(spec())
     assert client.shared_cache("w") is None and not client._placement
     assert client._values["w"].shape == (2 * BLOCK,) and not client._values["w"].any()
+
+
+def test_a_node_given_up_on_mid_pull_cannot_write_into_the_cache_later(shm_client, monkeypatch):
+    """The node takes the pull, stalls (SIGSTOP, swapping), the client gives up after its I/O
+    timeout and moves on; when the node resumes it copies its stale blocks where the pull asked.
+    The caches moved to fresh memory meanwhile: they keep their values, the late write goes
+    nowhere, and the pull's blocks are pulled whole next time."""
+    import itertools
+    import types
+
+    import shardline.worker.client as client_module
+    from shardline.services.errors import ShardlineConnectionError
+
+    monkeypatch.setattr(client_module, "IO_TIMEOUT_SECONDS", 0.3)
+    client = shm_client(spec())
+    client._request_ids, client.incarnation, client._commit_follows, client.lr = itertools.count(1), "i", False, None
+    client._reads, client.stats, client._oldest = types.SimpleNamespace(rack=None), client_module.TransferStats(), {}
+    client._conns, client.routing.data_address = {}, lambda node: "x:2"
+    cache = client.shared_cache("w")
+    held = torch.arange(2 * BLOCK, dtype=torch.float32)
+    cache.copy_(held)
+    client._versions = {("w", 0): 3, ("w", 1): 3}
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    mine, node_end = shm.ShmConnection(a), shm.ShmConnection(b)
+    client._conns["n1"] = types.SimpleNamespace(sock=mine, lock=threading.Lock(), address="x:2", close=mine.close)
+    taken = {}
+
+    def stalled_node():
+        node_end.settimeout(5)
+        taken["pull"] = frame.recv_header(node_end)   # ... and no answer
+    node = threading.Thread(target=stalled_node, daemon=True)
+    node.start()
+    with pytest.raises(ShardlineConnectionError):
+        client._exchange_once("n1", [("w", 0), ("w", 1)], dp.OP_PULL, 0, 1.0, None, 0, 0.0)
+    node.join(5)
+    refs = taken["pull"].blocks
+    assert [bool(r.dest_region) for r in refs] == [True, True]
+    for ref in refs:   # the node resumes
+        node_end.place(ref.dest_region, ref.dest_offset, torch.full((BLOCK,), -7.0))
+    assert torch.equal(cache, held) and client.shared_cache("w").data_ptr() == cache.data_ptr()
+    assert not client._versions and not client._revoke_pending
+    node_end.close()
+    client._regions[0].close()

@@ -490,3 +490,31 @@ def test_a_close_during_a_copy_into_a_region_unmaps_only_after_it():
 def shm_mappings_of(kind: str) -> int:
     with open("/proc/self/maps") as fh:
         return sum(f"memfd:shardline-{kind}" in line for line in fh)
+
+
+def test_a_revoked_region_keeps_its_contents_and_the_peer_unmaps_the_old_memory():
+    client, node = pair()
+    region = shm.SharedRegion(4096)
+    try:
+        cache = region.tensor(torch.float32, 0, 1024)
+        cache.copy_(torch.arange(1024, dtype=torch.float32))
+        client.share_region(region)
+        client.sendall(b"x")
+        node.settimeout(5)
+        assert node.recv_into(bytearray(1)) == 1
+        old = region.revoke()
+        assert region.id != old and torch.equal(cache, torch.arange(1024, dtype=torch.float32))
+        node.place(old, 0, torch.full((16,), -1.0))   # into the old memory: nobody reads it
+        assert cache[0] == 0
+        client.unshare_region(old)
+        client.share_region(region)                    # the new memory, under its new id
+        client.sendall(b"y")
+        assert node.recv_into(bytearray(1)) == 1
+        assert node.region_size(old) == 0 and node.region_size(region.id) == 4096
+        assert shm_mappings_of("region") == 2   # ours and the node's, both of the new memory
+        node.place(region.id, 0, torch.full((16,), 5.0))
+        assert torch.equal(cache[:16], torch.full((16,), 5.0))
+    finally:
+        client.close()
+        node.close()
+        region.close()
