@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -395,10 +396,8 @@ class ShmConnection:
 
     # --- the protocol -------------------------------------------------------------------------
     def _create_segment(self) -> None:
-        fd = os.memfd_create("shardline-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = _sealed_memfd("shardline-shm", self._ring_bytes)
         try:
-            os.ftruncate(fd, self._ring_bytes)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             segment = mmap.mmap(fd, self._ring_bytes)
             try:
                 socket.send_fds(self._sock, [MESSAGE.pack(SEGMENT, 0, self._ring_bytes)], [fd])
@@ -407,10 +406,7 @@ class ShmConnection:
                 raise
         finally:
             os.close(fd)
-        with self._map_lock:
-            if self._closed:
-                segment.close()
-                raise OSError(errno.EBADF, "shm connection is closed")
+        with self._installing(segment):
             self._tx, self._tx_view = segment, memoryview(segment)
 
     def _read_message(self) -> tuple[tuple[int, int, int], list[int]] | None:
@@ -429,9 +425,7 @@ class ShmConnection:
         try:
             while got < MESSAGE.size:
                 n, ancillary, msg_flags, _ = self._sock.recvmsg_into([view[got:]], _ANCILLARY_BYTES)
-                for level, kind, data in ancillary:
-                    if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-                        fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+                fds.extend(_fds_in(ancillary))
                 if msg_flags & _MSG_CTRUNC:
                     raise ShmProtocolError("peer sent more file descriptors than a message carries")
                 if n == 0:
@@ -495,20 +489,25 @@ class ShmConnection:
             segment = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
         finally:
             _close_fds(fds)
+        with self._installing(segment):
+            self._rx, self._rx_view = segment, memoryview(segment)
+
+    @contextlib.contextmanager
+    def _installing(self, mapping: mmap.mmap):
+        """Under the map lock, unless the connection closed meanwhile (then ``mapping`` is closed
+        and OSError EBADF raised): the body keeps ``mapping``."""
         with self._map_lock:
             if self._closed:
-                segment.close()
+                mapping.close()
                 raise OSError(errno.EBADF, "shm connection is closed")
-            self._rx, self._rx_view = segment, memoryview(segment)
+            yield
 
     def _map_peer_region(self, region_id: int, size: int) -> None:
         """Map the peer's region ``region_id`` of ``size`` bytes, whose fd comes on the next byte."""
         byte, fds = bytearray(1), []
         try:
             n, ancillary, msg_flags, _ = self._sock.recvmsg_into([byte], _ANCILLARY_BYTES)
-            for level, kind, data in ancillary:
-                if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
-                    fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+            fds.extend(_fds_in(ancillary))
             if n == 0:
                 raise ConnectionError("peer closed the connection before its region's file descriptor")
             if msg_flags & _MSG_CTRUNC or len(fds) != 1:
@@ -523,10 +522,7 @@ class ShmConnection:
             region = mmap.mmap(fds[0], size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             _close_fds(fds)
-        with self._map_lock:
-            if self._closed:
-                region.close()
-                raise OSError(errno.EBADF, "shm connection is closed")
+        with self._installing(region):
             self._peer_regions[region_id] = region
 
 
@@ -541,10 +537,8 @@ class SharedRegion:
         if size <= 0:
             raise ValueError(f"a shared region needs a size > 0, got {size!r}")
         self.id, self.size = next(SharedRegion._ids), size
-        self.fd = os.memfd_create("shardline-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        self.fd = _sealed_memfd("shardline-region", size)
         try:
-            os.ftruncate(self.fd, size)
-            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
             self.memory = mmap.mmap(self.fd, size)
         except BaseException:
             os.close(self.fd)
@@ -561,10 +555,8 @@ class SharedRegion:
         stalled mid-copy and that this process gave up on) writes where nobody reads. Returns the
         old id (peers still holding it are told to unshare it). The caller guarantees no copy into
         the region is running (a write into the old memory meanwhile would be lost)."""
-        fd = os.memfd_create("shardline-region", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        fd = _sealed_memfd("shardline-region", self.size)
         try:
-            os.ftruncate(fd, self.size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
             fresh = mmap.mmap(fd, self.size)
             try:
                 fresh[:] = self.memory
@@ -594,6 +586,27 @@ class SharedRegion:
 
 
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+
+
+def _sealed_memfd(name: str, size: int) -> int:
+    """A memfd of ``size`` bytes sealed against shrinking and growing (the fd; the caller closes it)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fds_in(ancillary) -> list[int]:
+    """The file descriptors of SCM_RIGHTS messages in recvmsg's ``ancillary`` data."""
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == _SOL_SOCKET and kind == _SCM_RIGHTS:
+            fds.extend(array.array("i", data[: len(data) - len(data) % 4]))
+    return fds
 
 
 def _libc_mmap(address: int, size: int, prot: int, flags: int, fd: int, offset: int) -> int:
