@@ -107,6 +107,9 @@ class Block:
     visible: int = 0                         # pulls may see it at steps up to this
     primary: bool = True                     # this node applies it (else its primary sends copies)
     since_epoch: int = 0                     # commits for its step count from this epoch (taken over)
+    # Steps [lo, hi) this node did not apply but took from its previous primary's copy (_catch_up):
+    # a push of one of them, still in flight then, is a resend (that primary applied it with it).
+    adopted: tuple[int, int] = (0, 0)
     # Sum of weight * grad for the step being collected; the buffer lives as long as the block
     # (allocated once, not per step) and holds data only while has_grad is set.
     grad_buf: torch.Tensor | None = None
@@ -591,7 +594,10 @@ class JobStore:
         """Before a BSP/SSP push changes anything: every block it claimed is still this node's
         and still collects the push's step. Else nothing of it is kept: NOT_OWNER (the block
         changed owner meanwhile and was handed over without this push; the worker resends it to
-        the new owner) or STALE_STEP. Call with the lock held."""
+        the new owner) or STALE_STEP (the step was applied here meanwhile: a commit of this rank
+        counted without this push). A block that took the step from its previous primary's copy
+        meanwhile (``_catch_up``: that primary applied it, with this rank's push to it) takes the
+        push as the resend it is. Call with the lock held."""
         for ref, block, dest, resent in zip(ticket.refs, ticket.blocks, ticket.dests, ticket.resent):
             if resent:
                 continue
@@ -600,8 +606,17 @@ class JobStore:
                 raise StoreError("NOT_OWNER", f"block {ref.tensor}[{ref.index}] changed owner while its push was "
                                               f"in flight")
             if dest is not None and block.step > ticket.step:  # applied while the push was in flight
+                if block.adopted[0] <= ticket.step < block.adopted[1]:
+                    continue   # applied by the previous primary, with this very push: a resend (below)
                 self._release(ticket)
-                raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight")
+                raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight "
+                                               f"(block {ref.tensor}[{ref.index}] is at step {block.step}, taken over "
+                                               f"at epoch {block.since_epoch}; job step {self.step})")
+        for i, block in enumerate(ticket.blocks):
+            if not ticket.resent[i] and block.step > ticket.step and block.adopted[0] <= ticket.step < block.adopted[1]:
+                ticket.resent[i] = True   # ignored as a resend from here on (its claim went with the catch-up)
+                if ticket.direct[i] and block.receiving == ticket.rank:
+                    block.receiving = None
 
     def abort_push(self, ticket: "PushTicket") -> None:
         """Forget a push that failed or whose connection broke: nothing of it stays."""
@@ -1138,6 +1153,7 @@ class JobStore:
             block.value, block.state, block.version = value, dict(state), item.version
         elif item.version != block.version:
             return False
+        block.adopted = (block.step, item.step)
         block.step = item.step
         block.has_grad, block.pushed_by, block.received, block.handed = False, set(), set(), set()
         block.staged, block.pending = None, None

@@ -266,6 +266,40 @@ def test_a_push_whose_block_changed_owner_meanwhile_is_refused_and_keeps_nothing
     assert not store.push_weights.get(0)
 
 
+def test_a_push_in_flight_while_its_block_takes_the_step_from_its_previous_primary_is_a_resend():
+    """The node took the blocks over (the previous primary's handover timed out), a rank's resend
+    of step 0 arrives, and meanwhile the previous primary, which applied step 0 with both ranks'
+    pushes (it learnt the new routing late), hands its copy over: the block catches up to step 1.
+    The push in flight is then the resend it is, not STALE_STEP; the values are the previous
+    primary's (torch's SGD on the mean of both gradients), and the next step takes pushes."""
+    import time
+
+    from shardline.ps_server.store import Handover
+
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    store.set_primary(set(), epoch=1)
+    keys = {k for k in store.blocks if k[0] == "a"}
+    store.set_primary(keys, epoch=2, awaiting={k: ("p1", time.monotonic() - 1) for k in keys})  # wait over
+    g0, g1 = torch.randn(4, 5), torch.randn(4, 5)
+    refs, flat0 = _refs("a", g0)
+    ticket = store.begin_push(0, 0, 1.0, refs, bytearray(80))
+    _receive(store, ticket, flat0)
+    applied = (a0 - (g0 + g1) / 2).reshape(-1)
+    items = [Handover(k, 1, None, (), 1, (applied[s.start:s.stop].clone(), dict(store.blocks[k].state)))
+             for k, s in zip(sorted(keys), block_slices(20, BLOCK))]
+    store.accept_handover("p1", items)
+    assert store.finish_push(ticket) >= 0
+    assert all(store.blocks[k].step == 1 and store.blocks[k].receiving is None for k in keys)
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + g1) / 2, rtol=0, atol=1e-6)
+    g2 = torch.randn(4, 5)
+    for rank in (0, 1):
+        store.push(rank, 1, 1.0, items_for("a", g2))
+        store.commit(rank, 1, 1.0, epoch=2)
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + g1) / 2 - g2, rtol=0, atol=1e-6)
+
+
 def test_stalled_reservation_times_out(monkeypatch):
     import shardline.ps_server.store as store_module
 
