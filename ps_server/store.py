@@ -598,25 +598,24 @@ class JobStore:
         counted without this push). A block that took the step from its previous primary's copy
         meanwhile (``_catch_up``: that primary applied it, with this rank's push to it) takes the
         push as the resend it is. Call with the lock held."""
-        for ref, block, dest, resent in zip(ticket.refs, ticket.blocks, ticket.dests, ticket.resent):
-            if resent:
+        for i, (ref, block) in enumerate(zip(ticket.refs, ticket.blocks)):
+            if ticket.resent[i]:
                 continue
             if not block.primary:
                 self._release(ticket)
                 raise StoreError("NOT_OWNER", f"block {ref.tensor}[{ref.index}] changed owner while its push was "
                                               f"in flight")
-            if dest is not None and block.step > ticket.step:  # applied while the push was in flight
-                if block.adopted[0] <= ticket.step < block.adopted[1]:
-                    continue   # applied by the previous primary, with this very push: a resend (below)
+            if block.step <= ticket.step:
+                continue
+            if block.adopted[0] <= ticket.step < block.adopted[1]:
+                ticket.resent[i] = True   # ignored as a resend from here on (its claim went with the catch-up)
+                if ticket.direct[i] and block.receiving == ticket.rank:
+                    block.receiving = None
+            elif ticket.dests[i] is not None:  # applied here while the push was in flight
                 self._release(ticket)
                 raise StoreError("STALE_STEP", f"step {ticket.step} was applied while its push was in flight "
                                                f"(block {ref.tensor}[{ref.index}] is at step {block.step}, taken over "
                                                f"at epoch {block.since_epoch}; job step {self.step})")
-        for i, block in enumerate(ticket.blocks):
-            if not ticket.resent[i] and block.step > ticket.step and block.adopted[0] <= ticket.step < block.adopted[1]:
-                ticket.resent[i] = True   # ignored as a resend from here on (its claim went with the catch-up)
-                if ticket.direct[i] and block.receiving == ticket.rank:
-                    block.receiving = None
 
     def abort_push(self, ticket: "PushTicket") -> None:
         """Forget a push that failed or whose connection broke: nothing of it stays."""

@@ -201,7 +201,7 @@ class Client:
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
         # Caches in shared memory a local node copies pulled blocks into (shm transport): name ->
-        # (region, byte offset of the tensor, the cache tensor it holds while not rebound)
+        # (region, byte offset of the tensor); an entry exists exactly while _values[name] is it
         self._placement: dict[str, tuple] = {}
         self._regions: list = []
         # Pulls writing into the caches now, and whether a node this client gave up on mid-pull
@@ -258,7 +258,7 @@ class Client:
                 self._values[name] = torch.zeros(numel, dtype=torch.float32)
                 continue
             self._values[name] = region.tensor(torch.float32, offset, numel)
-            self._placement[name] = (region, offset, self._values[name])
+            self._placement[name] = (region, offset)
             offset += _aligned(numel * 4)
 
     @property
@@ -420,10 +420,9 @@ class Client:
     def shared_cache(self, name: str) -> torch.Tensor | None:
         """The cache of ``name``, shaped like the job's tensor, if it is in shared memory (a local
         node copies pulled blocks straight into it); None otherwise."""
-        place = self._placement.get(name)
-        if place is None or self._values.get(name) is not place[2]:
+        if name not in self._placement:
             return None
-        return place[2].view(self._shapes[name])
+        return self._values[name].view(self._shapes[name])
 
     def _fill_caches(self, tensors: dict[str, torch.Tensor]) -> None:
         """The caches of a job's new ``tensors`` take their initial values (in place: a cache in a
@@ -435,6 +434,7 @@ class Client:
                     cache.copy_(t.detach().reshape(-1))
                 else:
                     self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
+                    self._placement.pop(name, None)
 
     @staticmethod
     def bindable(tensor: torch.Tensor) -> bool:
@@ -458,8 +458,8 @@ class Client:
                                        f"{tensor.dtype} on {tensor.device}")
         if tuple(tensor.shape) != self._shapes[name]:
             raise ShardlineConfigError(f"bind({name!r}): shape {tuple(tensor.shape)} != job shape {self._shapes[name]}")
-        place = self._placement.get(name)
-        if place is None or tensor.dtype != torch.float32 or tensor.data_ptr() != place[2].data_ptr():
+        if name not in self._placement or tensor.dtype != torch.float32 \
+                or tensor.data_ptr() != self._values[name].data_ptr():
             self._values[name] = tensor.view(-1)
             self._placement.pop(name, None)  # the caller's tensor is not in a shared region
         if same_contents:
@@ -1139,9 +1139,7 @@ class Client:
             place = self._placement.get(ref.tensor)
             if place is None or ref.want_dtype:
                 continue
-            region, base, cache = place
-            if self._values[ref.tensor] is not cache:  # rebound since (bind): the new cache is not shared
-                continue
+            region, base = place
             conn.sock.share_region(region)
             ref.dest_region, ref.dest_offset = region.id, base + self._slices[ref.tensor][ref.index].start * 4
             placed.add((ref.tensor, ref.index))

@@ -163,7 +163,7 @@ def test_caches_live_in_one_shared_region_and_bind_keeps_or_drops_it(shm_client)
     s = spec()
     s.tensors.add(name="b", shape=[3], dtype="float32", trainable=True)
     client = shm_client(s)
-    region, offset_b, _ = client._placement["b"]
+    region, offset_b = client._placement["b"]
     assert client._placement["w"][0] is region and client._placement["w"][1] == 0
     assert offset_b == 2 * BLOCK * 4 and offset_b % 64 == 0   # each tensor on a cache line
     shared = client.shared_cache("w")
