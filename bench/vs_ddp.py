@@ -16,7 +16,10 @@ Modes (``--modes``):
 * ``ddp``: DistributedDataParallel, each rank takes its contiguous share of the global minibatch
   and backpropagates its own token mean; DDP averages the ranks, so the gradient is the mean of
   per-rank means (reference ``rank_mean``).
-* ``ddp_balanced``: the global minibatch split by ``shardline.balanced_split`` (KK by tokens);
+* ``ddp_balanced``: the global minibatch split by ``shardline.balanced_split`` (KK; by default
+  evening out a ``CostModel`` that one process fits on this machine before the runs,
+  ``--split-cost fitted``: a sequence's fixed cost matters as much as its tokens on this model;
+  ``--split-cost tokens`` evens out token counts);
   rank r backpropagates ``world * S_r / T`` (S_r its summed token losses, T all tokens), so DDP's
   average is the gradient of the global token mean (reference ``token_mean``).
 * ``fsdp2``: ``fully_shard`` on every block and the root, CPU/gloo, contiguous split and per-rank
@@ -30,7 +33,8 @@ Modes (``--modes``):
   commit and pull all inside ``opt.step()``.
 * ``shardline_ssp1``: ``shardline`` with ``sync="ssp", staleness=1``: a rank may compute a step on
   parameters one step old, so it matches ``token_mean`` only approximately (its loss difference is
-  reported, not expected to be round-off).
+  reported, not expected to be round-off). ``shardline_ssp1_plain`` (not run by default): the same
+  with ``shardline_plain``'s options.
 
 Per rank: tokens/s over the timed steps (every step after ``--warmup``), the share of step time
 spent waiting for communication (DDP: time blocked in the all-reduce, measured by a comm hook
@@ -74,13 +78,14 @@ from report import run_and_report  # noqa: E402
 
 MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1")
 # Shardline with one of the two levers only (not run by default: --modes names them)
-EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
+EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only", "shardline_ssp1_plain")
 # PSOptimizer options of each Shardline mode (sync defaults to BSP).
 SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
                    "shardline_plain": dict(overlap=False, prefetch_window=0),
                    "shardline_overlap_only": dict(overlap=True, prefetch_window=0),
                    "shardline_prefetch_only": dict(overlap=False, prefetch_window=1),
-                   "shardline_ssp1": dict(overlap=True, prefetch_window=1, sync="ssp", staleness=1)}
+                   "shardline_ssp1": dict(overlap=True, prefetch_window=1, sync="ssp", staleness=1),
+                   "shardline_ssp1_plain": dict(overlap=False, prefetch_window=0, sync="ssp", staleness=1)}
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4
@@ -116,10 +121,28 @@ def sequence_ids(step: int, index: int, length: int, seed: int, vocab: int):
     return torch.randint(0, vocab, (1, length), generator=g)
 
 
-def split_of(mode_split: str, lengths: list[int], world: int) -> list[list[int]]:
+def split_of(mode_split: str, lengths: list[int], world: int, cost: dict | None = None) -> list[list[int]]:
+    """``cost``: the coefficients of a ``CostModel`` (``--split-cost fitted``), or None (tokens)."""
     from shardline import balanced_split
+    from shardline.worker.balance import CostModel
 
-    return balanced_split(lengths, world, method=mode_split)
+    return balanced_split(lengths, world, cost=CostModel(**cost) if cost else None, method=mode_split)
+
+
+def fit_cost_model(cfg: dict) -> dict:
+    """``CostModel.measure`` of one forward+backward of the benchmark's model on this core: the
+    coefficients every balanced mode then splits by (one process fits, so every rank agrees)."""
+    from shardline.jobs.models.tinygpt import TinyGPT
+    from shardline.worker.balance import CostModel
+
+    pin(0)
+    model = TinyGPT(**MODEL)
+
+    def forward_backward(length: int) -> None:
+        seq_loss_sum(model, sequence_ids(0, length, length, cfg["seed"], MODEL["vocab_size"])).backward()
+        model.zero_grad(set_to_none=True)
+
+    return {"cost_model": CostModel.measure(forward_backward, repeats=5, warmup=2).as_dict()}
 
 
 def seq_loss_sum(model, ids):
@@ -243,7 +266,7 @@ def run_rank(cfg: dict) -> dict:
     losses_s, tokens, step_s, wait_per_step = [], [], [], []
     for step in range(cfg["steps"]):
         lengths = global_batch(step, world, cfg["workload"], cfg["seed"])
-        parts = split_of(SPLIT_OF[mode], lengths, world)
+        parts = split_of(SPLIT_OF[mode], lengths, world, cfg.get("cost_model"))
         mine = parts[rank]
         toks = loss_tokens(lengths)
         T = sum(toks)
@@ -308,7 +331,8 @@ def run_rank(cfg: dict) -> dict:
 def child_main(cfg_path: str, out_path: str) -> int:
     die_with_parent()
     cfg = json.loads(Path(cfg_path).read_text())
-    result = run_reference(cfg) if cfg["mode"] == "reference" else run_rank(cfg)
+    runner = {"reference": run_reference, "fit_cost": fit_cost_model}.get(cfg["mode"], run_rank)
+    result = runner(cfg)
     tmp = out_path + ".tmp"
     Path(tmp).write_text(json.dumps(result))
     os.replace(tmp, out_path)
@@ -380,7 +404,8 @@ class Children:
 
 def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cluster) -> dict:
     world = args.world
-    base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed}
+    base = {"mode": mode, "world": world, "steps": args.steps, "workload": args.workload, "seed": args.seed,
+            "cost_model": args.cost_model}
     if mode in SHARDLINE_MODES:
         base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}",
                     bucket_cap_mb=args.bucket_cap_mb)
@@ -444,7 +469,7 @@ def run(args) -> dict:
                     "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
-                               "ps_nodes": args.ps, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "split_cost": args.split_cost, "ps_nodes": args.ps, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
     children = Children()
@@ -455,6 +480,12 @@ def run(args) -> dict:
         ref = children.wait([p], [out], args.timeout, [workdir / "reference.log"])[0]
         children.procs = []
         result["reference"] = ref
+        args.cost_model = None
+        if args.split_cost == "fitted":
+            p, out = children.start({"mode": "fit_cost", "seed": args.seed}, workdir, "fit_cost")
+            args.cost_model = children.wait([p], [out], args.timeout, [workdir / "fit_cost.log"])[0]["cost_model"]
+            children.procs = []
+        result["config"]["split_cost_model"] = args.cost_model
         if any(m in SHARDLINE_MODES for m in modes):
             cluster = LocalCluster(workdir / "daemons")
             cluster.start_dispatcher()
@@ -518,6 +549,9 @@ def print_table(result: dict) -> None:
     cfg = result["config"]
     print(f"\nvs_ddp: workload {cfg['workload']}, {cfg['world']} ranks x {cfg['per_rank']} sequences, {cfg['steps']} steps "
           f"({cfg['warmup']} warm-up), {cfg['repeats']} repeat(s), TinyGPT 922,880 params, AdamW")
+    c = cfg.get("split_cost_model")
+    print("balanced split by " + (f"fitted cost: c0 {c['c0'] * 1e3:.3g} ms + c1 {c['c1'] * 1e6:.3g} us/token"
+                                  f" + c2 {c['c2'] * 1e9:.3g} ns/token^2" if c else "token count"))
     print(f"{'mode':<24}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
           f"{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
     for m, s in result.get("summary", {}).items():
@@ -542,6 +576,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed first steps of every run (still in the loss curve)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--split-cost", choices=("fitted", "tokens"), default="fitted",
+                    help="what the balanced split (ddp_balanced and every shardline mode) evens out: a CostModel "
+                         "fitted on this machine first (c0 + c1*L + c2*L^2 seconds), or the token count")
     ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0, help="PSOptimizer bucket_cap_mb (push and pull chunks)")
