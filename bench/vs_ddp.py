@@ -33,8 +33,8 @@ Modes (``--modes``):
   commit and pull all inside ``opt.step()``.
 * ``shardline_ssp1``: ``shardline`` with ``sync="ssp", staleness=1``: a rank may compute a step on
   parameters one step old, so it matches ``token_mean`` only approximately (its loss difference is
-  reported, not expected to be round-off). ``shardline_ssp1_plain`` (not run by default): the same
-  with ``shardline_plain``'s options.
+  reported, not expected to be round-off). ``shardline_ssp1_plain``: the same with
+  ``shardline_plain``'s options.
 
 Per rank: tokens/s over the timed steps (every step after ``--warmup``), the share of step time
 spent waiting for communication (DDP: time blocked in the all-reduce, measured by a comm hook
@@ -76,9 +76,9 @@ sys.path.insert(0, str(HERE))
 from balance import sample_lengths  # noqa: E402
 from report import run_and_report  # noqa: E402
 
-MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1")
+MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1", "shardline_ssp1_plain")
 # Shardline with one of the two levers only (not run by default: --modes names them)
-EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only", "shardline_ssp1_plain")
+EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
 # PSOptimizer options of each Shardline mode (sync defaults to BSP).
 SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
                    "shardline_plain": dict(overlap=False, prefetch_window=0),
