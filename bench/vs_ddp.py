@@ -121,19 +121,18 @@ def sequence_ids(step: int, index: int, length: int, seed: int, vocab: int):
     return torch.randint(0, vocab, (1, length), generator=g)
 
 
-def split_of(mode_split: str, lengths: list[int], world: int, cost: dict | None = None) -> list[list[int]]:
-    """``cost``: the coefficients of a ``CostModel`` (``--split-cost fitted``), or None (tokens)."""
+def split_of(mode_split: str, lengths: list[int], world: int, cost=None) -> list[list[int]]:
+    """``cost``: the ``CostModel`` of ``--split-cost fitted``, or None (token counts)."""
     from shardline import balanced_split
-    from shardline.worker.balance import CostModel
 
-    return balanced_split(lengths, world, cost=CostModel(**cost) if cost else None, method=mode_split)
+    return balanced_split(lengths, world, cost=cost, method=mode_split)
 
 
 def fit_cost_model(cfg: dict) -> dict:
     """``CostModel.measure`` of one forward+backward of the benchmark's model on this core: the
     coefficients every balanced mode then splits by (one process fits, so every rank agrees)."""
+    from shardline import CostModel
     from shardline.jobs.models.tinygpt import TinyGPT
-    from shardline.worker.balance import CostModel
 
     pin(0)
     model = TinyGPT(**MODEL)
@@ -212,7 +211,7 @@ def run_rank(cfg: dict) -> dict:
     import torch
     import torch.distributed as dist
 
-    from shardline import rank_weights
+    from shardline import CostModel, rank_weights
     from shardline.jobs.models.tinygpt import TinyGPT
 
     mode, rank, world = cfg["mode"], cfg["rank"], cfg["world"]
@@ -263,10 +262,11 @@ def run_rank(cfg: dict) -> dict:
     else:
         raise ValueError(mode)
 
+    cost = CostModel.from_config(cfg["cost_model"]) if cfg.get("cost_model") else None
     losses_s, tokens, step_s, wait_per_step = [], [], [], []
     for step in range(cfg["steps"]):
         lengths = global_batch(step, world, cfg["workload"], cfg["seed"])
-        parts = split_of(SPLIT_OF[mode], lengths, world, cfg.get("cost_model"))
+        parts = split_of(SPLIT_OF[mode], lengths, world, cost)
         mine = parts[rank]
         toks = loss_tokens(lengths)
         T = sum(toks)
@@ -481,7 +481,7 @@ def run(args) -> dict:
         children.procs = []
         result["reference"] = ref
         args.cost_model = None
-        if args.split_cost == "fitted":
+        if args.split_cost == "fitted" and args.workload != "balanced":  # equal lengths: every cost splits alike
             p, out = children.start({"mode": "fit_cost", "seed": args.seed}, workdir, "fit_cost")
             args.cost_model = children.wait([p], [out], args.timeout, [workdir / "fit_cost.log"])[0]["cost_model"]
             children.procs = []
