@@ -162,8 +162,9 @@ class _Connection:
                     except StoreError as exc:
                         self.refuse(header, exc, op, deadline)
                         continue
-                    reply, payloads = self.receive_push(header, job, ticket, deadline), []
+                    reply, payloads, pushed = self.receive_push(header, job, ticket, deadline), [], (job, ticket)
                 else:
+                    pushed = None
                     view = memoryview(self.buffer)[: header.payload_bytes]
                     frame.recv_exactly_into(sock, view, deadline)
                     reply, payloads = self.run(header, view)
@@ -177,7 +178,11 @@ class _Connection:
                 self.reply_error(header, StoreError("INTERNAL", f"internal error: {type(exc).__name__}: {exc}"), op)
                 continue
             sock.settimeout(policy.payload_timeout)  # a client that stops reading its reply is dropped
-            frame.send_frame(sock, reply, payloads)
+            try:
+                frame.send_frame(sock, reply, payloads)
+            finally:
+                if pushed is not None:  # answered (or the client is gone): now the early steps
+                    node.after_push(*pushed)
             if metrics:  # a pull's blocks copied into the client's shared cache are sent bytes too
                 placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)
                 metrics.request(op, "OK", seconds=time.perf_counter() - started,

@@ -417,9 +417,11 @@ class PSNode:
         copies are split with one helper thread (the copy is the whole transfer: two cores copy
         64 MiB in about two thirds of the time one takes); if the helper is busy with another
         pull, this thread does its share too."""
+        if not places:
+            return
+
         def copy(items) -> None:
-            for region, offset, value in items:
-                regions.place(region, offset, value)
+            regions.place_many(items)
 
         if len(places) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
             copy(places)
@@ -452,9 +454,11 @@ class PSNode:
                                    commit_follows=header.commit_follows)
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
+        """Make the received push visible and return its reply; blocks it completed are left on
+        the ticket, for :meth:`after_push` once the reply went out."""
         reply = self._reply(header)
         started = time.perf_counter()
-        reply.step = job.finish_push(ticket)
+        reply.step = job.finish_push(ticket, defer_early=True)
         elapsed = time.perf_counter() - started
         self.heat.record_writes(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in header.blocks])
         if job.sync == "asp":  # ASP applies the push here
@@ -462,6 +466,14 @@ class PSNode:
             if self.metrics is not None:
                 self.metrics.apply(job.name, elapsed)
         return reply
+
+    def after_push(self, job: JobStore, ticket: PushTicket) -> None:
+        """After a push's reply went out: step the blocks it completed early (pipelined apply).
+        A failure here fails no request: the step's commits step those blocks themselves."""
+        try:
+            job.step_early(ticket)
+        except Exception:  # noqa: BLE001 - the push was answered; its commit takes the normal path
+            log.exception("job %s: stepping blocks early after a push failed; the commits step them", job.name)
 
     def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None,
                regions=None) -> tuple[frame.FrameHeader, list]:

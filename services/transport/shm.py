@@ -353,29 +353,42 @@ class ShmConnection:
         """Copy tensor ``value`` (contiguous) to ``offset`` of the peer's region ``region_id``. The
         caller checked the bounds (``region_size``); they are checked again here. Several threads
         may place at once; a ``close`` meanwhile unmaps once the last of them is done."""
+        self.place_many([(region_id, offset, value)])
+
+    def place_many(self, items) -> None:
+        """``place`` of each ``(region_id, offset, value)``: one lock round and one multi-tensor
+        copy for all of them (a pull of many small blocks pays a copy call per block otherwise)."""
         import torch  # the transport itself moves bytes; only the copy into a region takes a tensor
 
-        nbytes = value.numel() * value.element_size()
+        targets = []  # (region, offset, value) of the copies that move bytes
         with self._map_lock:
-            region = self._peer_regions.get(region_id)
-            if self._closed or region is None:
-                raise OSError(errno.EBADF, f"no region {region_id} on this shm connection")
-            if offset < 0 or offset + nbytes > len(region) or offset % value.element_size():
-                raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
-                                 f"of {len(region)} bytes (aligned to {value.element_size()})")
+            for region_id, offset, value in items:
+                region = self._peer_regions.get(region_id)
+                if self._closed or region is None:
+                    raise OSError(errno.EBADF, f"no region {region_id} on this shm connection")
+                nbytes = value.numel() * value.element_size()
+                if offset < 0 or offset + nbytes > len(region) or offset % value.element_size():
+                    raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
+                                     f"of {len(region)} bytes (aligned to {value.element_size()})")
+                if nbytes:
+                    targets.append((region, offset, value))
             self._placing += 1
         try:
-            if nbytes:
-                torch.frombuffer(region, dtype=value.dtype, count=value.numel(), offset=offset).copy_(value.view(-1))
+            if targets:
+                torch._foreach_copy_([torch.frombuffer(r, dtype=v.dtype, count=v.numel(), offset=o) for r, o, v in targets],
+                                     [v.view(-1) for _r, _o, v in targets])
         finally:
-            with self._map_lock:
-                self._placing -= 1
-                if not self._placing:
-                    if self._closed:
-                        self._unmap_regions()
-                    for region in self._retired:
-                        region.close()
-                    self._retired.clear()
+            self._end_placing()
+
+    def _end_placing(self) -> None:
+        with self._map_lock:
+            self._placing -= 1
+            if not self._placing:
+                if self._closed:
+                    self._unmap_regions()
+                for region in self._retired:
+                    region.close()
+                self._retired.clear()
 
     def _unmap_regions(self) -> None:
         """Call with the map lock held, no copy into a region running."""

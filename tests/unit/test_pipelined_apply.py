@@ -236,6 +236,50 @@ def test_commits_that_complete_the_step_while_the_early_step_runs_step_the_gradi
     torch.testing.assert_close(values(store, "a", (4, 5)), reference(initial, [(g, [1.0, 1.0])])["a"], **ROUND_OFF)
 
 
+def _push_deferred(store, rank, step, weight, grads):
+    """A push as the data plane runs it: received, finished with the early steps left on the
+    ticket (they run after the reply went out)."""
+    from shardline.ps_server.store import PushRef
+
+    items = [i for n, t in grads.items() for i in items_for(n, t)]
+    refs = [PushRef(i.tensor, i.index, i.grad is None, store.expected_numel(i.tensor, i.index), torch.float32)
+            for i in items]
+    ticket = store.begin_push(rank, step, weight, refs, bytearray(4 * sum(r.numel for r in refs)), lr=LR)
+    for n, item in enumerate(items):
+        if item.grad is not None:
+            ticket.dests[n].copy_(item.grad)
+            store.check_received(ticket, n)
+    store.finish_push(ticket, defer_early=True)
+    return ticket
+
+
+@pytest.mark.parametrize("commits_first", [False, True])
+def test_an_early_step_left_for_after_the_reply_equals_torch_whenever_it_runs(commits_first):
+    """finish_push(defer_early=True) stages the blocks the push completed and steps nothing; the
+    step runs with step_early (after the reply). If the commits come first they step the blocks
+    themselves and the late early step is discarded: the same result either way."""
+    torch.manual_seed(8)
+    store, initial = fresh()
+    steps = [([{"a": torch.randn(4, 5), "b": torch.randn(3)}, {"a": torch.randn(4, 5), "b": torch.randn(3)}],
+              [2.0, 1.0]) for _ in range(3)]
+    for step, (grads, weights) in enumerate(steps):
+        _push_deferred(store, 0, step, weights[0], grads[0])
+        last = _push_deferred(store, 1, step, weights[1], grads[1])
+        assert last.early and not any(staged(store, "a"))   # staged, not computed yet
+        if not commits_first:
+            store.step_early(last)
+            assert all(staged(store, "a")) and all(staged(store, "b")) and not last.early
+        for rank, w in enumerate(weights):
+            store.commit(rank, step, w, lr=LR)
+        if commits_first:
+            store.step_early(last)
+        assert store.step == step + 1 and not any(b.staged for b in store.blocks.values())
+    assert store.applied_early == (0 if commits_first else 3 * (3 + 1))
+    want = reference(initial, steps)
+    for n in ("a", "b"):
+        torch.testing.assert_close(values(store, n, initial[n].shape), want[n], **ROUND_OFF)
+
+
 def test_two_ranks_pushing_at_once_in_interleaved_frames_equal_torch():
     """Threads push frames of a sparse gradient (mostly zero flags) concurrently, as connections
     do: a block is stepped early only once every rank's gradient is in its sum (a push that waits
@@ -334,3 +378,62 @@ def test_a_copy_holder_installs_copies_sent_ahead_only_when_their_step_is_named(
     with pytest.raises(StoreError) as err:
         replica.carry_copies([(("a", 2), 2, 2)])          # a step of a2 it never got
     assert err.value.code == "UNAVAILABLE" and replica.blocks[("a", 2)].step == 0
+
+
+def _push_over_shm(served, request_id, grad, blocks):
+    from shardline.services import frame
+    from shardline.services.pb import dataplane_pb2 as dp
+
+    header = frame.FrameHeader(op=dp.OP_PUSH, request_id=request_id, job="j", epoch=1, step=0, rank=0, weight=1.0,
+                               has_lr=True, lr=1.0)
+    parts = [grad[i * blocks:(i + 1) * blocks] for i in (0, 1)]
+    header.blocks.extend([frame.block_ref("w", i, p) for i, p in enumerate(parts)])
+    return served.ask(header, [frame.tensor_bytes(p) for p in parts])[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("early_step_fails", [False, True])
+def test_the_data_plane_answers_a_push_before_its_early_step(monkeypatch, early_step_fails):
+    """A served push that completes its blocks is answered first, then stepped early (the reply
+    does not wait for the optimizer); an early step that fails fails no request: the commit
+    steps the blocks itself. SGD on one rank: the result is init - lr * grad either way."""
+    import threading
+
+    from shardline.services import frame
+    from shardline.services.pb import dataplane_pb2 as dp
+    from test_pull_placement import BLOCK as PBLOCK, ServedOverShm
+
+    release, stepping = threading.Event(), threading.Event()
+    original = JobStore._step_early
+
+    def held(self, items):
+        stepping.set()
+        assert release.wait(10)
+        if early_step_fails:
+            raise RuntimeError("injected early-step failure")
+        original(self, items)
+
+    monkeypatch.setattr(JobStore, "_step_early", held)
+    served = ServedOverShm()
+    try:
+        init = torch.randn(2 * PBLOCK, generator=torch.Generator().manual_seed(0))
+        grad = torch.randn(2 * PBLOCK, generator=torch.Generator().manual_seed(1))
+        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
+        header.blocks.extend([frame.block_ref("w", i, init[i * PBLOCK:(i + 1) * PBLOCK]) for i in (0, 1)])
+        served.ask(header, [frame.tensor_bytes(init[i * PBLOCK:(i + 1) * PBLOCK]) for i in (0, 1)])
+        reply = _push_over_shm(served, 2, grad, PBLOCK)
+        assert reply.op == dp.OP_REPLY, reply.message
+        assert stepping.wait(10) and not release.is_set()   # answered while the early step is held
+        release.set()
+        commit = frame.FrameHeader(op=dp.OP_COMMIT, request_id=3, job="j", epoch=1, step=0, rank=0, weight=1.0,
+                                   has_lr=True, lr=1.0)
+        assert served.ask(commit)[0].op == dp.OP_REPLY
+        reply, body = served.ask(frame.FrameHeader(op=dp.OP_PULL, request_id=4, job="j", epoch=1, min_step=1,
+                                                   blocks=[dp.BlockRef(tensor="w", index=i) for i in (0, 1)]))
+        assert reply.op == dp.OP_REPLY and reply.step == 1, reply.message
+        job = served.node.store.get("j")
+        assert job.applied_early == (0 if early_step_fails else 2)
+        torch.testing.assert_close(torch.frombuffer(body, dtype=torch.float32), init - grad, rtol=0, atol=1e-6)
+    finally:
+        release.set()
+        served.close()

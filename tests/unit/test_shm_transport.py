@@ -415,6 +415,32 @@ def test_a_shared_region_takes_the_peers_copies_in_place_and_is_shared_once():
     del cache
 
 
+def test_place_many_copies_every_block_or_none_if_one_does_not_fit():
+    client, node = pair()
+    region = shm.SharedRegion(4096)
+    try:
+        cache = region.tensor(torch.float32, 0, 1024)
+        client.share_region(region)
+        client.sendall(b"x")
+        node.settimeout(5)
+        assert node.recv_into(bytearray(1)) == 1
+        blocks = [torch.full((n,), float(i + 1)) for i, n in enumerate((3, 0, 16, 1))]
+        offsets = [0, 12, 12, 4092]
+        node.place_many([(region.id, o, v) for o, v in zip(offsets, blocks)])
+        assert torch.equal(cache[:3], blocks[0]) and torch.equal(cache[3:19], blocks[2])
+        assert float(cache[1023]) == 4.0 and not cache[19:1023].any()
+        with pytest.raises(ValueError, match="do not fit"):   # checked before anything moves
+            node.place_many([(region.id, 400, torch.full((4,), 9.0)), (region.id, 4090, torch.ones(4))])
+        assert not cache[100:104].any()
+        with pytest.raises(OSError):
+            node.place_many([(region.id + 1, 0, torch.ones(1))])
+    finally:
+        client.close()
+        node.close()
+        region.close()
+    del cache
+
+
 @pytest.mark.parametrize("lie", ["unsealed", "size differs from the file", "id 0", "same id twice", "too many",
                                  "no fd", "two fds"])
 def test_a_lying_region_is_refused_and_leaves_no_fd_or_mapping(lie, monkeypatch):

@@ -376,3 +376,47 @@ def test_group_learning_rates_are_validated():
         store.group_lrs((0.1, 0.2, 0.3))
     with pytest.raises(StoreError, match="finite number"):
         store.group_lrs((0.1, float("nan")))
+
+
+def test_a_push_of_many_small_blocks_is_checked_in_batches_and_refused_whole():
+    """Blocks under CHECK_ALONE_BYTES are checked together; a NaN in one of them (also in the
+    last batch, left for finish_push) refuses the whole push, named by its block, and keeps nothing."""
+    from shardline.ps_server import store as store_module
+
+    spec = make_job(kind="sgd", lr=1.0, world_size=1)
+    del spec.tensors[:]
+    for i in range(20):
+        spec.tensors.add(name=f"t{i}", shape=[BLOCK], dtype="float32", trainable=True)
+    for bad in (3, 19):
+        store = JobStore(spec)
+        init_store(store, {f"t{i}": torch.zeros(BLOCK) for i in range(20)})
+        refs = [store_module.PushRef(f"t{i}", 0, False, BLOCK, torch.float32) for i in range(20)]
+        ticket = store.begin_push(0, 0, 1.0, refs, bytearray(4 * BLOCK * 20))
+        for i, dest in enumerate(ticket.dests):
+            dest.fill_(float("nan") if i == bad else 1.0)
+            store.check_received(ticket, i)
+        with pytest.raises(StoreError) as e:
+            store.finish_push(ticket)
+        assert e.value.code == "NONFINITE" and f"'t{bad}'" in str(e.value)
+        assert not any(b.has_grad for b in store.blocks.values())
+        store.push(0, 0, 1.0, [PushItem(f"t{i}", 0, torch.full((BLOCK,), 2.0)) for i in range(20)])
+        store.commit(0, 0, 1.0)
+        assert all(torch.equal(values(store, f"t{i}", (BLOCK,)), torch.full((BLOCK,), -2.0)) for i in range(20))
+
+
+def test_a_large_block_is_checked_as_it_lands(monkeypatch):
+    """A block of CHECK_ALONE_BYTES or more is checked alone right away (after the smaller ones
+    received before it), so its check overlaps the arrival of the next block."""
+    from shardline.ps_server import store as store_module
+
+    monkeypatch.setattr(store_module, "CHECK_ALONE_BYTES", 4 * BLOCK)   # one full block
+    store = JobStore(make_job(kind="sgd", lr=1.0, world_size=1))
+    init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    refs = [store_module.PushRef("b", 0, False, 3, torch.float32)] + _refs("a", torch.zeros(4, 5))[0]
+    ticket = store.begin_push(0, 0, 1.0, refs, bytearray(4 * 23))
+    ticket.dests[0].fill_(1.0)
+    store.check_received(ticket, 0)
+    assert ticket.unchecked == [0]          # 12 bytes: waits for company
+    ticket.dests[1].fill_(float("inf"))     # a[0], a whole block: checked now, with b before it
+    store.check_received(ticket, 1)
+    assert ticket.unchecked == [] and ticket.error is not None and "'a' (block 0)" in str(ticket.error)

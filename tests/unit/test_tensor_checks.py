@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shardline.services.tensor_checks import all_finite, is_all_zero, zero_parts
+from shardline.services.tensor_checks import all_finite, first_nonfinite, is_all_zero, zero_parts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -68,3 +68,18 @@ def test_zero_parts_agrees_with_is_all_zero_per_block(dtype):
     assert zero_parts(flat, bounds) == [is_all_zero(flat[a:b]) for a, b in bounds]
     assert zero_parts(flat, [(0, 0), (0, 10)]) == [True, True]  # an empty part: the per-block path
     assert zero_parts(flat, []) == []
+
+
+def test_first_nonfinite_names_the_first_bad_tensor_of_many():
+    g = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(int(n), generator=g) for n in torch.randint(1, 300, (40,), generator=g)]
+    assert first_nonfinite(tensors) is None
+    assert first_nonfinite([]) is None
+    assert first_nonfinite([tensors[0]]) is None
+    tensors[17][0] = float("nan")
+    tensors[30][-1] = float("inf")
+    assert first_nonfinite(tensors) == 17
+    assert first_nonfinite(tensors[18:]) == 12
+    assert first_nonfinite([tensors[30]]) == 0
+    big = [torch.full((10,), 3e38), torch.full((10,), 3e38)]  # finite, their sum is not
+    assert first_nonfinite(big) is None
