@@ -62,6 +62,7 @@ bench: protos
 	$(PY) bench/vs_ddp.py --out bench/results/vs_ddp.json
 	$(PY) bench/vs_ddp.py --workload balanced --out bench/results/vs_ddp_balanced.json
 	$(PY) bench/step_overhead.py --out bench/results/step_overhead.json
+	$(PY) bench/many_tensors.py --out bench/results/many_tensors.json
 	$(PY) bench/rack_cache.py --out bench/results/rack_cache.json
 	$(PY) bench/rack_cache.py --subscribers --out bench/results/rack_cache_subscribers.json
 	$(PY) bench/subscriber.py --out bench/results/subscriber.json
