@@ -388,16 +388,21 @@ def test_the_hello_challenge_runs_over_shm_and_the_node_maps_nothing_of_its_own_
 
 
 # --- regions: memory the peer writes into (one-copy pulls) ----------------------------------------
+def share_with_node(client, node, region) -> None:
+    """Share ``region`` on the connection; the node takes it on its way to the next frame bytes."""
+    client.share_region(region)
+    client.sendall(b"x")
+    node.settimeout(5)
+    assert node.recv_into(bytearray(1)) == 1
+
+
 def test_a_shared_region_takes_the_peers_copies_in_place_and_is_shared_once():
     client, node = pair()
     region = shm.SharedRegion(4096)
     try:
         cache = region.tensor(torch.float32, 0, 1024)
         client.share_region(region)
-        client.share_region(region)   # once per connection
-        client.sendall(b"x")          # the node takes the region on its way to the next frame bytes
-        node.settimeout(5)
-        assert node.recv_into(bytearray(1)) == 1
+        share_with_node(client, node, region)   # the second share sends nothing: once per connection
         assert node.region_size(region.id) == 4096 and node.region_size(region.id + 1) == 0
         value = torch.arange(16, dtype=torch.float32)
         node.place(region.id, 64, value)
@@ -420,10 +425,7 @@ def test_place_many_copies_every_block_or_none_if_one_does_not_fit():
     region = shm.SharedRegion(4096)
     try:
         cache = region.tensor(torch.float32, 0, 1024)
-        client.share_region(region)
-        client.sendall(b"x")
-        node.settimeout(5)
-        assert node.recv_into(bytearray(1)) == 1
+        share_with_node(client, node, region)
         blocks = [torch.full((n,), float(i + 1)) for i, n in enumerate((3, 0, 16, 1))]
         offsets = [0, 12, 12, 4092]
         node.place_many([(region.id, o, v) for o, v in zip(offsets, blocks)])
@@ -480,10 +482,7 @@ def test_a_close_during_a_copy_into_a_region_unmaps_only_after_it():
     client, node = pair()
     region = shm.SharedRegion(4096)
     try:
-        client.share_region(region)
-        client.sendall(b"x")
-        node.settimeout(5)
-        assert node.recv_into(bytearray(1)) == 1
+        share_with_node(client, node, region)
         started, release = threading.Event(), threading.Event()
 
         class SlowValue:   # a tensor whose bytes take until `release` to arrive
@@ -524,10 +523,7 @@ def test_a_revoked_region_keeps_its_contents_and_the_peer_unmaps_the_old_memory(
     try:
         cache = region.tensor(torch.float32, 0, 1024)
         cache.copy_(torch.arange(1024, dtype=torch.float32))
-        client.share_region(region)
-        client.sendall(b"x")
-        node.settimeout(5)
-        assert node.recv_into(bytearray(1)) == 1
+        share_with_node(client, node, region)
         old = region.revoke()
         assert region.id != old and torch.equal(cache, torch.arange(1024, dtype=torch.float32))
         node.place(old, 0, torch.full((16,), -1.0))   # into the old memory: nobody reads it
