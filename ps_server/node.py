@@ -419,20 +419,16 @@ class PSNode:
         pull, this thread does its share too."""
         if not places:
             return
-
-        def copy(items) -> None:
-            regions.place_many(items)
-
         if len(places) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
-            copy(places)
+            regions.place_many(places)
             return
         with self._place_pool_lock:
             if self._place_pool is None:
                 self._place_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-place")
-        helper = self._place_pool.submit(copy, places[1::2])
-        copy(places[::2])
+        helper = self._place_pool.submit(regions.place_many, places[1::2])
+        regions.place_many(places[::2])
         if helper.cancel():
-            copy(places[1::2])
+            regions.place_many(places[1::2])
         else:
             helper.result()
 

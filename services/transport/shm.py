@@ -378,17 +378,14 @@ class ShmConnection:
                 torch._foreach_copy_([torch.frombuffer(r, dtype=v.dtype, count=v.numel(), offset=o) for r, o, v in targets],
                                      [v.view(-1) for _r, _o, v in targets])
         finally:
-            self._end_placing()
-
-    def _end_placing(self) -> None:
-        with self._map_lock:
-            self._placing -= 1
-            if not self._placing:
-                if self._closed:
-                    self._unmap_regions()
-                for region in self._retired:
-                    region.close()
-                self._retired.clear()
+            with self._map_lock:
+                self._placing -= 1
+                if not self._placing:
+                    if self._closed:
+                        self._unmap_regions()
+                    for region in self._retired:
+                        region.close()
+                    self._retired.clear()
 
     def _unmap_regions(self) -> None:
         """Call with the map lock held, no copy into a region running."""

@@ -418,9 +418,7 @@ def test_the_data_plane_answers_a_push_before_its_early_step(monkeypatch, early_
     try:
         init = torch.randn(2 * PBLOCK, generator=torch.Generator().manual_seed(0))
         grad = torch.randn(2 * PBLOCK, generator=torch.Generator().manual_seed(1))
-        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
-        header.blocks.extend([frame.block_ref("w", i, init[i * PBLOCK:(i + 1) * PBLOCK]) for i in (0, 1)])
-        served.ask(header, [frame.tensor_bytes(init[i * PBLOCK:(i + 1) * PBLOCK]) for i in (0, 1)])
+        assert served.init(init).op == dp.OP_REPLY
         reply = _push_over_shm(served, 2, grad, PBLOCK)
         assert reply.op == dp.OP_REPLY, reply.message
         assert stepping.wait(10) and not release.is_set()   # answered while the early step is held

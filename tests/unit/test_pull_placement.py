@@ -47,6 +47,13 @@ class ServedOverShm:
         frame.recv_exactly_into(self.client, memoryview(body))
         return reply, body
 
+    def init(self, values: torch.Tensor) -> frame.FrameHeader:
+        """Initialize tensor "w" (both blocks) with ``values``; the reply."""
+        parts = [values[i * BLOCK:(i + 1) * BLOCK] for i in (0, 1)]
+        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
+        header.blocks.extend([frame.block_ref("w", i, p) for i, p in enumerate(parts)])
+        return self.ask(header, [frame.tensor_bytes(p) for p in parts])[0]
+
     def close(self):
         self.client.close()
         self.thread.join(10)
@@ -66,10 +73,7 @@ def test_a_pull_places_the_blocks_asked_in_the_region_and_sends_the_rest():
     served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4 + 64)
     try:
         init = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(0))
-        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
-        header.blocks.extend([frame.block_ref("w", i, init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])
-        assert served.ask(header, [frame.tensor_bytes(init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])[0].op \
-            == dp.OP_REPLY
+        assert served.init(init).op == dp.OP_REPLY
         served.client.share_region(region)
         reply, body = served.ask(pull(2, {1: (region.id, 64)}))   # block 1 placed, block 0 in the payload
         assert reply.op == dp.OP_REPLY, reply.message
@@ -90,10 +94,7 @@ def test_a_pull_places_the_blocks_asked_in_the_region_and_sends_the_rest():
 def test_a_placement_that_does_not_fit_is_refused_and_the_connection_serves_on(bad, message):
     served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4)
     try:
-        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
-        zeros = torch.zeros(BLOCK)
-        header.blocks.extend([frame.block_ref("w", i, zeros) for i in (0, 1)])
-        served.ask(header, [frame.tensor_bytes(zeros)] * 2)
+        served.init(torch.zeros(2 * BLOCK))
         served.client.share_region(region)
         places = {i: (region.id if r == "region" else r, off) for i, (r, off) in bad.items()}
         reply, _ = served.ask(pull(2, places))
@@ -129,9 +130,7 @@ def test_a_large_placement_split_with_the_helper_thread_lands_whole(monkeypatch)
     served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4)
     try:
         init = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(2))
-        header = frame.FrameHeader(op=dp.OP_INIT, request_id=1, job="j", epoch=1)
-        header.blocks.extend([frame.block_ref("w", i, init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])
-        served.ask(header, [frame.tensor_bytes(init[i * BLOCK:(i + 1) * BLOCK]) for i in (0, 1)])
+        served.init(init)
         served.client.share_region(region)
         for request_id in range(2, 12):
             region.tensor(torch.float32, 0, 2 * BLOCK).zero_()
