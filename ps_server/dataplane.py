@@ -97,6 +97,7 @@ def _peer_host(peer: str) -> str:
 class _Connection:
     def __init__(self, sock, peer: str, node: PSNode, policy: ConnectionPolicy, metrics):
         self.sock, self.peer, self.node, self.policy, self.metrics = sock, peer, node, policy, metrics
+        self.regions = sock if hasattr(sock, "take_many") else None  # a shm connection: its peer's regions
         self.buffer = bytearray(0)   # payload buffer, reused between frames (reserved from the budget)
 
     # --- the payload buffer -----------------------------------------------------------------
@@ -148,7 +149,8 @@ class _Connection:
                 continue
             try:
                 node.precheck(header)
-                if not self.ensure_buffer(header.payload_bytes):
+                # a push's blocks taken from the client's regions need room in the buffer too
+                if not self.ensure_buffer(header.payload_bytes + frame.sourced_bytes(header)):
                     raise StoreError("RESOURCE_EXHAUSTED",
                                      f"node {node.node_id!r} holds its limit of payload bytes in flight "
                                      f"({policy.budget.limit_bytes} bytes, max_inflight_bytes); retry shortly")
@@ -158,7 +160,7 @@ class _Connection:
             try:
                 if header.op == dp.OP_PUSH:
                     try:
-                        job, ticket = node.begin_push(header, self.buffer)
+                        job, ticket = node.begin_push(header, self.buffer, self.regions)
                     except StoreError as exc:
                         self.refuse(header, exc, op, deadline)
                         continue
@@ -186,12 +188,13 @@ class _Connection:
             if metrics:  # a pull's blocks copied into the client's shared cache are sent bytes too
                 placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)
                 metrics.request(op, "OK", seconds=time.perf_counter() - started,
-                                bytes_in=header.payload_bytes, bytes_out=reply.payload_bytes + placed)
+                                bytes_in=header.payload_bytes + frame.sourced_bytes(header),
+                                bytes_out=reply.payload_bytes + placed)
 
     def run(self, header, view):
         """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""
         hangups = self.policy.hangups
-        regions = self.sock if hasattr(self.sock, "place") else None  # a shm connection
+        regions = self.regions
         if header.op != dp.OP_PULL or hangups is None or not header.min_step:
             return self.node.handle(header, view, regions=regions)  # nothing to wait for
         cancelled = threading.Event()
@@ -218,13 +221,27 @@ class _Connection:
 
     def receive_push(self, header, job, ticket, deadline: float):
         """Receive a PUSH block by block into the destinations the store picked, checking each
-        block as it lands (the check overlaps the arrival of the next), then make it visible."""
+        block as it lands (the check overlaps the arrival of the next), then make it visible.
+
+        Blocks the client left in its shared regions are copied out (and checked) after the
+        payload. The client hangs up before it changes memory whose push it gave up on (it timed
+        out on a stalled node), so a hang-up seen after the copy means the copy may be torn: the
+        push is dropped, as if the connection had ended mid-payload."""
         node, sock = self.node, self.sock
         try:
-            for i, dest in enumerate(ticket.dests):
-                if dest is not None:
-                    frame.recv_exactly_into(sock, frame.tensor_bytes(dest), deadline)
-                    job.check_received(ticket, i)
+            sourced = []
+            for i, (ref, dest) in enumerate(zip(header.blocks, ticket.dests)):
+                if dest is None:
+                    continue
+                if ref.src_region:
+                    sourced.append(i)
+                    continue
+                frame.recv_exactly_into(sock, frame.tensor_bytes(dest), deadline)
+                job.check_received(ticket, i)
+            if sourced:
+                node.take_push(self.regions, job, ticket, header, sourced)
+                if _hung_up(sock):
+                    raise ConnectionError("the client hung up while its push was copied out of its memory")
             return node.finish_push(header, job, ticket)
         finally:
             if not ticket.done:
@@ -254,6 +271,13 @@ def _readable(sock, timeout: float | None) -> bool:
         return bool(poller.poll(None if timeout is None else int(timeout * 1000)))
     except (ValueError, OSError, TypeError):  # closed meanwhile, or no file descriptor: let the read say
         return True
+
+
+def _hung_up(sock) -> bool:
+    """True if the peer has closed its end (bytes it sent before may still be unread)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0))
 
 
 def _authenticate(sock, peer: str, policy: ConnectionPolicy, metrics) -> bool:

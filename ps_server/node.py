@@ -38,8 +38,10 @@ HANDOVER_TIMEOUT_SECONDS = 3.0
 # A frame naming a job revision the dispatcher did not have when last asked is refused without
 # asking again for this long (a sender cannot make the node query the dispatcher per frame).
 REVISION_MISS_SECONDS = 1.0
-# A one-copy pull placing at least this many bytes splits its copies with a helper thread.
+# A one-copy pull placing (or a push taking) at least this many bytes splits its copies with a helper thread.
 PARALLEL_PLACE_BYTES = 8 * 1024 * 1024
+# A push's blocks taken from a client's region are copied and checked this much at a time (cache-hot).
+TAKE_PIECE_BYTES = 1024 * 1024
 
 
 # Ops whose frames carry tensor bytes; every other op's payload must be empty.
@@ -62,18 +64,32 @@ def _placements(job: JobStore, header: frame.FrameHeader, regions) -> dict:
             continue
         if header.subscriber:
             raise StoreError("INVALID_ARGUMENT", "a subscriber's pull cannot place blocks in a region")
-        size = 0 if regions is None else regions.region_size(ref.dest_region)
-        if not size:
-            raise StoreError("INVALID_ARGUMENT", f"pull places {ref.tensor}[{ref.index}] in region {ref.dest_region}, "
-                                                 f"which this connection did not share")
         itemsize = frame.ITEMSIZE[ref.want_dtype or dp.FLOAT32]
-        nbytes = job.expected_numel(ref.tensor, ref.index) * itemsize
-        if ref.dest_offset % itemsize or ref.dest_offset + nbytes > size:
-            raise StoreError("INVALID_ARGUMENT", f"{ref.tensor}[{ref.index}] ({nbytes} bytes) does not fit at offset "
-                                                 f"{ref.dest_offset} of region {ref.dest_region} ({size} bytes, "
-                                                 f"aligned to {itemsize})")
+        _check_in_region(regions, ref.dest_region, ref.dest_offset, job.expected_numel(ref.tensor, ref.index) * itemsize,
+                         itemsize, f"pull places {ref.tensor}[{ref.index}]")
         placements[(ref.tensor, ref.index)] = (ref.dest_region, ref.dest_offset)
     return placements
+
+
+def _check_sources(header: frame.FrameHeader, regions) -> None:
+    """A push's blocks left in the client's regions (``BlockRef.src_region``, shm only) each lie
+    inside a region its connection shared: StoreError INVALID_ARGUMENT otherwise, before anything
+    is reserved."""
+    for ref in header.blocks:
+        if ref.src_region:
+            _check_in_region(regions, ref.src_region, ref.src_offset, ref.nbytes, frame.ITEMSIZE[ref.dtype],
+                             f"push takes {ref.tensor}[{ref.index}]")
+
+
+def _check_in_region(regions, region_id: int, offset: int, nbytes: int, itemsize: int, what: str) -> None:
+    """``nbytes`` at ``offset`` of the connection's peer region ``region_id``, aligned to ``itemsize``."""
+    size = 0 if regions is None else regions.region_size(region_id)
+    if not size:
+        raise StoreError("INVALID_ARGUMENT", f"{what} from/into region {region_id}, which this connection did not "
+                                             f"share (regions exist over shm only)")
+    if offset % itemsize or offset + nbytes > size:
+        raise StoreError("INVALID_ARGUMENT", f"{what}: {nbytes} bytes do not fit at offset {offset} of region "
+                                             f"{region_id} ({size} bytes, aligned to {itemsize})")
 
 
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
@@ -413,24 +429,61 @@ class PSNode:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
     def _place(self, regions, places: list) -> None:
-        """Copy ``places`` ((region, offset, value)) into the connection's regions. A large pull's
-        copies are split with one helper thread (the copy is the whole transfer: two cores copy
-        64 MiB in about two thirds of the time one takes); if the helper is busy with another
-        pull, this thread does its share too."""
+        """Copy ``places`` ((region, offset, value)) into the connection's regions; a large pull's
+        copies split with the helper thread (``_split``)."""
         if not places:
             return
         if len(places) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
             regions.place_many(places)
             return
+        self._split(regions.place_many, places[::2], places[1::2])
+
+    def _split(self, work, mine, helpers):
+        """``work(mine)`` on this thread and ``work(helpers)`` on one helper thread at once (a copy
+        to or from a client's region is the whole transfer: two cores copy 64 MiB in about two
+        thirds of the time one takes); if the helper is busy with another request, this thread
+        does its share too. Returns both results."""
         with self._place_pool_lock:
             if self._place_pool is None:
                 self._place_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-place")
-        helper = self._place_pool.submit(regions.place_many, places[1::2])
-        regions.place_many(places[::2])
-        if helper.cancel():
-            regions.place_many(places[1::2])
-        else:
-            helper.result()
+        helper = self._place_pool.submit(work, helpers)
+        ours = work(mine)
+        return ours, (work(helpers) if helper.cancel() else helper.result())
+
+    def take_push(self, regions, job: JobStore, ticket: PushTicket, header: frame.FrameHeader,
+                  indices: list[int]) -> None:
+        """Copy the push's blocks ``indices``, which the client left in its shared regions
+        (``src_region``), into their destinations and check them for NaN/Inf (a failure is left
+        on the ticket, for finish_push): piece by piece, each checked while cache-hot, and split
+        with the helper thread when large. Only the node's own copy is checked, never the client's
+        memory, which the client could still change."""
+        pieces, piece, piece_bytes = [], [], 0
+        for i in indices:
+            piece.append(i)
+            piece_bytes += ticket.dests[i].numel() * ticket.dests[i].element_size()
+            if piece_bytes >= TAKE_PIECE_BYTES:
+                pieces.append(piece)
+                piece, piece_bytes = [], 0
+        if piece:
+            pieces.append(piece)
+        blocks = header.blocks
+
+        def take(some: list) -> int | None:
+            for part in some:
+                regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in part])
+                bad = job.first_nonfinite_block(ticket, part)
+                if bad is not None:
+                    return bad
+            return None
+
+        total = sum(ticket.dests[i].numel() * ticket.dests[i].element_size() for i in indices)
+        if len(pieces) < 2 or total < PARALLEL_PLACE_BYTES:
+            found = [take(pieces)]
+        else:  # the halves interleave piece by piece; each stops at its first bad block
+            found = self._split(take, pieces[::2], pieces[1::2])
+        bad = [i for i in found if i is not None]
+        if bad:
+            job.refuse_nonfinite(ticket, min(bad))
 
     def _copy_numel_bound(self, job: JobStore, numel: int, handover: bool) -> int:
         if handover or self.replicator is None:
@@ -440,8 +493,10 @@ class PSNode:
     def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
         return frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job, epoch=self._routing.epoch)
 
-    def begin_push(self, header: frame.FrameHeader, scratch: bytearray) -> tuple[JobStore, PushTicket]:
-        """Start a prechecked PUSH: returns where each block's payload goes (see JobStore.begin_push)."""
+    def begin_push(self, header: frame.FrameHeader, scratch: bytearray, regions=None) -> tuple[JobStore, PushTicket]:
+        """Start a prechecked PUSH: returns where each block's payload goes (see JobStore.begin_push).
+        ``scratch`` holds the payload and the blocks taken from ``regions`` (the shm connection)."""
+        _check_sources(header, regions)
         job = self.job(header.job)
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, torch.uint8, ref.scale) if ref.dtype == dp.SIGN1
                 else PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))

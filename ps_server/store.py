@@ -59,7 +59,7 @@ from shardline.services.blocks import num_blocks
 from shardline.services.compression import compression_of, decode_signs, padding_problem, sign_nbytes
 from shardline.services.errors import ShardlineConfigError, ShardlineError
 from shardline.services.extension import replay, revision_of
-from shardline.services.tensor_checks import all_finite, first_nonfinite
+from shardline.services.tensor_checks import CONCAT_BELOW_BYTES, all_finite, first_nonfinite
 from shardline.services.pb import common_pb2
 
 # A step's learning rates, one per parameter group; None: each group's own lr.
@@ -72,7 +72,7 @@ RESERVATION_TIMEOUT_SECONDS = 60.0
 # A push's blocks smaller than CHECK_ALONE_BYTES are checked for NaN/Inf together, up to
 # CHECK_BATCH_BYTES at a time (still cache-hot), instead of one call each (~10 us apiece); larger
 # ones are checked alone as they land.
-CHECK_ALONE_BYTES = 64 << 10
+CHECK_ALONE_BYTES = CONCAT_BELOW_BYTES
 CHECK_BATCH_BYTES = 256 << 10
 # SSP: how long a pull, once wait_for_step let it through, waits for a step applied just then to
 # be held by the replicas (a TIMEOUT reply: the worker asks again).
@@ -559,15 +559,27 @@ class JobStore:
         if nbytes >= CHECK_ALONE_BYTES or ticket.unchecked_bytes >= CHECK_BATCH_BYTES:
             self._check_unchecked(ticket)
 
-    @staticmethod
-    def _check_unchecked(ticket: "PushTicket") -> None:
+    def _check_unchecked(self, ticket: "PushTicket") -> None:
         """Check the received blocks check_received left for a batch; the first with NaN/Inf fails the push."""
         indices, ticket.unchecked, ticket.unchecked_bytes = ticket.unchecked, [], 0
-        if not indices or ticket.error is not None:
-            return
+        if ticket.error is None:
+            bad = self.first_nonfinite_block(ticket, indices)
+            if bad is not None:
+                self.refuse_nonfinite(ticket, bad)
+
+    def first_nonfinite_block(self, ticket: "PushTicket", indices: list[int]) -> int | None:
+        """The first of the received plain blocks ``indices`` of ``ticket`` holding NaN/Inf (None:
+        none, or the job allows them). Reads only: several threads may check parts of one push."""
+        if self.allow_nonfinite or not indices:
+            return None
         bad = first_nonfinite([ticket.dests[i] for i in indices])
-        if bad is not None:
-            ref = ticket.refs[indices[bad]]
+        return None if bad is None else indices[bad]
+
+    @staticmethod
+    def refuse_nonfinite(ticket: "PushTicket", i: int) -> None:
+        """Fail the push (unless it failed already) for the NaN/Inf in its block ``i``."""
+        if ticket.error is None:
+            ref = ticket.refs[i]
             ticket.error = StoreError("NONFINITE", f"gradient for tensor {ref.tensor!r} (block {ref.index}) contains NaN or Inf")
 
     def finish_push(self, ticket: "PushTicket", *, defer_early: bool = False) -> int:

@@ -105,11 +105,17 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         )
     if len(header.blocks) > limits.max_blocks:
         raise FrameTooLargeError(f"frame lists {len(header.blocks)} blocks, limit is {limits.max_blocks}")
-    total = 0
+    total = sourced = 0
     for ref in header.blocks:
         if ref.dest_region and header.op != dp.OP_PULL:
             raise FrameError(f"block {ref.tensor}[{ref.index}] names a destination region in a "
                              f"{dp.Op.Name(header.op)} frame (only pulls do)")
+        if ref.src_region or ref.src_offset:
+            problem = _sourced_block_problem(header, ref)
+            if problem:
+                raise FrameError(problem)
+            sourced += ref.nbytes
+            continue  # its bytes are in the sender's region, not in the payload
         if ref.placed:
             if header.op != dp.OP_REPLY or ref.zero or wire_nbytes(ref.dtype, ref.numel) != ref.nbytes \
                     or ref.dtype in (dp.SIGN1, dp.BF16_DELTA):
@@ -142,6 +148,29 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         total += ref.nbytes
     if total != header.payload_bytes:
         raise FrameError(f"blocks add up to {total} bytes but the header claims payload_bytes={header.payload_bytes}")
+    if sourced and total + sourced > limits.max_payload_bytes:
+        raise FrameTooLargeError(f"frame moves {total + sourced} bytes ({sourced} of them from a shared region), "
+                                 f"more than the limit of {limits.max_payload_bytes}")
+
+
+def sourced_bytes(header: FrameHeader) -> int:
+    """The bytes a (validated) push's blocks take from the sender's shared regions (``src_region``):
+    the receiver copies them out itself, so they are not in ``payload_bytes``."""
+    return sum(ref.nbytes for ref in header.blocks if ref.src_region)
+
+
+def _sourced_block_problem(header: FrameHeader, ref: BlockRef) -> str | None:
+    """A block taken from the sender's region is a push's plain (fp32/fp16/bf16) block."""
+    where = f"block {ref.tensor}[{ref.index}] names a source region"
+    if header.op != dp.OP_PUSH:
+        return f"{where} in a {dp.Op.Name(header.op)} frame (only pushes do)"
+    if not ref.src_region:
+        return f"{where} offset ({ref.src_offset}) but no region"
+    if ref.zero or ref.scale or ref.dtype not in ITEMSIZE:
+        return f"{where}: only plain float32/float16/bfloat16 blocks can (not a zero-flagged or compressed one)"
+    if ref.nbytes != ref.numel * ITEMSIZE[ref.dtype]:
+        return f"{where}: numel {ref.numel} * itemsize {ITEMSIZE[ref.dtype]} != nbytes {ref.nbytes}"
+    return None
 
 
 def wire_nbytes(dtype: int, numel: int) -> int | None:

@@ -7,6 +7,8 @@ import torch
 
 # float32 checks sum columns of this many elements: a streaming vector add, then a tiny check.
 _COLUMNS = 1024
+# Tensors smaller than this are concatenated to be checked together (first_nonfinite).
+CONCAT_BELOW_BYTES = 64 << 10
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -35,13 +37,15 @@ def all_finite(t: torch.Tensor) -> bool:
 def first_nonfinite(tensors: list[torch.Tensor]) -> int | None:
     """The index of the first of ``tensors`` (1-D) holding NaN or +-Inf; None if all are finite.
 
-    Checked together: one concatenation and one ``all_finite`` instead of a call each (a push
-    of many small blocks pays the per-call cost, ~10 us, for each block otherwise); only if
-    that finds a problem are they checked one by one to name the first.
+    Those under CONCAT_BELOW_BYTES are checked together: one concatenation and one ``all_finite``
+    instead of a call each (a push of many small blocks pays the per-call cost, ~10 us, for each
+    block otherwise); only if that finds a problem are they checked one by one to name the
+    first. Larger ones are checked alone (concatenating them would copy them once more).
     """
-    if len(tensors) > 1 and all_finite(torch.cat(tensors)):
-        return None
-    return next((i for i, t in enumerate(tensors) if not all_finite(t)), None)
+    small = [i for i, t in enumerate(tensors) if t.numel() * t.element_size() < CONCAT_BELOW_BYTES]
+    together = len(small) > 1 and all_finite(torch.cat([tensors[i] for i in small]))
+    skip = set(small) if together else ()
+    return next((i for i, t in enumerate(tensors) if i not in skip and not all_finite(t)), None)
 
 
 def _finite_by_columns(a: np.ndarray) -> bool:

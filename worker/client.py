@@ -78,6 +78,7 @@ class TransferStats:
     pushed_zero_blocks: int = 0
     pulled_blocks: int = 0
     placed_blocks: int = 0   # of pulled_blocks: copied by the node straight into this client's cache (shm)
+    taken_blocks: int = 0    # pushed blocks the node copied straight out of a gradient_buffer (shm)
 
 
 class _NonFiniteGradient(ShardlineConfigError):
@@ -204,6 +205,10 @@ class Client:
         # (region, byte offset of the tensor); an entry exists exactly while _values[name] is it
         self._placement: dict[str, tuple] = {}
         self._regions: list = []
+        # gradient_buffer's tensors, and the shared regions they are in (a local node takes pushed
+        # blocks that lie in one straight out of it)
+        self._grad_buffers: dict[str, torch.Tensor] = {}
+        self._grad_regions: list = []
         # Pulls writing into the caches now, and whether a node this client gave up on mid-pull
         # may still write into its shared ones (they move to fresh memory once no pull runs)
         self._cache_writes = threading.Condition()
@@ -243,23 +248,58 @@ class Client:
         """Zeroed float32 caches of ``tensors`` (name, numel): in one shared region when the
         transport can reach a node over shm (the node then copies pulled blocks straight into
         them, one copy instead of two through the ring), else ordinary tensors."""
-        region = None
-        total = sum(_aligned(numel * 4) for _name, numel in tensors)
-        if total and getattr(self._transport, "shares_memory", False):
-            try:
-                region = shm.SharedRegion(total)
-            except OSError as exc:  # memfds refused here (a sandbox): caches in ordinary memory
-                log.info("no shared-memory cache (%s): pulls go through the ring", exc)
+        region, offsets = self._shared_float32(tensors, "cache", "pulls go through the ring")
         if region is not None:
             self._regions.append(region)
-        offset = 0
         for name, numel in tensors:
             if region is None:
                 self._values[name] = torch.zeros(numel, dtype=torch.float32)
                 continue
-            self._values[name] = region.tensor(torch.float32, offset, numel)
-            self._placement[name] = (region, offset)
+            self._values[name] = region.tensor(torch.float32, offsets[name], numel)
+            self._placement[name] = (region, offsets[name])
+
+    def _shared_float32(self, tensors: list[tuple[str, int]], what: str, otherwise: str):
+        """One shared region laid out for zeroed float32 ``tensors`` (name, numel), each on its own
+        cache lines, and each one's byte offset in it; (None, {}) unless the transport can reach
+        a node over shm (or memfds are refused here: a sandbox)."""
+        total = sum(_aligned(numel * 4) for _name, numel in tensors)
+        if not total or not getattr(self._transport, "shares_memory", False):
+            return None, {}
+        try:
+            region = shm.SharedRegion(total)
+        except OSError as exc:
+            log.info("no shared-memory %s (%s): %s", what, exc, otherwise)
+            return None, {}
+        offsets, offset = {}, 0
+        for name, numel in tensors:
+            offsets[name] = offset
             offset += _aligned(numel * 4)
+        return region, offsets
+
+    def gradient_buffer(self, name: str) -> torch.Tensor:
+        """A float32 tensor shaped like trainable tensor ``name`` (zeroed at first), the same one
+        on every call, to compute or copy its gradient into before ``push``.
+
+        Over shm a node on this host copies a pushed gradient straight out of it: no bytes go
+        through the ring or a socket (one copy, by the node, instead of two). Elsewhere it is an
+        ordinary tensor. Leave it unchanged while a push of it is in flight (``push`` returns once
+        every node has it).
+        """
+        spec = self._require_spec()
+        if name not in self._grad_buffers:
+            trainable = {t.name: t.trainable for t in spec.tensors}
+            if not trainable.get(name, False):
+                raise ShardlineConfigError(f"job {self.job!r} has no trainable tensor {name!r}")
+            missing = [(n, math.prod(self._shapes[n])) for n, yes in trainable.items()
+                       if yes and n not in self._grad_buffers]
+            region, offsets = self._shared_float32(missing, "gradient buffer", "pushes go through the ring")
+            if region is not None:
+                self._grad_regions.append(region)
+            for n, numel in missing:
+                flat = (torch.zeros(numel, dtype=torch.float32) if region is None
+                        else region.tensor(torch.float32, offsets[n], numel))
+                self._grad_buffers[n] = flat.view(self._shapes[n])
+        return self._grad_buffers[name]
 
     @property
     def sync(self) -> str:
@@ -1054,6 +1094,8 @@ class Client:
                 header.has_lr, header.lr = True, self.lr
         payloads = []
         expected: dict[tuple[str, int], object] = {}
+        conn = self._conn(node_id, via)
+        sources = self._grad_regions if op == dp.OP_PUSH and hasattr(conn.sock, "share_region") else ()
         for name, index in keys:
             s = self._slices[name][index]
             if op == dp.OP_PUSH:
@@ -1065,8 +1107,10 @@ class Client:
                     header.blocks.append(g.block_ref(name, index))
                     payloads.append(g.payload())
                 else:
-                    header.blocks.append(frame.block_ref(name, index, g))
-                    payloads.append(frame.tensor_bytes(g))
+                    ref = frame.block_ref(name, index, g)
+                    if not self._leave_in_region(conn, ref, g, sources):
+                        payloads.append(frame.tensor_bytes(g))
+                    header.blocks.append(ref)  # appends a copy: ref is complete
             elif op == dp.OP_INIT:
                 v = self._values[name][s.start:s.stop]
                 header.blocks.append(frame.block_ref(name, index, v))
@@ -1077,7 +1121,6 @@ class Client:
                 header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None,
                                                  want_dtype=0 if want == dp.FLOAT32 else want))
                 expected[(name, index)] = s
-        conn = self._conn(node_id, via)
         key = node_id if via is None else _cache_key(via, node_id)
         if op == dp.OP_PUSH:
             self._push_checks(keys)
@@ -1122,12 +1165,27 @@ class Client:
                     conn.close()
                     self._conns.pop(key, None)
                 raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
-            if op == dp.OP_PUSH:
-                self.stats.pushed_bytes += header.payload_bytes
+            if op == dp.OP_PUSH:  # blocks the node took from a shared region count too
+                self.stats.pushed_bytes += header.payload_bytes + frame.sourced_bytes(header)
+                self.stats.taken_blocks += sum(1 for ref in header.blocks if ref.src_region)
             if op == dp.OP_PULL:
                 self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
         return reply.step
+
+    @staticmethod
+    def _leave_in_region(conn: DataPlaneConnection, ref, block: torch.Tensor, regions) -> bool:
+        """If ``block`` lies in one of the shared ``regions`` (gradient buffers), point ``ref`` at
+        it there (sharing the region on this connection first): the node copies it out itself.
+        Should the push then be given up on, the connection is closed before the caller can change
+        the buffer again: the node drops a push whose client hung up during its copy."""
+        for region in regions:
+            offset = region.offset_of(block)
+            if offset is not None:
+                conn.sock.share_region(region)
+                ref.src_region, ref.src_offset = region.id, offset
+                return True
+        return False
 
     def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
         """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region
@@ -1246,7 +1304,7 @@ class Client:
             conn.close()
         self._conns.clear()
         self._pool.shutdown(wait=False)
-        for region in self._regions:
+        for region in [*self._regions, *self._grad_regions]:
             region.close()
         self.dispatcher.close()
 

@@ -13,7 +13,8 @@ SCM_RIGHTS and then reuses for every later frame. The socket carries 16-byte mes
 - ``REGION``: region ``length`` of ``offset`` bytes, a sealed memfd of the sender's whose fd comes
   on the one byte that follows the message: memory the receiver may write into (a client's value
   cache, ``SharedRegion``), so a pull reply's blocks are copied once, by the node, straight into
-  it (``place``), instead of into the ring and out again;
+  it (``place``), instead of into the ring and out again; or read from (a client's gradient
+  buffers): a push's blocks the node copies out of it itself (``take_many``);
 - ``UNSHARE``: the receiver unmaps region ``length`` (its owner moved it to new memory: ``revoke``).
 
 So a 64 MiB payload costs one memcpy into the sender's ring and one out of it into the receiver's
@@ -174,7 +175,7 @@ class ShmConnection:
         self._pending: collections.deque = collections.deque()
         self._shared: set[int] = set()              # ids of our regions the peer has
         self._peer_regions: dict[int, mmap.mmap] = {}   # the peer's regions, mapped writable
-        self._placing = 0   # copies into them in progress (they may run in parallel, outside the lock)
+        self._copying = 0   # copies to or from them in progress (they may run in parallel, outside the lock)
         self._retired: list[mmap.mmap] = []   # unshared while copies ran: unmapped after the last
 
     # --- socket-like surface ------------------------------------------------------------------
@@ -202,7 +203,7 @@ class ShmConnection:
                 if segment is not None:
                     segment.close()
             self._tx_view = self._tx = self._rx_view = self._rx = None
-            if not self._placing:  # else the last copy still running unmaps them
+            if not self._copying:  # else the last copy still running unmaps them
                 self._unmap_regions()
         _drain(self._sock)
         self._sock.close()
@@ -358,29 +359,46 @@ class ShmConnection:
     def place_many(self, items) -> None:
         """``place`` of each ``(region_id, offset, value)``: one lock round and one multi-tensor
         copy for all of them (a pull of many small blocks pays a copy call per block otherwise)."""
-        import torch  # the transport itself moves bytes; only the copy into a region takes a tensor
+        self._copy_regions(items, into_region=True)
 
-        targets = []  # (region, offset, value) of the copies that move bytes
+    def take_many(self, items) -> None:
+        """Copy into each ``(region_id, offset, dest)``'s tensor ``dest`` (contiguous) its bytes at
+        ``offset`` of the peer's region ``region_id`` (a push's blocks the peer left in its memory):
+        bounds checked first, then one multi-tensor copy. What the peer writes there meanwhile may
+        tear the copy; the caller checks the copy, never the region."""
+        self._copy_regions(items, into_region=False)
+
+    def _copy_regions(self, items, *, into_region: bool) -> None:
+        """Check every ``(region_id, offset, tensor)`` against its region (all or nothing), then
+        copy the tensors into the regions or the regions into the tensors. Several threads may
+        copy at once; a ``close`` or unshare meanwhile unmaps once the last of them is done."""
+        import torch  # the transport itself moves bytes; only the copies to and from a region take tensors
+
+        targets = []  # (region, offset, tensor) of the copies that move bytes
         with self._map_lock:
-            for region_id, offset, value in items:
+            for region_id, offset, tensor in items:
                 region = self._peer_regions.get(region_id)
                 if self._closed or region is None:
                     raise OSError(errno.EBADF, f"no region {region_id} on this shm connection")
-                nbytes = value.numel() * value.element_size()
-                if offset < 0 or offset + nbytes > len(region) or offset % value.element_size():
+                nbytes = tensor.numel() * tensor.element_size()
+                if offset < 0 or offset + nbytes > len(region) or offset % tensor.element_size():
                     raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
-                                     f"of {len(region)} bytes (aligned to {value.element_size()})")
+                                     f"of {len(region)} bytes (aligned to {tensor.element_size()})")
                 if nbytes:
-                    targets.append((region, offset, value))
-            self._placing += 1
+                    targets.append((region, offset, tensor))
+            self._copying += 1
         try:
-            if targets:
-                torch._foreach_copy_([torch.frombuffer(r, dtype=v.dtype, count=v.numel(), offset=o) for r, o, v in targets],
-                                     [v.view(-1) for _r, _o, v in targets])
+            if targets:  # the region views live only in this call: the finally below may unmap them
+                views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for r, o, t in targets]
+                tensors = [t.view(-1) for _r, _o, t in targets]
+                try:
+                    torch._foreach_copy_(*((views, tensors) if into_region else (tensors, views)))
+                finally:
+                    del views, tensors
         finally:
             with self._map_lock:
-                self._placing -= 1
-                if not self._placing:
+                self._copying -= 1
+                if not self._copying:
                     if self._closed:
                         self._unmap_regions()
                     for region in self._retired:
@@ -399,7 +417,7 @@ class ShmConnection:
             region = self._peer_regions.pop(region_id, None)
             if region is None:
                 return  # never shared, or unshared already: nothing mapped
-            if self._placing:
+            if self._copying:
                 self._retired.append(region)
             else:
                 region.close()
@@ -537,9 +555,10 @@ class ShmConnection:
 
 
 class SharedRegion:
-    """Memory of this process a local peer may write into: a sealed memfd (it can neither shrink
-    under the peer's mapping nor grow), mapped here read-write. ``tensor`` views it; the fd stays
-    open (for connections made later) until ``close``, the memory until the last view is gone."""
+    """Memory of this process a local peer may write into or read from: a sealed memfd (it can
+    neither shrink under the peer's mapping nor grow), mapped here read-write. ``tensor`` views it;
+    the fd stays open (for connections made later) until ``close``, the memory until the last view
+    is gone."""
 
     _ids = itertools.count(1)
 
@@ -553,11 +572,19 @@ class SharedRegion:
         except BaseException:
             os.close(self.fd)
             raise
+        self.address = _address_of(self.memory)   # revoke keeps it
 
     def tensor(self, dtype, offset: int, numel: int):
         import torch
 
         return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=offset)
+
+    def offset_of(self, tensor) -> int | None:
+        """The offset in this region of contiguous CPU ``tensor``'s bytes; None unless they all lie in it."""
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            return None
+        offset = tensor.data_ptr() - self.address
+        return offset if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.size else None
 
     def revoke(self) -> int:
         """Move this region to fresh memory at the same addresses (every view keeps its contents
@@ -572,9 +599,7 @@ class SharedRegion:
                 fresh[:] = self.memory
             finally:
                 fresh.close()
-            view = ctypes.c_char.from_buffer(self.memory)
-            address = ctypes.addressof(view)
-            del view
+            address = self.address
             mapped = _libc_mmap(address, self.size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED | _MAP_FIXED,
                                 fd, 0)
             if mapped != address:
@@ -596,6 +621,15 @@ class SharedRegion:
 
 
 _MAP_FIXED = getattr(mmap, "MAP_FIXED", 0x10)
+
+
+def _address_of(memory: mmap.mmap) -> int:
+    """The address of ``memory``'s first byte (the export is released again: it would pin the map)."""
+    view = ctypes.c_char.from_buffer(memory)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
 
 
 def _sealed_memfd(name: str, size: int) -> int:

@@ -71,9 +71,12 @@ def dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
 
 
-def train(cluster: str, job: str, steps: int, world: int = 2, step_sleep: float = 0.0, progress: list | None = None):
+def train(cluster: str, job: str, steps: int, world: int = 2, step_sleep: float = 0.0, progress: list | None = None,
+          grads_in_buffers: bool = False):
     """``world`` workers (threads of this process, each its own PSOptimizer and connections) train
-    ``job`` over transport 'shm'; returns each rank's parameters and connection kinds."""
+    ``job`` over transport 'shm'; returns each rank's parameters and connection kinds.
+    ``grads_in_buffers``: each parameter's ``.grad`` is its client's ``gradient_buffer`` (backward
+    accumulates into it, ``zero_grad(set_to_none=False)`` zeroes it in place)."""
     results: dict[int, dict] = {}
     errors: list[BaseException] = []
 
@@ -83,10 +86,13 @@ def train(cluster: str, job: str, steps: int, world: int = 2, step_sleep: float 
             opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer="adamw", world_size=world,
                               rank=rank, block_elements=BLOCK, transport="shm", pull_timeout=60, connect_timeout=30,
                               recovery_timeout=60, **HYPER)
+            if grads_in_buffers:
+                for name, p in model.named_parameters():
+                    p.grad = opt.client.gradient_buffer(name)
             try:
                 for step in range(opt.version, steps):
                     x, y = batch(step, rank)
-                    opt.zero_grad()
+                    opt.zero_grad(set_to_none=not grads_in_buffers)
                     nn.functional.cross_entropy(model(x), y).backward()
                     opt.step()
                     if progress is not None:
@@ -95,7 +101,9 @@ def train(cluster: str, job: str, steps: int, world: int = 2, step_sleep: float 
                 kinds = {type(c.sock) for c in opt.client._conns.values()}
                 results[rank] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                                  "kinds": kinds, "pulled": opt.client.stats.pulled_bytes, "version": opt.version,
-                                 "placed": opt.client.stats.placed_blocks}
+                                 "placed": opt.client.stats.placed_blocks, "taken": opt.client.stats.taken_blocks,
+                                 "grads_shared": all(opt.client._grad_regions[0].offset_of(p.grad) is not None
+                                                     for p in model.parameters()) if grads_in_buffers else None}
             finally:
                 opt.close()
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -169,3 +177,17 @@ def test_bsp_over_shm_equals_torch_and_survives_a_ps_sigkill_and_restart(tmp_pat
         assert shm_mappings() == 0
         wait_for_released([h.pid for h in nodes])
     assert dev_shm() <= before
+
+
+def test_bsp_pushing_from_gradient_buffers_equals_torch(tmp_path):
+    """Each parameter's .grad is its client's gradient_buffer: every push over shm is copied by its
+    node straight out of the worker's memory (no ring), checked there, and the result equals
+    single-process torch.optim.AdamW."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        start(cluster, 2, {"shm_ring_bytes": PS_RING})
+        steps = 4
+        results = finish(*train(cluster.address, "shm-grads", steps, grads_in_buffers=True))
+        assert_equal_reference(results, steps)
+        assert all(res["grads_shared"] for res in results.values()), results   # backward kept them there
+        # 4 tensors in 5 blocks, every step: all taken from the buffers
+        assert all(res["taken"] == 5 * steps for res in results.values()), results

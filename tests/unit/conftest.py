@@ -60,6 +60,7 @@ def offline_client():
         client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
         client._transport, client._placement, client._regions, client._versions = None, {}, [], {}
+        client._grad_buffers, client._grad_regions = {}, []
         client._cache_writes, client._pulls_writing, client._revoke_pending = threading.Condition(), 0, False
         client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")
         client._load_spec(spec)

@@ -26,13 +26,16 @@ def spec() -> common_pb2.JobSpec:
 
 
 class ServedOverShm:
-    """A node (routing: itself alone) serving one shm connection; ``client`` is the other end."""
+    """A node (routing: itself alone) serving one shm connection; ``client`` is the other end.
+    ``node``: serve that one (another connection to it) instead of a new node."""
 
-    def __init__(self):
-        table = common_pb2.RoutingTable(epoch=1)
-        table.nodes.add(node_id="n1", rack="r", grpc_address="x:1", data_address="x:2", vnodes=16)
-        self.node = PSNode("n1", lambda name: dispatcher_pb2.JobInfo(spec=spec(), uid="u", ready=True), lambda: table)
-        self.node.refresh_routing()
+    def __init__(self, node: PSNode | None = None):
+        if node is None:
+            table = common_pb2.RoutingTable(epoch=1)
+            table.nodes.add(node_id="n1", rack="r", grpc_address="x:1", data_address="x:2", vnodes=16)
+            node = PSNode("n1", lambda name: dispatcher_pb2.JobInfo(spec=spec(), uid="u", ready=True), lambda: table)
+            node.refresh_routing()
+        self.node = node
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self.client, server = shm.ShmConnection(a), shm.ShmConnection(b)
         self.client.settimeout(10)
@@ -88,7 +91,7 @@ def test_a_pull_places_the_blocks_asked_in_the_region_and_sends_the_rest():
 
 @pytest.mark.parametrize("bad, message", [
     ({0: (99, 0)}, "did not share"),
-    ({0: ("region", 2 * BLOCK * 4 - 8)}, "does not fit"),
+    ({0: ("region", 2 * BLOCK * 4 - 8)}, "do not fit"),
     ({0: ("region", 2)}, "aligned"),
 ])
 def test_a_placement_that_does_not_fit_is_refused_and_the_connection_serves_on(bad, message):
