@@ -150,7 +150,8 @@ class _Connection:
             try:
                 node.precheck(header)
                 # a push's blocks taken from the client's regions need room in the buffer too
-                if not self.ensure_buffer(header.payload_bytes + frame.sourced_bytes(header)):
+                received = header.payload_bytes + (frame.sourced_bytes(header) if header.op == dp.OP_PUSH else 0)
+                if not self.ensure_buffer(received):
                     raise StoreError("RESOURCE_EXHAUSTED",
                                      f"node {node.node_id!r} holds its limit of payload bytes in flight "
                                      f"({policy.budget.limit_bytes} bytes, max_inflight_bytes); retry shortly")
@@ -188,8 +189,7 @@ class _Connection:
             if metrics:  # a pull's blocks copied into the client's shared cache are sent bytes too
                 placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)
                 metrics.request(op, "OK", seconds=time.perf_counter() - started,
-                                bytes_in=header.payload_bytes + frame.sourced_bytes(header),
-                                bytes_out=reply.payload_bytes + placed)
+                                bytes_in=received, bytes_out=reply.payload_bytes + placed)
 
     def run(self, header, view):
         """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""

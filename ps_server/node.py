@@ -457,10 +457,12 @@ class PSNode:
         on the ticket, for finish_push): piece by piece, each checked while cache-hot, and split
         with the helper thread when large. Only the node's own copy is checked, never the client's
         memory, which the client could still change."""
-        pieces, piece, piece_bytes = [], [], 0
+        pieces, piece, piece_bytes, total = [], [], 0, 0
         for i in indices:
+            nbytes = ticket.dests[i].numel() * ticket.dests[i].element_size()
             piece.append(i)
-            piece_bytes += ticket.dests[i].numel() * ticket.dests[i].element_size()
+            piece_bytes += nbytes
+            total += nbytes
             if piece_bytes >= TAKE_PIECE_BYTES:
                 pieces.append(piece)
                 piece, piece_bytes = [], 0
@@ -476,7 +478,6 @@ class PSNode:
                     return bad
             return None
 
-        total = sum(ticket.dests[i].numel() * ticket.dests[i].element_size() for i in indices)
         if len(pieces) < 2 or total < PARALLEL_PLACE_BYTES:
             found = [take(pieces)]
         else:  # the halves interleave piece by piece; each stops at its first bad block
