@@ -5,8 +5,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# float32 checks sum columns of this many elements: a streaming vector add, then a tiny check.
-_COLUMNS = 1024
 # Tensors smaller than this are concatenated to be checked together (first_nonfinite).
 CONCAT_BELOW_BYTES = 64 << 10
 
@@ -18,16 +16,18 @@ def all_finite(t: torch.Tensor) -> bool:
     ``isfinite(t).all()``; only when the sum is not finite (NaN/Inf present, or an overflow of
     large finite values) is the exact elementwise check needed.
 
-    A contiguous float32 CPU tensor (every fp32 gradient and block) is summed by numpy on the
-    calling thread, not by torch's OpenMP pool: after each parallel region libgomp's workers spin
-    for milliseconds on the other cores, which is where the data-plane peer is copying the bytes
-    of this very push (measured on 2 cores: a 64 MiB push at ~0.7 of a raw socket with the torch
-    sum, ~0.9 with this one; bench/README.md).
+    A contiguous float32 CPU tensor (every fp32 gradient and block) sums its squares: numpy's
+    ``dot``, one fused multiply-add pass on the calling thread, about 2.5x the speed of a column
+    sum on a cache-hot MiB (the pieces a one-copy push checks right after copying them). Not
+    torch's OpenMP pool: after each parallel region libgomp's workers spin for milliseconds on
+    the other cores, which is where the data-plane peer is copying the bytes of this very push
+    (measured on 2 cores: a 64 MiB push at ~0.7 of a raw socket with the torch sum, ~0.9 with
+    numpy's; bench/README.md).
     """
     if t.numel() == 0:
         return True
     if t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous():
-        if _finite_by_columns(t.detach().reshape(-1).numpy()):
+        if _finite_squares(t.detach().reshape(-1).numpy()):
             return True
     elif bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))):
         return True
@@ -48,15 +48,12 @@ def first_nonfinite(tensors: list[torch.Tensor]) -> int | None:
     return next((i for i, t in enumerate(tensors) if i not in skip and not all_finite(t)), None)
 
 
-def _finite_by_columns(a: np.ndarray) -> bool:
-    """True if the column sums of ``a`` (1-D float32) are all finite, which proves ``a`` finite;
-    False means NaN/Inf or an overflow of large finite values (the caller checks exactly)."""
-    body = a.size - a.size % _COLUMNS
+def _finite_squares(a: np.ndarray) -> bool:
+    """True if the sum of squares of ``a`` (1-D float32) is finite, which proves ``a`` finite
+    (a NaN or Inf makes it NaN or Inf; squares cannot cancel); False means NaN/Inf or an overflow
+    of large finite values, past about 1.8e19 in one element (the caller checks exactly)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        parts = [a[body:].sum()] if body < a.size else []
-        if body:
-            parts.append(a[:body].reshape(-1, _COLUMNS).sum(axis=0))
-        return all(bool(np.isfinite(p).all()) for p in parts)
+        return bool(np.isfinite(np.dot(a, a)))
 
 
 def is_all_zero(t: torch.Tensor) -> bool:

@@ -42,9 +42,9 @@ def test_is_all_zero(dtype):
 
 
 @pytest.mark.parametrize("numel", [1, 1023, 1024, 1025, 4096 + 7, 262_144])
-def test_all_finite_float32_columns_and_tail(numel):
-    """The float32 check sums 1024-wide columns plus a tail: a NaN/Inf anywhere, in the body or
-    the tail, is found, and column sums that overflow fall back to the exact check."""
+def test_all_finite_float32_anywhere_and_overflow(numel):
+    """The float32 check sums squares: a NaN/Inf anywhere is found, and sums of squares that
+    overflow (finite elements past ~1.8e19) fall back to the exact check."""
     for pos in {0, numel // 2, numel - 1}:
         for bad in (float("nan"), float("inf"), -float("inf")):
             t = torch.ones(numel)
@@ -55,6 +55,7 @@ def test_all_finite_float32_columns_and_tail(numel):
     big[::2] = -3e38
     assert all_finite(big)  # finite, though sums of it may overflow
     assert all_finite(torch.arange(float(2 * numel))[::2].contiguous())
+    assert all_finite(torch.full((numel,), 2e19))  # one square overflows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
