@@ -14,7 +14,7 @@ PB_STAMP   := services/pb/.generated
 
 all: protos
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py services/_copycheck.c
 	$(PYTHON_SYS) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"

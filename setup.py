@@ -1,4 +1,5 @@
-"""Build hook: metadata lives in pyproject.toml; this adds the protobuf step to the build.
+"""Build hook: metadata lives in pyproject.toml; this adds the protobuf step and the one C
+extension (services/_copycheck.c, a fused copy and NaN/Inf check) to the build.
 
 ``build_protos`` runs first among the build's sub-commands, so a wheel (``pip wheel .``), a
 regular install and an editable install (``pip install -e .``) all carry the generated
@@ -9,7 +10,7 @@ requirement in pyproject.toml).
 import importlib.util
 import os
 
-from setuptools import Command, setup
+from setuptools import Command, Extension, setup
 from setuptools.command.build import build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,4 +51,8 @@ class build_with_protos(build):
     sub_commands = [("build_protos", None), *build.sub_commands]
 
 
-setup(cmdclass={"build": build_with_protos, "build_protos": build_protos})
+# An editable install builds it in place (services/_copycheck*.so); tensor_checks falls back to
+# torch and numpy where it is missing, and tests/unit/test_tensor_checks.py says so if it is.
+copycheck = Extension("shardline.services._copycheck", ["services/_copycheck.c"], extra_compile_args=["-O3"])
+
+setup(cmdclass={"build": build_with_protos, "build_protos": build_protos}, ext_modules=[copycheck])

@@ -40,7 +40,8 @@ HANDOVER_TIMEOUT_SECONDS = 3.0
 REVISION_MISS_SECONDS = 1.0
 # A one-copy pull placing (or a push taking) at least this many bytes splits its copies with a helper thread.
 PARALLEL_PLACE_BYTES = 8 * 1024 * 1024
-# A push's blocks taken from a client's region are copied and checked this much at a time (cache-hot).
+# A push's blocks taken from a client's region are copied this much at a time: the pieces the node's
+# copy threads share (interleaved, so the first bad block is found early either way).
 TAKE_PIECE_BYTES = 1024 * 1024
 
 
@@ -453,10 +454,10 @@ class PSNode:
     def take_push(self, regions, job: JobStore, ticket: PushTicket, header: frame.FrameHeader,
                   indices: list[int]) -> None:
         """Copy the push's blocks ``indices``, which the client left in its shared regions
-        (``src_region``), into their destinations and check them for NaN/Inf (a failure is left
-        on the ticket, for finish_push): piece by piece, each checked while cache-hot, and split
-        with the helper thread when large. Only the node's own copy is checked, never the client's
-        memory, which the client could still change."""
+        (``src_region``), into their destinations, checking each copy for NaN/Inf as it is made (a
+        failure is left on the ticket, for finish_push): piece by piece, split with the helper
+        thread when large. Only the node's own copy is checked, never the client's memory, which
+        the client could still change (ShmConnection.take_many, tensor_checks.copy_checked)."""
         pieces, piece, piece_bytes, total = [], [], 0, 0
         for i in indices:
             nbytes = ticket.dests[i].numel() * ticket.dests[i].element_size()
@@ -468,14 +469,14 @@ class PSNode:
                 piece, piece_bytes = [], 0
         if piece:
             pieces.append(piece)
-        blocks = header.blocks
+        blocks, checked = header.blocks, not job.allow_nonfinite
 
         def take(some: list) -> int | None:
             for part in some:
-                regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in part])
-                bad = job.first_nonfinite_block(ticket, part)
+                bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in part],
+                                        checked=checked)
                 if bad is not None:
-                    return bad
+                    return part[bad]
             return None
 
         if len(pieces) < 2 or total < PARALLEL_PLACE_BYTES:

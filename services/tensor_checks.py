@@ -5,6 +5,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+try:  # services/_copycheck.c, built by the install; without it copy_checked takes two passes
+    from shardline.services import _copycheck
+except ImportError:  # pragma: no cover - tests/unit/test_tensor_checks.py fails where it is missing
+    _copycheck = None
+
 # Tensors smaller than this are concatenated to be checked together (first_nonfinite).
 CONCAT_BELOW_BYTES = 64 << 10
 
@@ -32,6 +37,22 @@ def all_finite(t: torch.Tensor) -> bool:
     elif bool(torch.isfinite(t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32))):
         return True
     return bool(torch.isfinite(t).all())
+
+
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Copy ``src`` into ``dst`` (equal shapes) and return True if no copied element is NaN or
+    +-Inf. What is checked is the copy: a value the source changes meanwhile (another process's
+    shared memory) is either kept and checked, or not kept at all.
+
+    Contiguous float32 CPU tensors (every fp32 block a one-copy push takes) go through one pass
+    of the C kernel (services/_copycheck.c: each value loaded once, stored and tested in a
+    register, the GIL released); anything else, or a build without the kernel, is copied and then
+    checked with :func:`all_finite`."""
+    if (_copycheck is not None and dst.dtype == src.dtype == torch.float32 and dst.device.type == src.device.type == "cpu"
+            and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
+        return _copycheck.copy_f32(dst.detach().numpy(), src.detach().numpy())
+    dst.copy_(src)
+    return all_finite(dst)
 
 
 def first_nonfinite(tensors: list[torch.Tensor]) -> int | None:

@@ -361,22 +361,27 @@ class ShmConnection:
         copy for all of them (a pull of many small blocks pays a copy call per block otherwise)."""
         self._copy_regions(items, into_region=True)
 
-    def take_many(self, items) -> None:
+    def take_many(self, items, *, checked: bool = False) -> int | None:
         """Copy into each ``(region_id, offset, dest)``'s tensor ``dest`` (contiguous) its bytes at
         ``offset`` of the peer's region ``region_id`` (a push's blocks the peer left in its memory):
         bounds checked first, then one multi-tensor copy. What the peer writes there meanwhile may
-        tear the copy; the caller checks the copy, never the region."""
-        self._copy_regions(items, into_region=False)
+        tear the copy; the caller checks the copy, never the region.
 
-    def _copy_regions(self, items, *, into_region: bool) -> None:
+        ``checked``: each copy is checked for NaN/Inf as it is made (tensor_checks.copy_checked),
+        and the index of the first item whose copy holds one is returned (the items after it are
+        left uncopied); None means every copy is finite."""
+        return self._copy_regions(items, into_region=False, checked=checked)
+
+    def _copy_regions(self, items, *, into_region: bool, checked: bool = False) -> int | None:
         """Check every ``(region_id, offset, tensor)`` against its region (all or nothing), then
-        copy the tensors into the regions or the regions into the tensors. Several threads may
-        copy at once; a ``close`` or unshare meanwhile unmaps once the last of them is done."""
+        copy the tensors into the regions or the regions into the tensors (``checked``: see
+        take_many). Several threads may copy at once; a ``close`` or unshare meanwhile unmaps once
+        the last of them is done."""
         import torch  # the transport itself moves bytes; only the copies to and from a region take tensors
 
-        targets = []  # (region, offset, tensor) of the copies that move bytes
+        targets = []  # (item index, region, offset, tensor) of the copies that move bytes
         with self._map_lock:
-            for region_id, offset, tensor in items:
+            for i, (region_id, offset, tensor) in enumerate(items):
                 region = self._peer_regions.get(region_id)
                 if self._closed or region is None:
                     raise OSError(errno.EBADF, f"no region {region_id} on this shm connection")
@@ -385,16 +390,20 @@ class ShmConnection:
                     raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
                                      f"of {len(region)} bytes (aligned to {tensor.element_size()})")
                 if nbytes:
-                    targets.append((region, offset, tensor))
+                    targets.append((i, region, offset, tensor))
             self._copying += 1
         try:
             if targets:  # the region views live only in this call: the finally below may unmap them
-                views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for r, o, t in targets]
-                tensors = [t.view(-1) for _r, _o, t in targets]
+                views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for _i, r, o, t in targets]
+                tensors = [t.view(-1) for _i, _r, _o, t in targets]
                 try:
+                    if checked:
+                        bad = _first_nonfinite_copy(tensors, views)
+                        return None if bad is None else targets[bad][0]
                     torch._foreach_copy_(*((views, tensors) if into_region else (tensors, views)))
                 finally:
                     del views, tensors
+            return None
         finally:
             with self._map_lock:
                 self._copying -= 1
@@ -552,6 +561,18 @@ class ShmConnection:
             _close_fds(fds)
         with self._installing(region):
             self._peer_regions[region_id] = region
+
+
+def _first_nonfinite_copy(dests, sources) -> int | None:
+    """Copy each of ``sources`` into its dest, checking the copy; the index of the first holding
+    NaN/Inf (None: all finite). A function of its own: no loop variable outlives it to pin a view
+    of a region that is to be unmapped."""
+    from shardline.services.tensor_checks import copy_checked
+
+    for k, (dest, source) in enumerate(zip(dests, sources)):
+        if not copy_checked(dest, source):
+            return k
+    return None
 
 
 class SharedRegion:

@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from shardline.services.tensor_checks import all_finite, first_nonfinite, is_all_zero, zero_parts
+from shardline.services import tensor_checks
+from shardline.services.tensor_checks import all_finite, copy_checked, first_nonfinite, is_all_zero, zero_parts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -84,3 +85,74 @@ def test_first_nonfinite_names_the_first_bad_tensor_of_many():
     assert first_nonfinite([tensors[30]]) == 0
     big = [torch.full((10,), 3e38), torch.full((10,), 3e38)]  # finite, their sum is not
     assert first_nonfinite(big) is None
+
+
+def test_the_native_copy_check_is_built():
+    """make test installs the package, which builds services/_copycheck.c; without it a one-copy
+    push takes two passes over its bytes, so its absence is a failure here, not a skip."""
+    assert tensor_checks._copycheck is not None, "shardline.services._copycheck is not built: pip install -e ."
+
+
+@pytest.fixture(params=["native", "fallback"])
+def copy_path(request, monkeypatch):
+    if request.param == "fallback":
+        monkeypatch.setattr(tensor_checks, "_copycheck", None)
+    return request.param
+
+
+# every float32 bit pattern class: zeros, subnormals, normals up to the largest, NaNs (quiet,
+# signalling, negative, with payload bits), infinities
+_SPECIAL = [0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.4028235e38, -3.4028235e38, 1.0, -2.5]
+_BAD_BITS = [0x7FC00000, 0x7F800001, 0xFFC00000, 0x7FFFFFFF, 0x7F800000, 0xFF800000]
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 15, 16, 17, 63, 64, 1000, 262_144 + 3])
+def test_copy_checked_copies_exactly_and_finds_every_nonfinite_pattern(copy_path, numel):
+    """Against torch: the copy equals the source bit for bit, and the answer equals
+    isfinite(...).all(), for a bad value at the start, the middle or the end (vector bodies and
+    scalar tails of every width)."""
+    g = torch.Generator().manual_seed(numel)
+    src = torch.randn(numel, generator=g) * 1e30
+    src[: min(numel, len(_SPECIAL))] = torch.tensor(_SPECIAL[:numel])
+    dst = torch.full((numel,), 7.0)
+    assert copy_checked(dst, src)
+    assert torch.equal(dst.view(torch.int32), src.view(torch.int32))
+    for pos in sorted({0, numel // 2, numel - 1}):
+        for bits in _BAD_BITS:
+            bad = src.clone()
+            bad.view(torch.int32)[pos] = torch.tensor(bits, dtype=torch.int64).to(torch.int32)
+            dst = torch.zeros(numel)
+            assert not copy_checked(dst, bad)
+            assert torch.equal(dst.view(torch.int32), bad.view(torch.int32))  # copied in full all the same
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_copy_checked_other_dtypes_take_the_two_pass_path(dtype):
+    src = torch.randn(100).to(dtype)
+    dst = torch.empty(100, dtype=dtype)
+    assert copy_checked(dst, src) and torch.equal(dst, src)
+    src[50] = float("inf")
+    assert not copy_checked(dst, src) and torch.equal(dst, src)
+
+
+def test_copy_checked_non_contiguous_views(copy_path):
+    src = torch.arange(20.0)[::2]
+    dst = torch.empty(10)
+    assert copy_checked(dst, src) and torch.equal(dst, src)
+    src = torch.arange(20.0)
+    src[4] = float("nan")
+    assert not copy_checked(dst, src[::2])
+
+
+def test_the_native_kernel_refuses_mismatched_or_overlapping_buffers():
+    kernel = tensor_checks._copycheck
+    a = torch.zeros(16).numpy()
+    with pytest.raises(ValueError, match="equal lengths"):
+        kernel.copy_f32(a[:8], a[8:15])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        kernel.copy_f32(bytearray(6), bytes(6))
+    with pytest.raises(ValueError, match="overlap"):
+        kernel.copy_f32(a[:8], a[4:12])
+    with pytest.raises(TypeError):
+        kernel.copy_f32(bytes(8), bytes(8))  # the destination must be writable
+    assert kernel.copy_f32(a[:8], a[8:]) is True
