@@ -25,6 +25,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from shardline.ps_server.admission import PayloadBudget
 from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.node import NotOwner, PSNode
@@ -228,6 +230,8 @@ class _Connection:
         out on a stalled node), so a hang-up seen after the copy means the copy may be torn: the
         push is dropped, as if the connection had ended mid-payload."""
         node, sock = self.node, self.sock
+        # over shm a float32 block is checked as it is copied out of the ring: one pass, not two
+        check_on_copy = hasattr(sock, "recv_checked_into") and not job.allow_nonfinite
         try:
             sourced = []
             for i, (ref, dest) in enumerate(zip(header.blocks, ticket.dests)):
@@ -235,6 +239,9 @@ class _Connection:
                     continue
                 if ref.src_region:
                     sourced.append(i)
+                    continue
+                if check_on_copy and dest.dtype == torch.float32:
+                    job.check_received(ticket, i, finite=frame.recv_checked_into(sock, frame.tensor_bytes(dest), deadline))
                     continue
                 frame.recv_exactly_into(sock, frame.tensor_bytes(dest), deadline)
                 job.check_received(ticket, i)

@@ -538,9 +538,11 @@ class JobStore:
             ticket.blocks = blocks
         return ticket
 
-    def check_received(self, ticket: "PushTicket", i: int) -> None:
+    def check_received(self, ticket: "PushTicket", i: int, finite: bool | None = None) -> None:
         """Check block ``i`` of a push right after its bytes arrived (NaN/Inf, unless allowed);
-        blocks under CHECK_ALONE_BYTES are checked in batches (the last by finish_push)."""
+        blocks under CHECK_ALONE_BYTES are checked in batches (the last by finish_push).
+        ``finite``: the block was checked as it was copied in (the shm ring; only a plain float32
+        block of a job that checks): it is not checked again."""
         dest, ref = ticket.dests[i], ticket.refs[i]
         if dest is None or ticket.error is not None:
             return
@@ -550,6 +552,11 @@ class JobStore:
                 ticket.error = StoreError("INVALID_ARGUMENT", f"gradient for {ref.tensor}[{ref.index}]: {problem}")
             return
         if self.allow_nonfinite:
+            return
+        if finite is not None:
+            self._check_unchecked(ticket)  # the blocks before it first: the first bad block is the one named
+            if not finite:
+                self.refuse_nonfinite(ticket, i)
             return
         nbytes = dest.numel() * dest.element_size()
         if nbytes >= CHECK_ALONE_BYTES:  # checked alone, after the smaller ones that came before it

@@ -4,11 +4,13 @@
  * and must refuse NaN/Inf in the copy it keeps, never in the client's memory, which the client could
  * still change. Copying and then reading the copy back costs two passes; here every value is loaded
  * once, stored, and its exponent tested in the same register, so what is checked is exactly what was
- * stored. The GIL is released: the node's two copy threads run at once.
+ * stored. The GIL is released: the node's two copy threads run at once. A push received through the
+ * shm ring (ShmConnection.recv_checked_into) copies its chunks out the same way.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <string.h>
 
 /* NaN and +-Inf are the float32 values whose exponent bits are all ones. Integer tests vectorize
  * under -O3 (a float compare in a reduction would not, without -ffast-math). */
@@ -17,38 +19,50 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
-static int copy_f32_finite(uint32_t *restrict dst, const uint32_t *restrict src, size_t n)
+static int copy_words_finite(char *restrict dst, const char *restrict src, size_t words)
 {
     uint32_t bad = 0;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t v = src[i];
-        dst[i] = v;
+    for (size_t i = 0; i < words; i++) {
+        uint32_t v;
+        memcpy(&v, src + 4 * i, 4);  /* the ring's bytes need not be 4-aligned: an unaligned load */
+        memcpy(dst + 4 * i, &v, 4);
         bad |= (uint32_t)((v & F32_EXPONENT) == F32_EXPONENT);
     }
     return bad == 0;
 }
 
 PyDoc_STRVAR(copy_f32_doc,
-"copy_f32(dst, src) -> bool\n\n"
-"Copy the float32 values of buffer src into buffer dst (same length, a multiple of 4 bytes, not\n"
-"overlapping) and return True if none of the copied values is NaN or +-Inf.");
+"copy_f32(dst, src, start=0) -> bool\n\n"
+"Copy buffer src into buffer dst (same length, not overlapping) and return True if no float32 value\n"
+"lying wholly in the copy is NaN or +-Inf. dst[0] is byte `start` of a float32 array: values begin\n"
+"where start plus the offset is a multiple of 4. Bytes of a value cut by either end of the copy are\n"
+"copied, not checked (the caller checks that value once its other bytes are in).");
 
 static PyObject *copy_f32(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy_f32", &dst, &src))
+    Py_ssize_t start = 0;
+    if (!PyArg_ParseTuple(args, "w*y*|n:copy_f32", &dst, &src, &start))
         return NULL;
     PyObject *result = NULL;
-    const char *d = dst.buf, *s = src.buf;
-    if (dst.len != src.len || dst.len % 4) {
-        PyErr_Format(PyExc_ValueError, "copy_f32 needs equal lengths, a multiple of 4 bytes: dst %zd, src %zd bytes",
-                     dst.len, src.len);
+    char *d = dst.buf;
+    const char *s = src.buf;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_f32 needs equal lengths: dst %zd, src %zd bytes", dst.len, src.len);
+    } else if (start < 0) {
+        PyErr_Format(PyExc_ValueError, "copy_f32: start must be >= 0, got %zd", start);
     } else if (d < s + src.len && s < d + dst.len) {
         PyErr_SetString(PyExc_ValueError, "copy_f32: dst and src overlap");
     } else {
+        size_t n = (size_t)dst.len, head = (size_t)((4 - start % 4) % 4);
+        if (head > n)
+            head = n;
+        size_t words = (n - head) / 4, tail = n - head - 4 * words;
         int finite;
         Py_BEGIN_ALLOW_THREADS
-        finite = copy_f32_finite((uint32_t *)dst.buf, (const uint32_t *)src.buf, (size_t)dst.len / 4);
+        memcpy(d, s, head);
+        finite = copy_words_finite(d + head, s + head, words);
+        memcpy(d + head + 4 * words, s + head + 4 * words, tail);
         Py_END_ALLOW_THREADS
         result = PyBool_FromLong(finite);
     }

@@ -25,6 +25,7 @@ import torch
 
 from shardline.services import compression, delta
 from shardline.services.errors import FrameError, FrameTooLargeError
+from shardline.services.tensor_checks import value_finite_at
 from shardline.services.pb import dataplane_pb2 as dp
 
 PREFIX = struct.Struct(">2sBBI")
@@ -196,15 +197,37 @@ def recv_exactly_into(sock, view: memoryview, deadline: float | None = None) -> 
     """Fill ``view`` from ``sock``. Raises ConnectionError if the peer closes first and, with a
     ``deadline`` (``time.monotonic()`` value), TimeoutError once it has passed: however slowly the
     bytes trickle in, the read ends then (the socket's timeout is left changed)."""
-    got = 0
     n = len(view)
+    _fill(sock, n, deadline, lambda got: sock.recv_into(view[got:], n - got))
+
+
+def recv_checked_into(sock, view: memoryview, deadline: float | None = None) -> bool:
+    """``recv_exactly_into`` for the bytes of a float32 block from a connection that checks values
+    as it copies them (``sock.recv_checked_into``, the shm transport): True if none is NaN or +-Inf.
+    A value one copy cut in two is checked here, in ``view``, once its bytes are all in."""
+    n, finite, cuts = len(view), [], []
+
+    def read(got: int) -> int:
+        r, whole_finite, cut = sock.recv_checked_into(view[got:], n - got, got)
+        finite.append(whole_finite)
+        cuts.extend(cut)
+        return r
+
+    _fill(sock, n, deadline, read)
+    return all(finite) and all(value_finite_at(view, offset - offset % 4) for offset in cuts)
+
+
+def _fill(sock, n: int, deadline: float | None, read) -> None:
+    """Call ``read(got)``, which puts bytes from ``got`` on and returns how many, until ``n`` are
+    in (see recv_exactly_into for the errors)."""
+    got = 0
     while got < n:
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"{got} of {n} bytes arrived in time")
             sock.settimeout(left)
-        r = sock.recv_into(view[got:], n - got)
+        r = read(got)
         if r == 0:
             raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
         got += r

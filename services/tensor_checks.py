@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import torch
 
@@ -53,6 +55,25 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
         return _copycheck.copy_f32(dst.detach().numpy(), src.detach().numpy())
     dst.copy_(src)
     return all_finite(dst)
+
+
+def copy_span_checked(dst, src, start: int = 0) -> bool:
+    """Copy bytes ``src`` into ``dst`` (writable, the same length): a span of a float32 array that
+    begins at its byte ``start``. True if no float32 value lying wholly in the span is NaN or
+    +-Inf, checked in the copy as it is made (the C kernel) or after it (the fallback). A value cut
+    by either end of the span is copied, not checked: see :func:`value_finite_at`."""
+    if _copycheck is not None:
+        return _copycheck.copy_f32(dst, src, start)
+    dst = memoryview(dst).cast("B")
+    dst[:] = memoryview(src).cast("B")
+    head = (-start) % 4
+    words = max(0, len(dst) - head) // 4
+    return not words or all_finite(torch.frombuffer(dst, dtype=torch.float32, count=words, offset=head))
+
+
+def value_finite_at(buffer, offset: int) -> bool:
+    """True if the float32 value in bytes ``offset:offset + 4`` of ``buffer`` is neither NaN nor +-Inf."""
+    return struct.unpack_from("=I", buffer, offset)[0] & 0x7F800000 != 0x7F800000
 
 
 def first_nonfinite(tensors: list[torch.Tensor]) -> int | None:

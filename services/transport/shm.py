@@ -271,27 +271,43 @@ class ShmConnection:
     def recv_into(self, buffer, nbytes: int = 0, flags: int = 0) -> int:
         """Copy up to ``nbytes`` (default: all of ``buffer``) received bytes into ``buffer``; 0 once
         the peer closed the connection, like a socket."""
+        return self._receive(buffer, nbytes, None)[0]
+
+    def recv_checked_into(self, buffer, nbytes: int = 0, start: int = 0) -> tuple[int, bool, list[int]]:
+        """``recv_into`` for bytes of a float32 array, ``buffer`` holding them from the array's byte
+        ``start``: each value is checked for NaN/Inf as it is copied out of the ring
+        (tensor_checks.copy_span_checked), so what is checked is the receiver's copy, never the
+        ring the peer could still write. Returns (bytes copied, True if every value lying wholly
+        in one copy is finite, the array offsets at which a copy ended inside a value: the caller
+        checks those values in its own copy once they are whole; frame.recv_checked_into)."""
+        return self._receive(buffer, nbytes, start)
+
+    def _receive(self, buffer, nbytes: int, start: int | None) -> tuple[int, bool, list[int]]:
         self._raise_broken()
         dst = _byte_view(buffer)
         want = min(nbytes or len(dst), len(dst))
+        finite, cuts = True, []
         if want == 0:
-            return 0
+            return 0, finite, cuts
         while not self._pending:
             if not self._pump():
-                return 0
+                return 0, finite, cuts
         got = 0
         while got < want and self._pending:
             item = self._pending[0]
             kind, source, pos, length = item
             k = min(want - got, length - pos)
             if kind == INLINE:
-                dst[got:got + k] = source[pos:pos + k]
+                finite = self._copy_out(dst[got:got + k], source[pos:pos + k], start, got) and finite
             else:
                 with self._map_lock:
                     if self._closed:
                         raise OSError(errno.EBADF, "shm connection is closed")
-                    dst[got:got + k] = self._rx_view[source + pos:source + pos + k]
+                    finite = self._copy_out(dst[got:got + k], self._rx_view[source + pos:source + pos + k], start,
+                                            got) and finite
             got += k
+            if start is not None and (start + got) % 4:
+                cuts.append(start + got)
             item[2] = pos + k
             if item[2] == length:
                 self._pending.popleft()
@@ -303,7 +319,16 @@ class ShmConnection:
                         self._sock.sendall(MESSAGE.pack(CREDIT, length, 0))
                     except (BrokenPipeError, ConnectionResetError):
                         pass  # the peer finished and left: what it sent is here, the next read says it ended
-        return got
+        return got, finite, cuts
+
+    @staticmethod
+    def _copy_out(dst, src, start: int | None, got: int) -> bool:
+        if start is None:
+            dst[:] = src
+            return True
+        from shardline.services.tensor_checks import copy_span_checked
+
+        return copy_span_checked(dst, src, start + got)
 
     def wait_readable(self, timeout: float | None) -> bool:
         """True once frame bytes are pending (or the connection ended or broke: the next read says

@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -540,3 +541,41 @@ def test_a_revoked_region_keeps_its_contents_and_the_peer_unmaps_the_old_memory(
         client.close()
         node.close()
         region.close()
+
+
+def test_a_float32_block_through_the_ring_is_checked_as_it_is_copied_cut_values_included():
+    """frame.recv_checked_into over shm: the bytes arrive exactly, and a NaN anywhere is found:
+    in a value wholly inside one copy (checked in the copy out of the ring), or in a value a copy
+    cut in two (an inline item's end, a ring wrap), checked in the receiver's copy once whole."""
+    from shardline.services import frame
+
+    client, node = pair()
+    cuts_seen = []
+
+    class Recording:  # the node's connection, recording where its copies cut values
+        def settimeout(self, t):
+            node.settimeout(t)
+
+        def recv_checked_into(self, *args):
+            got, finite, cuts = node.recv_checked_into(*args)
+            cuts_seen.extend(cuts)
+            return got, finite, cuts
+
+    values = torch.arange(1.0, 40_001.0)
+    try:
+        for bad in (None, 0, 1, 2, 20_000, 39_999, None, 1):
+            data = bytearray(values.numpy().tobytes())
+            if bad is not None:
+                data[4 * bad:4 * bad + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+            # 5 bytes inline, the rest through the ring: value 1 is cut; the ring's offset moves on
+            # by a length that is not a multiple of 4, so later wraps cut values too
+            join = in_thread(lambda: (client.sendall(data[:5]), client.sendall(data[5:])))
+            got = bytearray(len(data))
+            finite = frame.recv_checked_into(Recording(), memoryview(got), time.monotonic() + 10)
+            join()
+            assert got == data
+            assert finite is (bad is None), bad
+        assert any(c % 4 for c in cuts_seen) and len(set(cuts_seen)) > 1   # values were cut, in several places
+    finally:
+        client.close()
+        node.close()

@@ -149,10 +149,38 @@ def test_the_native_kernel_refuses_mismatched_or_overlapping_buffers():
     a = torch.zeros(16).numpy()
     with pytest.raises(ValueError, match="equal lengths"):
         kernel.copy_f32(a[:8], a[8:15])
-    with pytest.raises(ValueError, match="multiple of 4"):
-        kernel.copy_f32(bytearray(6), bytes(6))
     with pytest.raises(ValueError, match="overlap"):
         kernel.copy_f32(a[:8], a[4:12])
+    with pytest.raises(ValueError, match="start must be >= 0, got -1"):
+        kernel.copy_f32(a[:8], a[8:], -1)
     with pytest.raises(TypeError):
         kernel.copy_f32(bytes(8), bytes(8))  # the destination must be writable
     assert kernel.copy_f32(a[:8], a[8:]) is True
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3, 5])
+def test_copy_span_checked_checks_whole_values_and_leaves_cut_ones(copy_path, start):
+    """A span of a float32 array from its byte ``start``: every byte is copied; the answer covers
+    exactly the values lying wholly in the span (checked against torch on those values); a value
+    cut by either end is copied and left to value_finite_at."""
+    from shardline.services.tensor_checks import copy_span_checked, value_finite_at
+
+    values = torch.arange(1.0, 41.0)
+    raw = bytearray(frame_bytes(values))
+    end = len(raw) - 3
+    for bad_value in (None, 0, 1, 9, 38, 39):   # which value is NaN (None: none)
+        src = bytearray(raw)
+        if bad_value is not None:
+            src[4 * bad_value:4 * bad_value + 4] = frame_bytes(torch.tensor([float("nan")]))
+        dst = bytearray(end - start)
+        got = copy_span_checked(dst, memoryview(src)[start:end], start)
+        assert dst == src[start:end]
+        first_whole, last_whole = -(-start // 4), end // 4 - 1        # values wholly in [start, end)
+        expected = bad_value is None or not first_whole <= bad_value <= last_whole
+        assert got is expected, (bad_value, first_whole, last_whole)
+        if bad_value is not None and start % 4 and bad_value == start // 4:
+            assert not value_finite_at(src, 4 * bad_value)          # the cut value, checked by the caller
+
+
+def frame_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
