@@ -25,7 +25,7 @@ def all_finite(t: torch.Tensor) -> bool:
 
     A contiguous float32 CPU tensor (every fp32 gradient and block) sums its squares: numpy's
     ``dot``, one fused multiply-add pass on the calling thread, about 2.5x the speed of a column
-    sum on a cache-hot MiB (the pieces a one-copy push checks right after copying them). Not
+    sum on a cache-hot MiB (a block a TCP push is checked in right after it landed). Not
     torch's OpenMP pool: after each parallel region libgomp's workers spin for milliseconds on
     the other cores, which is where the data-plane peer is copying the bytes of this very push
     (measured on 2 cores: a 64 MiB push at ~0.7 of a raw socket with the torch sum, ~0.9 with
