@@ -569,18 +569,11 @@ class JobStore:
     def _check_unchecked(self, ticket: "PushTicket") -> None:
         """Check the received blocks check_received left for a batch; the first with NaN/Inf fails the push."""
         indices, ticket.unchecked, ticket.unchecked_bytes = ticket.unchecked, [], 0
-        if ticket.error is None:
-            bad = self.first_nonfinite_block(ticket, indices)
-            if bad is not None:
-                self.refuse_nonfinite(ticket, bad)
-
-    def first_nonfinite_block(self, ticket: "PushTicket", indices: list[int]) -> int | None:
-        """The first of the received plain blocks ``indices`` of ``ticket`` holding NaN/Inf (None:
-        none, or the job allows them). Reads only: several threads may check parts of one push."""
-        if self.allow_nonfinite or not indices:
-            return None
+        if not indices or ticket.error is not None:
+            return
         bad = first_nonfinite([ticket.dests[i] for i in indices])
-        return None if bad is None else indices[bad]
+        if bad is not None:
+            self.refuse_nonfinite(ticket, indices[bad])
 
     @staticmethod
     def refuse_nonfinite(ticket: "PushTicket", i: int) -> None:

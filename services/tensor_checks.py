@@ -48,11 +48,11 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
     Contiguous float32 CPU tensors (every fp32 block a one-copy push takes) go through one pass
     of the C kernel (services/_copycheck.c: each value loaded once, stored and tested in a
-    register, the GIL released); anything else, or a build without the kernel, is copied and then
+    register, the GIL released; :func:`copy_span_checked`); anything else is copied and then
     checked with :func:`all_finite`."""
-    if (_copycheck is not None and dst.dtype == src.dtype == torch.float32 and dst.device.type == src.device.type == "cpu"
+    if (dst.dtype == src.dtype == torch.float32 and dst.device.type == src.device.type == "cpu"
             and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
-        return _copycheck.copy_f32(dst.detach().numpy(), src.detach().numpy())
+        return copy_span_checked(dst.detach().numpy(), src.detach().numpy())
     dst.copy_(src)
     return all_finite(dst)
 

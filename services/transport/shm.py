@@ -392,9 +392,9 @@ class ShmConnection:
         bounds checked first, then one multi-tensor copy. What the peer writes there meanwhile may
         tear the copy; the caller checks the copy, never the region.
 
-        ``checked``: each copy is checked for NaN/Inf as it is made (tensor_checks.copy_checked),
-        and the index of the first item whose copy holds one is returned (the items after it are
-        left uncopied); None means every copy is finite."""
+        ``checked``: a copy per item instead, each checked for NaN/Inf as it is made
+        (tensor_checks.copy_checked), and the index of the first item whose copy holds one is
+        returned (the items after it are left uncopied); None means every copy is finite."""
         return self._copy_regions(items, into_region=False, checked=checked)
 
     def _copy_regions(self, items, *, into_region: bool, checked: bool = False) -> int | None:

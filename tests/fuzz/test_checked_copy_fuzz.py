@@ -38,7 +38,7 @@ poison_strategy = st.lists(st.tuples(st.integers(0, 1 << 20), st.sampled_from(BI
        start=st.integers(0, 40), cut=st.integers(0, 40))
 def test_copy_span_checked_answers_for_exactly_the_whole_values(path, numel, seed, poison, start, cut):
     values = poisoned(numel, seed, poison)
-    raw = values.view(torch.uint8).numpy().tobytes()
+    raw = bytes(frame.tensor_bytes(values))
     start, end = min(start, len(raw)), max(min(start, len(raw)), len(raw) - cut)
     dst = bytearray(end - start)
     kernel = tensor_checks._copycheck
@@ -59,7 +59,7 @@ def test_a_block_received_over_shm_is_checked_exactly(numel, seed, poison, split
     """The sender writes ``lead`` unrelated bytes first (they shift the ring's offset), then the
     block cut at ``splits``: writes of up to 64 KiB go inline, longer ones through the ring."""
     values = poisoned(numel, seed, poison)
-    data = values.view(torch.uint8).numpy().tobytes()
+    data = bytes(frame.tensor_bytes(values))
     cuts = sorted({min(s, len(data)) for s in splits} | {0, len(data)})
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     client, node = shm.ShmConnection(a, ring_bytes=shm.MIN_RING_BYTES), shm.ShmConnection(b, ring_bytes=shm.MIN_RING_BYTES)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from shardline.services import tensor_checks
+from shardline.services import frame, tensor_checks
 from shardline.services.tensor_checks import all_finite, copy_checked, first_nonfinite, is_all_zero, zero_parts
 
 
@@ -166,12 +166,12 @@ def test_copy_span_checked_checks_whole_values_and_leaves_cut_ones(copy_path, st
     from shardline.services.tensor_checks import copy_span_checked, value_finite_at
 
     values = torch.arange(1.0, 41.0)
-    raw = bytearray(frame_bytes(values))
+    raw = bytearray(frame.tensor_bytes(values))
     end = len(raw) - 3
     for bad_value in (None, 0, 1, 9, 38, 39):   # which value is NaN (None: none)
         src = bytearray(raw)
         if bad_value is not None:
-            src[4 * bad_value:4 * bad_value + 4] = frame_bytes(torch.tensor([float("nan")]))
+            src[4 * bad_value:4 * bad_value + 4] = frame.tensor_bytes(torch.tensor([float("nan")]))
         dst = bytearray(end - start)
         got = copy_span_checked(dst, memoryview(src)[start:end], start)
         assert dst == src[start:end]
@@ -180,7 +180,3 @@ def test_copy_span_checked_checks_whole_values_and_leaves_cut_ones(copy_path, st
         assert got is expected, (bad_value, first_whole, last_whole)
         if bad_value is not None and start % 4 and bad_value == start // 4:
             assert not value_finite_at(src, 4 * bad_value)          # the cut value, checked by the caller
-
-
-def frame_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
