@@ -1,0 +1,79 @@
+"""Where a chaos run left the torch reference: every kept checkpoint of every node, block by block.
+
+After ``tests/fault/chaos.py --keep DIR`` fails with a parameter difference, the nodes'
+checkpoint directories under DIR/seed-N hold every chain (``checkpoint_keep`` is unlimited there).
+This replays the single-process AdamW reference of tests/integration/train_model.py and prints,
+per node and checkpoint, the blocks whose value differs from the reference at the block's own
+version, so the first step and node where the cluster diverged can be read off:
+
+    python tests/fault/checkpoint_divergence.py DIR/seed-14 --job chaos-14 --steps 72
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "integration"))
+
+import train_model  # noqa: E402
+from shardline.ps_server.checkpoint import CheckpointDir  # noqa: E402
+
+
+def reference_values(steps: int, world_size: int) -> list[dict[str, torch.Tensor]]:
+    """Flat parameter values after 0, 1, ..., ``steps`` reference AdamW steps."""
+    model = train_model.SmallModel()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **train_model.HYPER["adamw"])
+    flat = lambda: {k: v.detach().clone().reshape(-1) for k, v in model.state_dict().items()}  # noqa: E731
+    values = [flat()]
+    for step in range(steps):
+        parts = [train_model.batch(step, r) for r in range(world_size)]
+        opt.zero_grad()
+        train_model.loss_fn(model, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])).backward()
+        opt.step()
+        values.append(flat())
+    return values
+
+
+def diverged_blocks(root: Path, job: str, values: list, block_elements: int, tol: float):
+    """Yield (node directory, checkpoint step, blocks held, [(tensor, index, version, max abs diff)])."""
+    for node_dir in sorted(p for p in root.iterdir() if p.name.endswith("-ckpt")):
+        store = CheckpointDir.open_read_only(node_dir)
+        for info in store.list(job):
+            loaded = store.load(job, exact=info.step)
+            bad = []
+            for (tensor, index), block in sorted(loaded.blocks.items()):
+                want = values[block.version][tensor][index * block_elements:(index + 1) * block_elements]
+                diff = (block.value - want).abs().max().item()
+                if diff > tol:
+                    bad.append((tensor, index, block.version, diff))
+            yield node_dir.name, info.step, len(loaded.blocks), bad
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("run_dir", type=Path, help="a chaos --keep run directory (DIR/seed-N)")
+    ap.add_argument("--job", required=True)
+    ap.add_argument("--steps", type=int, required=True, help="steps the run trained")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--block-elements", type=int, default=16, help="the job's block size (train_model.py: 16)")
+    ap.add_argument("--tol", type=float, default=1e-6)
+    args = ap.parse_args(argv)
+    values = reference_values(args.steps, args.world_size)
+    first = None
+    for node, step, held, bad in diverged_blocks(args.run_dir, args.job, values, args.block_elements, args.tol):
+        shown = ", ".join(f"{t}[{i}]@v{v} {d:.2e}" for t, i, v, d in bad[:6]) + (" ..." if len(bad) > 6 else "")
+        print(f"{node} step {step:>4}: {held:>3} blocks, {len(bad)} differ{': ' + shown if bad else ''}")
+        if bad and (first is None or step < first[1]):
+            first = (node, step)
+    print("no checkpoint differs from the reference" if first is None
+          else f"first divergent checkpoint: {first[0]} at step {first[1]}")
+    return 0 if first is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
