@@ -22,21 +22,13 @@ sys.path.insert(0, str(HERE.parent / "integration"))
 
 import train_model  # noqa: E402
 from shardline.ps_server.checkpoint import CheckpointDir  # noqa: E402
+from shardline.services.blocks import block_slice  # noqa: E402
 
 
 def reference_values(steps: int, world_size: int) -> list[dict[str, torch.Tensor]]:
     """Flat parameter values after 0, 1, ..., ``steps`` reference AdamW steps."""
-    model = train_model.SmallModel()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **train_model.HYPER["adamw"])
-    flat = lambda: {k: v.detach().clone().reshape(-1) for k, v in model.state_dict().items()}  # noqa: E731
-    values = [flat()]
-    for step in range(steps):
-        parts = [train_model.batch(step, r) for r in range(world_size)]
-        opt.zero_grad()
-        train_model.loss_fn(model, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])).backward()
-        opt.step()
-        values.append(flat())
-    return values
+    return [{k: v.detach().clone().reshape(-1) for k, v in model.state_dict().items()}
+            for model in train_model.reference_steps("adamw", steps, world_size)]
 
 
 def diverged_blocks(root: Path, job: str, values: list, block_elements: int, tol: float):
@@ -47,7 +39,9 @@ def diverged_blocks(root: Path, job: str, values: list, block_elements: int, tol
             loaded = store.load(job, exact=info.step)
             bad = []
             for (tensor, index), block in sorted(loaded.blocks.items()):
-                want = values[block.version][tensor][index * block_elements:(index + 1) * block_elements]
+                flat = values[block.version][tensor]
+                part = block_slice(flat.numel(), block_elements, index)
+                want = flat[part.start:part.stop]
                 diff = (block.value - want).abs().max().item()
                 if diff > tol:
                     bad.append((tensor, index, block.version, diff))

@@ -54,11 +54,13 @@ def scheduled_lr(optimizer: str, step: int) -> float:
     return HYPER[optimizer]["lr"] * min(1.0, (step + 1) / 4)
 
 
-def reference(optimizer: str, steps: int, world_size: int, schedule: bool = False) -> dict[str, torch.Tensor]:
-    """Single process, torch.optim, each step on the concatenation of all ranks' batches."""
+def reference_steps(optimizer: str, steps: int, world_size: int, schedule: bool = False):
+    """Single process, torch.optim, each step on the concatenation of all ranks' batches: yields
+    the model before the first step and after each of the ``steps`` (the same object, stepped)."""
     model = SmallModel()
     cls = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD, "adam": torch.optim.Adam}[optimizer]
     opt = cls([p for p in model.parameters() if p.requires_grad], **HYPER[optimizer])
+    yield model
     for step in range(steps):
         parts = [batch(step, r) for r in range(world_size)]
         tokens = torch.cat([p[0] for p in parts])
@@ -68,6 +70,13 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
         if schedule:
             opt.param_groups[0]["lr"] = scheduled_lr(optimizer, step)
         opt.step()
+        yield model
+
+
+def reference(optimizer: str, steps: int, world_size: int, schedule: bool = False) -> dict[str, torch.Tensor]:
+    """The parameters after ``reference_steps``' last step."""
+    for model in reference_steps(optimizer, steps, world_size, schedule):
+        pass
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

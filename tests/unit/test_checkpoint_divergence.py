@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fault"))
 import checkpoint_divergence  # noqa: E402
 import train_model  # noqa: E402  (on the path through checkpoint_divergence)
 from shardline.ps_server.checkpoint import BlockSnapshot, CheckpointDir, JobSnapshot  # noqa: E402
+from shardline.services.blocks import block_slices  # noqa: E402
 
 BLOCK = 16
 
@@ -19,11 +20,11 @@ BLOCK = 16
 def write_checkpoint(root: Path, node: str, step: int, values: dict, bump: tuple[str, int] | None = None) -> None:
     blocks = []
     for name, flat in values.items():
-        for index in range((flat.numel() + BLOCK - 1) // BLOCK):
-            value = flat[index * BLOCK:(index + 1) * BLOCK].clone()
-            if (name, index) == bump:
+        for part in block_slices(flat.numel(), BLOCK):
+            value = flat[part.start:part.stop].clone()
+            if (name, part.index) == bump:
                 value[0] += 1e-3
-            blocks.append(BlockSnapshot(name, index, step, value, {}))
+            blocks.append(BlockSnapshot(name, part.index, step, value, {}))
     snap = JobSnapshot(job="j", uid="u", node_id=node, epoch=1, step=step, spec={},
                        held={(b.tensor, b.index): step for b in blocks}, blocks=blocks, full=True)
     CheckpointDir(root / f"{node}-ckpt", node).write(snap)
