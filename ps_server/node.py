@@ -590,8 +590,11 @@ class PSNode:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         dtypes = [frame.PULL_DTYPES[ref.want_dtype] for ref in header.blocks]
-        # A subscriber does not hold the step back as a worker does: its copies are made under the lock.
-        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp" or header.subscriber, dtypes=dtypes)
+        # A subscriber does not hold the step back as a worker does: its copies are made under the lock
+        # (so are a restarted rank's values of an older step: the next apply writes over them).
+        at_step = header.step if header.at_step else None
+        step, blocks = job.changed_blocks(wanted, copy=job.sync != "bsp" or header.subscriber or header.at_step,
+                                          dtypes=dtypes, at_step=at_step)
         reply.step = step
         reply.revision = job.revision  # a reader that holds an older spec learns tensors were added
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.

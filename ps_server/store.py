@@ -133,6 +133,10 @@ class Block:
     # A copy holder: (version, step, value, state) its primary stepped ahead and sent before the
     # commits (OP_REPLICATE staged); installed when a later frame names it (carry_copies).
     pending: tuple | None = None
+    # BSP primary: (version before, version after, value before) of its last applied step. A rank
+    # that restarts to redo that step (it died after committing on another node, and a node that
+    # lacked its commit died too) recomputes it on these values (value_at); the buffer is reused.
+    previous: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -837,14 +841,23 @@ class JobStore:
                 return
         lrs = self.step_lrs.get(step)
         stepping = []   # (group, value, mean gradient, state): stepped together below
+        keep = self.sync == "bsp"
+        kept, keeping = [], []   # the values stepped in place below, and where their previous ones go
         for key, block in ready:
             if block.pushed_by:
                 staged = block.staged
                 if (staged is not None and staged.value is not None and coef == 1.0 and staged.step == step
                         and staged.total == total and staged.lrs == lrs):
+                    if keep:  # the value before the step is the one just replaced: no copy
+                        block.previous = (block.version, step + 1, block.value)
                     block.value, block.state = staged.value, staged.state   # stepped when its pushes completed
                     self.applied_early += 1
                 else:
+                    if keep:
+                        buffer = block.previous[2] if block.previous is not None else torch.empty_like(block.value)
+                        block.previous = (block.version, step + 1, buffer)
+                        kept.append(block.value)
+                        keeping.append(buffer)
                     grad = None
                     if block.has_grad:
                         grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
@@ -852,6 +865,8 @@ class JobStore:
                             grad.mul_(coef)
                     stepping.append((self.tensors[key[0]].group, block.value, grad, block.state))
                 block.version = step + 1
+        if kept:
+            torch._foreach_copy_(keeping, kept)
         self._step_blocks(stepping, lrs)
         for key, block in ready:
             block.step = step + 1
@@ -1141,7 +1156,7 @@ class JobStore:
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     block.received, block.handed, block.awaiting = set(), set(), 0.0
-                    block.staged = None
+                    block.staged, block.previous = None, None
                     block.ahead = {}  # SSP: its workers push the steps ahead again at the new epoch
             if gained:
                 self._follow_primaries()
@@ -1326,7 +1341,8 @@ class JobStore:
             return self.step
 
     def changed_blocks(self, wanted: list[tuple[str, int, int | None]], *, copy: bool,
-                       dtypes: list[torch.dtype] | None = None) -> tuple[int, list[tuple[str, int, int, torch.Tensor]]]:
+                       dtypes: list[torch.dtype] | None = None,
+                       at_step: int | None = None) -> tuple[int, list[tuple[str, int, int, torch.Tensor]]]:
         """Blocks whose version is newer than the client's (``None`` = client has nothing).
 
         Returns (job step, [(tensor, index, version, value)]). ``copy`` snapshots values under the
@@ -1338,6 +1354,8 @@ class JobStore:
         nearest even), made under the lock with ``copy``, else after it (BSP: no step is applied
         while the pulls of a step are served, which is also why the fp32 masters go out as they are).
         The copies are the reply's buffer: half the bytes of the fp32 values for bfloat16.
+        ``at_step`` (BSP, a restarted rank redoing that step): each block's value after exactly
+        ``at_step`` steps where this node still holds it (see value_at), else its current one.
         """
         dtypes = dtypes or [torch.float32] * len(wanted)
         with self.cond:
@@ -1346,12 +1364,25 @@ class JobStore:
             changed = []
             for (tensor, index, have), dtype in zip(wanted, dtypes):
                 block = self._block(tensor, index)
-                if have is None or block.version > have:
-                    value = block.value.to(dtype, copy=True) if copy else block.value
-                    changed.append((tensor, index, block.version, value, dtype))
+                version, value = (block.version, block.value) if at_step is None else self.value_at(block, at_step)
+                if have is None or version > have:
+                    value = value.to(dtype, copy=True) if copy else value
+                    changed.append((tensor, index, version, value, dtype))
             step = self.step
         return step, [(tensor, index, version, value if value.dtype == dtype else value.to(dtype))
                       for tensor, index, version, value, dtype in changed]
+
+    @staticmethod
+    def value_at(block: Block, step: int) -> tuple[int, torch.Tensor]:
+        """``(version, value)`` of ``block`` after exactly ``step`` steps: its current ones if no
+        later step changed it, the ones from before its last applied step if that step is
+        ``step`` or later and this node kept them, else (nothing older is kept) its current ones.
+        Call with the lock held."""
+        if block.version > step and block.previous is not None:
+            before, after, value = block.previous
+            if after == block.version and before <= step:
+                return before, value
+        return block.version, block.value
 
 
 class NodeStore:

@@ -198,6 +198,7 @@ class Client:
         # parameter group (a tuple), or None: the job's own.
         self.lr: float | tuple[float, ...] | None = None
         self._commit_follows = False   # the push being sent is followed by this worker's commit
+        self._pulling_at_step = False  # the pull being sent asks for values of its step (_pull_at)
         self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, left to the node's NaN/Inf check
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
@@ -608,7 +609,31 @@ class Client:
         if oldest < max(steps.values()):
             log.info("job %s: nodes at steps %s, a block still collects step %d: this worker resumes there",
                      self.job, steps, oldest)
+            if not self.staleness:
+                self._pull_at(names, oldest)
         self.step = oldest
+
+    def _pull_at(self, names: list[str], step: int) -> None:
+        """BSP: bring the cached blocks of ``names`` that a node already stepped past ``step`` back
+        to their values after exactly ``step`` steps, which that node keeps, so this (restarted)
+        worker redoes ``step`` on the parameters its previous incarnation computed it on. A block
+        whose node no longer holds them (it restarted meanwhile) stays newer, and is named."""
+        ahead = [(n, s.index) for n in names for s in self._slices[n]
+                 if self._versions.get((n, s.index), 0) > step]
+        if not ahead:
+            return
+        self._pulling_at_step = True
+        try:
+            self._scatter(dp.OP_PULL, ahead, step=step, timeout=0.001)
+        finally:
+            self._pulling_at_step = False
+        newer = [key for key in ahead if self._versions.get(key, 0) > step]
+        log.info("job %s: %d block(s) a node stepped past step %d pulled as of that step", self.job,
+                 len(ahead) - len(newer), step)
+        if newer:
+            log.warning("job %s: the nodes no longer hold blocks %s as of step %d (a node restarted): this worker "
+                        "redoes the step on newer values of them, so its gradient may differ from its first "
+                        "incarnation's", self.job, [f"{n}[{i}]" for n, i in newer[:4]], step)
 
     def _names(self, names) -> list[str]:
         self._require_spec()
@@ -1041,7 +1066,7 @@ class Client:
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and
         to the node if the cache fails (worker/read_router.py)."""
-        via = self._pull_cache(keys) if op == dp.OP_PULL else None
+        via = self._pull_cache(keys) if op == dp.OP_PULL and not self._pulling_at_step else None
         if via is not None:
             try:
                 step = self._exchange_retrying(node_id, keys, op, *args, via=via)
@@ -1083,6 +1108,7 @@ class Client:
             header.via_node = node_id
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
         header.subscriber = op == dp.OP_PULL and self.subscriber_pulls
+        header.at_step = op == dp.OP_PULL and self._pulling_at_step
         if op == dp.OP_PULL and self._reads.rack:
             header.reader_rack = self._reads.rack  # where this job's reads come from (ps_server/heat.py)
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
@@ -1115,8 +1141,8 @@ class Client:
                 v = self._values[name][s.start:s.stop]
                 header.blocks.append(frame.block_ref(name, index, v))
                 payloads.append(frame.tensor_bytes(v))
-            else:  # pull, in the cache's dtype (unset: FLOAT32)
-                have = self._versions.get((name, index))
+            else:  # pull, in the cache's dtype (unset: FLOAT32); one of values at a step wants them all
+                have = None if self._pulling_at_step else self._versions.get((name, index))
                 want = frame.WIRE_DTYPE[self._values[name].dtype]
                 header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None,
                                                  want_dtype=0 if want == dp.FLOAT32 else want))

@@ -125,6 +125,29 @@ def test_a_ps_restarts_while_a_rank_that_half_committed_is_dead(tmp_path):
         train_model.assert_equals_reference(results, STEPS)
 
 
+def test_a_half_committed_rank_and_a_dead_primary_of_its_blocks(tmp_path):
+    """Rank 1 dies at step 6 after committing on ps0 only, and ps1 (which lacks that commit) is
+    SIGKILLed before the commit relay completes it there: ps0 applies step 6, ps1's blocks move to
+    their replicas without rank 1's gradients, and the restarted rank 1 redoes step 6. It must
+    recompute on the parameters its first incarnation used (ps0 keeps each block's value from
+    before its last step), not on ps0's stepped ones: the result equals torch.optim's (the seeded
+    fault run's seed 14 difference)."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3)
+        env = {1: {"SHARDLINE_FAILPOINTS": "worker.commit_partial@6"}}
+        workers = train_model.start_workers(cluster.address, "half-commit-dead-primary", "adamw", "bsp", tmp_path,
+                                            steps=STEPS, env=env)
+        crashed = workers[1][0]
+        crashed.wait(60)
+        cluster.kill(nodes[1])   # well inside the relay's delay: ps1 never learns rank 1's commit
+        assert crashed.returncode == 137, crashed.communicate()[0]
+        restarted = train_model.start_workers(cluster.address, "half-commit-dead-primary", "adamw", "bsp", tmp_path,
+                                              steps=STEPS, ranks=[1])
+        results = train_model.finish_workers([workers[0], *restarted])
+        train_model.assert_equals_reference(results, STEPS)
+        assert int(results[1]["_start_version"]) == 6
+
+
 def test_on_worker_failure_fail_names_the_lost_rank(two_nodes, tmp_path):
     """A rank that stops heartbeating fails the job within the lease timeout: the other rank gets
     ShardlineWorkerLostError naming it instead of waiting for pull_timeout."""

@@ -201,6 +201,7 @@ def test_a_node_given_up_on_mid_pull_cannot_write_into_the_cache_later(shm_clien
     monkeypatch.setattr(client_module, "IO_TIMEOUT_SECONDS", 0.3)
     client = shm_client(spec())
     client._request_ids, client.incarnation, client._commit_follows, client.lr = itertools.count(1), "i", False, None
+    client._pulling_at_step = False
     client._reads, client.stats, client._oldest = types.SimpleNamespace(rack=None), client_module.TransferStats(), {}
     client._conns, client.routing.data_address = {}, lambda node: "x:2"
     cache = client.shared_cache("w")

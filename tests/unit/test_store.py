@@ -420,3 +420,57 @@ def test_a_large_block_is_checked_as_it_lands(monkeypatch):
     ticket.dests[1].fill_(float("inf"))     # a[0], a whole block: checked now, with b before it
     store.check_received(ticket, 1)
     assert ticket.unchecked == [] and ticket.error is not None and "'a' (block 0)" in str(ticket.error)
+
+
+def _values_at(store, step):
+    """Every block as ``changed_blocks(..., at_step=step)`` answers a restarted rank: name -> flat tensor, versions."""
+    wanted = [(name, index, None) for name, index in store.blocks]
+    _step, blocks = store.changed_blocks(wanted, copy=True, at_step=step)
+    return {(t, i): (version, value) for t, i, version, value in blocks}
+
+
+@pytest.mark.parametrize("push_lr", [None, 0.01], ids=["applied-at-commit", "pipelined"])
+def test_a_restarted_rank_gets_each_block_as_of_the_step_it_redoes(push_lr):
+    """A node keeps each block's value from before its last applied step: a rank that redoes step s
+    after the node applied it pulls the parameters after exactly s steps (torch.optim's trajectory),
+    on both apply paths (at the commits, and stepped early once every rank pushed, when pushes
+    carry the lr); older steps are not kept (current values come back, at their newer version)."""
+    torch.manual_seed(3)
+    a0, b0 = torch.randn(4, 5), torch.randn(3)
+    store = JobStore(make_job(lr=0.01, weight_decay=0.1))
+    init_store(store, {"a": a0, "b": b0, "frozen": torch.zeros(2)})
+    ref = a0.clone().requires_grad_()
+    opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, foreach=False)
+    trajectory = [a0.clone()]
+    for step in range(3):
+        grads = [torch.randn(4, 5), torch.randn(4, 5)]
+        for rank, g in enumerate(grads):
+            store.push(rank, step, 1.0, items_for("a", g), lr=push_lr)
+        for rank in range(2):
+            store.commit(rank, step, 1.0, lr=push_lr)
+        ref.grad = (grads[0] + grads[1]) / 2
+        opt.step()
+        trajectory.append(ref.detach().clone())
+        before = _values_at(store, step)   # the step just applied, as a rank redoing it needs it
+        flat = torch.cat([before[("a", i)][1] for i in range(store.tensors["a"].blocks)]).view(4, 5)
+        torch.testing.assert_close(flat, trajectory[step], **ROUND_OFF)
+        assert all(before[("a", i)][0] == step for i in range(store.tensors["a"].blocks))
+        assert before[("b", 0)][0] == 0 and torch.equal(before[("b", 0)][1], b0)   # never stepped: as it is
+        now = _values_at(store, step + 1)
+        torch.testing.assert_close(torch.cat([now[("a", i)][1] for i in range(3)]).view(4, 5), trajectory[-1],
+                                   **ROUND_OFF)
+    if store.step >= 2:   # two steps back is not kept: the current value, at its version
+        old = _values_at(store, store.step - 2)
+        assert all(old[("a", i)][0] == store.step for i in range(3))
+    assert store.applied_early == (0 if push_lr is None else 9)
+
+
+def test_a_block_this_node_stops_applying_forgets_its_previous_value():
+    store = JobStore(make_job(world_size=1, lr=0.1))
+    init_store(store, {"a": torch.randn(4, 5), "b": torch.randn(3), "frozen": torch.zeros(2)})
+    store.push(0, 0, 1.0, items_for("a", torch.randn(4, 5)))
+    store.commit(0, 0, 1.0)
+    assert store.blocks[("a", 0)].previous is not None
+    store.set_primary({("b", 0)}, epoch=1)
+    assert store.blocks[("a", 0)].previous is None
+    assert _values_at(store, 0)[("a", 0)][0] == 1   # no older value: the current one
