@@ -6,6 +6,10 @@ PIP        := $(PY) -m pip
 # A CPU wheel of this torch lies on the build machines; an unpinned torch pulls a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Test files run on two processes, each file on one of them (module fixtures share a cluster):
+# the integration tests mostly wait on daemons, so two cores take two at a time. TEST_JOBS=0: serial.
+TEST_JOBS  ?= 2
+XDIST      := $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 
 PROTOS     := $(wildcard protos/*.proto)
 PB_STAMP   := services/pb/.generated
@@ -36,13 +40,13 @@ system-deps:
 	scripts/install-system-deps.sh
 
 test: protos system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-unit: protos
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
 
 test-integration: protos
-	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) tests/integration $(PYTEST_ARGS)
 
 # Longer fuzzing than make test's bounded run of tests/fuzz (hypothesis profile "ci": a fixed seed,
 # few examples): profile "fuzz", fresh seeds, FUZZ_EXAMPLES examples per property (the live-PS
