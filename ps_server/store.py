@@ -486,6 +486,11 @@ class JobStore:
                 raise StoreError("INVALID_ARGUMENT", f"job {self.name!r} has compression {self.compression!r}: it takes "
                                                      f"no sign-compressed gradients ({ref.tensor}[{ref.index}])")
         ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr), commit_follows=commit_follows)
+        # BSP, a push its rank's commit follows (its blocks are not stepped early): the first push of
+        # a block in the step keeps its value for a restarted rank (see Block.previous) now, while
+        # the slowest rank is still on its way, rather than in the apply, which is on every rank's path.
+        keep = commit_follows and self.sync == "bsp"
+        keeping = []   # (block, version, value, buffer): copied once the lock is released
         with self.cond:
             self._check_open("push")
             blocks = [self._block(ref.tensor, ref.index) for ref in refs]
@@ -517,6 +522,8 @@ class JobStore:
                         self.push_lrs.setdefault(step, {})[rank] = ticket.lr
                 for block, resent in zip(blocks, ticket.resent):
                     if not resent:
+                        if keep and block.step == step and not block.pushed_by:
+                            keeping.append((block, block.version, block.value, self._previous_buffer(block)))
                         self._collector(block, step).pushed_by.add(rank)  # claimed now; released again by abort_push
             else:
                 ticket.resent = [False] * len(refs)
@@ -540,6 +547,12 @@ class JobStore:
                     ticket.direct.append(False)
                 ticket.dests.append(dest)
             ticket.blocks = blocks
+        if keeping:  # no step changes these values before this rank commits (after this push)
+            torch._foreach_copy_([buffer for *_, buffer in keeping], [value for _b, _v, value, _ in keeping])
+            with self.cond:
+                for block, version, _value, buffer in keeping:
+                    if block.version == version and block.step == step:
+                        block.previous = (version, step + 1, buffer)
         return ticket
 
     def check_received(self, ticket: "PushTicket", i: int, finite: bool | None = None) -> None:
@@ -848,13 +861,13 @@ class JobStore:
                 staged = block.staged
                 if (staged is not None and staged.value is not None and coef == 1.0 and staged.step == step
                         and staged.total == total and staged.lrs == lrs):
-                    if keep:  # the value before the step is the one just replaced: no copy
+                    if keep and not self._kept_for(block, step):  # the value just replaced: no copy
                         block.previous = (block.version, step + 1, block.value)
                     block.value, block.state = staged.value, staged.state   # stepped when its pushes completed
                     self.applied_early += 1
                 else:
-                    if keep:
-                        buffer = block.previous[2] if block.previous is not None else torch.empty_like(block.value)
+                    if keep and not self._kept_for(block, step):
+                        buffer = self._previous_buffer(block)
                         block.previous = (block.version, step + 1, buffer)
                         kept.append(block.value)
                         keeping.append(buffer)
@@ -883,6 +896,17 @@ class JobStore:
         self.cond.notify_all()
         if self.staleness:
             self._apply_ready(step + 1)  # SSP: the next step may have been complete already
+
+    @staticmethod
+    def _previous_buffer(block: Block) -> torch.Tensor:
+        """Where ``block``'s value from before its next step goes (Block.previous): the buffer of
+        its last one (nobody reads that once a rank pushes or commits the next step). Lock held."""
+        return block.previous[2] if block.previous is not None else torch.empty_like(block.value)
+
+    @staticmethod
+    def _kept_for(block: Block, step: int) -> bool:
+        """Whether a push of ``step`` already kept ``block``'s value from before it. Lock held."""
+        return block.previous is not None and block.previous[:2] == (block.version, step + 1)
 
     def _step_blocks(self, items: list, lrs: "LRs") -> None:
         """Step ``(group, value, grad, state)`` items, each group's blocks in one multi-tensor call

@@ -429,12 +429,14 @@ def _values_at(store, step):
     return {(t, i): (version, value) for t, i, version, value in blocks}
 
 
-@pytest.mark.parametrize("push_lr", [None, 0.01], ids=["applied-at-commit", "pipelined"])
-def test_a_restarted_rank_gets_each_block_as_of_the_step_it_redoes(push_lr):
+@pytest.mark.parametrize("push_lr,commit_follows", [(None, False), (0.01, False), (None, True)],
+                         ids=["applied-at-commit", "pipelined", "kept-by-the-first-push"])
+def test_a_restarted_rank_gets_each_block_as_of_the_step_it_redoes(push_lr, commit_follows):
     """A node keeps each block's value from before its last applied step: a rank that redoes step s
     after the node applied it pulls the parameters after exactly s steps (torch.optim's trajectory),
-    on both apply paths (at the commits, and stepped early once every rank pushed, when pushes
-    carry the lr); older steps are not kept (current values come back, at their newer version)."""
+    on every path that keeps it (copied at the commits; the value the early step replaced, when
+    pushes carry the lr; copied by the step's first push its rank's commit follows); older steps
+    are not kept (current values come back, at their newer version)."""
     torch.manual_seed(3)
     a0, b0 = torch.randn(4, 5), torch.randn(3)
     store = JobStore(make_job(lr=0.01, weight_decay=0.1))
@@ -442,15 +444,19 @@ def test_a_restarted_rank_gets_each_block_as_of_the_step_it_redoes(push_lr):
     ref = a0.clone().requires_grad_()
     opt = torch.optim.AdamW([ref], lr=0.01, weight_decay=0.1, foreach=False)
     trajectory = [a0.clone()]
+    buffers = []
     for step in range(3):
         grads = [torch.randn(4, 5), torch.randn(4, 5)]
         for rank, g in enumerate(grads):
-            store.push(rank, step, 1.0, items_for("a", g), lr=push_lr)
+            store.push(rank, step, 1.0, items_for("a", g), lr=push_lr, commit_follows=commit_follows)
+        if commit_follows:   # kept by rank 0's push, before any commit
+            assert all(store.blocks[("a", i)].previous[:2] == (step, step + 1) for i in range(3))
         for rank in range(2):
             store.commit(rank, step, 1.0, lr=push_lr)
         ref.grad = (grads[0] + grads[1]) / 2
         opt.step()
         trajectory.append(ref.detach().clone())
+        buffers.append(store.blocks[("a", 0)].previous[2].data_ptr())
         before = _values_at(store, step)   # the step just applied, as a rank redoing it needs it
         flat = torch.cat([before[("a", i)][1] for i in range(store.tensors["a"].blocks)]).view(4, 5)
         torch.testing.assert_close(flat, trajectory[step], **ROUND_OFF)
@@ -463,6 +469,8 @@ def test_a_restarted_rank_gets_each_block_as_of_the_step_it_redoes(push_lr):
         old = _values_at(store, store.step - 2)
         assert all(old[("a", i)][0] == store.step for i in range(3))
     assert store.applied_early == (0 if push_lr is None else 9)
+    if push_lr is None:   # copied each step into one buffer per block, allocated once
+        assert len(set(buffers)) == 1
 
 
 def test_a_block_this_node_stops_applying_forgets_its_previous_value():
