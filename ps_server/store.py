@@ -277,6 +277,8 @@ class JobStore:
         self.block_elements = int(spec.block_elements)
         self.allow_nonfinite = spec.allow_nonfinite if allow_nonfinite is None else allow_nonfinite
         self.compression = compression_of(spec)
+        # BSP: primaries keep each block's value from before its last step (Block.previous).
+        self.keeps_previous = spec.sync == "bsp" and not spec.inexact_restarts
         self.optimizer_config = OptimizerConfig.from_proto(spec.optimizer)
         # One optimizer per parameter group (torch.optim's param_groups); their state layouts agree
         # (checked when the job is created), so one block codec and checkpoint format serve all.
@@ -489,7 +491,7 @@ class JobStore:
         # BSP, a push its rank's commit follows (its blocks are not stepped early): the first push of
         # a block in the step keeps its value for a restarted rank (see Block.previous) now, while
         # the slowest rank is still on its way, rather than in the apply, which is on every rank's path.
-        keep = commit_follows and self.sync == "bsp"
+        keep = commit_follows and self.keeps_previous
         keeping = []   # (block, version, value, buffer): copied once the lock is released
         with self.cond:
             self._check_open("push")
@@ -854,7 +856,7 @@ class JobStore:
                 return
         lrs = self.step_lrs.get(step)
         stepping = []   # (group, value, mean gradient, state): stepped together below
-        keep = self.sync == "bsp"
+        keep = self.keeps_previous
         kept, keeping = [], []   # the values stepped in place below, and where their previous ones go
         for key, block in ready:
             if block.pushed_by:

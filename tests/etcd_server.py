@@ -42,7 +42,9 @@ class EtcdServer:
         if path is None:
             raise FileNotFoundError(INSTALL_HINT)
         base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-        self.data_dir = Path(tempfile.mkdtemp(prefix="shardline-etcd-", dir=base))
+        # Not named "shardline-...": the shm tests, run alongside, check that no file of that name
+        # appears in /dev/shm (Shardline's own segments are memfds).
+        self.data_dir = Path(tempfile.mkdtemp(prefix="test-etcd-", dir=base))
         self.log_path = self.data_dir / "etcd.log"
         # etcd cannot take port 0: the free ports picked may be taken before it binds them, so a
         # start that fails with "address already in use" is tried again on other ports.

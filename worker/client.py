@@ -328,7 +328,8 @@ class Client:
              allow_nonfinite: bool = False, ready_timeout: float | None = None, replication: int | None = None,
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
-             max_grad_norm: float | None = None, compression: str | None = None, **optimizer_kwargs) -> bool:
+             max_grad_norm: float | None = None, compression: str | None = None, exact_restarts: bool = True,
+             **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
         ``staleness`` (``sync="ssp"``, >= 1): how many steps a worker may run ahead (class doc).
@@ -337,6 +338,9 @@ class Client:
         ``compression``: how this job's gradients travel, "none" (default; None: as an existing
         job has it), "bf16" or "sign" (docs/architecture.md, "Gradient compression"; BSP no longer
         equals torch.optim with them).
+        ``exact_restarts=False`` (BSP): the PS nodes keep no value from before a block's last step
+        (one copy of the values per step and 4 bytes per parameter less); a rank restarted after a
+        half-made commit whose missing node died too then redoes its step on partly stepped values.
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
         are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
         index of each tensor (default 0). Returns True if this call created the job (and so wrote
@@ -357,7 +361,8 @@ class Client:
                                   replication=replication or 0,
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
                                   on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0,
-                                  compression="" if compression is None else check_compression(compression))
+                                  compression="" if compression is None else check_compression(compression),
+                                  inexact_restarts=not exact_restarts)
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():

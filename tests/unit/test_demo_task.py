@@ -220,6 +220,7 @@ def test_ssp_example_job_file_is_valid():
     (lambda d: d["train"].update(optimizer="lion"), r"train\.optimizer: .*'lion'"),
     (lambda d: d["train"].update(steps=2.5), r"train\.steps: .*2\.5"),
     (lambda d: d["train"].update(weight_by_tokens="yes"), r"train\.weight_by_tokens: .*'yes'"),
+    (lambda d: d["train"].update(exact_restarts="no"), r"train\.exact_restarts: .*'no'"),
     (lambda d: d["train"].update(betas=[0.9]), r"train\.betas: .*\[0\.9\]"),
     (lambda d: d["train"].update(sync="gossip"), r"train\.sync: .*'gossip'"),
     (lambda d: d["train"].update(sync="ssp"), r"train\.staleness: .*ssp needs staleness >= 1.*got 0"),
@@ -245,6 +246,8 @@ def test_job_yaml_text_and_number_strings():
     spec = parse_job("job: {name: x}\ntrain: {lr: 3e-3, steps: 5}\n")  # YAML 1.1 reads 3e-3 as a string
     assert spec.train.lr == pytest.approx(3e-3) and spec.train.steps == 5
     assert spec.model_kwargs()["max_seq_len"] == spec.sft_task().max_seq_len()
+    assert spec.train.exact_restarts is True
+    assert parse_job("job: {name: x}\ntrain: {exact_restarts: false}\n").train.exact_restarts is False
     with pytest.raises(ShardlineConfigError, match="not valid YAML"):
         parse_job("job: [unclosed")
     with pytest.raises(ShardlineConfigError, match="cannot read"):

@@ -84,6 +84,7 @@ def test_spec_equal_after_normalization_is_not_a_conflict(jobs):
         ({"world_size": 4}, "world_size"),
         ({"block_elements": 1024}, "block_elements"),
         ({"allow_nonfinite": True}, "allow_nonfinite"),
+        ({"inexact_restarts": True}, "inexact_restarts"),
         ({"optimizer_lr": 2e-4}, "optimizer.lr"),
         ({"optimizer_kind": "adam"}, "optimizer.kind"),
     ],

@@ -482,3 +482,16 @@ def test_a_block_this_node_stops_applying_forgets_its_previous_value():
     store.set_primary({("b", 0)}, epoch=1)
     assert store.blocks[("a", 0)].previous is None
     assert _values_at(store, 0)[("a", 0)][0] == 1   # no older value: the current one
+
+
+def test_a_job_without_exact_restarts_keeps_no_previous_value():
+    """exact_restarts=False (JobSpec.inexact_restarts): no copy and no buffer; a restarted rank
+    gets the current values (the documented inexact case)."""
+    spec = make_job(world_size=1, lr=0.1)
+    spec.inexact_restarts = True
+    store = JobStore(spec)
+    init_store(store, {"a": torch.randn(4, 5), "b": torch.randn(3), "frozen": torch.zeros(2)})
+    store.push(0, 0, 1.0, items_for("a", torch.randn(4, 5)), commit_follows=True)
+    store.commit(0, 0, 1.0)
+    assert all(store.blocks[("a", i)].previous is None for i in range(3))
+    assert _values_at(store, 0)[("a", 0)][0] == 1
