@@ -175,7 +175,10 @@ class NodeCollector(Collector):
         early = CounterMetricFamily("shardline_ps_blocks_applied_early",
                                     "BSP: blocks whose step was computed when every worker's gradient had arrived, "
                                     "before the commits (pipelined apply)", labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early]
+        unused = CounterMetricFamily("shardline_ps_blocks_stepped_early_unused",
+                                     "BSP: blocks stepped early whose result was not used (the commits applied, "
+                                     "moved or dropped the block first): optimizer work done twice", labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -185,6 +188,7 @@ class NodeCollector(Collector):
                 world.add_metric([name], job.world_size)
                 committed.add_metric([name], len(getattr(job, "committed", ()) or ()))
                 early.add_metric([name], getattr(job, "applied_early", 0))
+                unused.add_metric([name], getattr(job, "early_unused", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

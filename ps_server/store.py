@@ -307,6 +307,7 @@ class JobStore:
         self.push_lrs: dict[int, dict[int, tuple]] = {}   # BSP: step -> rank -> the lrs its pushes named
         self.applied_early = 0   # blocks whose step was computed before the commits (pipelined apply)
         self.early_seconds = 0.0  # time spent stepping them (off the commit's path)
+        self.early_unused = 0     # blocks stepped early whose result was not used (applied, moved or dropped meanwhile)
         self.copies_ahead = 0     # copy holder: copies installed from frames sent before the commits
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
         self.bytes = 0
@@ -972,6 +973,8 @@ class JobStore:
                 if block.staged is staged:
                     staged.value, staged.state = value, state
                     installed.append((key, staged))
+                else:
+                    self.early_unused += 1
             for hook in self.stage_hooks:
                 hook(self, installed)
             self.early_seconds += time.perf_counter() - started

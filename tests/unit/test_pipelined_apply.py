@@ -233,6 +233,7 @@ def test_commits_that_complete_the_step_while_the_early_step_runs_step_the_gradi
     monkeypatch.setattr(JobStore, "_step_early", commits_arrive_first)
     store.push(1, 0, 1.0, items_for("a", g[1]["a"]), lr=LR)
     assert store.step == 1 and store.applied_early == 0 and not any(b.staged for b in store.blocks.values())
+    assert store.early_unused == sum(1 for t, _ in store.blocks if t == "a")   # each stepped twice: counted
     torch.testing.assert_close(values(store, "a", (4, 5)), reference(initial, [(g, [1.0, 1.0])])["a"], **ROUND_OFF)
 
 
@@ -275,6 +276,7 @@ def test_an_early_step_left_for_after_the_reply_equals_torch_whenever_it_runs(co
             store.step_early(last)
         assert store.step == step + 1 and not any(b.staged for b in store.blocks.values())
     assert store.applied_early == (0 if commits_first else 3 * (3 + 1))
+    assert store.early_unused == (3 * (3 + 1) if commits_first else 0)
     want = reference(initial, steps)
     for n in ("a", "b"):
         torch.testing.assert_close(values(store, n, initial[n].shape), want[n], **ROUND_OFF)
