@@ -74,8 +74,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from balance import sample_lengths  # noqa: E402
+from emulated_link import EmulatedLink, check_rate, python_wrapper  # noqa: E402
 from report import run_and_report  # noqa: E402
 
+CLONE_NEWNET = 0x40000000
 MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1", "shardline_ssp1_plain")
 # Shardline with one of the two levers only (not run by default: --modes names them)
 EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
@@ -223,7 +225,8 @@ def run_rank(cfg: dict) -> dict:
     shardline = mode in SHARDLINE_MODES
     uses_dist = not shardline
     if uses_dist:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{cfg['port']}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=f"tcp://{cfg.get('master', '127.0.0.1')}:{cfg['port']}", rank=rank,
+                                world_size=world)
     if mode in ("ddp", "ddp_balanced"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -257,7 +260,8 @@ def run_rank(cfg: dict) -> dict:
 
         net = model
         opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw",
-                          world_size=world, rank=rank, bucket_cap_mb=cfg["bucket_cap_mb"], **SHARDLINE_MODES[mode],
+                          world_size=world, rank=rank, bucket_cap_mb=cfg["bucket_cap_mb"],
+                          replication=cfg.get("replication"), **SHARDLINE_MODES[mode],
                           **HYPER)
     else:
         raise ValueError(mode)
@@ -353,14 +357,18 @@ class Children:
 
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
+        self.link = None   # an EmulatedLink (--link): rank r runs in its host "rank<r>"
 
     def start(self, cfg: dict, workdir: Path, name: str) -> tuple[subprocess.Popen, Path]:
         cfg_path, out_path, log = workdir / f"{name}.cfg.json", workdir / f"{name}.result.json", workdir / f"{name}.log"
         cfg_path.write_text(json.dumps(cfg))
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        argv = [sys.executable, str(Path(__file__).resolve()), "--child", str(cfg_path), str(out_path)]
+        if self.link is not None and "rank" in cfg:
+            argv = self.link.command(f"rank{cfg['rank']}", argv)
+            env["GLOO_SOCKET_IFNAME"] = "eth0"   # gloo would pick the address of the hostname (loopback)
         with open(log, "ab") as fh:
-            p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", str(cfg_path), str(out_path)],
-                                 stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            p = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs.append(p)
         return p, out_path
 
@@ -408,9 +416,11 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
             "cost_model": args.cost_model}
     if mode in SHARDLINE_MODES:
         base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}",
-                    bucket_cap_mb=args.bucket_cap_mb)
+                    bucket_cap_mb=args.bucket_cap_mb, replication=args.replication)
     else:
         base["port"] = free_port()
+        if children.link is not None:
+            base["master"] = children.link.address("rank0")
     started, outs, logs = [], [], []
     for r in range(world):
         name = f"r{repeat}-{mode}-rank{r}"
@@ -418,11 +428,65 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
         started.append(p)
         outs.append(out)
         logs.append(workdir / f"{name}.log")
+    ps_cpu = ps_cpu_seconds(cluster) if mode in SHARDLINE_MODES else None
     t0 = time.monotonic()
     ranks = children.wait(started, outs, args.timeout, logs)
     wall = time.monotonic() - t0
     children.procs = [p for p in children.procs if p not in started]
-    return summarize_mode(mode, ranks, args, wall)
+    summary = summarize_mode(mode, ranks, args, wall)
+    if ps_cpu is not None:
+        summary["ps"] = dict(early_blocks(cluster, base["job"]), cpu_seconds=ps_cpu_seconds(cluster) - ps_cpu)
+    return summary
+
+
+def enter_namespace(name: str) -> int:
+    """Move this process (single-threaded still: threads started later follow it) into network
+    namespace ``name``; returns a descriptor of the one it left, for leave_namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    target = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    try:
+        if libc.setns(target, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into {name}")
+    finally:
+        os.close(target)
+    return home
+
+
+def leave_namespace(home: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.setns(home, CLONE_NEWNET)
+    os.close(home)
+
+
+def ps_cpu_seconds(cluster) -> float:
+    """User + system CPU seconds the cluster's PS processes used so far (/proc/PID/stat)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for node in cluster.nodes:
+        fields = Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def early_blocks(cluster, job: str) -> dict:
+    """The PS nodes' pipelined-apply counters for ``job`` (their Prometheus metrics): blocks
+    applied from an early step, and blocks stepped early in vain."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {"shardline_ps_blocks_applied_early": "applied_early",
+              "shardline_ps_blocks_stepped_early_unused": "stepped_early_unused"}
+    out = dict.fromkeys(wanted.values(), 0)
+    for node in cluster.nodes:
+        text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name = sample.name.removesuffix("_total")
+                if name in wanted and sample.labels.get("job_name") == job:
+                    out[wanted[name]] += int(sample.value)
+    return out
 
 
 def summarize_mode(mode: str, ranks: list[dict], args, wall: float) -> dict:
@@ -458,6 +522,7 @@ def machine_info() -> dict:
 
 def run(args) -> dict:
     from shardline.services.local_cluster import LocalCluster
+    from shardline.services.security import write_new_token
 
     t_start = time.monotonic()
     workdir = Path(tempfile.mkdtemp(prefix="shardline-vsddp-"))
@@ -469,11 +534,11 @@ def run(args) -> dict:
                     "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
-                               "split_cost": args.split_cost, "ps_nodes": args.ps, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "split_cost": args.split_cost, "ps_nodes": args.ps, "replication": args.replication, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
     children = Children()
-    cluster = None
+    cluster = link = home = None
     try:
         p, out = children.start({"mode": "reference", "world": args.world, "steps": args.steps, "workload": args.workload,
                                  "seed": args.seed}, workdir, "reference")
@@ -486,10 +551,26 @@ def run(args) -> dict:
             args.cost_model = children.wait([p], [out], args.timeout, [workdir / "fit_cost.log"])[0]["cost_model"]
             children.procs = []
         result["config"]["split_cost_model"] = args.cost_model
+        if args.link:
+            link = EmulatedLink([f"ps{i}" for i in range(args.ps)] + [f"rank{r}" for r in range(args.world)], args.link)
+            children.link = link
+            home = enter_namespace(link.hosts["ps0"][0])  # this process's own calls (status, metrics) go from ps0
+            result["config"]["link"] = {"rate": args.link, "hosts": {k: v[1] for k, v in link.hosts.items()}}
         if any(m in SHARDLINE_MODES for m in modes):
-            cluster = LocalCluster(workdir / "daemons")
-            cluster.start_dispatcher()
-            nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
+            if link is None:
+                cluster = LocalCluster(workdir / "daemons")
+                cluster.start_dispatcher()
+                nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
+            else:  # every daemon in its host, TCP between hosts (a non-loopback address needs the token)
+                token = workdir / "cluster.token"
+                write_new_token(token)
+                os.environ["SHARDLINE_CLUSTER_TOKEN_FILE"] = str(token)   # the ranks' PSOptimizer reads it
+                cluster = LocalCluster(workdir / "daemons", python=python_wrapper(workdir / "python", sys.executable),
+                                       cluster_token_file=str(token))
+                host = lambda i: dict(listen=f"{link.address(f'ps{i}')}:0",  # noqa: E731
+                                      env={"SHARDLINE_BENCH_NETNS": link.hosts[f"ps{i}"][0]})
+                cluster.start_dispatcher(**host(0))
+                nodes = [cluster.add_node(wait=False, **host(i)) for i in range(args.ps)]
             for n in nodes:
                 cluster.wait_ready(n)
             cluster.wait_for_nodes(args.ps, timeout=30)
@@ -510,7 +591,11 @@ def run(args) -> dict:
                 res["repeat"] = rep
                 runs[m].append(res)
                 if args.verbose:
-                    print(f"repeat {rep} {m}: {res['tokens_per_s']:.0f} tok/s, wait {res['wait_share_mean']:.1%}", flush=True)
+                    ps = res.get("ps")
+                    ps_text = "" if ps is None else (f", PS {ps['cpu_seconds']:.2f} CPU s, blocks applied early "
+                                                     f"{ps['applied_early']} (stepped in vain {ps['stepped_early_unused']})")
+                    print(f"repeat {rep} {m}: {res['tokens_per_s']:.0f} tok/s, wait {res['wait_share_mean']:.1%}{ps_text}",
+                          flush=True)
         result["runs"] = runs
         result["summary"] = summarize(runs, ref["curves"], args)
     finally:
@@ -518,6 +603,10 @@ def run(args) -> dict:
         if cluster is not None:
             cluster.shutdown()
             result["daemon_exit_codes"] = {h.name: h.returncode for h in cluster.handles.values()}
+        if home is not None:
+            leave_namespace(home)
+        if link is not None:
+            link.close()
     result["loadavg_end"] = os.getloadavg()
     result["wall_seconds"] = time.monotonic() - t_start
     return result
@@ -580,8 +669,13 @@ def main(argv=None) -> int:
                     help="what the balanced split (ddp_balanced and every shardline mode) evens out: a CostModel "
                          "fitted on this machine first (c0 + c1*L + c2*L^2 seconds), or the token count")
     ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
+    ap.add_argument("--replication", type=int, default=None,
+                    help="copies of every block (default: the dispatcher's, 2, capped at the PS nodes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0, help="PSOptimizer bucket_cap_mb (push and pull chunks)")
+    ap.add_argument("--link", type=check_rate, metavar="RATE",
+                    help="run every rank and PS node in a host of its own (network namespaces), each behind a "
+                         "NIC of this rate, e.g. 10gbit (bench/emulated_link.py; needs root and iproute2)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run of a mode")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 2 warm-up, 1 repeat")
     ap.add_argument("--out", help="write the JSON here (e.g. bench/results/vs_ddp.json)")
