@@ -551,11 +551,14 @@ def run(args) -> dict:
             args.cost_model = children.wait([p], [out], args.timeout, [workdir / "fit_cost.log"])[0]["cost_model"]
             children.procs = []
         result["config"]["split_cost_model"] = args.cost_model
+        ps_host = (lambda i: f"rank{i % args.world}") if args.ps_on_ranks else (lambda i: f"ps{i}")
         if args.link:
-            link = EmulatedLink([f"ps{i}" for i in range(args.ps)] + [f"rank{r}" for r in range(args.world)], args.link)
+            own = [] if args.ps_on_ranks else [ps_host(i) for i in range(args.ps)]
+            link = EmulatedLink(own + [f"rank{r}" for r in range(args.world)], args.link)
             children.link = link
-            home = enter_namespace(link.hosts["ps0"][0])  # this process's own calls (status, metrics) go from ps0
-            result["config"]["link"] = {"rate": args.link, "hosts": {k: v[1] for k, v in link.hosts.items()}}
+            home = enter_namespace(link.hosts[ps_host(0)][0])  # this process's own calls (status, metrics) go from there
+            result["config"]["link"] = {"rate": args.link, "hosts": {k: v[1] for k, v in link.hosts.items()},
+                                        "ps_hosts": [ps_host(i) for i in range(args.ps)]}
         if any(m in SHARDLINE_MODES for m in modes):
             if link is None:
                 cluster = LocalCluster(workdir / "daemons")
@@ -567,8 +570,8 @@ def run(args) -> dict:
                 os.environ["SHARDLINE_CLUSTER_TOKEN_FILE"] = str(token)   # the ranks' PSOptimizer reads it
                 cluster = LocalCluster(workdir / "daemons", python=python_wrapper(workdir / "python", sys.executable),
                                        cluster_token_file=str(token))
-                host = lambda i: dict(listen=f"{link.address(f'ps{i}')}:0",  # noqa: E731
-                                      env={"SHARDLINE_BENCH_NETNS": link.hosts[f"ps{i}"][0]})
+                host = lambda i: dict(listen=f"{link.address(ps_host(i))}:0",  # noqa: E731
+                                      env={"SHARDLINE_BENCH_NETNS": link.hosts[ps_host(i)][0]})
                 cluster.start_dispatcher(**host(0))
                 nodes = [cluster.add_node(wait=False, **host(i)) for i in range(args.ps)]
             for n in nodes:
@@ -676,6 +679,9 @@ def main(argv=None) -> int:
     ap.add_argument("--link", type=check_rate, metavar="RATE",
                     help="run every rank and PS node in a host of its own (network namespaces), each behind a "
                          "NIC of this rate, e.g. 10gbit (bench/emulated_link.py; needs root and iproute2)")
+    ap.add_argument("--ps-on-ranks", action="store_true",
+                    help="with --link: PS node i runs in rank i's host (mod world), as a cluster whose every machine "
+                         "runs a worker and a PS shard; its rank reaches it through shared memory")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run of a mode")
     ap.add_argument("--quick", action="store_true", help="smoke run: 8 steps, 2 warm-up, 1 repeat")
     ap.add_argument("--out", help="write the JSON here (e.g. bench/results/vs_ddp.json)")
@@ -685,6 +691,8 @@ def main(argv=None) -> int:
         args.steps, args.warmup, args.repeats = 8, 2, 1
     if args.steps < 2 or args.repeats < 1:
         ap.error("--steps must be >= 2 and --repeats >= 1")
+    if args.ps_on_ranks and not args.link:
+        ap.error("--ps-on-ranks places PS nodes in the ranks' hosts of --link; give --link RATE")
     return run_and_report(run, print_table, args)
 
 
