@@ -36,9 +36,13 @@ def check_rate(rate: str) -> str:
 
 
 def _run(*argv: str) -> None:
-    done = subprocess.run(argv, capture_output=True, text=True)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True)
+    except FileNotFoundError:
+        raise RuntimeError(f"{argv[0]} not found: an emulated link needs iproute2 (scripts/install-system-deps.sh)") from None
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}")
+        hint = " (network namespaces need root)" if os.geteuid() != 0 else ""
+        raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}{hint}")
 
 
 class EmulatedLink:
