@@ -261,7 +261,8 @@ def run_rank(cfg: dict) -> dict:
         net = model
         opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw",
                           world_size=world, rank=rank, bucket_cap_mb=cfg["bucket_cap_mb"],
-                          replication=cfg.get("replication"), **SHARDLINE_MODES[mode],
+                          replication=cfg.get("replication"), replicate_gradients=cfg.get("replicate_gradients", False),
+                          **SHARDLINE_MODES[mode],
                           **HYPER)
     else:
         raise ValueError(mode)
@@ -416,7 +417,8 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
             "cost_model": args.cost_model}
     if mode in SHARDLINE_MODES:
         base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}",
-                    bucket_cap_mb=args.bucket_cap_mb, replication=args.replication)
+                    bucket_cap_mb=args.bucket_cap_mb, replication=args.replication,
+                    replicate_gradients=args.replicate_gradients)
     else:
         base["port"] = free_port()
         if children.link is not None:
@@ -534,7 +536,8 @@ def run(args) -> dict:
                     "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
-                               "split_cost": args.split_cost, "ps_nodes": args.ps, "replication": args.replication, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "split_cost": args.split_cost, "ps_nodes": args.ps, "replication": args.replication,
+                               "replicate_gradients": args.replicate_gradients, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
     children = Children()
@@ -674,6 +677,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
     ap.add_argument("--replication", type=int, default=None,
                     help="copies of every block (default: the dispatcher's, 2, capped at the PS nodes)")
+    ap.add_argument("--replicate-gradients", action="store_true",
+                    help="the job's replicas replay each step's mean gradient instead of receiving copies "
+                         "(PSOptimizer replicate_gradients)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0, help="PSOptimizer bucket_cap_mb (push and pull chunks)")
     ap.add_argument("--link", type=check_rate, metavar="RATE",

@@ -262,7 +262,8 @@ def spec_difference(existing: common_pb2.JobSpec, requested: common_pb2.JobSpec)
         return None if a == b else f"{field} is {a!r} but the request has {b!r}"
 
     for field in ("sync", "staleness", "world_size", "block_elements", "allow_nonfinite", "replication",
-                  "worker_lease_timeout_seconds", "on_worker_failure", "max_grad_norm", "inexact_restarts"):
+                  "worker_lease_timeout_seconds", "on_worker_failure", "max_grad_norm", "inexact_restarts",
+                  "replicate_gradients"):
         found = differs(field, getattr(existing, field), getattr(requested, field))
         if found:
             return found

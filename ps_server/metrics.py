@@ -178,7 +178,10 @@ class NodeCollector(Collector):
         unused = CounterMetricFamily("shardline_ps_blocks_stepped_early_unused",
                                      "BSP: blocks stepped early whose result was not used (the commits applied, "
                                      "moved or dropped the block first): optimizer work done twice", labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early, unused]
+        replayed = CounterMetricFamily("shardline_ps_blocks_replayed",
+                                       "Copy holder, replicate_gradients: block steps computed here from the "
+                                       "primary's mean gradient", labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused, replayed]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -189,6 +192,7 @@ class NodeCollector(Collector):
                 committed.add_metric([name], len(getattr(job, "committed", ()) or ()))
                 early.add_metric([name], getattr(job, "applied_early", 0))
                 unused.add_metric([name], getattr(job, "early_unused", 0))
+                replayed.add_metric([name], getattr(job, "steps_replayed", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

@@ -9,7 +9,11 @@ Protocol (ps_server/placement.py says who holds what):
   only their new step). Shipping state rather than the averaged gradient costs ~3x the bytes for
   Adam, but a replica then equals its primary by construction: no assumption that two nodes'
   torch builds compute the optimizer bit for bit alike, one code path for replication, bringing a
-  node in sync and migration, and the replica does no optimizer work.
+  node in sync and migration, and the replica does no optimizer work. A job created with
+  ``replicate_gradients`` sends instead, per stepped block, the mean gradient it was stepped with
+  and the lr (``BlockRef.replay``); the holder steps its own copy from ``base_version`` the same way
+  (``JobStore.replay_steps``), or, stepped ahead, holds the result apart as a staged copy. A holder
+  at another version steps nothing and is dropped (UNAVAILABLE), as a holder lacking a copy is.
 * **Visibility.** The stepped blocks become visible to pulls only once every in-sync copy holder
   acknowledged them (``JobStore.mark_visible``); a holder that fails or stops answering within
   ``replication_timeout`` is dropped from the job's in-sync set (and re-syncs when it can), so no
@@ -124,6 +128,23 @@ def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
         refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
                                 version=block.version, step=block.step))
         payloads.extend(codec.pack(block.value, block.state))
+    return refs, payloads
+
+
+def gradient_refs(items) -> tuple[list, list]:
+    """BlockRefs and payload parts for ``items`` of (key, block) whose step the holders replay
+    (Block.replay: the version it was stepped from, its mean gradient, the lr)."""
+    refs, payloads = [], []
+    for (tensor, index), block in items:
+        base, grad, lr = block.replay
+        ref = dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, version=block.version, step=block.step,
+                          base_version=base, lr=lr, replay=True)
+        if grad is None:
+            ref.zero = True
+        else:
+            ref.numel, ref.nbytes = grad.numel(), grad.numel() * 4
+            payloads.append(frame.tensor_bytes(grad))
+        refs.append(ref)
     return refs, payloads
 
 
@@ -324,7 +345,8 @@ class Replicator:
         sent = {}
         for key, staged in items:
             peers = [p for p in placement.copies_of(key) if p != me and p in holders]
-            copy = SimpleNamespace(value=staged.value, state=staged.state, version=staged.step + 1, step=staged.step + 1)
+            copy = SimpleNamespace(value=staged.value, state=staged.state, version=staged.step + 1, step=staged.step + 1,
+                                   replay=staged.replay)
             for peer in peers:
                 by_peer.setdefault(peer, []).append((key, copy))
             if peers:
@@ -332,7 +354,10 @@ class Replicator:
         with self._lock:
             self._sent_ahead.setdefault(job.name, {}).update(sent)
         for peer, copies in by_peer.items():
-            refs, payloads = copy_refs(self.codec(job), copies)
+            refs, payloads = copy_refs(self.codec(job), [(k, c) for k, c in copies if c.replay is None])
+            replay_refs, replay_payloads = gradient_refs([(k, c) for k, c in copies if c.replay is not None])
+            refs.extend(replay_refs)
+            payloads.extend(replay_payloads)
             header = self._header(dp.OP_REPLICATE, job, step=copies[0][1].step, blocks=refs, staged=True,
                                   payload_bytes=sum(r.nbytes for r in refs))
             self.links.link(peer).send(_Send(header, payloads))  # a failure shows at the step's frame
@@ -377,7 +402,11 @@ class Replicator:
         for peer, items in by_peer.items():
             stepped = [(k, b) for k, b in items if b.version == step + 1 and not sent_ahead(k, b, peer)]
             carried = [(k, b) for k, b in items if b.version != step + 1 or sent_ahead(k, b, peer)]
-            refs, payloads = copy_refs(self.codec(job), stepped)
+            replayed = [(k, b) for k, b in stepped if b.replay is not None and not copy]
+            refs, payloads = copy_refs(self.codec(job), [(k, b) for k, b in stepped if b.replay is None or copy])
+            replay_refs, replay_payloads = gradient_refs(replayed)
+            refs.extend(replay_refs)
+            payloads.extend(replay_payloads)
             if copy:
                 payloads = [bytes(p) for p in payloads]
             for key, block in carried:
@@ -577,7 +606,7 @@ class Replicator:
         view = self.node.routing
         placement = place(view, job.spec)
         codec = self.codec(job)
-        copies, carried = [], []
+        copies, carried, replayed = [], [], []
         offset = 0
         for ref in header.blocks:
             key = (ref.tensor, ref.index)
@@ -585,6 +614,20 @@ class Replicator:
             if not header.sync_reply and placement.primary(key) != sender:
                 raise StoreError("NOT_OWNER", f"node {sender!r} is not the primary of {ref.tensor}[{ref.index}] at "
                                               f"epoch {view.epoch}")
+            if ref.replay:
+                if header.sync_reply or not job.replays_gradients:
+                    raise StoreError("INVALID_ARGUMENT", f"a gradient to replay for {ref.tensor}[{ref.index}] in a frame "
+                                                         f"that cannot carry one (a sync reply, or a job without "
+                                                         f"replicate_gradients)")
+                grad = None
+                if not ref.zero:
+                    if ref.numel != numel:
+                        raise StoreError("INVALID_ARGUMENT", f"gradient of {ref.tensor}[{ref.index}] has {ref.numel} "
+                                                             f"elements, expected {numel}")
+                    grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset)
+                    offset += ref.nbytes
+                replayed.append((ref.tensor, ref.index, ref.version, ref.step, ref.base_version, ref.lr, grad))
+                continue
             if ref.zero:
                 carried.append((key, ref.version, ref.step))
                 continue
@@ -597,8 +640,12 @@ class Replicator:
             copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
         if header.staged:
             job.hold_copies(copies)
+            if replayed:
+                job.replay_steps(replayed, ahead=True)
             return
         job.apply_copies(copies)
+        if replayed:
+            job.replay_steps(replayed)
         if carried:
             job.carry_copies(carried)
         if not header.sync_reply:

@@ -137,6 +137,12 @@ class Block:
     # that restarts to redo that step (it died after committing on another node, and a node that
     # lacked its commit died too) recomputes it on these values (value_at); the buffer is reused.
     previous: tuple | None = None
+    # Primary of a job with replicate_gradients: (version before, mean gradient or None, lr) of its
+    # last step applied at the commits, which the copy holders replay (ps_server/replication.py).
+    # The gradient is then the spare buffer: the next step collects into the other one, so the
+    # bytes stay as sent until every holder acknowledged them (long before the step after next).
+    replay: tuple | None = None
+    grad_spare: torch.Tensor | None = None
 
 
 @dataclass(eq=False)
@@ -159,6 +165,7 @@ class Staged:
     lrs: tuple
     value: torch.Tensor | None = None
     state: dict | None = None
+    replay: tuple | None = None   # replicate_gradients: (version stepped from, mean gradient, lr)
 
 
 @dataclass(frozen=True)
@@ -279,6 +286,10 @@ class JobStore:
         self.compression = compression_of(spec)
         # BSP: primaries keep each block's value from before its last step (Block.previous).
         self.keeps_previous = spec.sync == "bsp" and not spec.inexact_restarts
+        # BSP/SSP: replicas get each step's mean gradient and lr and step their copies themselves
+        # (ASP steps at every push, and keeps sending copies).
+        self.replays_gradients = spec.replicate_gradients and spec.sync in ("bsp", "ssp")
+        self.steps_replayed = 0   # copy holder: blocks stepped here from their primary's gradient
         self.optimizer_config = OptimizerConfig.from_proto(spec.optimizer)
         # One optimizer per parameter group (torch.optim's param_groups); their state layouts agree
         # (checked when the job is created), so one block codec and checkpoint format serve all.
@@ -860,6 +871,7 @@ class JobStore:
         keep = self.keeps_previous
         kept, keeping = [], []   # the values stepped in place below, and where their previous ones go
         for key, block in ready:
+            block.replay = None
             if block.pushed_by:
                 staged = block.staged
                 if (staged is not None and staged.value is not None and coef == 1.0 and staged.step == step
@@ -879,12 +891,17 @@ class JobStore:
                         grad = block.grad_buf.div_(total) if total != 1.0 else block.grad_buf
                         if coef < 1.0:
                             grad.mul_(coef)
-                    stepping.append((self.tensors[key[0]].group, block.value, grad, block.state))
+                    group = self.tensors[key[0]].group
+                    stepping.append((group, block.value, grad, block.state))
+                    if self.replays_gradients:
+                        block.replay = (block.version, grad, self._lr_of(group, lrs))
                 block.version = step + 1
         if kept:
             torch._foreach_copy_(keeping, kept)
         self._step_blocks(stepping, lrs)
         for key, block in ready:
+            if block.replay is not None and block.replay[1] is not None:  # keep it as sent (Block.replay)
+                block.grad_buf, block.grad_spare = block.grad_spare, block.grad_buf
             block.step = step + 1
             block.since_epoch = block.since_epoch if self.staleness else 0  # SSP: see _take_ahead
             block.has_grad = False
@@ -899,6 +916,11 @@ class JobStore:
         self.cond.notify_all()
         if self.staleness:
             self._apply_ready(step + 1)  # SSP: the next step may have been complete already
+
+    def _lr_of(self, group: int, lrs: "LRs") -> float:
+        """The lr ``_step_blocks`` steps ``group`` with under ``lrs`` (None: the group's own)."""
+        lr = lrs[group] if lrs is not None else None
+        return float(self.group_optimizers[group].lr if lr is None else lr)
 
     @staticmethod
     def _previous_buffer(block: Block) -> torch.Tensor:
@@ -958,6 +980,7 @@ class JobStore:
         value, state and gradient sum are only read (they change only after ``staged`` did)."""
         started = time.perf_counter()
         stepping, done = [], []
+        lrs = items[0][3].lrs
         for group, key, block, staged in items:
             value = block.value.clone()
             state = _clone_state(block.state)
@@ -965,13 +988,14 @@ class JobStore:
             if block.has_grad:
                 grad = block.grad_buf if staged.total == 1.0 else torch.div(block.grad_buf, staged.total)
             stepping.append((group, value, grad, state))
-            done.append((key, block, staged, value, state))
-        self._step_blocks(stepping, items[0][3].lrs)
+            replay = (block.version, grad, self._lr_of(group, lrs)) if self.replays_gradients else None
+            done.append((key, block, staged, value, state, replay))
+        self._step_blocks(stepping, lrs)
         with self.cond:
             installed = []
-            for key, block, staged, value, state in done:
+            for key, block, staged, value, state, replay in done:
                 if block.staged is staged:
-                    staged.value, staged.state = value, state
+                    staged.value, staged.state, staged.replay = value, state, replay
                     installed.append((key, staged))
                 else:
                     self.early_unused += 1
@@ -1101,6 +1125,62 @@ class JobStore:
                 block = self.blocks.get((tensor, index))
                 if block is not None and not block.primary and step > block.step:
                     block.pending = (version, step, value, dict(state))
+
+    def replay_steps(self, items: list, *, ahead: bool = False) -> None:
+        """Step copies the way their primary stepped its blocks (replicate_gradients): each item is
+        ``(tensor, index, version, step, base_version, lr, grad)`` (grad None: a zero gradient).
+        A copy held at ``base_version`` is stepped out of place (private copies of value and state:
+        readers of the old copy keep it) with its group's optimizer, as the primary steps, and
+        becomes ``version`` at ``step``; with ``ahead`` (the primary stepped it before the step's
+        commits) the result is held apart as a copy sent ahead is (``hold_copies``), until a later
+        frame names it. A copy already at ``step`` or past it is left alone (a repeat). Raises
+        StoreError UNAVAILABLE, after the rest, if a copy is missing or at another version (its
+        primary drops this node from the in-sync holders and it syncs a full copy); ahead, such a
+        copy is only not held (the frame that names it finds it lacking)."""
+        for tensor, index, _version, _step, _base, lr, grad in items:
+            numel = self.expected_numel(tensor, index)
+            if grad is not None and grad.numel() != numel:
+                raise StoreError("INVALID_ARGUMENT", f"gradient of block {tensor}[{index}] must have {numel} elements")
+            if not (math.isfinite(lr) and lr >= 0):
+                raise StoreError("INVALID_ARGUMENT", f"lr of block {tensor}[{index}] must be a finite number >= 0, "
+                                                     f"got {lr!r}")
+        missing, taken = [], []
+        with self.cond:
+            if not ahead:
+                self._follow_copies(step for _t, _i, _v, step, _b, _lr, _g in items)
+            for tensor, index, version, step, base, lr, grad in items:
+                key = (tensor, index)
+                block = self.blocks.get(key)
+                if block is not None and (block.primary or step <= block.step):
+                    continue  # this node applies it now, or holds this step already
+                if block is None or block.version != base:
+                    missing.append(key)
+                    continue
+                taken.append((key, block, base, version, step, self.tensors[tensor].group, lr, grad,
+                              block.value.clone(), _clone_state(block.state)))
+        # Stepped outside the lock (the clones are private) as the primary steps: one multi-tensor
+        # call per group and lr (BlockOptimizer.step_many).
+        batches: dict[tuple, list] = {}
+        for *_head, group, lr, grad, value, state in taken:
+            batches.setdefault((group, lr), []).append((value, grad, state))
+        for (group, lr), batch in batches.items():
+            values, grads, states = (list(column) for column in zip(*batch))
+            self.group_optimizers[group].step_many(values, grads, states, lr=lr)
+        with self.cond:
+            for key, block, base, version, step, _group, _lr, _grad, value, state in taken:
+                if self.blocks.get(key) is not block or block.primary or block.version != base or step <= block.step:
+                    continue  # taken over, re-synced or dropped meanwhile: what it holds now stands
+                self.steps_replayed += 1
+                if ahead:
+                    block.pending = (version, step, value, state)
+                    continue
+                block.value, block.state = value, state
+                block.version, block.step, block.visible = version, step, step
+                block.pending = None
+            self.cond.notify_all()
+        if missing and not ahead:
+            raise StoreError("UNAVAILABLE", f"blocks {missing[:4]} of job {self.name!r} are not at the version their "
+                                            f"primary stepped them from (a step this node did not get)")
 
     def carry_copies(self, items: list) -> None:
         """Their primary carried copies through a step: ``(key, version, step)``. A copy at that

@@ -108,6 +108,9 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         raise FrameTooLargeError(f"frame lists {len(header.blocks)} blocks, limit is {limits.max_blocks}")
     total = sourced = 0
     for ref in header.blocks:
+        if (ref.replay or ref.lr) and header.op != dp.OP_REPLICATE:
+            raise FrameError(f"block {ref.tensor}[{ref.index}] carries a gradient to replay in a "
+                             f"{dp.Op.Name(header.op)} frame (only replication does)")
         if ref.dest_region and header.op != dp.OP_PULL:
             raise FrameError(f"block {ref.tensor}[{ref.index}] names a destination region in a "
                              f"{dp.Op.Name(header.op)} frame (only pulls do)")

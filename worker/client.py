@@ -329,7 +329,7 @@ class Client:
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
              max_grad_norm: float | None = None, compression: str | None = None, exact_restarts: bool = True,
-             **optimizer_kwargs) -> bool:
+             replicate_gradients: bool = False, **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
         ``staleness`` (``sync="ssp"``, >= 1): how many steps a worker may run ahead (class doc).
@@ -341,6 +341,9 @@ class Client:
         ``exact_restarts=False`` (BSP): the PS nodes keep no value from before a block's last step
         (one copy of the values per step and 4 bytes per parameter less); a rank restarted after a
         half-made commit whose missing node died too then redoes its step on partly stepped values.
+        ``replicate_gradients=True`` (BSP/SSP): a primary sends its replicas each step's mean
+        gradient and lr, and they run the step themselves, instead of the new value and optimizer
+        state (a third of the bytes for Adam); every PS node must compute it bit for bit alike.
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
         are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
         index of each tensor (default 0). Returns True if this call created the job (and so wrote
@@ -362,7 +365,7 @@ class Client:
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
                                   on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0,
                                   compression="" if compression is None else check_compression(compression),
-                                  inexact_restarts=not exact_restarts)
+                                  inexact_restarts=not exact_restarts, replicate_gradients=replicate_gradients)
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():

@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                                  tls_ca=security.tls_ca,
                                  replication=tr.replication or None, on_worker_failure=tr.on_worker_failure,
                                  worker_lease_timeout=tr.worker_lease_timeout, compression=tr.compression,
-                                 exact_restarts=tr.exact_restarts,
+                                 exact_restarts=tr.exact_restarts, replicate_gradients=tr.replicate_gradients,
                                  **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version

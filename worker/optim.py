@@ -111,6 +111,12 @@ class PSOptimizer(torch.optim.Optimizer):
     parameter on the PS. ``exact_restarts=False`` saves both; that double fault then perturbs the
     run by the difference of one rank's gradient. Default True; a worker joining a job takes the job's.
 
+    Replication: with replicas, a primary sends them each step's new value and optimizer state by
+    default. ``replicate_gradients=True`` sends the step's mean gradient and lr instead, and the
+    replicas run the same step (a third of the bytes for Adam, where the network is the limit),
+    which needs every PS node to compute it bit for bit alike (one torch build and CPU type).
+    Default False; a worker joining a job takes the job's.
+
     Learning rates: LR schedulers from ``torch.optim.lr_scheduler`` (or code) set
     ``param_groups[i]["lr"]``; each step's commit carries every group's lr to the servers. The other
     hyperparameters are fixed when the job is created: changing one later raises
@@ -194,13 +200,15 @@ class PSOptimizer(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
                  compression: str | None = None, rack: str | None = None, exact_restarts: bool | None = None,
-                 **optimizer_kwargs):
+                 replicate_gradients: bool | None = None, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
                 f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
         for key, value in (("overlap", overlap), ("priority_pull", priority_pull),
-                           ("exact_restarts", True if exact_restarts is None else exact_restarts)):
+                           ("exact_restarts", True if exact_restarts is None else exact_restarts),
+                           ("replicate_gradients", bool(replicate_gradients) if replicate_gradients is None
+                            else replicate_gradients)):
             if not isinstance(value, bool):
                 raise ShardlineConfigError(f"{key} must be True or False, got {value!r}")
         cap_bytes = bucket_cap_bytes(bucket_cap_mb)
@@ -252,7 +260,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
                 param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
                 tensor_groups=groups_of if several else None, max_grad_norm=max_grad_norm, compression=compression,
-                exact_restarts=exact_restarts is not False,
+                exact_restarts=exact_restarts is not False, replicate_gradients=bool(replicate_gradients),
                 **({} if several else self._group_configs[0].torch_kwargs()))
         else:
             self.client.wait_ready(connect_timeout)
@@ -269,6 +277,9 @@ class PSOptimizer(torch.optim.Optimizer):
         if exact_restarts is not None and exact_restarts == spec.inexact_restarts:
             raise ShardlineConfigError(f"job {job!r} has exact_restarts {not spec.inexact_restarts}, this worker asks for "
                                        f"{exact_restarts!r}")
+        if replicate_gradients is not None and replicate_gradients != spec.replicate_gradients:
+            raise ShardlineConfigError(f"job {job!r} has replicate_gradients {spec.replicate_gradients}, this worker asks "
+                                       f"for {replicate_gradients!r}")
         if compression is not None and compression != compression_of(spec):
             raise ShardlineConfigError(f"job {job!r} pushes gradients with compression {compression_of(spec)!r}, this "
                                        f"worker asks for {compression!r}")

@@ -53,6 +53,31 @@ def test_kill_one_of_three_ps_mid_run(tmp_path):
         assert time.monotonic() - killed_at < 60
 
 
+def test_replicas_that_replay_gradients_take_over_from_a_killed_primary(tmp_path):
+    """replicate_gradients: a primary sends its replicas each step's mean gradient and lr, and they
+    step their copies themselves. kill -9 of a PS at step 5: the replicas that take its blocks over
+    hold the values it would have had, so the run still equals torch.optim; the survivors counted
+    the steps they replayed."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3)
+        workers = train_model.start_workers(cluster.address, "replay", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            step_sleep=0.1, env={"SHARDLINE_TEST_REPLICATE_GRADIENTS": "1"})
+        train_model.wait_for_steps(workers, 5)
+        replayed = replayed_blocks(nodes[1])   # the primaries around it sent it gradients, not copies
+        cluster.kill(nodes[1])
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
+        assert replayed > 0 and sum(replayed_blocks(n) for n in (nodes[0], nodes[2])) > 0
+
+
+def replayed_blocks(node) -> int:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("shardline_ps_blocks_replayed_total{")))
+
+
 def test_add_a_fourth_ps_mid_run(tmp_path):
     """A node joining mid-job is brought in sync (two-phase ring change) before it serves; the job
     never meets a node that lacks its blocks."""

@@ -178,6 +178,8 @@ def main(argv):
                                 ("worker_lease_timeout", os.environ.get("SHARDLINE_TEST_LEASE_TIMEOUT"))) if v}
     if "worker_lease_timeout" in policy:
         policy["worker_lease_timeout"] = float(policy["worker_lease_timeout"])
+    if os.environ.get("SHARDLINE_TEST_REPLICATE_GRADIENTS") == "1":
+        policy["replicate_gradients"] = True
     opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
                       world_size=world, rank=rank, block_elements=16, connect_timeout=60,
                       pull_timeout=float(os.environ.get("SHARDLINE_TEST_PULL_TIMEOUT", 120)),

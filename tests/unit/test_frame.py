@@ -161,3 +161,18 @@ def test_skip_bytes_keeps_stream_aligned(pair):
     h = frame.recv_header(b)
     frame.skip_bytes(b, h.payload_bytes, bytearray(1000))
     assert frame.recv_header(b).request_id == 99
+
+
+def test_a_gradient_to_replay_travels_only_in_replication_frames():
+    for op in (dp.OP_PUSH, dp.OP_PULL, dp.OP_REPLY, dp.OP_COMMIT):
+        h = frame.FrameHeader(op=op, request_id=1, job="j")
+        h.blocks.append(dp.BlockRef(tensor="w", index=0, replay=True, zero=True))
+        with pytest.raises(FrameError, match="replay"):
+            frame.validate_header(h)
+        h.blocks[0].replay = False
+        h.blocks[0].lr = 0.1
+        with pytest.raises(FrameError, match="replay"):
+            frame.validate_header(h)
+    h = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="j", payload_bytes=16)
+    h.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=4, nbytes=16, replay=True, lr=0.1))
+    frame.validate_header(h)

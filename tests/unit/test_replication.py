@@ -8,6 +8,7 @@ on the same gradients in one process.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -115,9 +116,12 @@ class FakeLinks(PeerLinks):
             return link
 
 
+REPLICATE_GRADIENTS = False   # set per test by the replicate fixture
+
+
 def make_spec(**hp) -> common_pb2.JobSpec:
     spec = common_pb2.JobSpec(name="job", sync="bsp", world_size=2, block_elements=BLOCK,
-                              optimizer=OptimizerConfig.from_kwargs("adamw", lr=0.01, weight_decay=0.1).to_proto())
+                              replicate_gradients=REPLICATE_GRADIENTS, optimizer=OptimizerConfig.from_kwargs("adamw", lr=0.01, weight_decay=0.1).to_proto())
     for name, shape in SHAPES.items():
         spec.tensors.add(name=name, shape=list(shape), dtype="float32", trainable=name != "frozen")
     return spec
@@ -129,6 +133,15 @@ def push_lr(request, monkeypatch):
     the commits) and as clients do now (the lr on pushes too: a block every rank pushed is stepped
     before the commits, pipelined apply); replicas, failover and handovers must not notice."""
     monkeypatch.setattr(Cluster, "lr", request.param)
+    return request.param
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["copies", "gradients"])
+def replicate(request, monkeypatch):
+    """Each test also runs with JobSpec.replicate_gradients: a primary sends the blocks it steps at
+    the commits as their mean gradient and lr, and the copy holders step their own copies; they
+    must still equal their primaries bit for bit, through failover, handovers and ring changes."""
+    monkeypatch.setattr(sys.modules[__name__], "REPLICATE_GRADIENTS", request.param)
     return request.param
 
 
@@ -250,7 +263,7 @@ def run_steps(cluster, grads):
         cluster.wait_visible()
 
 
-def test_replicas_equal_their_primaries_bitwise(initial, push_lr):
+def test_replicas_equal_their_primaries_bitwise(initial, push_lr, replicate):
     bus, cluster = start(initial=initial)
     grads = gradients(4)
     run_steps(cluster, grads)
@@ -264,6 +277,10 @@ def test_replicas_equal_their_primaries_bitwise(initial, push_lr):
     # stepped ahead: their copies went to the replicas before the commits, the step's frames only named them
     ahead = sum(node.job("job").copies_ahead for node in bus.nodes.values())
     assert ahead == (0 if push_lr is None else 4 * trained)
+    # with replicate_gradients the one replica of each block replayed every step, at the commits
+    # or (stepped ahead) when the gradient arrived, and held it until the step's frame named it
+    replayed = sum(node.job("job").steps_replayed for node in bus.nodes.values())
+    assert replayed == (4 * trained if replicate else 0)
 
 
 def test_failover_to_the_replica_loses_no_step(initial):
@@ -409,3 +426,81 @@ def test_a_step_no_copy_holder_holds_yet_stays_invisible_until_one_synced(initia
     want = reference(initial, grads)
     for name in ("a", "b"):
         torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
+
+
+def test_a_copy_holder_at_another_version_is_dropped_not_stepped_and_syncs_a_full_copy(initial, monkeypatch):
+    """replicate_gradients: a copy holder steps its copy from the primary's gradient only if it
+    holds the version the primary stepped from. One that does not (here: a copy made to look a
+    step behind) steps nothing: stepped at the commits it answers UNAVAILABLE; stepped ahead it
+    holds nothing, and the step's frame that names the block finds it lacking. Either way the
+    primary drops it from the in-sync holders and makes the step visible with the others; its
+    next sync brings a full copy."""
+    monkeypatch.setattr(sys.modules[__name__], "REPLICATE_GRADIENTS", True)
+    bus, cluster = start(initial=initial)
+    grads = gradients(4)
+    run_steps(cluster, grads[:2])
+    placement = place(next(iter(bus.nodes.values())).routing, bus.spec)
+    key = ("a", 0)
+    primary, holder = placement.owners[key][0], placement.owners[key][1]
+    copy = bus.nodes[holder].job("job").blocks[key]
+    copy.version -= 1
+    before = copy.value.clone()
+    run_steps(cluster, grads[2:3])
+    assert holder not in bus.nodes[primary].replicator.in_sync("job")
+    assert torch.equal(copy.value, before) and copy.step == 2   # left as it was
+    for node in bus.nodes.values():
+        node.assign_roles(node.job("job"))   # as after the next routing change: the holders sync
+    bus.settle()
+    cluster.assert_copies_equal()
+    run_steps(cluster, grads[3:])
+    cluster.assert_copies_equal()
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
+
+
+def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, replicate):
+    """A replay ref for a job created without replicate_gradients, or in a sync reply (which
+    carries full copies), is INVALID_ARGUMENT, and the copy is left as it was; so is a gradient of
+    the wrong size."""
+    bus, cluster = start(initial=initial)
+    run_steps(cluster, gradients(1))
+    placement = place(next(iter(bus.nodes.values())).routing, bus.spec)
+    key = ("a", 0)
+    primary, holder = placement.owners[key][0], placement.owners[key][1]
+    job = bus.nodes[holder].job("job")
+    block = job.blocks[key]
+    numel = block.value.numel()
+    before = block.value.clone()
+
+    def frame_of(numel_sent, **fields):
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,
+                                   step=block.step + 1, payload_bytes=4 * numel_sent, **fields)
+        header.blocks.append(dp.BlockRef(tensor="a", index=0, dtype=dp.FLOAT32, numel=numel_sent,
+                                         nbytes=4 * numel_sent, version=block.version + 1, step=block.step + 1,
+                                         base_version=block.version, lr=0.01, replay=True))
+        return header, bytearray(4 * numel_sent)
+
+    cases = [frame_of(numel, sync_reply=True), frame_of(numel - 1)] + ([] if replicate else [frame_of(numel)])
+    for header, payload in cases:
+        with pytest.raises(StoreError) as err:
+            bus.nodes[holder].replicator.handle_replicate(job, header, payload)
+        assert err.value.code == "INVALID_ARGUMENT"
+    assert torch.equal(block.value, before)
+
+
+@pytest.mark.parametrize("kind, hp", [
+    ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
+    ("adam", dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
+], ids=["sgd-nesterov-wd", "adam-wd-amsgrad"])
+def test_replayed_steps_equal_their_primaries_bitwise_for_every_optimizer(initial, monkeypatch, kind, hp):
+    """The holders run the same multi-tensor step as their primaries, momentum buffers and AMSGrad
+    maxima included (their first steps too), from the gradient and lr they were sent."""
+    monkeypatch.setattr(sys.modules[__name__], "REPLICATE_GRADIENTS", True)
+    spec = make_spec()
+    spec.optimizer.CopyFrom(OptimizerConfig.from_kwargs(kind, **hp).to_proto())
+    monkeypatch.setattr(sys.modules[__name__], "make_spec", lambda **_: spec)
+    bus, cluster = start(initial=initial)
+    run_steps(cluster, gradients(3))
+    cluster.assert_copies_equal()
+    assert sum(node.job("job").steps_replayed for node in bus.nodes.values()) > 0
