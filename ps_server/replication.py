@@ -644,10 +644,19 @@ class Replicator:
                 job.replay_steps(replayed, ahead=True)
             return
         job.apply_copies(copies)
-        if replayed:
-            job.replay_steps(replayed)
-        if carried:
-            job.carry_copies(carried)
+        try:
+            if replayed:
+                job.replay_steps(replayed)
+            if carried:
+                job.carry_copies(carried)
+        except StoreError as exc:
+            # A step this node did not get: its primary drops it from the in-sync holders on this
+            # answer; ask it at once for full copies of what is lacking (a sync, which makes this
+            # node an in-sync holder again) rather than waiting for the next routing change.
+            lacking = getattr(exc, "keys", None)
+            if exc.code == "UNAVAILABLE" and lacking and not header.sync_reply:
+                self._ask_sync(job, sender, [self._holding_ref(job, key) for key in lacking])
+            raise
         if not header.sync_reply:
             # This node took a block over between the fence check and the install (its routing
             # changed meanwhile): the copy was not installed, so the sender must not count it as held.

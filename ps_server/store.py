@@ -239,6 +239,14 @@ class PushItem:
     grad: torch.Tensor | None  # None: the block's gradient is exactly zero (sent as a flag)
 
 
+def _lacking(keys: list, message: str) -> StoreError:
+    """UNAVAILABLE for a copy holder that lacks the versions of ``keys`` a frame builds on; the
+    keys travel along (``.keys``) so the holder can ask its primary for them (a sync)."""
+    error = StoreError("UNAVAILABLE", message)
+    error.keys = list(keys)
+    return error
+
+
 def _clone_state(state: dict) -> dict:
     """A private copy of a block's optimizer state (tensors cloned, counters as they are)."""
     return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()}
@@ -1179,8 +1187,8 @@ class JobStore:
                 block.pending = None
             self.cond.notify_all()
         if missing and not ahead:
-            raise StoreError("UNAVAILABLE", f"blocks {missing[:4]} of job {self.name!r} are not at the version their "
-                                            f"primary stepped them from (a step this node did not get)")
+            raise _lacking(missing, f"blocks {missing[:4]} of job {self.name!r} are not at the version their "
+                                    f"primary stepped them from (a step this node did not get)")
 
     def carry_copies(self, items: list) -> None:
         """Their primary carried copies through a step: ``(key, version, step)``. A copy at that
@@ -1207,7 +1215,7 @@ class JobStore:
                 block.pending = None
             self.cond.notify_all()
         if missing:
-            raise StoreError("UNAVAILABLE", f"blocks {missing[:4]} of job {self.name!r} lack the version their primary "
+            raise _lacking(missing, f"blocks {missing[:4]} of job {self.name!r} lack the version their primary "
                                             f"carried them through (a copy of a step this node did not get)")
 
     def _follow_copies(self, steps) -> None:

@@ -433,8 +433,9 @@ def test_a_copy_holder_at_another_version_is_dropped_not_stepped_and_syncs_a_ful
     holds the version the primary stepped from. One that does not (here: a copy made to look a
     step behind) steps nothing: stepped at the commits it answers UNAVAILABLE; stepped ahead it
     holds nothing, and the step's frame that names the block finds it lacking. Either way the
-    primary drops it from the in-sync holders and makes the step visible with the others; its
-    next sync brings a full copy."""
+    primary drops it from the in-sync holders and makes the step visible with the others, and
+    the holder asks its primary at once for a full copy of what it lacks (a sync), so it is an
+    in-sync holder again without waiting for a routing change."""
     monkeypatch.setattr(sys.modules[__name__], "REPLICATE_GRADIENTS", True)
     bus, cluster = start(initial=initial)
     grads = gradients(4)
@@ -445,11 +446,19 @@ def test_a_copy_holder_at_another_version_is_dropped_not_stepped_and_syncs_a_ful
     copy = bus.nodes[holder].job("job").blocks[key]
     copy.version -= 1
     before = copy.value.clone()
-    run_steps(cluster, grads[2:3])
-    assert holder not in bus.nodes[primary].replicator.in_sync("job")
-    assert torch.equal(copy.value, before) and copy.step == 2   # left as it was
-    for node in bus.nodes.values():
-        node.assign_roles(node.job("job"))   # as after the next routing change: the holders sync
+    cluster.push(0, grads[2][0])
+    cluster.push(1, grads[2][1])
+    cluster.commit(0)
+    cluster.commit(1)
+    cluster.wait_visible()
+    # the holder asked its primary for the block at once (a sync, no routing change): in sync again
+    primary_block = bus.nodes[primary].job("job").blocks[key]
+    deadline = time.monotonic() + 10
+    while not (holder in bus.nodes[primary].replicator.in_sync("job")
+               and bus.nodes[holder].job("job").blocks[key].version == primary_block.version):
+        assert time.monotonic() < deadline, "the holder did not sync the block it lacked"
+        time.sleep(0.01)
+    assert not torch.equal(before, bus.nodes[holder].job("job").blocks[key].value)   # a full copy came
     bus.settle()
     cluster.assert_copies_equal()
     run_steps(cluster, grads[3:])
