@@ -131,6 +131,16 @@ def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
     return refs, payloads
 
 
+def stepped_refs(codec: BlockCodec, items, *, replay: bool = True) -> tuple[list, list]:
+    """BlockRefs and payload parts for stepped ``items`` of (key, block): a copy of each
+    (copy_refs), or, for a block carrying a ``replay`` (replicate_gradients) when ``replay``
+    allows, the gradient its holders step it with (gradient_refs)."""
+    replayed = [(k, b) for k, b in items if replay and b.replay is not None]
+    refs, payloads = copy_refs(codec, [(k, b) for k, b in items if not (replay and b.replay is not None)])
+    replay_refs, replay_payloads = gradient_refs(replayed)
+    return refs + replay_refs, payloads + replay_payloads
+
+
 def gradient_refs(items) -> tuple[list, list]:
     """BlockRefs and payload parts for ``items`` of (key, block) whose step the holders replay
     (Block.replay: the version it was stepped from, its mean gradient, the lr)."""
@@ -354,10 +364,7 @@ class Replicator:
         with self._lock:
             self._sent_ahead.setdefault(job.name, {}).update(sent)
         for peer, copies in by_peer.items():
-            refs, payloads = copy_refs(self.codec(job), [(k, c) for k, c in copies if c.replay is None])
-            replay_refs, replay_payloads = gradient_refs([(k, c) for k, c in copies if c.replay is not None])
-            refs.extend(replay_refs)
-            payloads.extend(replay_payloads)
+            refs, payloads = stepped_refs(self.codec(job), copies)
             header = self._header(dp.OP_REPLICATE, job, step=copies[0][1].step, blocks=refs, staged=True,
                                   payload_bytes=sum(r.nbytes for r in refs))
             self.links.link(peer).send(_Send(header, payloads))  # a failure shows at the step's frame
@@ -402,11 +409,7 @@ class Replicator:
         for peer, items in by_peer.items():
             stepped = [(k, b) for k, b in items if b.version == step + 1 and not sent_ahead(k, b, peer)]
             carried = [(k, b) for k, b in items if b.version != step + 1 or sent_ahead(k, b, peer)]
-            replayed = [(k, b) for k, b in stepped if b.replay is not None and not copy]
-            refs, payloads = copy_refs(self.codec(job), [(k, b) for k, b in stepped if b.replay is None or copy])
-            replay_refs, replay_payloads = gradient_refs(replayed)
-            refs.extend(replay_refs)
-            payloads.extend(replay_payloads)
+            refs, payloads = stepped_refs(self.codec(job), stepped, replay=not copy)
             if copy:
                 payloads = [bytes(p) for p in payloads]
             for key, block in carried:

@@ -1149,9 +1149,7 @@ class JobStore:
             numel = self.expected_numel(tensor, index)
             if grad is not None and grad.numel() != numel:
                 raise StoreError("INVALID_ARGUMENT", f"gradient of block {tensor}[{index}] must have {numel} elements")
-            if not (math.isfinite(lr) and lr >= 0):
-                raise StoreError("INVALID_ARGUMENT", f"lr of block {tensor}[{index}] must be a finite number >= 0, "
-                                                     f"got {lr!r}")
+            self.group_lrs(lr)   # a finite number >= 0, as a push's or commit's lr
         missing, taken = [], []
         with self.cond:
             if not ahead:

@@ -207,8 +207,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
         for key, value in (("overlap", overlap), ("priority_pull", priority_pull),
                            ("exact_restarts", True if exact_restarts is None else exact_restarts),
-                           ("replicate_gradients", bool(replicate_gradients) if replicate_gradients is None
-                            else replicate_gradients)):
+                           ("replicate_gradients", False if replicate_gradients is None else replicate_gradients)):
             if not isinstance(value, bool):
                 raise ShardlineConfigError(f"{key} must be True or False, got {value!r}")
         cap_bytes = bucket_cap_bytes(bucket_cap_mb)
