@@ -503,8 +503,12 @@ def summarize_mode(mode: str, ranks: list[dict], args, wall: float) -> dict:
                          "step_ms_median": 1e3 * statistics.median(r["step_seconds"][s] for s in timed)})
     total_tokens = sum(p["tokens"] for p in per_rank)
     slowest = max(p["seconds"] for p in per_rank)
+    # The ranks' own time (step time less every wait): the throughput this run's compute allows at
+    # best, were communication, the optimizer step and the slowest rank all free.
+    busiest = max(p["seconds"] * (1.0 - p["wait_share"]) for p in per_rank)
     losses = [sum(r["loss_sums"][s] for r in ranks) / sum(r["tokens"][s] for r in ranks) for s in range(args.steps)]
-    return {"mode": mode, "tokens_per_s": total_tokens / slowest, "wait_share_mean": statistics.fmean(p["wait_share"] for p in per_rank),
+    return {"mode": mode, "tokens_per_s": total_tokens / slowest, "tokens_per_s_without_waits": total_tokens / busiest,
+            "wait_share_mean": statistics.fmean(p["wait_share"] for p in per_rank),
             "wait_share_max": max(p["wait_share"] for p in per_rank), "peak_rss_mib_max": max(p["peak_rss_mib"] for p in per_rank),
             "per_rank": per_rank, "losses": losses, "wall_seconds": wall}
 
@@ -621,6 +625,12 @@ def run(args) -> dict:
 def summarize(runs: dict, curves: dict, args) -> dict:
     out = {}
     base = {r["repeat"]: r for r in runs.get("ddp", [])}
+    fsdp = {r["repeat"]: r for r in runs.get("fsdp2", [])}
+
+    def paired(rs, peers, key="tokens_per_s"):  # per repeat: this mode's key over the peer's tok/s
+        ratios = [r[key] / peers[r["repeat"]]["tokens_per_s"] for r in rs if r["repeat"] in peers]
+        return statistics.median(ratios) if ratios else None
+
     for m, rs in runs.items():
         if not rs:
             continue
@@ -636,6 +646,10 @@ def summarize(runs: dict, curves: dict, args) -> dict:
             "reference": REFERENCE_OF[m], "split": SPLIT_OF[m],
             "loss_max_abs_diff": diffs, "loss_max_abs_diff_own_reference": diffs[REFERENCE_OF[m]],
             "first_loss": rs[0]["losses"][0], "last_loss": rs[0]["losses"][-1],
+            "ratio_to_fsdp2_paired_median": paired(rs, fsdp),
+            "tokens_per_s_without_waits_median": statistics.median(r["tokens_per_s_without_waits"] for r in rs),
+            "without_waits_ratio_to_ddp_paired_median": paired(rs, base, "tokens_per_s_without_waits"),
+            "without_waits_ratio_to_fsdp2_paired_median": paired(rs, fsdp, "tokens_per_s_without_waits"),
         }
     return out
 
@@ -655,6 +669,16 @@ def print_table(result: dict) -> None:
         print(f"{m:<24}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
               f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}{s['peak_rss_mib_max']:>9.0f}"
               f"{s['reference']:>12}{s['loss_max_abs_diff_own_reference']:>12.2e}{s['loss_max_abs_diff'][other]:>11.2e}")
+    print("bounds: a mode's tok/s were every wait of its ranks gone (their own forward/backward time only), "
+          "against the peers' measured tok/s")
+    for m, s in result.get("summary", {}).items():
+        if m.startswith("shardline") and s.get("tokens_per_s_without_waits_median"):
+            vs = [f"{r:.2f} x {peer}" for peer, r in (("ddp", s["without_waits_ratio_to_ddp_paired_median"]),
+                                                     ("fsdp2", s["without_waits_ratio_to_fsdp2_paired_median"]))
+                  if r is not None]
+            measured = s.get("ratio_to_fsdp2_paired_median")
+            print(f"  {m:<22}{s['tokens_per_s_without_waits_median']:>9.0f} tok/s = {', '.join(vs)}"
+                  + (f" (measured {measured:.2f} x fsdp2)" if measured is not None else ""))
     for m, why in result.get("skipped", {}).items():
         print(f"{m}: skipped: {why.splitlines()[-1] if why else why}")
     print(f"wall {result['wall_seconds']:.0f} s, load {result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}")
