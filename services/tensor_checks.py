@@ -117,7 +117,11 @@ def zero_parts(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bool]:
         return [is_all_zero(flat[start:stop]) for start, stop in bounds]
     starts = [start for start, _ in bounds]
     if flat.dtype == torch.float32 and flat.is_contiguous():
-        firsts = (flat.numpy()[starts] != 0).tolist()
+        values = flat.numpy()
+        if len(bounds) == 1:  # a one-block tensor (most of a model's): no gather, no slice if dense
+            start, stop = bounds[0]
+            return [False if values[start] != 0 else is_all_zero(flat[start:stop])]
+        firsts = (values[starts] != 0).tolist()
     else:
         firsts = (flat[torch.tensor(starts)] != 0).tolist()
     return [False if first else is_all_zero(flat[start:stop]) for first, (start, stop) in zip(firsts, bounds)]

@@ -672,16 +672,22 @@ class Client:
                 raise ShardlineConfigError(f"job {self.job!r} has no tensor {name!r}")
             if not trainable[name]:
                 raise ShardlineConfigError(f"tensor {name!r} is frozen in job {self.job!r}; it takes no gradient")
-            if tuple(g.shape) != self._shapes[name]:
+            if g.shape != self._shapes[name]:  # torch.Size is a tuple
                 raise ShardlineConfigError(f"gradient for {name!r} has shape {tuple(g.shape)}, tensor is {self._shapes[name]}")
-            flat = g.detach().to("cpu").reshape(-1)
+            g = g.detach()
+            if g.device.type != "cpu":
+                g = g.to("cpu")
+            flat = g.reshape(-1)
             if flat.dtype not in frame.WIRE_DTYPE:
                 flat = flat.to(torch.float32)
-            flat = flat.contiguous()
+            if not flat.is_contiguous():
+                flat = flat.contiguous()
             flats.append((name, flat))
             slices = self._slices[name]
+            numel = flat.numel()
             for s, zero in zip(slices, zero_parts(flat, [(s.start, s.stop) for s in slices])):
-                payload[(name, s.index)] = None if zero else flat[s.start:s.stop]
+                # a one-block tensor's block is the tensor itself (a slice is a tensor op more per block)
+                payload[(name, s.index)] = None if zero else flat if s.stop - s.start == numel else flat[s.start:s.stop]
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
         # checks each block as its bytes arrive (cache-hot, on the side of the stream with slack)
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
@@ -1289,16 +1295,16 @@ class Client:
         no payload bytes."""
         for ref in reply.blocks:
             s = expected.pop((ref.tensor, ref.index), None)
-            dest = None if s is None else self._values[ref.tensor][s.start:s.stop]
-            if dest is None or ref.dtype != frame.WIRE_DTYPE[dest.dtype] or ref.numel != s.numel or ref.zero \
+            cache = None if s is None else self._values[ref.tensor]
+            if cache is None or ref.dtype != frame.WIRE_DTYPE[cache.dtype] or ref.numel != s.numel or ref.zero \
                     or (ref.placed and (ref.tensor, ref.index) not in placed):
                 conn.close()
                 self._conns.pop(node_id, None)
                 raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {ref.tensor}[{ref.index}]")
-            if ref.placed:
+            if ref.placed:  # already in the cache: no view of it needed
                 self.stats.placed_blocks += 1
             else:
-                frame.recv_exactly_into(conn.sock, frame.tensor_bytes(dest))
+                frame.recv_exactly_into(conn.sock, frame.tensor_bytes(cache[s.start:s.stop]))
             self._versions[(ref.tensor, ref.index)] = ref.version
             self.stats.pulled_bytes += ref.nbytes
             self.stats.pulled_blocks += 1

@@ -418,6 +418,9 @@ class ShmConnection:
                     targets.append((i, region, offset, tensor))
             self._copying += 1
         try:
+            if targets and not checked:
+                _copy_bytes(targets, into_region)
+                return None
             if targets:  # the region views live only in this call: the finally below may unmap them
                 views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for _i, r, o, t in targets]
                 tensors = [t.view(-1) for _i, _r, _o, t in targets]
@@ -586,6 +589,33 @@ class ShmConnection:
             _close_fds(fds)
         with self._installing(region):
             self._peer_regions[region_id] = region
+
+
+def _copy_bytes(targets, into_region: bool) -> None:
+    """Copy each ``(_, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
+    it), through numpy byte views: a torch view per block costs several times the copy of a small
+    block (a pull of a model's many norms and biases). The views are gone when this returns, so
+    the caller may unmap the regions."""
+    import numpy as np
+    import torch
+
+    wholes: dict = {}
+    whole = data = None
+    try:
+        for _i, region, offset, tensor in targets:
+            whole = wholes.get(id(region))
+            if whole is None:
+                whole = wholes[id(region)] = np.frombuffer(region, dtype=np.uint8)
+            # bfloat16 has no numpy type: its bytes as int16
+            data = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
+            data = data.reshape(-1).view(np.uint8)
+            if into_region:
+                whole[offset:offset + data.size] = data
+            else:
+                data[:] = whole[offset:offset + data.size]
+    finally:
+        wholes.clear()
+        whole = data = None
 
 
 def _first_nonfinite_copy(dests, sources) -> int | None:

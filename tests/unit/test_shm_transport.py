@@ -444,6 +444,32 @@ def test_place_many_copies_every_block_or_none_if_one_does_not_fit():
     del cache
 
 
+def test_placed_and_taken_blocks_keep_their_exact_bytes_in_every_wire_dtype():
+    client, node = pair()
+    region = shm.SharedRegion(8192)
+    try:
+        share_with_node(client, node, region)
+        g = torch.Generator().manual_seed(3)
+        values = [torch.randn(5, 3, generator=g),                       # a 2-D block: its bytes in order
+                  torch.randn(7, generator=g).to(torch.bfloat16),       # no numpy type of its own
+                  torch.randn(9, generator=g).to(torch.float16),
+                  torch.tensor([float("nan"), -0.0, float("inf")])]     # bytes, not values: NaN stays NaN
+        offsets = [0, 64, 80, 104]
+        node.place_many([(region.id, o, v) for o, v in zip(offsets, values)])
+        for o, v in zip(offsets, values):
+            placed = region.tensor(v.dtype, o, v.numel())
+            assert torch.equal(placed.view(torch.uint8), v.reshape(-1).view(torch.uint8))
+        taken = [torch.empty_like(v) for v in values]
+        assert node.take_many([(region.id, o, t) for o, t in zip(offsets, taken)]) is None
+        assert all(torch.equal(t.view(torch.uint8), v.view(torch.uint8)) for t, v in zip(taken, values))
+        del placed   # our own view of the region
+    finally:
+        client.close()
+        node.close()
+        region.close()
+    assert shm_mappings_of("region") == 1   # the node's went with its connection (no byte view outlived a copy)
+
+
 @pytest.mark.parametrize("lie", ["unsealed", "size differs from the file", "id 0", "same id twice", "too many",
                                  "no fd", "two fds"])
 def test_a_lying_region_is_refused_and_leaves_no_fd_or_mapping(lie, monkeypatch):
@@ -499,6 +525,9 @@ def test_a_close_during_a_copy_into_a_region_unmaps_only_after_it():
                 started.set()
                 assert release.wait(10)
                 return torch.ones(16)
+
+            def numpy(self):   # the byte copy's way to the bytes
+                return self.view().numpy()
 
         join = in_thread(node.place, region.id, 0, SlowValue())
         assert started.wait(10)
