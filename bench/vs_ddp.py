@@ -506,8 +506,12 @@ def summarize_mode(mode: str, ranks: list[dict], args, wall: float) -> dict:
     # The ranks' own time (step time less every wait): the throughput this run's compute allows at
     # best, were communication, the optimizer step and the slowest rank all free.
     busiest = max(p["seconds"] * (1.0 - p["wait_share"]) for p in per_rank)
+    # The smaller wait of a step is the wait of the rank that finished its compute last: what the
+    # step's communication and optimizer cost with no imbalance in it.
+    last_wait = statistics.median(min(r["wait_seconds"][s] for r in ranks) for s in timed)
     losses = [sum(r["loss_sums"][s] for r in ranks) / sum(r["tokens"][s] for r in ranks) for s in range(args.steps)]
     return {"mode": mode, "tokens_per_s": total_tokens / slowest, "tokens_per_s_without_waits": total_tokens / busiest,
+            "last_rank_wait_ms": 1e3 * last_wait,
             "wait_share_mean": statistics.fmean(p["wait_share"] for p in per_rank),
             "wait_share_max": max(p["wait_share"] for p in per_rank), "peak_rss_mib_max": max(p["peak_rss_mib"] for p in per_rank),
             "per_rank": per_rank, "losses": losses, "wall_seconds": wall}
@@ -642,6 +646,7 @@ def summarize(runs: dict, curves: dict, args) -> dict:
             "ratio_to_ddp_min": min(ratios) if ratios else None, "ratio_to_ddp_max": max(ratios) if ratios else None,
             "wait_share_mean_median": statistics.median(r["wait_share_mean"] for r in rs),
             "wait_share_max_median": statistics.median(r["wait_share_max"] for r in rs),
+            "last_rank_wait_ms_median": statistics.median(r["last_rank_wait_ms"] for r in rs),
             "peak_rss_mib_max": max(r["peak_rss_mib_max"] for r in rs),
             "reference": REFERENCE_OF[m], "split": SPLIT_OF[m],
             "loss_max_abs_diff": diffs, "loss_max_abs_diff_own_reference": diffs[REFERENCE_OF[m]],
@@ -661,13 +666,14 @@ def print_table(result: dict) -> None:
     c = cfg.get("split_cost_model")
     print("balanced split by " + (f"fitted cost: c0 {c['c0'] * 1e3:.3g} ms + c1 {c['c1'] * 1e6:.3g} us/token"
                                   f" + c2 {c['c2'] * 1e9:.3g} ns/token^2" if c else "token count"))
-    print(f"{'mode':<24}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'RSS MiB':>9}"
-          f"{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
+    print(f"{'mode':<24}{'split':<11}{'tok/s':>9}{'x ddp':>8}{'wait mean':>11}{'wait max':>10}{'last ms':>9}"
+          f"{'RSS MiB':>9}{'ref':>12}{'max|dloss|':>12}{'other ref':>11}")
     for m, s in result.get("summary", {}).items():
         other = "rank_mean" if s["reference"] == "token_mean" else "token_mean"
         ratio = s["ratio_to_ddp_paired_median"]
         print(f"{m:<24}{s['split']:<11}{s['tokens_per_s_median']:>9.0f}{(f'{ratio:.2f}' if ratio else '-'):>8}"
-              f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}{s['peak_rss_mib_max']:>9.0f}"
+              f"{s['wait_share_mean_median']:>11.1%}{s['wait_share_max_median']:>10.1%}"
+              f"{s['last_rank_wait_ms_median']:>9.1f}{s['peak_rss_mib_max']:>9.0f}"
               f"{s['reference']:>12}{s['loss_max_abs_diff_own_reference']:>12.2e}{s['loss_max_abs_diff'][other]:>11.2e}")
     print("bounds: a mode's tok/s were every wait of its ranks gone (their own forward/backward time only), "
           "against the peers' measured tok/s")
