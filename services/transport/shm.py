@@ -411,6 +411,8 @@ class ShmConnection:
                 if self._closed or region is None:
                     raise OSError(errno.EBADF, f"no region {region_id} on this shm connection")
                 nbytes = tensor.numel() * tensor.element_size()
+                if not tensor.is_contiguous():  # its bytes are not one span: a byte copy would miss them
+                    raise ValueError(f"a block copied to or from region {region_id} must be contiguous")
                 if offset < 0 or offset + nbytes > len(region) or offset % tensor.element_size():
                     raise ValueError(f"{nbytes} bytes at offset {offset} do not fit region {region_id} "
                                      f"of {len(region)} bytes (aligned to {tensor.element_size()})")

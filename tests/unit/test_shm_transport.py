@@ -462,6 +462,12 @@ def test_placed_and_taken_blocks_keep_their_exact_bytes_in_every_wire_dtype():
         taken = [torch.empty_like(v) for v in values]
         assert node.take_many([(region.id, o, t) for o, t in zip(offsets, taken)]) is None
         assert all(torch.equal(t.view(torch.uint8), v.view(torch.uint8)) for t, v in zip(taken, values))
+        strided = torch.zeros(6, 2)[:, 0]   # not one span of bytes: refused before anything moves
+        with pytest.raises(ValueError, match="contiguous"):
+            node.take_many([(region.id, 0, taken[2]), (region.id, 0, strided)])
+        with pytest.raises(ValueError, match="contiguous"):
+            node.place_many([(region.id, 0, strided)])
+        assert not strided.any() and torch.equal(region.tensor(torch.float32, 0, 15), values[0].reshape(-1))
         del placed   # our own view of the region
     finally:
         client.close()
@@ -520,6 +526,9 @@ def test_a_close_during_a_copy_into_a_region_unmaps_only_after_it():
 
             def element_size(self):
                 return 4
+
+            def is_contiguous(self):
+                return True
 
             def view(self, *_):
                 started.set()
