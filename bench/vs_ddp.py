@@ -632,17 +632,19 @@ def summarize(runs: dict, curves: dict, args) -> dict:
     fsdp = {r["repeat"]: r for r in runs.get("fsdp2", [])}
 
     def paired(rs, peers, key="tokens_per_s"):  # per repeat: this mode's key over the peer's tok/s
-        ratios = [r[key] / peers[r["repeat"]]["tokens_per_s"] for r in rs if r["repeat"] in peers]
+        return [r[key] / peers[r["repeat"]]["tokens_per_s"] for r in rs if r["repeat"] in peers]
+
+    def median(ratios):
         return statistics.median(ratios) if ratios else None
 
     for m, rs in runs.items():
         if not rs:
             continue
-        ratios = [r["tokens_per_s"] / base[r["repeat"]]["tokens_per_s"] for r in rs if r["repeat"] in base]
+        ratios = paired(rs, base)
         diffs = {k: max(max(abs(a - b) for a, b in zip(r["losses"], c)) for r in rs) for k, c in curves.items()}
         out[m] = {
             "tokens_per_s_median": statistics.median(r["tokens_per_s"] for r in rs),
-            "ratio_to_ddp_paired_median": statistics.median(ratios) if ratios else None,
+            "ratio_to_ddp_paired_median": median(ratios),
             "ratio_to_ddp_min": min(ratios) if ratios else None, "ratio_to_ddp_max": max(ratios) if ratios else None,
             "wait_share_mean_median": statistics.median(r["wait_share_mean"] for r in rs),
             "wait_share_max_median": statistics.median(r["wait_share_max"] for r in rs),
@@ -651,10 +653,10 @@ def summarize(runs: dict, curves: dict, args) -> dict:
             "reference": REFERENCE_OF[m], "split": SPLIT_OF[m],
             "loss_max_abs_diff": diffs, "loss_max_abs_diff_own_reference": diffs[REFERENCE_OF[m]],
             "first_loss": rs[0]["losses"][0], "last_loss": rs[0]["losses"][-1],
-            "ratio_to_fsdp2_paired_median": paired(rs, fsdp),
+            "ratio_to_fsdp2_paired_median": median(paired(rs, fsdp)),
             "tokens_per_s_without_waits_median": statistics.median(r["tokens_per_s_without_waits"] for r in rs),
-            "without_waits_ratio_to_ddp_paired_median": paired(rs, base, "tokens_per_s_without_waits"),
-            "without_waits_ratio_to_fsdp2_paired_median": paired(rs, fsdp, "tokens_per_s_without_waits"),
+            "without_waits_ratio_to_ddp_paired_median": median(paired(rs, base, "tokens_per_s_without_waits")),
+            "without_waits_ratio_to_fsdp2_paired_median": median(paired(rs, fsdp, "tokens_per_s_without_waits")),
         }
     return out
 

@@ -382,14 +382,14 @@ class ShmConnection:
         self.place_many([(region_id, offset, value)])
 
     def place_many(self, items) -> None:
-        """``place`` of each ``(region_id, offset, value)``: one lock round and one multi-tensor
-        copy for all of them (a pull of many small blocks pays a copy call per block otherwise)."""
+        """``place`` of each ``(region_id, offset, value)``: one lock round for all of them, then
+        byte copies through numpy views (_copy_bytes: cheap per block, for a pull of many small ones)."""
         self._copy_regions(items, into_region=True)
 
     def take_many(self, items, *, checked: bool = False) -> int | None:
         """Copy into each ``(region_id, offset, dest)``'s tensor ``dest`` (contiguous) its bytes at
         ``offset`` of the peer's region ``region_id`` (a push's blocks the peer left in its memory):
-        bounds checked first, then one multi-tensor copy. What the peer writes there meanwhile may
+        bounds checked first, then byte copies (_copy_bytes). What the peer writes there meanwhile may
         tear the copy; the caller checks the copy, never the region.
 
         ``checked``: a copy per item instead, each checked for NaN/Inf as it is made
@@ -420,20 +420,20 @@ class ShmConnection:
                     targets.append((i, region, offset, tensor))
             self._copying += 1
         try:
-            if targets and not checked:
+            if not targets:
+                return None
+            if not checked:
                 _copy_bytes(targets, into_region)
                 return None
-            if targets:  # the region views live only in this call: the finally below may unmap them
-                views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for _i, r, o, t in targets]
-                tensors = [t.view(-1) for _i, _r, _o, t in targets]
-                try:
-                    if checked:
-                        bad = _first_nonfinite_copy(tensors, views)
-                        return None if bad is None else targets[bad][0]
-                    torch._foreach_copy_(*((views, tensors) if into_region else (tensors, views)))
-                finally:
-                    del views, tensors
-            return None
+            # checked: a take (into_region is False); the region views live only in this call: the
+            # finally below may unmap them
+            views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for _i, r, o, t in targets]
+            tensors = [t.view(-1) for _i, _r, _o, t in targets]
+            try:
+                bad = _first_nonfinite_copy(tensors, views)
+                return None if bad is None else targets[bad][0]
+            finally:
+                del views, tensors
         finally:
             with self._map_lock:
                 self._copying -= 1
@@ -599,7 +599,8 @@ def _copy_bytes(targets, into_region: bool) -> None:
     block (a pull of a model's many norms and biases). The views are gone when this returns, so
     the caller may unmap the regions."""
     import numpy as np
-    import torch
+
+    from shardline.services.frame import tensor_bytes
 
     wholes: dict = {}
     whole = data = None
@@ -608,9 +609,7 @@ def _copy_bytes(targets, into_region: bool) -> None:
             whole = wholes.get(id(region))
             if whole is None:
                 whole = wholes[id(region)] = np.frombuffer(region, dtype=np.uint8)
-            # bfloat16 has no numpy type: its bytes as int16
-            data = (tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor).numpy()
-            data = data.reshape(-1).view(np.uint8)
+            data = np.frombuffer(tensor_bytes(tensor), dtype=np.uint8)   # writable: the tensor's own bytes
             if into_region:
                 whole[offset:offset + data.size] = data
             else:
