@@ -12,7 +12,8 @@ iteration, so load changes hit every mode alike):
 * ``local``: ``torch.optim.AdamW`` (the baseline; foreach, as torch picks on CPU);
 * ``ps_overlap``: PSOptimizer BSP with push during backward and the priority pull
   (``overlap=True, prefetch_window=1``);
-* ``ps_plain``: PSOptimizer BSP, everything inside ``step()`` (``overlap=False, prefetch_window=0``).
+* ``ps_plain``: PSOptimizer BSP, everything inside ``step()`` (``overlap=False, prefetch_window=0``);
+* ``ps_flat``: ``ps_plain`` with ``flatten=True`` (the model's parameters one tensor on the PS).
 
 Per mode: the median of ``opt.step()`` time and of the whole iteration (``zero_grad``, forward,
 backward, ``step``), and for the PS modes the exposed communication: ``zero_grad`` + ``step`` +
@@ -39,8 +40,9 @@ sys.path.insert(0, str(HERE))
 from report import run_and_report  # noqa: E402
 from vs_ddp import HYPER, MODEL, machine_info, seq_loss_sum  # noqa: E402
 
-MODES = ("local", "ps_overlap", "ps_plain")
-PS_MODES = {"ps_overlap": dict(overlap=True, prefetch_window=1), "ps_plain": dict(overlap=False, prefetch_window=0)}
+MODES = ("local", "ps_overlap", "ps_plain", "ps_flat")
+PS_MODES = {"ps_overlap": dict(overlap=True, prefetch_window=1), "ps_plain": dict(overlap=False, prefetch_window=0),
+            "ps_flat": dict(overlap=False, prefetch_window=0, flatten=True)}
 
 
 def run(args) -> dict:

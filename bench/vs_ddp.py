@@ -35,6 +35,9 @@ Modes (``--modes``):
   parameters one step old, so it matches ``token_mean`` only approximately (its loss difference is
   reported, not expected to be round-off). ``shardline_ssp1_plain``: the same with
   ``shardline_plain``'s options.
+* ``shardline_flat``: ``shardline_plain`` with ``flatten=True``: the model's parameters are one
+  tensor on the PS (worker/flat_params.py), so a step moves and steps a few large blocks instead
+  of the model's 48 tensors. ``shardline_ssp1_flat``: the same with ``sync="ssp", staleness=1``.
 
 Per rank: tokens/s over the timed steps (every step after ``--warmup``), the share of step time
 spent waiting for communication (DDP: time blocked in the all-reduce, measured by a comm hook
@@ -78,7 +81,8 @@ from emulated_link import EmulatedLink, check_rate, python_wrapper  # noqa: E402
 from report import run_and_report  # noqa: E402
 
 CLONE_NEWNET = 0x40000000
-MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1", "shardline_ssp1_plain")
+MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1", "shardline_ssp1_plain",
+         "shardline_flat", "shardline_ssp1_flat")
 # Shardline with one of the two levers only (not run by default: --modes names them)
 EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
 # PSOptimizer options of each Shardline mode (sync defaults to BSP).
@@ -87,7 +91,9 @@ SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
                    "shardline_overlap_only": dict(overlap=True, prefetch_window=0),
                    "shardline_prefetch_only": dict(overlap=False, prefetch_window=1),
                    "shardline_ssp1": dict(overlap=True, prefetch_window=1, sync="ssp", staleness=1),
-                   "shardline_ssp1_plain": dict(overlap=False, prefetch_window=0, sync="ssp", staleness=1)}
+                   "shardline_ssp1_plain": dict(overlap=False, prefetch_window=0, sync="ssp", staleness=1),
+                   "shardline_flat": dict(overlap=False, prefetch_window=0, flatten=True),
+                   "shardline_ssp1_flat": dict(overlap=False, prefetch_window=0, sync="ssp", staleness=1, flatten=True)}
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4

@@ -26,6 +26,7 @@ from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 from shardline.worker import metrics
+from shardline.worker.flat_params import FlatGroup, flat_layout, is_flat_name
 from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
 
@@ -163,6 +164,18 @@ class PSOptimizer(torch.optim.Optimizer):
     itself. An error of a background push (NaN gradient, node lost past ``recovery_timeout``) is
     raised by ``step()``; the step is then not committed.
 
+    ``flatten=True`` (opt-in): the job stores each param group's trainable parameters as one float32
+    tensor, as DDP buckets gradients and FSDP flattens parameters (worker/flat_params.py): the
+    parameters become views of it, ``step()`` gathers their gradients into one buffer, and a step
+    moves and applies a few large blocks instead of one block per parameter (each costs Python
+    work on the worker and the node: bench/step_overhead.py). BSP still equals torch.optim (the
+    optimizers are elementwise). It needs float32 CPU parameters, every trainable parameter of a
+    group with a gradient at each ``step()`` (or none of them: torch.optim skips one without, a
+    flat step cannot), ``overlap=False``; the pull is not by priority, and groups cannot be added
+    during training. The job's tensors are then named ``flat<group>.<digest>`` (frozen parameters
+    keep their names), so readers that load weights by parameter name (subscribers, export) need
+    the default layout. Default False; every worker of a job must pass the same.
+
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker
     prepares its next batch while the slowest finishes) until the parameters are next used.
@@ -200,16 +213,19 @@ class PSOptimizer(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
                  compression: str | None = None, rack: str | None = None, exact_restarts: bool | None = None,
-                 replicate_gradients: bool | None = None, **optimizer_kwargs):
+                 replicate_gradients: bool | None = None, flatten: bool = False, **optimizer_kwargs):
         if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
             raise ShardlineConfigError(
                 f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
                 f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
-        for key, value in (("overlap", overlap), ("priority_pull", priority_pull),
+        for key, value in (("overlap", overlap), ("priority_pull", priority_pull), ("flatten", flatten),
                            ("exact_restarts", True if exact_restarts is None else exact_restarts),
                            ("replicate_gradients", False if replicate_gradients is None else replicate_gradients)):
             if not isinstance(value, bool):
                 raise ShardlineConfigError(f"{key} must be True or False, got {value!r}")
+        if flatten and overlap:
+            raise ShardlineConfigError("flatten=True pushes each param group's gradients as one tensor after backward; "
+                                       "it does not combine with overlap=True (push during backward): pass one of them")
         cap_bytes = bucket_cap_bytes(bucket_cap_mb)
         defaults_config = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)
@@ -240,6 +256,17 @@ class PSOptimizer(torch.optim.Optimizer):
         if len(set(names)) != len(names):
             raise ShardlineConfigError("parameter names must be unique")
         groups_of = {name: i for i, g in enumerate(self.param_groups) for name in g["param_names"]}
+        # flatten: the job stores each group's trainable parameters as one tensor (worker/flat_params.py)
+        self.flatten = flatten
+        self._flat: list[FlatGroup] = flat_layout(self.param_groups) if flatten else []
+        self._flat_grads: dict[str, torch.Tensor] = {}   # each flat group's gradient buffer (BSP)
+        flat_members = {name for f in self._flat for name, _ in f.members}
+        job_tensors = {**{f.name: f.values() for f in self._flat},
+                       **{n: p.detach() for n, p in self.params if n not in flat_members}}
+        trainable = {**{f.name: True for f in self._flat},
+                     **{n: p.requires_grad for n, p in self.params if n not in flat_members}}
+        groups_of = {**{f.name: f.group for f in self._flat},
+                     **{n: i for n, i in groups_of.items() if n not in flat_members}}
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -252,9 +279,8 @@ class PSOptimizer(torch.optim.Optimizer):
         several = len(self.param_groups) > 1
         if self.rank == 0:
             created = self.client.init(
-                {n: p.detach() for n, p in self.params}, optimizer=self.kind, sync=sync, staleness=staleness or 0,
-                world_size=self.world_size, block_elements=block_elements,
-                trainable={n: p.requires_grad for n, p in self.params},
+                job_tensors, optimizer=self.kind, sync=sync, staleness=staleness or 0,
+                world_size=self.world_size, block_elements=block_elements, trainable=trainable,
                 allow_nonfinite=allow_nonfinite, replication=replication,
                 worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
                 param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
@@ -269,6 +295,7 @@ class PSOptimizer(torch.optim.Optimizer):
         if staleness is not None and (spec.sync, spec.staleness) != (sync, staleness):
             raise ShardlineConfigError(f"job {job!r} is sync {spec.sync!r} with staleness {spec.staleness}, this worker "
                                        f"says {sync!r} with staleness {staleness!r}")
+        self._check_job_tensors(spec, job_tensors)
         self._check_job_groups(spec, groups_of)
         if max_grad_norm is not None and float(max_grad_norm) != spec.max_grad_norm:
             raise ShardlineConfigError(f"job {job!r} clips gradients at max_grad_norm {spec.max_grad_norm:g} (0: not at "
@@ -285,14 +312,17 @@ class PSOptimizer(torch.optim.Optimizer):
         # Pulls land directly in parameters that are contiguous CPU fp32 or bf16 (bf16 ones are pulled
         # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []
+        for f in self._flat:
+            self._attach_flat(f, same_contents=created)
         for name, p in self.params:
-            self._attach_cache(name, p, same_contents=created)  # the creator initialized the job with them
-        self.client.join([n for n, _ in self.params])
+            if name not in flat_members:
+                self._attach_cache(name, p, same_contents=created)  # the creator initialized the job with them
+        self.client.join(list(job_tensors))
         self._sync_copies()
         if overlap:
             self._pusher = BackwardPusher(self.params, send=self._send, submit=self._executor.submit,
                                           round_info=self._round_info, cap_bytes=cap_bytes)
-        if prefetch_window == 1 and priority_pull:
+        if prefetch_window == 1 and priority_pull and not flatten:  # a flat group arrives whole
             self._priority = PriorityPull(self.params, cap_bytes)
             self._install_forward_hook()  # the first forward teaches the order
         self._metrics = metrics.StepMetrics(job, self.rank)
@@ -323,6 +353,51 @@ class PSOptimizer(torch.optim.Optimizer):
             self.client.bind(name, p.data, same_contents=same_contents)
         else:
             self._copy_back.append((name, p))
+
+    def _attach_flat(self, flat: FlatGroup, *, same_contents: bool) -> None:
+        """Make ``flat``'s parameters views of one float32 tensor that is the group's cache (the
+        client's shared one where there is one: a local node copies pulls straight into it)."""
+        storage = self.client.shared_cache(flat.name)
+        if storage is None:
+            storage = torch.empty(flat.numel, dtype=torch.float32)
+        with torch.no_grad():
+            storage.copy_(flat.values())
+        self.client.bind(flat.name, storage, same_contents=same_contents)
+        flat.view_into(storage)
+
+    def _check_job_tensors(self, spec, job_tensors: dict) -> None:
+        """The job must store what this worker pushes and pulls: a flat group (``flatten``) under
+        the name its parameters' names and shapes give, each other parameter under its own name."""
+        have = {t.name for t in spec.tensors}
+        missing = [n for n in job_tensors if n not in have]
+        if not missing:
+            return
+        flat_names = {f.name for f in self._flat}
+        if any(n in flat_names for n in missing):
+            raise ShardlineConfigError(
+                f"job {spec.name!r} stores no flat tensor {missing[0]!r} for this worker's param group: it was created "
+                f"without flatten=True, or from parameters with other names, shapes or groups")
+        raise ShardlineConfigError(
+            f"job {spec.name!r} has no tensor {missing[0]!r}"
+            + (" (it was created with flatten=True: pass flatten=True)" if any(map(is_flat_name, have)) else ""))
+
+    def _gathered_grads(self) -> dict[str, torch.Tensor]:
+        """``flatten``: each flat group's gradients gathered into one tensor (groups without any
+        are left out). BSP reuses a buffer per group (the client's shared gradient buffer over shm:
+        the node copies the push straight out of it); the step's record, which a replay resends,
+        is dropped by the pull before the next step writes it again. SSP keeps the records of
+        ``staleness`` steps, so each step gathers into a tensor of its own."""
+        grads = {}
+        for f in self._flat:
+            if self.client.staleness:
+                out = torch.empty(f.numel, dtype=torch.float32)
+            else:
+                out = self._flat_grads.get(f.name)
+                if out is None:
+                    out = self._flat_grads[f.name] = self.client.gradient_buffer(f.name).view(-1)
+            if f.gather_grads(out):
+                grads[f.name] = out
+        return grads
 
     # --- param groups -----------------------------------------------------------------------
     def _group_config(self, index: int, group: dict) -> OptimizerConfig:
@@ -360,6 +435,9 @@ class PSOptimizer(torch.optim.Optimizer):
         if not getattr(self, "_constructed", False):
             super().add_param_group(param_group)
             return
+        if self.flatten:
+            raise ShardlineConfigError("add_param_group during training is not supported with flatten=True (the job "
+                                       "stores each group as one tensor): create the optimizer with every group")
         self.wait()
         group = _named_groups([param_group])[0]
         members = group["params"]
@@ -481,7 +559,10 @@ class PSOptimizer(torch.optim.Optimizer):
             weight = self._check_weight(weight)
         if sent is None:
             lrs = self._step_lrs()
-            grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
+            if self.flatten:
+                grads = self._gathered_grads()
+            else:
+                grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
             self.client.lr = lrs
             self.client.push(grads, weight=weight or declared or 1.0)
         else:

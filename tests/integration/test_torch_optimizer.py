@@ -57,10 +57,13 @@ def schedule(opt):
     return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
 
 
-def reference(max_grad_norm: float | None = None, norms: list | None = None) -> dict[str, torch.Tensor]:
+def reference(max_grad_norm: float | None = None, norms: list | None = None, prepare=None) -> dict[str, torch.Tensor]:
     """Single process: torch.optim.AdamW on the same groups and schedule, each step on the
-    concatenation of every rank's batch (and clip_grad_norm_ before the step)."""
+    concatenation of every rank's batch (and clip_grad_norm_ before the step); ``prepare(model)``
+    first (e.g. freezing some parameters)."""
     model = Net()
+    if prepare is not None:
+        prepare(model)
     opt = torch.optim.AdamW(groups_of(model, named=False), **HYPER)
     sched = schedule(opt)
     for step in range(STEPS):
@@ -92,15 +95,18 @@ def run_rank(address, job, rank, model, results, errors, **extra):
             nn.functional.cross_entropy(model(tokens), targets).backward()
             opt.step()
             sched.step()
+        opt.wait()  # prefetch_window 1: the last step's pull
         results[rank] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, opt.state_dict())
         opt.close()
     except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
         errors.append(exc)
 
 
-def run_ranks(address, job, **extra):
+def run_ranks(address, job, prepare=None, **extra):
     results, errors = {}, []
     models = [Net() for _ in range(WORLD)]  # built here: Net() seeds the global RNG, threads would interleave draws
+    for model in models if prepare is not None else ():
+        prepare(model)
     threads = [threading.Thread(target=run_rank, args=(address, job, r, models[r], results, errors), kwargs=extra)
                for r in range(WORLD)]
     for t in threads:

@@ -1,0 +1,203 @@
+"""``PSOptimizer(flatten=True)`` against real daemons: each param group's trainable parameters are
+one tensor on the PS (worker/flat_params.py). Under BSP with 2 workers and 2 PS nodes it equals
+single-process torch.optim.AdamW (param groups, a scheduler, clipping, frozen parameters, shm and
+TCP, the prefetched pull, a PS killed mid-step); what it cannot do is refused with an error that
+says what to change."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from shardline import PSOptimizer, connect
+from shardline.services.errors import ShardlineConfigError
+from shardline.services.local_cluster import LocalCluster
+from shardline.worker.flat_params import is_flat_name
+from test_torch_optimizer import HYPER, STEPS, WORLD, Net, assert_equal, batch, groups_of, reference, run_ranks, \
+    schedule
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def job_tensors(address: str, job: str) -> dict[str, bool]:
+    """The job's tensors on the cluster: name -> trainable."""
+    with connect(address, job=job) as probe:
+        return {t.name: t.trainable for t in probe.wait_ready(30).tensors}
+
+
+@pytest.mark.parametrize("transport,prefetch_window", [("auto", 0), ("tcp", 0), ("auto", 1)])
+def test_flat_groups_under_bsp_equal_single_process_adamw(cluster, transport, prefetch_window):
+    """Three groups (their own weight decay and lr), a cosine schedule, blocks of 32 elements over
+    two nodes; over shm a rank's push is taken from its shared gradient buffer, over TCP it is sent."""
+    job = f"flat-{transport}-{prefetch_window}"
+    results = run_ranks(cluster.address, job, flatten=True, transport=transport, prefetch_window=prefetch_window)
+    assert_equal(results, reference())
+    tensors = job_tensors(cluster.address, job)
+    assert len(tensors) == 3 and all(map(is_flat_name, tensors)) and all(tensors.values()), tensors
+
+
+def test_flat_groups_clip_the_mean_gradient_like_clip_grad_norm(cluster):
+    norms: list[float] = []
+    expected = reference(max_grad_norm=0.3, norms=norms)
+    assert sum(n > 0.3 for n in norms) >= STEPS // 2, f"the norm should clip most steps: {norms}"
+    assert_equal(run_ranks(cluster.address, "flat-clipped", flatten=True, max_grad_norm=0.3), expected)
+
+
+def test_frozen_parameters_stay_tensors_of_their_own(cluster):
+    def freeze_norm(model):
+        model.norm.weight.requires_grad_(False)
+        model.norm.bias.requires_grad_(False)
+
+    expected = reference(prepare=freeze_norm)
+    results = run_ranks(cluster.address, "flat-frozen", prepare=freeze_norm, flatten=True)
+    initial = Net().state_dict()
+    for rank, (values, _state) in results.items():
+        for name, want in expected.items():
+            diff = (values[name] - want).abs().max().item()
+            assert diff <= 1e-6, f"rank {rank} {name}: max abs diff {diff}"
+        assert torch.equal(values["norm.weight"], initial["norm.weight"])
+    tensors = job_tensors(cluster.address, "flat-frozen")
+    assert tensors["norm.weight"] is False and tensors["norm.bias"] is False
+    assert sum(map(is_flat_name, tensors)) == 3 and len(tensors) == 5, tensors
+
+
+def test_a_ps_killed_in_the_middle_of_a_step_changes_nothing(tmp_path):
+    """Rank 0 kills one of two PS nodes after its backward of step 2, before its step(): its push
+    (taken from the shared gradient buffer) meets the dead node, the client resends the step to
+    the node that took the blocks over, and the result still equals torch.optim."""
+    steps = 4
+    with LocalCluster(tmp_path / "c") as c:
+        c.start_dispatcher(heartbeat_timeout=2, heartbeat_interval=0.5)
+        nodes = [c.add_node(node_id=f"ps{i}", wait=False) for i in range(2)]
+        for h in nodes:
+            c.wait_ready(h)
+        c.wait_for_nodes(2, timeout=30)
+        killed, results, errors = [], {}, []
+        models = [Net() for _ in range(WORLD)]
+
+        def train(rank):
+            try:
+                model = models[rank]
+                opt = PSOptimizer(groups_of(model, named=True), cluster=c.address, job="flat-kill", optimizer="adamw",
+                                  world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60,
+                                  recovery_timeout=30, flatten=True, **HYPER)
+                sched = schedule(opt)
+                for step in range(opt.version, steps):
+                    tokens, targets = batch(step, rank)
+                    opt.zero_grad()
+                    nn.functional.cross_entropy(model(tokens), targets).backward()
+                    if rank == 0 and step == 2 and not killed:
+                        killed.append(c.kill(nodes[1]))
+                    opt.step()
+                    sched.step()
+                results[rank] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                opt.close()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=train, args=(r,)) for r in range(WORLD)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        assert not errors, errors
+        assert killed
+        expected = _reference_steps(steps)
+        for rank, values in results.items():
+            for name, want in expected.items():
+                diff = (values[name] - want).abs().max().item()
+                assert diff <= 1e-6, f"rank {rank} {name}: max abs diff {diff}"
+
+
+def _reference_steps(steps: int) -> dict[str, torch.Tensor]:
+    """reference() for the first ``steps`` steps (the cosine schedule still spans STEPS)."""
+    model = Net()
+    opt = torch.optim.AdamW(groups_of(model, named=False), **HYPER)
+    sched = schedule(opt)
+    for step in range(steps):
+        parts = [batch(step, r) for r in range(WORLD)]
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
+        opt.step()
+        sched.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_ssp_flat_groups_never_compute_on_parameters_more_than_staleness_old(cluster):
+    """SSP with staleness 1: each step's gradients are gathered into a tensor of their own (the
+    records of the steps in flight keep them for resending), and a rank computes every step on
+    parameters at most one step old."""
+    seen, errors = {}, []
+    models = [Net() for _ in range(WORLD)]
+
+    def train(rank):
+        try:
+            model = models[rank]
+            opt = PSOptimizer(model, cluster=cluster.address, job="flat-ssp", optimizer="adamw", sync="ssp",
+                              staleness=1, world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30,
+                              pull_timeout=60, flatten=True, **HYPER)
+            gaps = []
+            for step in range(opt.version, STEPS):
+                tokens, targets = batch(step, rank)
+                opt.zero_grad()
+                nn.functional.cross_entropy(model(tokens), targets).backward()
+                gaps.append(opt.version - opt.held_version)
+                opt.step()
+            seen[rank] = gaps
+            opt.close()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=train, args=(r,)) for r in range(WORLD)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not errors, errors
+    assert all(0 <= gap <= 1 for gaps in seen.values() for gap in gaps), seen
+
+
+def test_what_flatten_cannot_do_is_refused_with_what_to_change(cluster):
+    model = Net()
+    with pytest.raises(ShardlineConfigError, match="does not combine with overlap=True"):
+        PSOptimizer(model, cluster="127.0.0.1:1", job="x", flatten=True, overlap=True)
+    half = Net().to(torch.bfloat16)
+    with pytest.raises(ShardlineConfigError, match="float32 CPU parameters; 'embed.weight' is torch.bfloat16"):
+        PSOptimizer(half, cluster="127.0.0.1:1", job="x", flatten=True)
+
+    opt = PSOptimizer(model, cluster=cluster.address, job="flat-refusals", optimizer="sgd", lr=0.1,
+                      block_elements=32, connect_timeout=30, world_size=2, rank=0, flatten=True)
+    try:
+        tokens, targets = batch(0, 0)
+        # out.bias takes no part in this loss: it has no gradient, which a flat step cannot skip
+        model.out(torch.tanh(model.hidden(model.norm(model.embed(tokens).mean(1))))).sum().backward()
+        model.out.bias.grad = None
+        with pytest.raises(ShardlineConfigError, match="'out.bias' got none this step"):
+            opt.step()
+        assert opt.version == 0, "nothing was pushed or committed"
+
+        with pytest.raises(ShardlineConfigError, match="add_param_group during training is not supported"):
+            opt.add_param_group({"params": [("extra", nn.Parameter(torch.zeros(3)))]})
+
+        with pytest.raises(ShardlineConfigError, match="created with flatten=True: pass flatten=True"):
+            PSOptimizer(Net(), cluster=cluster.address, job="flat-refusals", optimizer="sgd", lr=0.1,
+                        block_elements=32, connect_timeout=30, world_size=2, rank=1)
+        other = Net()
+        other.out = nn.Linear(16, 5)  # another shape: another layout
+        with pytest.raises(ShardlineConfigError, match="stores no flat tensor"):
+            PSOptimizer(other, cluster=cluster.address, job="flat-refusals", optimizer="sgd", lr=0.1,
+                        block_elements=32, connect_timeout=30, world_size=2, rank=1, flatten=True)
+    finally:
+        opt.close()
+
+    plain = PSOptimizer(Net(), cluster=cluster.address, job="flat-refusals-plain", optimizer="sgd", lr=0.1,
+                        block_elements=32, connect_timeout=30, world_size=2, rank=0)
+    try:
+        with pytest.raises(ShardlineConfigError, match="stores no flat tensor"):
+            PSOptimizer(Net(), cluster=cluster.address, job="flat-refusals-plain", optimizer="sgd", lr=0.1,
+                        block_elements=32, connect_timeout=30, world_size=2, rank=1, flatten=True)
+    finally:
+        plain.close()

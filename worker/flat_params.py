@@ -1,0 +1,96 @@
+"""Flat parameters (``PSOptimizer(flatten=True)``): each param group's trainable parameters are
+one float32 tensor on the PS, as DDP's gradient buckets and FSDP's flat parameters are.
+
+Why: every tensor of a job costs Python work per step on the worker and on the node (a block ref
+in each frame, a slot in the apply, a copy), about 25 us a tensor on each side; a model of many
+small tensors (norms, biases) pays it far more than for its bytes. A flat group is a few large
+blocks: one gather of the gradients into a buffer, one apply over it, one pull into it.
+
+The parameters become views into the group's cache (what the pull writes into), in the group's
+order; their gradients are gathered into the group's gradient buffer before the push. The
+optimizers the PS runs (SGD, Adam, AdamW) are elementwise, so stepping the flat tensor steps
+each parameter exactly as stepping it alone would: BSP still equals torch.optim.
+
+The contract, checked with errors that say what to change: float32 CPU parameters; every
+trainable parameter of a group has a gradient at ``step()`` or none of them has (torch.optim
+skips a parameter without one, which a flat step cannot); frozen parameters stay tensors of
+their own. The job stores the groups under names derived from the parameters' names and shapes
+(:func:`flat_layout`), so a worker whose model differs is refused when it joins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from shardline.services.errors import ShardlineConfigError
+
+FLAT_PREFIX = "flat"
+_FLAT_NAME = re.compile(rf"{FLAT_PREFIX}[0-9]+\.[0-9a-f]{{12}}")
+
+
+def is_flat_name(name: str) -> bool:
+    """Whether a job's tensor ``name`` is a flat group's (see :func:`flat_layout`)."""
+    return _FLAT_NAME.fullmatch(name) is not None
+
+
+@dataclass
+class FlatGroup:
+    """One param group's trainable parameters as one tensor of the job."""
+
+    name: str        # the job's tensor: "flat<group>.<digest of the members' names and shapes>"
+    group: int
+    members: list[tuple[str, torch.Tensor]]
+    offsets: list[int] = field(default_factory=list)   # of each member in the flat tensor
+    numel: int = 0
+
+    def values(self) -> torch.Tensor:
+        """The members' current values, concatenated (a new tensor)."""
+        return torch.cat([p.detach().reshape(-1) for _, p in self.members])
+
+    def view_into(self, storage: torch.Tensor) -> None:
+        """Make each member a view of its range of ``storage`` (1-D float32 of ``numel``), which
+        must already hold the values the members are to have."""
+        with torch.no_grad():
+            for (_, p), offset in zip(self.members, self.offsets):
+                p.data = storage[offset:offset + p.numel()].view(p.shape)
+
+    def gather_grads(self, out: torch.Tensor) -> bool:
+        """Copy the members' gradients into ``out`` (1-D float32 of ``numel``). False if no member
+        has one (nothing to push for this group); a group where only some have one is an error."""
+        grads = [p.grad for _, p in self.members]
+        missing = [name for (name, _), g in zip(self.members, grads) if g is None]
+        if len(missing) == len(grads):
+            return False
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ShardlineConfigError(
+                f"flatten=True steps param group {self.group} as one tensor, so every trainable parameter in it needs a "
+                f"gradient (torch.optim would skip one without): {shown} got none this step. Set requires_grad=False "
+                f"on parameters the model does not use, or pass flatten=False")
+        torch.cat([g.detach().reshape(-1) for g in grads], out=out)
+        return True
+
+
+def flat_layout(param_groups: list[dict]) -> list[FlatGroup]:
+    """The flat groups of torch param groups whose ``param_names`` and ``params`` are set: each
+    group's parameters that require grad, in order (a group without any has none)."""
+    flats = []
+    for index, group in enumerate(param_groups):
+        members = [(n, p) for n, p in zip(group["param_names"], group["params"]) if p.requires_grad]
+        if not members:
+            continue
+        for name, p in members:
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                raise ShardlineConfigError(f"flatten=True needs float32 CPU parameters; {name!r} is {p.dtype} on "
+                                           f"{p.device} (pass flatten=False)")
+        digest = hashlib.sha256(";".join(f"{n}:{tuple(p.shape)}" for n, p in members).encode()).hexdigest()[:12]
+        flat = FlatGroup(f"{FLAT_PREFIX}{index}.{digest}", index, members)
+        for _, p in members:
+            flat.offsets.append(flat.numel)
+            flat.numel += p.numel()
+        flats.append(flat)
+    return flats
