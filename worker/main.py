@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                                  replication=tr.replication or None, on_worker_failure=tr.on_worker_failure,
                                  worker_lease_timeout=tr.worker_lease_timeout, compression=tr.compression,
                                  exact_restarts=tr.exact_restarts, replicate_gradients=tr.replicate_gradients,
+                                 flatten=tr.flatten,
                                  **tr.optimizer_kwargs())
         holder["opt"] = opt
         tracker.version = opt.version

@@ -201,3 +201,28 @@ def test_what_flatten_cannot_do_is_refused_with_what_to_change(cluster):
                         block_elements=32, connect_timeout=30, world_size=2, rank=1, flatten=True)
     finally:
         plain.close()
+
+
+def test_a_job_file_with_flatten_trains_to_the_single_process_reference(tmp_path):
+    """``train: {flatten: true}`` through `shardline up` (2 PS nodes, 2 worker daemons): the PS
+    checkpoints hold one flat tensor, the model's parameters in order, equal to one process's
+    torch.optim run of the same job."""
+    from shardline.jobs.runner import run_local
+    from shardline.jobs.spec import load_job
+    from shardline.ps_server.checkpoint import read_job_tensors
+    from test_balanced_training import up, write_job
+
+    job = {"job": {"name": "demo-flat"}, "model": {"d_model": 32, "n_layers": 1, "n_heads": 2},
+           "task": {"kind": "reverse", "min_digits": 1, "max_digits": 8, "seed": 0},
+           "train": {"steps": 12, "batch_size": 8, "optimizer": "adamw", "lr": 0.003, "sync": "bsp",
+                     "eval_examples": 8, "sample_prompts": 1, "log_every": 4, "flatten": True}}
+    job_file = write_job(tmp_path / "job.yaml", job)
+    workdir, _results = up(tmp_path, job_file, workers=2)
+    step, _spec, tensors = read_job_tensors([workdir / f"ps-{i}-checkpoints" for i in range(2)], "demo-flat")
+    assert step == 12 and len(tensors) == 1 and is_flat_name(next(iter(tensors))), list(tensors)
+    flat = next(iter(tensors.values())).reshape(-1)
+    reference = run_local(load_job(job_file), world_size=2)
+    expected = torch.cat([p.detach().reshape(-1) for _, p in reference.model.named_parameters() if p.requires_grad])
+    assert flat.shape == expected.shape
+    diff = (flat - expected).abs().max().item()
+    assert diff <= 1e-5, f"max abs diff {diff}"

@@ -221,6 +221,7 @@ def test_ssp_example_job_file_is_valid():
     (lambda d: d["train"].update(steps=2.5), r"train\.steps: .*2\.5"),
     (lambda d: d["train"].update(weight_by_tokens="yes"), r"train\.weight_by_tokens: .*'yes'"),
     (lambda d: d["train"].update(exact_restarts="no"), r"train\.exact_restarts: .*'no'"),
+    (lambda d: d["train"].update(flatten=1), r"train\.flatten: .*1"),
     (lambda d: d["train"].update(betas=[0.9]), r"train\.betas: .*\[0\.9\]"),
     (lambda d: d["train"].update(sync="gossip"), r"train\.sync: .*'gossip'"),
     (lambda d: d["train"].update(sync="ssp"), r"train\.staleness: .*ssp needs staleness >= 1.*got 0"),
@@ -248,6 +249,7 @@ def test_job_yaml_text_and_number_strings():
     assert spec.model_kwargs()["max_seq_len"] == spec.sft_task().max_seq_len()
     assert spec.train.exact_restarts is True
     assert parse_job("job: {name: x}\ntrain: {exact_restarts: false}\n").train.exact_restarts is False
+    assert spec.train.flatten is False and parse_job("job: {name: x}\ntrain: {flatten: true}\n").train.flatten is True
     with pytest.raises(ShardlineConfigError, match="not valid YAML"):
         parse_job("job: [unclosed")
     with pytest.raises(ShardlineConfigError, match="cannot read"):
