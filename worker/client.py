@@ -62,6 +62,9 @@ MAX_STRAGGLER_WARNING_INTERVAL_SECONDS = 300.0
 DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering.
 IO_TIMEOUT_SECONDS = 30.0
+# close() waits this long for the lease thread to leave its last renewal (the channel it uses is
+# closed first, which cancels a call in flight).
+LEASE_STOP_TIMEOUT_SECONDS = 5.0
 # What a tensor's cache (and so a bound parameter) may be: pulls ask the nodes for this dtype.
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -1347,6 +1350,10 @@ class Client:
         for region in [*self._regions, *self._grad_regions]:
             region.close()
         self.dispatcher.close()
+        # A lease thread still inside a gRPC call when the interpreter exits aborts the process
+        # ("terminate called without an active exception"): it ends once its call is cancelled.
+        if self._lease is not None and self._lease is not threading.current_thread():
+            self._lease.join(LEASE_STOP_TIMEOUT_SECONDS)
 
     def __enter__(self):
         return self
