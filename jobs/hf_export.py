@@ -42,6 +42,7 @@ import torch
 
 from shardline.jobs.models.hf import require_hf
 from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.worker.flat_params import is_flat_name, unflatten
 
 __all__ = ["HFExporter", "HFExport", "HFExportError", "is_lora", "WEIGHT_FILE"]
 
@@ -143,11 +144,30 @@ class HFExporter:
         """Export ``tensors`` (a job's, by the worker's names). ``lora``: the job file's LoraSpec,
         if known (its alpha and dropout unless given, and its r and target_modules are checked);
         ``metadata`` goes into the safetensors header of a LoRA adapter file."""
+        tensors = self._unflattened(tensors)
         if is_lora(tensors):
             return self._write_lora(tensors, lora_alpha, lora_dropout, lora, metadata or {})
         if lora_alpha is not None or lora_dropout is not None or lora is not None:
             raise ShardlineConfigError("the job has no LoRA adapters (full fine-tune): LoRA options do not apply")
         return self._write_model(tensors)
+
+    def _unflattened(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A job trained with ``flatten=True`` holds one flat tensor (worker/flat_params.py) where a
+        full fine-tune of one param group (what a job file trains) made it of every parameter of the
+        model, in order: split back into them. Anything else flat is refused, saying why."""
+        flats = [n for n in tensors if is_flat_name(n)]
+        if not flats:
+            return tensors
+        members = [(n, shape) for n, shape in self.parameter_shapes().items() if n not in tensors]
+        if len(flats) > 1:
+            raise HFExportError(f"the job stores {len(flats)} flat parameter groups ({', '.join(sorted(flats))}): "
+                                f"export rebuilds the parameters of a job trained with flatten=True from one group only")
+        try:
+            parts = unflatten(flats[0], tensors[flats[0]], members)
+        except ValueError as exc:
+            raise HFExportError(f"the job's {exc}: was it trained on the model in {str(self.source)!r}, with every "
+                                f"parameter in one group?") from None
+        return {**{n: t for n, t in tensors.items() if n != flats[0]}, **parts}
 
     def _staging(self) -> Path:
         self.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ their own. The job stores the groups under names derived from the parameters' na
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -75,6 +76,28 @@ class FlatGroup:
         return True
 
 
+def flat_name(group: int, members: list[tuple[str, tuple[int, ...]]]) -> str:
+    """The job's tensor name of param group ``group`` whose trainable members are ``members``
+    ((name, shape) in order): it changes with any name, shape, order or grouping."""
+    digest = hashlib.sha256(";".join(f"{n}:{tuple(shape)}" for n, shape in members).encode()).hexdigest()[:12]
+    return f"{FLAT_PREFIX}{group}.{digest}"
+
+
+def unflatten(name: str, flat: torch.Tensor, members: list[tuple[str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+    """The parameters of flat tensor ``name`` (a job's, e.g. from a checkpoint) by their own names,
+    given the members it was made of ((name, shape) in order, as the model lists its trainable
+    parameters); ValueError if ``name`` is not what those members make or the sizes differ."""
+    group = int(name[len(FLAT_PREFIX):name.index(".")]) if is_flat_name(name) else -1
+    if group < 0 or flat_name(group, members) != name:
+        raise ValueError(f"flat tensor {name!r} was not made from these parameters (their names and shapes, in "
+                         f"order, give {flat_name(max(group, 0), members)!r})")
+    values = flat.reshape(-1)
+    sizes = [math.prod(shape) for _, shape in members]
+    if sum(sizes) != values.numel():
+        raise ValueError(f"flat tensor {name!r} has {values.numel()} elements, its parameters {sum(sizes)}")
+    return {n: part.view(shape) for (n, shape), part in zip(members, values.split(sizes))}
+
+
 def flat_layout(param_groups: list[dict]) -> list[FlatGroup]:
     """The flat groups of torch param groups whose ``param_names`` and ``params`` are set: each
     group's parameters that require grad, in order (a group without any has none)."""
@@ -87,8 +110,7 @@ def flat_layout(param_groups: list[dict]) -> list[FlatGroup]:
             if p.dtype != torch.float32 or p.device.type != "cpu":
                 raise ShardlineConfigError(f"flatten=True needs float32 CPU parameters; {name!r} is {p.dtype} on "
                                            f"{p.device} (pass flatten=False)")
-        digest = hashlib.sha256(";".join(f"{n}:{tuple(p.shape)}" for n, p in members).encode()).hexdigest()[:12]
-        flat = FlatGroup(f"{FLAT_PREFIX}{index}.{digest}", index, members)
+        flat = FlatGroup(flat_name(index, [(n, tuple(p.shape)) for n, p in members]), index, members)
         for _, p in members:
             flat.offsets.append(flat.numel)
             flat.numel += p.numel()

@@ -173,8 +173,9 @@ class PSOptimizer(torch.optim.Optimizer):
     group with a gradient at each ``step()`` (or none of them: torch.optim skips one without, a
     flat step cannot), ``overlap=False``; the pull is not by priority, and groups cannot be added
     during training. The job's tensors are then named ``flat<group>.<digest>`` (frozen parameters
-    keep their names), so readers that load weights by parameter name (subscribers, export) need
-    the default layout. Default False; every worker of a job must pass the same.
+    keep their names): weight subscribers, which read parameters by name, need the default layout;
+    ``shardline export --hf-dir`` splits a one-group job back. Default False; every worker of a
+    job must pass the same.
 
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker

@@ -105,25 +105,11 @@ def test_a_ps_killed_in_the_middle_of_a_step_changes_nothing(tmp_path):
             t.join(150)
         assert not errors, errors
         assert killed
-        expected = _reference_steps(steps)
+        expected = reference(steps=steps)
         for rank, values in results.items():
             for name, want in expected.items():
                 diff = (values[name] - want).abs().max().item()
                 assert diff <= 1e-6, f"rank {rank} {name}: max abs diff {diff}"
-
-
-def _reference_steps(steps: int) -> dict[str, torch.Tensor]:
-    """reference() for the first ``steps`` steps (the cosine schedule still spans STEPS)."""
-    model = Net()
-    opt = torch.optim.AdamW(groups_of(model, named=False), **HYPER)
-    sched = schedule(opt)
-    for step in range(steps):
-        parts = [batch(step, r) for r in range(WORLD)]
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(torch.cat([p[0] for p in parts])), torch.cat([p[1] for p in parts])).backward()
-        opt.step()
-        sched.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def test_ssp_flat_groups_never_compute_on_parameters_more_than_staleness_old(cluster):

@@ -57,16 +57,17 @@ def schedule(opt):
     return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
 
 
-def reference(max_grad_norm: float | None = None, norms: list | None = None, prepare=None) -> dict[str, torch.Tensor]:
+def reference(max_grad_norm: float | None = None, norms: list | None = None, prepare=None,
+              steps: int = STEPS) -> dict[str, torch.Tensor]:
     """Single process: torch.optim.AdamW on the same groups and schedule, each step on the
     concatenation of every rank's batch (and clip_grad_norm_ before the step); ``prepare(model)``
-    first (e.g. freezing some parameters)."""
+    first (e.g. freezing some parameters); the first ``steps`` steps of the schedule."""
     model = Net()
     if prepare is not None:
         prepare(model)
     opt = torch.optim.AdamW(groups_of(model, named=False), **HYPER)
     sched = schedule(opt)
-    for step in range(STEPS):
+    for step in range(steps):
         parts = [batch(step, r) for r in range(WORLD)]
         tokens = torch.cat([p[0] for p in parts])
         targets = torch.cat([p[1] for p in parts])

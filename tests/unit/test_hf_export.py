@@ -145,3 +145,30 @@ def test_output_and_source_directories_are_checked_first(llama, tmp_path, monkey
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(ShardlineConfigError, match=r"export --hf-dir needs transformers.*pip install 'shardline\[hf\]'"):
         HFExporter(llama, tmp_path / "o")
+
+
+def test_a_flat_job_is_split_back_into_the_models_parameters(llama, tmp_path):
+    """A job trained with flatten=True (one param group, as a job file trains) holds one flat tensor
+    of every parameter in order: the export splits it back and loads like the named one; a flat
+    tensor of another model or of several groups is refused, saying why."""
+    import transformers
+
+    from shardline.worker.flat_params import flat_layout
+
+    model = load_model(str(llama))
+    tensors = trained(model)
+    group = {"param_names": [n for n, _ in model.named_parameters()], "params": [p for _, p in model.named_parameters()]}
+    flat, = flat_layout([group])
+    flat_tensors = {flat.name: flat.values()}
+    HFExporter(llama, tmp_path / "out").write(flat_tensors)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    assert (logits(back) - logits(model)).abs().max().item() <= 1e-5
+    assert torch.equal(back.model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+
+    deep = build_tiny_llama(tmp_path / "deep", layers=3)
+    with pytest.raises(HFExportError, match=r"flat tensor 'flat0\.[0-9a-f]{12}' was not made from these parameters"):
+        HFExporter(deep, tmp_path / "out2").write(flat_tensors)
+    halves = [dict(group, param_names=group["param_names"][:3], params=group["params"][:3]),
+              dict(group, param_names=group["param_names"][3:], params=group["params"][3:])]
+    with pytest.raises(HFExportError, match="stores 2 flat parameter groups"):
+        HFExporter(llama, tmp_path / "out3").write({f.name: f.values() for f in flat_layout(halves)})
