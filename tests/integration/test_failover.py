@@ -12,6 +12,8 @@ import pytest
 
 import train_model
 from shardline.services.local_cluster import LocalCluster
+from shardline.worker.client import connect
+from shardline.worker.flat_params import is_flat_name
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -68,6 +70,22 @@ def test_replicas_that_replay_gradients_take_over_from_a_killed_primary(tmp_path
         results = train_model.finish_workers(workers)
         train_model.assert_equals_reference(results, STEPS)
         assert replayed > 0 and sum(replayed_blocks(n) for n in (nodes[0], nodes[2])) > 0
+
+
+def test_a_flat_job_survives_a_killed_primary(tmp_path):
+    """flatten=True (the trainable parameters one tensor, in blocks of 16 elements over 3 nodes):
+    kill -9 of a PS at step 5; the replicas take its blocks over and the run still equals torch.optim."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3)
+        workers = train_model.start_workers(cluster.address, "flat", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            step_sleep=0.1, env={"SHARDLINE_TEST_FLATTEN": "1"})
+        train_model.wait_for_steps(workers, 5)
+        with connect(cluster.address, job="flat") as probe:
+            assert [t.name for t in probe.wait_ready(30).tensors if t.trainable] == [
+                t.name for t in probe.spec.tensors if is_flat_name(t.name)] != []
+        cluster.kill(nodes[1])
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
 
 
 def replayed_blocks(node) -> int:

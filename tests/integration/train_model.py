@@ -180,6 +180,9 @@ def main(argv):
         policy["worker_lease_timeout"] = float(policy["worker_lease_timeout"])
     if os.environ.get("SHARDLINE_TEST_REPLICATE_GRADIENTS") == "1":
         policy["replicate_gradients"] = True
+    if os.environ.get("SHARDLINE_TEST_FLATTEN") == "1":  # the trainable parameters as one tensor on the PS
+        model.unused.requires_grad_(False)  # a flat step needs every trainable parameter's gradient (it has none)
+        policy["flatten"] = True
     opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
                       world_size=world, rank=rank, block_elements=16, connect_timeout=60,
                       pull_timeout=float(os.environ.get("SHARDLINE_TEST_PULL_TIMEOUT", 120)),
