@@ -2,7 +2,8 @@
 through a real cluster (two PS nodes with checkpoint directories and a cluster token; PSOptimizer
 in this process over the worker's own model loader), exported from the live cluster and offline
 from the checkpoints, loaded back with transformers (full fine-tune) and peft (LoRA); the logits
-equal the trained model's. And the refusals: another source model, a job that does not exist."""
+equal the trained model's; a flat job (``flatten=True``) trains like the named one and exports
+the same. And the refusals: another source model, a job that does not exist."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 import yaml
 
 from hf_fixtures import build_tiny_llama, prompt_completion_records, write_jsonl
-from shardline import PSOptimizer
+from shardline import PSOptimizer, connect
 from shardline.jobs.models.hf import load_model, load_tokenizer
 from shardline.jobs.spec import LoraSpec
 from shardline.services.cli import main as cli
@@ -65,14 +66,14 @@ def logits(model, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids).logits.float()
 
 
-def train(env, job: str, lora: LoraSpec | None = None) -> tuple[torch.nn.Module, torch.Tensor]:
+def train(env, job: str, lora: LoraSpec | None = None, **options) -> tuple[torch.nn.Module, torch.Tensor]:
     """STEPS AdamW steps of the worker's model (jobs/models/hf.py) through the cluster; returns the
     model (holding the cluster's values of the last step) and its logits on the fixed input."""
     model = load_model(str(env["model"]), lora=lora)
     ids = fixed_input(env["model"])
     opt = PSOptimizer(model.named_parameters(), cluster=env["cluster"].address, job=job, optimizer="adamw",
                       lr=0.05 if lora else 0.01, world_size=1, rank=0, cluster_token=TOKEN, connect_timeout=30,
-                      pull_timeout=30)
+                      pull_timeout=30, **options)
     try:
         model.train()
         for _ in range(STEPS):
@@ -112,6 +113,26 @@ def checkpoint(env, capsys, job: str) -> None:
                 "--job", job, "--wait", "60"])
     out = capsys.readouterr().out
     assert code == 0 and f"step {STEPS} durable" in out, out
+
+
+def test_a_flat_full_fine_tune_trains_and_exports_like_the_named_one(env, full_job, capsys):
+    """flatten=True on the Llama (its head tied to the embedding): the job holds one flat tensor,
+    the trained model equals the per-tensor job's, and export splits the flat tensor back into a
+    transformers directory with the same logits."""
+    import transformers
+
+    from shardline.worker.flat_params import is_flat_name
+
+    model, want = train(env, "hf-flat", flatten=True)
+    assert (want - full_job[1]).abs().max().item() <= FP32_TOL
+    with connect(env["cluster"].address, job="hf-flat", cluster_token=TOKEN) as probe:
+        assert [is_flat_name(t.name) for t in probe.wait_ready(30).tensors] == [True]
+    code, out, err = export(env, capsys, *live(env), "--job", "hf-flat", "--hf-dir", str(env["root"] / "flat-live"),
+                            "--from-model", str(env["model"]))
+    assert code == 0, err
+    back = transformers.AutoModelForCausalLM.from_pretrained(env["root"] / "flat-live", local_files_only=True)
+    assert back.lm_head.weight is back.model.embed_tokens.weight
+    assert (logits(back, fixed_input(env["model"])) - want).abs().max().item() <= FP32_TOL
 
 
 def test_a_full_fine_tune_exports_to_a_transformers_directory(env, full_job, capsys):
