@@ -71,7 +71,7 @@ class FlatGroup:
             raise ShardlineConfigError(
                 f"flatten=True steps param group {self.group} as one tensor, so every trainable parameter in it needs a "
                 f"gradient (torch.optim would skip one without): {shown} got none this step. Set requires_grad=False "
-                f"on parameters the model does not use, or pass flatten=False")
+                f"on parameters the model does not use before the job is created, or pass flatten=False")
         torch.cat([g.detach().reshape(-1) for g in grads], out=out)
         return True
 

@@ -183,8 +183,10 @@ class PSOptimizer(torch.optim.Optimizer):
     With ``priority_pull`` (default True) it pulls in forward order (learnt from the first
     forward) and each module's forward waits only for its own parameters, so the next forward
     starts once its first layer arrived; ``step()``, ``wait()`` and ``zero_grad(set_to_none=False)``
-    wait for all of it. Without it any ``nn.Module`` forward and ``zero_grad()`` wait for the whole
-    pull. Code that reads the parameters outside their own module's forward must call ``wait()``.
+    wait for all of it. Without it (and with ``flatten``) the forward of any module holding one of
+    the optimizer's parameters, and ``zero_grad()``, wait for the whole pull; every thread that
+    waits returns only once it landed. Code that reads the parameters outside their own module's
+    forward must call ``wait()``.
     ``opt.forward_wait_seconds`` adds up what module forwards waited for pulls. ``close()`` when done.
     ``cluster_token``/``tls_ca`` default to the files named by ``SHARDLINE_CLUSTER_TOKEN_FILE`` /
     ``SHARDLINE_TLS_CA_FILE`` (what ``shardline up`` prints), else none.
@@ -253,6 +255,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
         self._forward_wait_observed = 0.0  # ... of which the pull-wait metric has seen
         self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
+        self._param_ids = {id(p) for _, p in self.params}   # whose forward waits for a pull (_before_forward)
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
             raise ShardlineConfigError("parameter names must be unique")
@@ -388,6 +391,12 @@ class PSOptimizer(torch.optim.Optimizer):
         the node copies the push straight out of it); the step's record, which a replay resends,
         is dropped by the pull before the next step writes it again. SSP keeps the records of
         ``staleness`` steps, so each step gathers into a tensor of its own."""
+        members = {name for f in self._flat for name, _ in f.members}
+        for name, p in self.params:  # frozen when the job was made: a flat job cannot train it later
+            if name not in members and p.requires_grad and p.grad is not None:
+                raise ShardlineConfigError(
+                    f"parameter {name!r} has a gradient but was frozen (requires_grad=False) when job "
+                    f"{self.client.job!r} was created; with flatten=True the parameters a job trains are fixed then")
         grads = {}
         for f in self._flat:
             if self.client.staleness:
@@ -476,6 +485,7 @@ class PSOptimizer(torch.optim.Optimizer):
         super().add_param_group(group)
         self._group_configs.append(config)
         self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
+        self._param_ids = {id(p) for _, p in self.params}   # whose forward waits for a pull (_before_forward)
         for name, p in new.items():
             self._attach_cache(name, p, same_contents=self.rank == 0)
         self._check_job_groups(self.client.spec, {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]})
@@ -629,10 +639,16 @@ class PSOptimizer(torch.optim.Optimizer):
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._before_forward)
 
     def _before_forward(self, module, _args) -> None:
+        """The hook is global (every module of the process): a module that holds none of this
+        optimizer's parameters does not wait for its pull, so another model's forward (another
+        rank's, in one process) never waits for a step that needs that model's own commit."""
         started = time.perf_counter()
         try:
-            if self._priority is None or not self._priority.before_forward(module):
-                self.wait()  # the whole pull (or its error)
+            if self._priority is None:
+                if any(p is not None and id(p) in self._param_ids for p in module._parameters.values()):
+                    self.wait()  # the whole pull (or its error)
+            elif not self._priority.before_forward(module):
+                self.wait()  # the pull failed: its error
         finally:
             self.forward_wait_seconds += time.perf_counter() - started
 
@@ -655,15 +671,23 @@ class PSOptimizer(torch.optim.Optimizer):
             return self._pending is not None and not self._pending.done()
 
     def wait(self) -> None:
-        """Block until the parameters hold the last step's result (a no-op without prefetch)."""
+        """Block until the parameters hold the last step's result (a no-op without prefetch).
+
+        Callers in several threads at once (a module's forward in a loader thread, another
+        optimizer's forward hook) all wait for the same pull: it is forgotten only once done."""
         with self._pending_lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            started = time.perf_counter()
-            try:
-                pending.result()  # re-raises the pull's error in the training thread
-            finally:
-                # one observation per step: with the priority pull, what forwards waited counts too
+            pending = self._pending
+        if pending is None:
+            return
+        started = time.perf_counter()
+        try:
+            pending.result()  # re-raises the pull's error in the training thread
+        finally:
+            with self._pending_lock:
+                mine = self._pending is pending
+                if mine:
+                    self._pending = None
+            if mine:  # one observation per step: with the priority pull, what forwards waited counts too
                 in_forward, self._forward_wait_observed = (self.forward_wait_seconds - self._forward_wait_observed,
                                                            self.forward_wait_seconds)
                 self._metrics.waited(time.perf_counter() - started + in_forward)

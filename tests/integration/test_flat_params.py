@@ -53,6 +53,19 @@ def test_frozen_parameters_stay_tensors_of_their_own(cluster):
 
     expected = reference(prepare=freeze_norm)
     results = run_ranks(cluster.address, "flat-frozen", prepare=freeze_norm, flatten=True)
+    # a parameter frozen when the job was made cannot start training later: said, not ignored
+    model = Net()
+    freeze_norm(model)
+    opt = PSOptimizer(model, cluster=cluster.address, job="flat-frozen-later", optimizer="sgd", lr=0.1,
+                      block_elements=32, connect_timeout=30, flatten=True)
+    try:
+        model.norm.weight.requires_grad_(True)
+        tokens, targets = batch(0, 0)
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        with pytest.raises(ShardlineConfigError, match="'norm.weight' has a gradient but was frozen"):
+            opt.step()
+    finally:
+        opt.close()
     initial = Net().state_dict()
     for rank, (values, _state) in results.items():
         for name, want in expected.items():

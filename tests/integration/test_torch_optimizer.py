@@ -3,6 +3,7 @@ schedulers, state_dict, zero_grad; under BSP with 2 workers it equals single-pro
 on the concatenated batch (issue: "Drop into real post-training code")."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -217,3 +218,37 @@ def test_a_worker_whose_groups_differ_from_the_jobs_is_refused(cluster):
                         world_size=2, rank=1, block_elements=32, connect_timeout=30, **HYPER)
     finally:
         creator.close()
+
+
+def test_every_waiter_blocks_until_the_pull_landed_and_other_models_never_wait(cluster):
+    """prefetch_window=1 without the priority pull (flatten=True has none): two threads waiting at
+    once (a forward in one, zero_grad in another) both return only once the pull is done, and the
+    forward of a model holding none of the optimizer's parameters does not wait at all (its
+    forward hook is global: in one process with two ranks, waiting there deadlocked)."""
+    from concurrent.futures import Future
+
+    model = Net()
+    opt = PSOptimizer(model, cluster=cluster.address, job="concurrent-waits", optimizer="sgd", lr=0.1,
+                      block_elements=32, connect_timeout=30, prefetch_window=1, priority_pull=False)
+    try:
+        tokens, targets = batch(0, 0)
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        opt.step()  # installs the forward hook; its pull runs in the background
+        opt.wait()
+        pull = Future()
+        opt._pending = pull   # a pull still in flight
+        returned = []
+        waiters = [threading.Thread(target=lambda: (opt.zero_grad(), returned.append("zero_grad"))),
+                   threading.Thread(target=lambda: (model(tokens), returned.append("forward")))]
+        for t in waiters:
+            t.start()
+        other = Net()
+        other(tokens)  # not this optimizer's: no wait
+        time.sleep(0.3)
+        assert returned == [] and opt.pending
+        pull.set_result(None)
+        for t in waiters:
+            t.join(10)
+        assert sorted(returned) == ["forward", "zero_grad"] and not opt.pending
+    finally:
+        opt.close()
