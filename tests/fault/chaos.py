@@ -336,6 +336,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the JSON report here")
     ap.add_argument("--keep", default=None, metavar="DIR",
                     help="run in DIR/seed-N and keep it (daemon logs, checkpoints) instead of a temporary directory")
+    ap.add_argument("--prune", action="store_true",
+                    help="with --keep: prune old checkpoints as a run without --keep does (keep the logs only)")
     ap.add_argument("--cover", action="store_true",
                     help="every kind and every failpoint once (make test's schedule) instead of --faults draws")
     ap.add_argument("--rebalance", action="store_true",
@@ -347,7 +349,7 @@ def main(argv=None) -> int:
             if args.keep:
                 workdir = Path(args.keep) / f"seed-{seed}"
                 workdir.mkdir(parents=True, exist_ok=False)
-                report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=True,
+                report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=not args.prune,
                                rebalance=args.rebalance, cover=args.cover).run().to_dict()
             else:
                 with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:

@@ -23,12 +23,18 @@ sys.path.insert(0, str(HERE.parent / "integration"))
 import train_model  # noqa: E402
 from shardline.ps_server.checkpoint import CheckpointDir  # noqa: E402
 from shardline.services.blocks import block_slice  # noqa: E402
+from shardline.worker.flat_params import is_flat_name  # noqa: E402
 
 
 def reference_values(steps: int, world_size: int) -> list[dict[str, torch.Tensor]]:
-    """Flat parameter values after 0, 1, ..., ``steps`` reference AdamW steps."""
-    return [{k: v.detach().clone().reshape(-1) for k, v in model.state_dict().items()}
-            for model in train_model.reference_steps("adamw", steps, world_size)]
+    """Flat parameter values after 0, 1, ..., ``steps`` reference AdamW steps; under ``"flat"``
+    the tensor a flat job (``SHARDLINE_TEST_FLATTEN=1``) stores instead."""
+    out = []
+    for model in train_model.reference_steps("adamw", steps, world_size):
+        values = {k: v.detach().clone().reshape(-1) for k, v in model.state_dict().items()}
+        values["flat"] = torch.cat([values[name] for name in train_model.FLAT_MEMBERS])
+        out.append(values)
+    return out
 
 
 def diverged_blocks(root: Path, job: str, values: list, block_elements: int, tol: float):
@@ -39,7 +45,7 @@ def diverged_blocks(root: Path, job: str, values: list, block_elements: int, tol
             loaded = store.load(job, exact=info.step)
             bad = []
             for (tensor, index), block in sorted(loaded.blocks.items()):
-                flat = values[block.version][tensor]
+                flat = values[block.version]["flat" if is_flat_name(tensor) else tensor]
                 part = block_slice(flat.numel(), block_elements, index)
                 want = flat[part.start:part.stop]
                 diff = (block.value - want).abs().max().item()

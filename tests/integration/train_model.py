@@ -54,6 +54,10 @@ def scheduled_lr(optimizer: str, step: int) -> float:
     return HYPER[optimizer]["lr"] * min(1.0, (step + 1) / 4)
 
 
+# What a flat job (SHARDLINE_TEST_FLATTEN=1) stores as its one flat tensor, in order.
+FLAT_MEMBERS = ("embed.weight", "proj.weight", "proj.bias")
+
+
 def reference_steps(optimizer: str, steps: int, world_size: int, schedule: bool = False):
     """Single process, torch.optim, each step on the concatenation of all ranks' batches: yields
     the model before the first step and after each of the ``steps`` (the same object, stepped)."""
@@ -182,6 +186,7 @@ def main(argv):
         policy["replicate_gradients"] = True
     if os.environ.get("SHARDLINE_TEST_FLATTEN") == "1":  # the trainable parameters as one tensor on the PS
         model.unused.requires_grad_(False)  # a flat step needs every trainable parameter's gradient (it has none)
+        assert [n for n, p in model.named_parameters() if p.requires_grad] == list(FLAT_MEMBERS)
         policy["flatten"] = True
     opt = PSOptimizer(model.named_parameters(), cluster=cluster, job=job, optimizer=optimizer, sync=sync,
                       world_size=world, rank=rank, block_elements=16, connect_timeout=60,

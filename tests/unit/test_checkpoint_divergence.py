@@ -54,3 +54,15 @@ def test_checkpoints_equal_to_the_reference_pass(tmp_path, capsys):
     write_checkpoint(tmp_path, "ps0", 2, values[2])
     assert checkpoint_divergence.main([str(tmp_path), "--job", "j", "--steps", "2"]) == 0
     assert "no checkpoint differs from the reference" in capsys.readouterr().out
+
+
+def test_a_flat_jobs_checkpoints_are_compared_with_the_flat_reference(tmp_path, capsys):
+    """A flat job (SHARDLINE_TEST_FLATTEN=1) stores one tensor named flat<group>.<digest>: it is
+    compared with train_model's FLAT_MEMBERS concatenated."""
+    values = checkpoint_divergence.reference_values(3, 2)
+    flat = {"flat0.0123456789ab": values[3]["flat"]}
+    assert torch.equal(flat["flat0.0123456789ab"],
+                       torch.cat([values[3][n] for n in train_model.FLAT_MEMBERS]))
+    write_checkpoint(tmp_path, "ps0", 3, flat, bump=("flat0.0123456789ab", 2))
+    assert checkpoint_divergence.main([str(tmp_path), "--job", "j", "--steps", "3"]) == 1
+    assert "1 differ: flat0.0123456789ab[2]@v3 1.00e-03" in capsys.readouterr().out
