@@ -264,7 +264,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.flatten = flatten
         self._flat: list[FlatGroup] = flat_layout(self.param_groups) if flatten else []
         self._flat_grads: dict[str, torch.Tensor] = {}   # each flat group's gradient buffer (BSP)
-        flat_members = {name for f in self._flat for name, _ in f.members}
+        self._flat_members = flat_members = {name for f in self._flat for name, _ in f.members}
         job_tensors = {**{f.name: f.values() for f in self._flat},
                        **{n: p.detach() for n, p in self.params if n not in flat_members}}
         trainable = {**{f.name: True for f in self._flat},
@@ -317,7 +317,7 @@ class PSOptimizer(torch.optim.Optimizer):
         # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []
         for f in self._flat:
-            self._attach_flat(f, same_contents=created)
+            self._attach_flat(f, job_tensors[f.name], same_contents=created)
         for name, p in self.params:
             if name not in flat_members:
                 self._attach_cache(name, p, same_contents=created)  # the creator initialized the job with them
@@ -358,14 +358,15 @@ class PSOptimizer(torch.optim.Optimizer):
         else:
             self._copy_back.append((name, p))
 
-    def _attach_flat(self, flat: FlatGroup, *, same_contents: bool) -> None:
+    def _attach_flat(self, flat: FlatGroup, values: torch.Tensor, *, same_contents: bool) -> None:
         """Make ``flat``'s parameters views of one float32 tensor that is the group's cache (the
-        client's shared one where there is one: a local node copies pulls straight into it)."""
+        client's shared one where there is one: a local node copies pulls straight into it),
+        holding ``values`` (``flat.values()``) until the next pull."""
         storage = self.client.shared_cache(flat.name)
         if storage is None:
             storage = torch.empty(flat.numel, dtype=torch.float32)
         with torch.no_grad():
-            storage.copy_(flat.values())
+            storage.copy_(values)
         self.client.bind(flat.name, storage, same_contents=same_contents)
         flat.view_into(storage)
 
@@ -391,9 +392,8 @@ class PSOptimizer(torch.optim.Optimizer):
         the node copies the push straight out of it); the step's record, which a replay resends,
         is dropped by the pull before the next step writes it again. SSP keeps the records of
         ``staleness`` steps, so each step gathers into a tensor of its own."""
-        members = {name for f in self._flat for name, _ in f.members}
         for name, p in self.params:  # frozen when the job was made: a flat job cannot train it later
-            if name not in members and p.requires_grad and p.grad is not None:
+            if name not in self._flat_members and p.requires_grad and p.grad is not None:
                 raise ShardlineConfigError(
                     f"parameter {name!r} has a gradient but was frozen (requires_grad=False) when job "
                     f"{self.client.job!r} was created; with flatten=True the parameters a job trains are fixed then")

@@ -6,8 +6,6 @@ says what to change."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from torch import nn
@@ -16,8 +14,7 @@ from shardline import PSOptimizer, connect
 from shardline.services.errors import ShardlineConfigError
 from shardline.services.local_cluster import LocalCluster
 from shardline.worker.flat_params import is_flat_name
-from test_torch_optimizer import HYPER, STEPS, WORLD, Net, assert_equal, batch, groups_of, reference, run_ranks, \
-    schedule
+from test_torch_optimizer import STEPS, Net, assert_equal, batch, reference, run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -88,75 +85,27 @@ def test_a_ps_killed_in_the_middle_of_a_step_changes_nothing(tmp_path):
         for h in nodes:
             c.wait_ready(h)
         c.wait_for_nodes(2, timeout=30)
-        killed, results, errors = [], {}, []
-        models = [Net() for _ in range(WORLD)]
+        killed = []
 
-        def train(rank):
-            try:
-                model = models[rank]
-                opt = PSOptimizer(groups_of(model, named=True), cluster=c.address, job="flat-kill", optimizer="adamw",
-                                  world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60,
-                                  recovery_timeout=30, flatten=True, **HYPER)
-                sched = schedule(opt)
-                for step in range(opt.version, steps):
-                    tokens, targets = batch(step, rank)
-                    opt.zero_grad()
-                    nn.functional.cross_entropy(model(tokens), targets).backward()
-                    if rank == 0 and step == 2 and not killed:
-                        killed.append(c.kill(nodes[1]))
-                    opt.step()
-                    sched.step()
-                results[rank] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-                opt.close()
-            except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-                errors.append(exc)
+        def kill_once(rank, step, _opt):
+            if rank == 0 and step == 2 and not killed:
+                killed.append(c.kill(nodes[1]))
 
-        threads = [threading.Thread(target=train, args=(r,)) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(150)
-        assert not errors, errors
+        results = run_ranks(c.address, "flat-kill", steps=steps, before_step=kill_once, recovery_timeout=30,
+                            flatten=True)
         assert killed
-        expected = reference(steps=steps)
-        for rank, values in results.items():
-            for name, want in expected.items():
-                diff = (values[name] - want).abs().max().item()
-                assert diff <= 1e-6, f"rank {rank} {name}: max abs diff {diff}"
+        assert_equal(results, reference(steps=steps))
 
 
 def test_ssp_flat_groups_never_compute_on_parameters_more_than_staleness_old(cluster):
     """SSP with staleness 1: each step's gradients are gathered into a tensor of their own (the
     records of the steps in flight keep them for resending), and a rank computes every step on
     parameters at most one step old."""
-    seen, errors = {}, []
-    models = [Net() for _ in range(WORLD)]
-
-    def train(rank):
-        try:
-            model = models[rank]
-            opt = PSOptimizer(model, cluster=cluster.address, job="flat-ssp", optimizer="adamw", sync="ssp",
-                              staleness=1, world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30,
-                              pull_timeout=60, flatten=True, **HYPER)
-            gaps = []
-            for step in range(opt.version, STEPS):
-                tokens, targets = batch(step, rank)
-                opt.zero_grad()
-                nn.functional.cross_entropy(model(tokens), targets).backward()
-                gaps.append(opt.version - opt.held_version)
-                opt.step()
-            seen[rank] = gaps
-            opt.close()
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    threads = [threading.Thread(target=train, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(150)
-    assert not errors, errors
-    assert all(0 <= gap <= 1 for gaps in seen.values() for gap in gaps), seen
+    gaps: dict[int, list[int]] = {0: [], 1: []}
+    run_ranks(cluster.address, "flat-ssp", sync="ssp", staleness=1, flatten=True,
+              before_step=lambda rank, _step, opt: gaps[rank].append(opt.version - opt.held_version))
+    assert all(len(g) == STEPS for g in gaps.values()), gaps
+    assert all(0 <= gap <= 1 for g in gaps.values() for gap in g), gaps
 
 
 def test_what_flatten_cannot_do_is_refused_with_what_to_change(cluster):

@@ -83,18 +83,22 @@ def reference(max_grad_norm: float | None = None, norms: list | None = None, pre
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def run_rank(address, job, rank, model, results, errors, **extra):
+def run_rank(address, job, rank, model, results, errors, *, steps: int = STEPS, before_step=None, **extra):
+    """Rank ``rank`` trains ``steps`` steps; ``before_step(rank, step, opt)`` runs after each
+    backward, before ``opt.step()`` (a fault to inject, an observation)."""
     try:
         opt = PSOptimizer(groups_of(model, named=True), cluster=address, job=job, optimizer="adamw",
                           world_size=WORLD, rank=rank, block_elements=32, connect_timeout=30, pull_timeout=60,
                           **HYPER, **extra)
         assert isinstance(opt, torch.optim.Optimizer)
         sched = schedule(opt)
-        for step in range(opt.version, STEPS):
+        for step in range(opt.version, steps):
             tokens, targets = batch(step, rank)
             opt.zero_grad()
             # each rank holds half of the global batch: equal weights give the batch mean
             nn.functional.cross_entropy(model(tokens), targets).backward()
+            if before_step is not None:
+                before_step(rank, step, opt)
             opt.step()
             sched.step()
         opt.wait()  # prefetch_window 1: the last step's pull
