@@ -152,7 +152,7 @@ class Chaos:
         self.allow(3)
         self.workers = {r: w for r, w in enumerate(train_model.start_workers(
             cluster.address, self.job, "adamw", "bsp", self.workdir, steps=self.steps, step_sleep=0.05,
-            env=self.worker_env()))}
+            env=self.worker_env(), log_output=True))}
 
     def worker_env(self, extra: dict | None = None) -> dict:
         return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), **(extra or {})}
@@ -176,7 +176,8 @@ class Chaos:
         self.armed.pop(rank, None)
         (self.workers[rank],) = train_model.start_workers(self.cluster.address, self.job, "adamw", "bsp",
                                                           self.workdir, steps=self.steps, ranks=[rank],
-                                                          env=self.worker_env(env), step_sleep=0.05)
+                                                          env=self.worker_env(env), step_sleep=0.05,
+                                                          log_output=True)
 
     def let_fire(self, rank: int, timeout: float = 20.0) -> None:
         """Let training reach the step of ``rank``'s armed failpoint; wait up to ``timeout`` s for it."""
@@ -192,9 +193,11 @@ class Chaos:
 
     def revive_workers(self) -> None:
         """Start again (unarmed) a worker whose failpoint fired; a worker that failed is an error."""
-        for rank, (proc, _, _) in self.workers.items():
+        for rank, entry in self.workers.items():
+            proc = entry[0]
             if proc.poll() not in (None, 0, 137):
-                raise AssertionError(f"worker {rank} failed (exit {proc.returncode}):\n{proc.communicate()[0][-3000:]}")
+                raise AssertionError(f"worker {rank} failed (exit {proc.returncode}):\n"
+                                     f"{train_model.worker_output(entry)[-3000:]}")
             if proc.poll() == 137:
                 self.restart_worker(rank)
 

@@ -85,10 +85,12 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
 
 
 def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0,
-                  step_sleep=0.0, ranks=None, env=None, transport=None):
+                  step_sleep=0.0, ranks=None, env=None, transport=None, log_output=False):
     """Start ``world`` worker processes of this script (or only ``ranks``); returns [(process, out
     path, progress path)]. ``env``: extra environment (rank -> dict, or one dict for all);
-    ``transport``: the workers' data-plane transport (default auto)."""
+    ``transport``: the workers' data-plane transport (default auto); ``log_output``: append each
+    worker's output to ``<job>-rank<r>.log`` beside its out path (kept across its restarts) instead
+    of a pipe."""
     import subprocess
 
     started = []
@@ -98,11 +100,32 @@ def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8
             extra = {**extra, "SHARDLINE_TEST_TRANSPORT": transport}
         out = tmp_path / f"{job}-rank{rank}.safetensors"
         progress = tmp_path / f"{job}-rank{rank}.progress"
+        if log_output:
+            output = open(output_log(out), "a")
+            output.write(f"--- rank {rank} started, env {extra}\n")
+            output.flush()
+        else:
+            output = subprocess.PIPE
         started.append((subprocess.Popen(
             [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
              "schedule" if schedule else "constant", str(prefetch), str(progress), str(step_sleep)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **extra}), out, progress))
+            stdout=output, stderr=subprocess.STDOUT, text=True, env={**os.environ, **extra}), out, progress))
+        if log_output:
+            output.close()  # the child holds its own copy
     return started
+
+
+def output_log(out):
+    """Where ``start_workers(log_output=True)`` writes the output of the worker saving to ``out``."""
+    return out.with_suffix(".log")
+
+
+def worker_output(started_entry) -> str:
+    """The output of one ``start_workers`` entry that exited: its pipe, else its log's tail."""
+    proc, out, _ = started_entry
+    if proc.stdout is not None:
+        return proc.communicate()[0] or ""
+    return output_log(out).read_text(errors="replace")[-6000:]
 
 
 def finish_workers(started, timeout=120):
@@ -110,9 +133,12 @@ def finish_workers(started, timeout=120):
     from safetensors.torch import load_file
 
     try:
-        for p, _, _ in started:
-            output, _ = p.communicate(timeout=timeout)
-            assert p.returncode == 0, output
+        for entry in started:
+            proc = entry[0]
+            if proc.stdout is not None:  # drained while waiting: a worker blocked on a full pipe never exits
+                proc.communicate(timeout=timeout)
+            proc.wait(timeout=timeout)
+            assert proc.returncode == 0, worker_output(entry)
     finally:
         kill_workers(started)
     return [load_file(str(out)) for _, out, _ in started]
@@ -129,8 +155,8 @@ def wait_for_steps(started, at_least: int, timeout: float = 60) -> None:
     """Wait until every worker of ``start_workers`` finished ``at_least`` steps."""
     deadline = time.monotonic() + timeout
     while min(steps_done(progress) for _, _, progress in started) < at_least:
-        for p, _, _ in started:
-            assert p.poll() is None, p.communicate()[0]
+        for entry in started:
+            assert entry[0].poll() is None, worker_output(entry)
         assert time.monotonic() < deadline, f"workers did not reach step {at_least}"
         time.sleep(0.02)
 
