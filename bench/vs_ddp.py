@@ -550,7 +550,7 @@ def run(args) -> dict:
                     "command": " ".join(sys.argv), "loadavg_start": os.getloadavg(), "workdir": str(workdir),
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
-                               "split_cost": args.split_cost, "ps_nodes": args.ps, "replication": args.replication,
+                               "split_cost": args.split_cost, "ps_nodes": args.ps, "ps_threads": args.ps_threads, "replication": args.replication,
                                "replicate_gradients": args.replicate_gradients, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
@@ -580,7 +580,7 @@ def run(args) -> dict:
             if link is None:
                 cluster = LocalCluster(workdir / "daemons")
                 cluster.start_dispatcher()
-                nodes = [cluster.add_node(wait=False) for _ in range(args.ps)]
+                nodes = [cluster.add_node(wait=False, torch_threads=args.ps_threads) for _ in range(args.ps)]
             else:  # every daemon in its host, TCP between hosts (a non-loopback address needs the token)
                 token = workdir / "cluster.token"
                 write_new_token(token)
@@ -590,7 +590,7 @@ def run(args) -> dict:
                 host = lambda i: dict(listen=f"{link.address(ps_host(i))}:0",  # noqa: E731
                                       env={"SHARDLINE_BENCH_NETNS": link.hosts[ps_host(i)][0]})
                 cluster.start_dispatcher(**host(0))
-                nodes = [cluster.add_node(wait=False, **host(i)) for i in range(args.ps)]
+                nodes = [cluster.add_node(wait=False, torch_threads=args.ps_threads, **host(i)) for i in range(args.ps)]
             for n in nodes:
                 cluster.wait_ready(n)
             cluster.wait_for_nodes(args.ps, timeout=30)
@@ -713,6 +713,8 @@ def main(argv=None) -> int:
                     help="what the balanced split (ddp_balanced and every shardline mode) evens out: a CostModel "
                          "fitted on this machine first (c0 + c1*L + c2*L^2 seconds), or the token count")
     ap.add_argument("--ps", type=int, default=1, help="PS nodes of the shardline mode")
+    ap.add_argument("--ps-threads", type=int, default=1,
+                    help="torch intra-op threads of each PS node (its torch_threads: the optimizer apply)")
     ap.add_argument("--replication", type=int, default=None,
                     help="copies of every block (default: the dispatcher's, 2, capped at the PS nodes)")
     ap.add_argument("--replicate-gradients", action="store_true",

@@ -28,7 +28,7 @@ from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
 from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.grad_norm import GradNormExchange
 from shardline.ps_server.heat import heat_report, rack_reads_report
-from shardline.ps_server.node import PSNode
+from shardline.ps_server.node import HANDOVER_TIMEOUT_SECONDS, PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.store import StoreError
 from shardline.ps_server.restore import restore_all
@@ -264,6 +264,15 @@ def leave_ring(node: PSNode, client: DispatcherClient, timeout: float = LEAVE_TI
             view = node.routing
         if node.node_id not in view.nodes and not view.pending_epoch:
             log.info("left the ring at epoch %d", view.epoch)
+            # The handovers of the step in flight are queued (maybe by the heartbeat's thread,
+            # still at it): a node that exits before they go out loses the gradients it collected
+            # and the values a restarted rank would redo the step on.
+            settled = time.monotonic() + HANDOVER_TIMEOUT_SECONDS
+            while node.roles_epoch < view.epoch and time.monotonic() < settled:
+                time.sleep(0.01)
+            if node.replicator is not None and not node.replicator.links.flush(HANDOVER_TIMEOUT_SECONDS):
+                log.warning("the handovers to the blocks' new primaries did not go out within %g s; they take "
+                            "the pushes workers resend", HANDOVER_TIMEOUT_SECONDS)
             return True
         if node.node_id in view.nodes and not view.pending_epoch:
             log.info("the drain was called off (other nodes are stopping too)")

@@ -95,10 +95,11 @@ def _check_in_region(regions, region_id: int, offset: int, nbytes: int, itemsize
 
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
-    read) the same block's bytes again. (A handover's copy of a block is its second part, flagged.)"""
+    read) the same block's bytes again. (A handover's copy of a block and its value from before
+    its last step are its second and third parts, flagged.)"""
     seen = set()
     for ref in header.blocks:
-        key = (ref.tensor, ref.index, header.handover and ref.copy)
+        key = (ref.tensor, ref.index, header.handover and ref.copy, header.handover and ref.previous)
         if key in seen:
             raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
                                                  f"more than once")
@@ -152,6 +153,9 @@ class PSNode:
         self.metrics = metrics
         self.checkpointer = checkpointer
         self.replicator = None
+        # The newest routing epoch whose roles (primaries, handovers queued) are assigned; the
+        # routing itself is swapped in first, so another thread may see it a little earlier.
+        self.roles_epoch = 0
         # bf16 images sent to subscribers, the bases of their element-level deltas (delta_history_bytes)
         self.delta_history = DeltaHistory(DEFAULT_MAX_BYTES)
         self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
@@ -188,6 +192,8 @@ class PSNode:
                     job.cond.notify_all()  # waiting pulls check the epoch again
             if self.grad_norms is not None:
                 self.grad_norms.on_routing_change()
+            with self._routing_lock:   # only the thread that assigned them: another may still be at it
+                self.roles_epoch = max(self.roles_epoch, view.epoch)
 
     def refresh_routing(self) -> RoutingView:
         self.update_routing(self._fetch_routing())

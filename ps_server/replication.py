@@ -188,6 +188,12 @@ class PeerLink(threading.Thread):
     def close(self) -> None:
         self.queue.put(None)
 
+    def barrier(self) -> threading.Event:
+        """An event set once every frame queued before it was sent (or given up on)."""
+        reached = threading.Event()
+        self.queue.put(reached)
+        return reached
+
     def run(self) -> None:
         while True:
             item = self.queue.get()
@@ -195,6 +201,9 @@ class PeerLink(threading.Thread):
                 if self._conn is not None:
                     self._conn.close()
                 return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
             error, reply = None, None
             deadline = time.monotonic() + self.timeout
             while True:
@@ -246,6 +255,13 @@ class PeerLinks:
             if link is None or not link.is_alive():
                 link = self._links[peer] = PeerLink(peer, self._address_of, self._transport, self._token, self.timeout)
             return link
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until every frame queued so far went out; False if some did not."""
+        with self._lock:
+            barriers = [link.barrier() for link in self._links.values() if link.is_alive()]
+        deadline = time.monotonic() + timeout
+        return all(b.wait(max(0.0, deadline - time.monotonic())) for b in barriers)
 
     def close(self) -> None:
         with self._lock:
@@ -534,6 +550,11 @@ class Replicator:
                     copy_ref[0].copy = True
                     refs.extend(copy_ref)
                     payloads.extend(parts)
+                if item.previous is not None:  # after those: the value from before its last step
+                    before, value = item.previous
+                    refs.append(dp.BlockRef(tensor=item.key[0], index=item.key[1], previous=True, base_version=before,
+                                            dtype=dp.FLOAT32, numel=value.numel(), nbytes=value.numel() * 4))
+                    payloads.append(frame.tensor_bytes(value))
             header = self._header(dp.OP_REPLICATE, job, blocks=refs, handover=True,
                                   payload_bytes=sum(r.nbytes for r in refs))
             carried = sum(1 for i in items if i.ranks)
@@ -563,6 +584,15 @@ class Replicator:
                 flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
                 offset += ref.nbytes
                 items[-1] = replace(items[-1], copy=codec.unpack(numel, flat))
+                continue
+            if ref.previous:  # the value from before the last step of the block named by the ref before it
+                if not items or items[-1].key != key or ref.numel != numel or ref.dtype != dp.FLOAT32 \
+                        or ref.base_version >= items[-1].version:
+                    raise StoreError("INVALID_ARGUMENT", f"handover previous value of {ref.tensor}[{ref.index}] must "
+                                                         f"follow its block's ref, hold {numel} float32 and be older")
+                value = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
+                offset += ref.nbytes
+                items[-1] = replace(items[-1], previous=(int(ref.base_version), value))
                 continue
             grad = None
             if not ref.zero:

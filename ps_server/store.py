@@ -222,7 +222,10 @@ class Handover:
     ``grad`` is the sum of weight * gradient of ``ranks`` (None: no gradient, or only zeros).
     ``version`` is its copy's version; ``copy`` its (value, state) when its last step changed it:
     an apply of the old primary that crossed the switch (its copy reached the new primary after
-    the new primary took the block over, and was refused) is taken from here."""
+    the new primary took the block over, and was refused) is taken from here. ``previous`` is
+    its ``(version, value)`` from before its last applied step (``Block.previous``; BSP with
+    exact restarts): a rank redoing that step (it died after committing on some nodes only)
+    recomputes it on those values at the new primary too."""
 
     key: tuple
     step: int
@@ -230,6 +233,7 @@ class Handover:
     ranks: tuple
     version: int = 0
     copy: tuple | None = None
+    previous: tuple | None = None
 
 
 @dataclass
@@ -1267,7 +1271,11 @@ class JobStore:
                     copy = None
                     if block.version == block.step > 0:  # changed by its last step: maybe not at the new primary yet
                         copy = (block.value.clone(), _clone_state(block.state))
-                    lost.append(Handover(key, block.step, grad, tuple(sorted(block.received)), block.version, copy))
+                    previous = None
+                    if block.previous is not None and block.previous[1] == block.version:  # its buffer is let go below
+                        previous = (block.previous[0], block.previous[2])
+                    lost.append(Handover(key, block.step, grad, tuple(sorted(block.received)), block.version, copy,
+                                         previous))
                     block.primary = False
                     block.has_grad, block.pushed_by, block.receiving = False, set(), None
                     block.received, block.handed, block.awaiting = set(), set(), 0.0
@@ -1308,6 +1316,8 @@ class JobStore:
                     continue
                 if item.step > block.step and self._catch_up(block, item):
                     caught.setdefault(item.step - 1, []).append((item.key, block))
+                if self.keeps_previous:
+                    self._take_previous(block, item)
                 if not block.awaiting:
                     continue
                 block.awaiting = 0.0
@@ -1325,6 +1335,19 @@ class JobStore:
             for step in {b.step for b in self.blocks.values() if b.primary}:
                 self._apply_ready(step)  # blocks that waited (handed over or not) may apply now
             self.cond.notify_all()
+
+    @staticmethod
+    def _take_previous(block: Block, item: Handover) -> None:
+        """Keep the previous primary's value of ``block`` from before its last applied step
+        (``Handover.previous``) where this node holds the version it led to and kept none of its
+        own: a planned ring change (or an apply that crossed it) then loses nothing a restarted
+        rank redoing that step needs (value_at). Call with the lock held."""
+        if item.previous is None or item.version != block.version or (
+                block.previous is not None and block.previous[1] == block.version):
+            return
+        before, value = item.previous
+        if before < block.version and value.numel() == block.value.numel():
+            block.previous = (before, block.version, value.view_as(block.value))
 
     @staticmethod
     def _catch_up(block: Block, item: Handover) -> bool:

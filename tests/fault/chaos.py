@@ -155,7 +155,7 @@ class Chaos:
             env=self.worker_env(), log_output=True))}
 
     def worker_env(self, extra: dict | None = None) -> dict:
-        return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), **(extra or {})}
+        return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), "SHARDLINE_TEST_LOG_LEVEL": "INFO", **(extra or {})}
 
     def allow(self, steps: int) -> None:
         """Let training run up to ``steps`` (each fault gets a few steps around it)."""

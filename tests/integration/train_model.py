@@ -197,7 +197,13 @@ def main(argv):
     cluster, job, rank, world, optimizer, sync, steps, out, schedule, prefetch, *rest = argv
     rank, world, steps = int(rank), int(world), int(steps)
     progress_file, step_sleep = (rest[0], float(rest[1])) if rest else (None, 0.0)
+    import logging
+
     from safetensors.torch import save_file
+
+    # a fault run's logs (chaos.py) are read against the daemons': timestamps, and INFO on request
+    logging.basicConfig(level=os.environ.get("SHARDLINE_TEST_LOG_LEVEL", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     from shardline import PSOptimizer
 

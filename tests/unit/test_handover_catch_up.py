@@ -10,6 +10,7 @@ through the replicator's real wire format."""
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from shardline.ps_server.replication import Replicator
@@ -68,6 +69,24 @@ def two_nodes(seed):
     return a0, b0, old, new, keys
 
 
+def hand_over_on_the_wire(sender_id, sender_store, receiver_id, receiver_store, handovers):
+    """``handovers`` through the wire format: OP_REPLICATE handover frame -> _handle_handover ->
+    accept_handover."""
+    import shardline.ps_server.replication as replication
+
+    sender = replicator_for(sender_id, sender_store)
+    real_place = replication.place
+    replication.place = lambda routing, spec: SimpleNamespace(primary=lambda key: receiver_id)
+    try:
+        sender.hand_over(sender_store, handovers)
+    finally:
+        replication.place = real_place
+    (peer, sent), = sender.links.sent
+    assert peer == receiver_id
+    payload = b"".join(bytes(p) for p in sent.payloads)
+    replicator_for(receiver_id, receiver_store)._handle_handover(receiver_store, sent.header, bytearray(payload))
+
+
 def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch():
     a0, b0, old, new, keys = two_nodes(0)
     push_and_commit(old, 0)                             # old applies step 0 at epoch 2 ...
@@ -78,21 +97,7 @@ def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch()
     assert all(h.step == 1 for h in handovers)
     assert all((h.copy is None) == (h.key[0] == "frozen") for h in handovers)  # frozen: unchanged, no copy
 
-    # through the wire format: OP_REPLICATE handover frame -> _handle_handover -> accept_handover
-    sender = replicator_for("old", old)
-    sender.node.routing = SimpleNamespace(epoch=3)
-    import shardline.ps_server.replication as replication
-    real_place = replication.place
-    replication.place = lambda routing, spec: SimpleNamespace(primary=lambda key: "new")
-    try:
-        sender.hand_over(old, handovers)
-    finally:
-        replication.place = real_place
-    (peer, sent), = sender.links.sent
-    assert peer == "new"
-    payload = b"".join(bytes(p) for p in sent.payloads)
-    receiver = replicator_for("new", new)
-    receiver._handle_handover(new, sent.header, bytearray(payload))
+    hand_over_on_the_wire("old", old, "new", new, handovers)
 
     want_a, want_b = reference(a0, b0, 1)
     torch.testing.assert_close(values(new, "a", (4, 5)), want_a, rtol=0, atol=1e-6)
@@ -140,3 +145,57 @@ def test_a_copy_refused_as_not_owner_leaves_the_deposed_primary_invisible():
     rep._acked(pending, "new", 1)(RemoteError("NOT_OWNER", "node 'old' is not the primary"), None)
     assert all(b.visible == 1 for k, b in old.blocks.items() if k in kept)
     assert all(b.visible == 0 for k, b in old.blocks.items() if k not in kept)
+
+
+def test_the_value_from_before_an_apply_that_crossed_the_switch_moves_with_the_block():
+    """The old primary applied step 0 across the switch (a rank's commit reached only it: chaos
+    seed 4, a node draining), and the block moves on once more (the old node rejoins). A rank
+    redoing step 0 must get the values from before it at whichever node applies the block now
+    (value_at), not the stepped ones: the handover carries Block.previous, hop after hop."""
+    from test_store import _values_at
+
+    a0, b0, old, new, keys = two_nodes(2)
+    push_and_commit(old, 0)                              # kept Block.previous at old
+    new.set_primary(keys, epoch=3, awaiting={k: ("old", time.monotonic() + 60) for k in keys})
+    _gained, handovers = old.set_primary(set(), epoch=3)
+    assert all((h.previous is None) == (h.key[0] == "frozen") for h in handovers)
+    hand_over_on_the_wire("old", old, "new", new, handovers)
+    redo = _values_at(new, 0)
+    assert all(redo[("a", i)][0] == 0 for i in range(new.tensors["a"].blocks))
+    torch.testing.assert_close(torch.cat([redo[("a", i)][1] for i in range(new.tensors["a"].blocks)]).view(4, 5),
+                               a0, rtol=0, atol=0)
+    torch.testing.assert_close(redo[("b", 0)][1], b0, rtol=0, atol=0)
+    assert _values_at(new, 1)[("a", 0)][0] == 1         # the current step: the stepped values
+
+    # the second hop: a third node already holding version 1 (its values synced from the copies;
+    # its optimizer state is left out: only the values matter here) takes over
+    third = JobStore(make_job(lr=0.01))
+    init_store(third, {"a": values(new, "a", (4, 5)), "b": values(new, "b", (3,)), "frozen": torch.zeros(2)})
+    for block in third.blocks.values():
+        block.version = block.step = block.visible = 1 if block is not third.blocks[("frozen", 0)] else 0
+    third.step = 1
+    third.set_primary(set(), epoch=3)
+    third.set_primary(keys, epoch=4, awaiting={k: ("new", time.monotonic() + 60) for k in keys})
+    _gained, handovers = new.set_primary(set(), epoch=4)
+    assert all(b.previous is None for b in new.blocks.values())   # let go of with the blocks
+    hand_over_on_the_wire("new", new, "third", third, handovers)
+    redo = _values_at(third, 0)
+    torch.testing.assert_close(torch.cat([redo[("a", i)][1] for i in range(third.tensors["a"].blocks)]).view(4, 5),
+                               a0, rtol=0, atol=0)
+    assert _values_at(third, 1)[("a", 0)][0] == 1
+
+
+def test_a_handover_previous_value_that_is_not_older_or_the_wrong_size_is_refused():
+    from shardline.ps_server.store import StoreError
+    from shardline.services.pb import dataplane_pb2 as dp
+
+    _a0, _b0, old, new, keys = two_nodes(3)
+    push_and_commit(old, 0)
+    new.set_primary(keys, epoch=3, awaiting={k: ("old", time.monotonic() + 60) for k in keys})
+    for bad in ({"base_version": 1}, {"numel": 2, "nbytes": 8}):   # as new as its block; not b's 3 elements
+        previous = {"numel": 3, "nbytes": 12, "base_version": 0, **bad}
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j", handover=True, node="old", blocks=[
+            dp.BlockRef(tensor="b", index=0, step=1, version=1, zero=True),
+            dp.BlockRef(tensor="b", index=0, previous=True, dtype=dp.FLOAT32, **previous)])
+        with pytest.raises(StoreError, match="previous value"):
+            replicator_for("new", new)._handle_handover(new, header, bytearray(64))

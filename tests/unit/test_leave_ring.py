@@ -25,13 +25,25 @@ class FakeNode:
     answers: list                      # per refresh: a View, or None for an unreachable dispatcher
     node_id: str = "ps1"
     routing: View = field(default_factory=lambda: View({"ps1", "ps2"}, pending_epoch=5))
+    roles_epoch: int = 0
+    replicator: object = None
 
     def refresh_routing(self) -> View:
         answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         if answer is None:
             raise ShardlineConnectionError("dispatcher 127.0.0.1:1 GetRouting: connection refused")
         self.routing = answer
+        self.roles_epoch = max(self.roles_epoch, answer.epoch)
         return answer
+
+
+class FakeLinks:
+    def __init__(self, node, sent: bool):
+        self.node, self.sent, self.flushed_at = node, sent, None
+
+    def flush(self, timeout):
+        self.flushed_at = self.node.roles_epoch
+        return self.sent
 
 
 class FakeClient:
@@ -59,3 +71,18 @@ def test_a_ring_that_never_switches_is_given_up_at_the_leave_timeout():
     started = time.monotonic()
     assert leave_ring(node, FakeClient(), timeout=0.6, unreachable_timeout=0.2) is False
     assert 0.5 < time.monotonic() - started < 3.0
+
+
+def test_a_node_that_left_sends_its_handovers_before_it_stops(caplog):
+    """The handovers the switch queued (what the node collected of the step in flight, and the
+    values a rank redoing it needs) go out before the node stops, once the thread that applied
+    the switch assigned the roles; one that cannot be sent in time is named."""
+    for sent in (True, False):
+        node = FakeNode([View({"ps2"}, epoch=6)])
+        node.replicator = type("R", (), {})()
+        node.replicator.links = FakeLinks(node, sent)
+        with caplog.at_level(logging.WARNING, logger="shardline.ps"):
+            assert leave_ring(node, FakeClient(), timeout=10, unreachable_timeout=5)
+        assert node.replicator.links.flushed_at == 6
+        assert ("did not go out" in caplog.text) == (not sent)
+        caplog.clear()

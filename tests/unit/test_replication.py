@@ -513,3 +513,26 @@ def test_replayed_steps_equal_their_primaries_bitwise_for_every_optimizer(initia
     run_steps(cluster, gradients(3))
     cluster.assert_copies_equal()
     assert sum(node.job("job").steps_replayed for node in bus.nodes.values()) > 0
+
+
+def test_flush_waits_for_every_frame_queued_before_it():
+    """PeerLinks.flush: True once every frame queued before it was sent or given up on (a node
+    leaving the ring sends its handovers before it exits); False after the timeout otherwise."""
+    import threading
+
+    from shardline.ps_server.replication import _Send
+
+    done, release = [], threading.Event()
+    links = PeerLinks(lambda peer: None, transport="tcp", token=None, timeout=0.05)  # no address: given up at once
+    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j")
+    try:
+        for peer in ("ps1", "ps2"):
+            for _ in range(3):
+                links.link(peer).send(_Send(header, [], lambda error, reply, peer=peer: done.append((peer, error))))
+        assert links.flush(5.0)
+        assert len(done) == 6 and all(error is not None for _peer, error in done)
+        links.link("ps1").send(_Send(header, [], lambda error, reply: release.wait(5)))  # a send that hangs
+        assert not links.flush(0.2)
+    finally:
+        release.set()
+        links.close()
