@@ -195,7 +195,7 @@ def test_a_half_committed_rank_and_a_dead_primary_of_its_blocks(tmp_path):
 @pytest.mark.parametrize("flat", [False, True], ids=["per-tensor", "flat"])
 def test_a_commit_that_reached_only_a_draining_node(tmp_path, flat):
     """Rank 0 dies at step 6 after committing on ps0 only, while ps0 drains (SIGTERM: it leaves
-    the ring, then restarts from its checkpoint and rejoins). ps0 may apply step 6 at the old
+    the ring, then restarts and rejoins, syncing its copies from the others). ps0 may apply step 6 at the old
     epoch (rank 1 committed it there too), and its blocks move to the others at version 7, then
     back when it rejoins; the restarted rank 0 redoes step 6 and must get every block as of step 6
     wherever it is now (the handovers carry the value from before the step, and a leaving node
