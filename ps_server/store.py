@@ -1345,9 +1345,8 @@ class JobStore:
         if item.previous is None or item.version != block.version or (
                 block.previous is not None and block.previous[1] == block.version):
             return
-        before, value = item.previous
-        if before < block.version and value.numel() == block.value.numel():
-            block.previous = (before, block.version, value.view_as(block.value))
+        before, value = item.previous   # older than item.version, the block's size (_handle_handover)
+        block.previous = (before, block.version, value.view_as(block.value))
 
     @staticmethod
     def _catch_up(block: Block, item: Handover) -> bool:

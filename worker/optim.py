@@ -254,8 +254,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._priority: PriorityPull | None = None
         self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
         self._forward_wait_observed = 0.0  # ... of which the pull-wait metric has seen
-        self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
-        self._param_ids = {id(p) for _, p in self.params}   # whose forward waits for a pull (_before_forward)
+        self._index_params()
         names = [n for n, _ in self.params]
         if len(set(names)) != len(names):
             raise ShardlineConfigError("parameter names must be unique")
@@ -357,6 +356,12 @@ class PSOptimizer(torch.optim.Optimizer):
             self.client.bind(name, p.data, same_contents=same_contents)
         else:
             self._copy_back.append((name, p))
+
+    def _index_params(self) -> None:
+        """``params``: (name, parameter) of every group, in order; ``_param_ids``: whose module's
+        forward waits for a pull (_before_forward)."""
+        self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
+        self._param_ids = {id(p) for _, p in self.params}
 
     def _attach_flat(self, flat: FlatGroup, values: torch.Tensor, *, same_contents: bool) -> None:
         """Make ``flat``'s parameters views of one float32 tensor that is the group's cache (the
@@ -484,8 +489,7 @@ class PSOptimizer(torch.optim.Optimizer):
             old["param_names"], old["params"] = [n for n, _ in keep], [p for _, p in keep]
         super().add_param_group(group)
         self._group_configs.append(config)
-        self.params = [(name, p) for g in self.param_groups for name, p in zip(g["param_names"], g["params"])]
-        self._param_ids = {id(p) for _, p in self.params}   # whose forward waits for a pull (_before_forward)
+        self._index_params()
         for name, p in new.items():
             self._attach_cache(name, p, same_contents=self.rank == 0)
         self._check_job_groups(self.client.spec, {n: i for i, g in enumerate(self.param_groups) for n in g["param_names"]})

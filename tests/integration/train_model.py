@@ -134,11 +134,9 @@ def finish_workers(started, timeout=120):
 
     try:
         for entry in started:
-            proc = entry[0]
-            if proc.stdout is not None:  # drained while waiting: a worker blocked on a full pipe never exits
-                proc.communicate(timeout=timeout)
-            proc.wait(timeout=timeout)
-            assert proc.returncode == 0, worker_output(entry)
+            # a pipe is drained while waiting (a worker blocked on a full pipe never exits); a log is read after
+            output = entry[0].communicate(timeout=timeout)[0]
+            assert entry[0].returncode == 0, output if output is not None else worker_output(entry)
     finally:
         kill_workers(started)
     return [load_file(str(out)) for _, out, _ in started]
