@@ -38,6 +38,10 @@ HANDOVER_TIMEOUT_SECONDS = 3.0
 # A frame naming a job revision the dispatcher did not have when last asked is refused without
 # asking again for this long (a sender cannot make the node query the dispatcher per frame).
 REVISION_MISS_SECONDS = 1.0
+# A commit that completes a step and carries a pull answers with the step's blocks once their copy
+# holders acknowledged them, waiting at most this long (well under a worker's I/O timeout); after
+# it the commit is answered without them, and the worker's own pull waits as any pull does.
+CARRIED_PULL_WAIT_SECONDS = 1.0
 # A one-copy pull placing (or a push taking) at least this many bytes splits its copies with a helper thread.
 PARALLEL_PLACE_BYTES = 8 * 1024 * 1024
 # A push's blocks taken from a client's region are copied this much at a time: the pieces the node's
@@ -111,7 +115,7 @@ def _check_want_dtypes(header: frame.FrameHeader) -> None:
     for ref in header.blocks:
         if not ref.want_dtype:
             continue
-        if header.op != dp.OP_PULL:
+        if not frame.asks_blocks(header):
             raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names want_dtype for block "
                                                  f"{ref.tensor[:200]}[{ref.index}]: only pulls do")
         if ref.want_dtype not in frame.PULL_DTYPES:
@@ -394,6 +398,11 @@ class PSNode:
             self.catch_up(job, header.revision)
         if header.op in (dp.OP_PUSH, dp.OP_COMMIT):
             job.check_revision(header.rank, header.step, header.revision, "push" if header.op == dp.OP_PUSH else "commit")
+        if header.pull_applied and (header.op != dp.OP_COMMIT or job.sync != "bsp" or header.subscriber
+                                    or header.at_step):
+            raise StoreError("INVALID_ARGUMENT", f"pull_applied is for a worker's commits of BSP jobs; this is a "
+                                                 f"{dp.Op.Name(header.op)} of a {job.sync} job"
+                                                 f"{' (subscriber/at_step set)' if header.subscriber or header.at_step else ''}")
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
@@ -566,15 +575,26 @@ class PSNode:
         if header.op == dp.OP_COMMIT:
             lr = header_lrs(header)
             epoch = header.epoch
+            placements = _placements(job, header, regions) if header.pull_applied else {}  # checked before it counts
             started = time.perf_counter()
             if self.metrics is None:
                 reply.step = job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch)
             else:  # barrier and optimizer apply time (the last commit of a step applies it)
                 reply.step = self.metrics.timed_commit(
                     job.name, header.step, lambda: job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch))
-            if reply.step > header.step:  # this commit applied the step (or it was applied before)
-                self.heat.record_apply(time.perf_counter() - started)
-            return reply, []
+            if reply.step <= header.step:
+                return reply, []
+            self.heat.record_apply(time.perf_counter() - started)  # this commit applied the step (or it was before)
+            if not header.pull_applied:
+                return reply, []
+            try:  # the carried pull: its blocks once visible at the new step (their copy holders have it)
+                job.wait_for_step(header.step + 1, CARRIED_PULL_WAIT_SECONDS,
+                                  [(ref.tensor, ref.index) for ref in header.blocks],
+                                  interrupted=lambda: self._routing.epoch > header.epoch)
+            except StoreError:
+                return reply, []  # (a slow copy holder, the routing moved): the worker's own pull waits
+            reply.pull_applied = True
+            return reply, self._pull_reply(job, header, reply, placements, regions)
         # OP_PULL
         placements = _placements(job, header, regions)
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
@@ -594,6 +614,12 @@ class PSNode:
         finally:
             if self.metrics is not None:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)
+        return reply, self._pull_reply(job, header, reply, placements, regions, min_step=min_step)
+
+    def _pull_reply(self, job: JobStore, header: frame.FrameHeader, reply: frame.FrameHeader, placements: dict,
+                    regions, min_step: int = 0) -> list:
+        """Fill ``reply`` with the blocks of ``header`` (a pull, or a commit carrying one) newer than
+        the requester holds, placing those it asked to have placed; returns the payload buffers."""
         wanted = [(ref.tensor, ref.index, ref.version if ref.has else None) for ref in header.blocks]
         dtypes = [frame.PULL_DTYPES[ref.want_dtype] for ref in header.blocks]
         # A subscriber does not hold the step back as a worker does: its copies are made under the lock
@@ -604,7 +630,7 @@ class PSNode:
         reply.step = step
         reply.revision = job.revision  # a reader that holds an older spec learns tensors were added
         # A worker learning where to resume asks from step 0; steady-state pulls skip the scan.
-        reply.oldest_step = min(step, job.oldest_step()) if header.min_step == 0 else step
+        reply.oldest_step = min(step, job.oldest_step()) if header.op == dp.OP_PULL and header.min_step == 0 else step
         if header.subscriber:  # checksums and element-level deltas (ps_server/delta_history.py)
             reply.min_step = min_step
             bases = {(t, i): v for t, i, v in wanted if v is not None}
@@ -612,7 +638,7 @@ class PSNode:
             reply.blocks.extend(ref for ref, _ in sent)
             # where the job's readers are (subscriber pulls count in no other heat)
             self.heat.record_rack_read(job.name, header.reader_rack, sum(ref.nbytes for ref, _ in sent))
-            return reply, [payload for _, payload in sent]
+            return [payload for _, payload in sent]
         payloads, places = [], []
         for tensor, index, version, value in blocks:
             ref = frame.block_ref(tensor, index, value, version=version)
@@ -626,4 +652,4 @@ class PSNode:
         self._place(regions, places)
         self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],
                                rack=header.reader_rack)
-        return reply, payloads
+        return payloads

@@ -111,7 +111,7 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         if (ref.replay or ref.lr) and header.op != dp.OP_REPLICATE:
             raise FrameError(f"block {ref.tensor}[{ref.index}] carries a gradient to replay in a "
                              f"{dp.Op.Name(header.op)} frame (only replication does)")
-        if ref.dest_region and header.op != dp.OP_PULL:
+        if ref.dest_region and not asks_blocks(header):
             raise FrameError(f"block {ref.tensor}[{ref.index}] names a destination region in a "
                              f"{dp.Op.Name(header.op)} frame (only pulls do)")
         if ref.src_region or ref.src_offset:
@@ -130,7 +130,7 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
             if ref.nbytes != 0:
                 raise FrameError(f"block {ref.tensor}[{ref.index}] is flagged zero but claims {ref.nbytes} bytes")
             continue
-        if header.op in (dp.OP_PULL, dp.OP_SYNC) and ref.nbytes == 0 and ref.numel == 0:
+        if (header.op == dp.OP_SYNC or asks_blocks(header)) and ref.nbytes == 0 and ref.numel == 0:
             continue  # a pull or sync request names blocks without carrying them
         if ref.dtype == dp.SIGN1 or ref.scale:
             problem = _sign_block_problem(header, ref)
@@ -155,6 +155,12 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
     if sourced and total + sourced > limits.max_payload_bytes:
         raise FrameTooLargeError(f"frame moves {total + sourced} bytes ({sourced} of them from a shared region), "
                                  f"more than the limit of {limits.max_payload_bytes}")
+
+
+def asks_blocks(header: FrameHeader) -> bool:
+    """Whether the frame's blocks are a pull's: a PULL, or a BSP commit carrying the pull of the
+    step it may complete (``FrameHeader.pull_applied``)."""
+    return header.op == dp.OP_PULL or (header.op == dp.OP_COMMIT and header.pull_applied)
 
 
 def sourced_bytes(header: FrameHeader) -> int:

@@ -82,6 +82,7 @@ class TransferStats:
     pulled_blocks: int = 0
     placed_blocks: int = 0   # of pulled_blocks: copied by the node straight into this client's cache (shm)
     taken_blocks: int = 0    # pushed blocks the node copied straight out of a gradient_buffer (shm)
+    carried_steps: int = 0   # steps whose blocks came with this worker's commit (pull_on_commit): no pull sent
 
 
 class _NonFiniteGradient(ShardlineConfigError):
@@ -158,6 +159,11 @@ class Client:
     """
 
     subscriber_pulls = False
+    # BSP: each commit carries the pull of the step it may complete (FrameHeader.pull_applied): the
+    # rank whose commit applies the step has the new values in the commit's replies, and
+    # pull_changed() then asks nothing. PSOptimizer turns it on where it pulls whole steps.
+    pull_on_commit = False
+    _carried: "tuple[int, dict[str, int]] | None" = None   # (step, node -> step) of the last commit's pulls
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -589,12 +595,35 @@ class Client:
         return self.step
 
     def pull_changed(self, names=None) -> None:
-        """Bring the cache (and bound tensors) to the client's step: the second half of step_sync."""
-        self._pull(self._names(names), min_step=None, timeout=None)
+        """Bring the cache (and bound tensors) to the client's step: the second half of step_sync.
+        With ``pull_on_commit``, nothing is asked if the commit's replies already brought it."""
+        names = self._names(names)
+        if not self._took_carried_pull():
+            self._pull(names, min_step=None, timeout=None)
         if self._inflight and self.step is not None:
             # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
             for step in [s for s in self._inflight if s < self.step - self.staleness]:
                 del self._inflight[step]
+
+    def _took_carried_pull(self) -> bool:
+        """Whether every node of the routing answered this worker's last commit with the blocks of
+        the step it made (the commit carried a pull of every tensor of the job): then the caches
+        hold that step as a pull would leave them, and every node is known to have reached it."""
+        carried, self._carried = self._carried, None
+        if carried is None or carried[0] != self.step or set(carried[1]) != set(self.routing.nodes) \
+                or self._replay_from is not None:
+            return False
+        if min(carried[1].values()) < self.step:
+            return False
+        self.held_step = min(carried[1].values())
+        self.stats.carried_steps += 1
+        return True
+
+    def _carried_pull_keys(self) -> list[tuple[str, int]]:
+        """The blocks a BSP commit carries a pull of (``pull_on_commit``): every block of the job."""
+        if not (self.pull_on_commit and self.sync == "bsp" and not self.subscriber_pulls):
+            return []
+        return [(n, s.index) for n in self._shapes for s in self._slices[n]]
 
     def join(self, names=None) -> int:
         """Pull the job as the cluster holds it and return the step to run next: the oldest step
@@ -757,8 +786,13 @@ class Client:
                 log.info("worker.commit_partial: the commit to %s failed (%s)", first, exc)
             failpoints.hit("worker.commit_partial", step)
         self._inflight_record(step, weight)["committed"] = True
-        self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
+        keys = self._carried_pull_keys()
+        self._carried = None
+        carried: dict[str, int] = {}
+        self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=carried)
         self.step = step + 1
+        if keys:
+            self._carried = (self.step, carried)
 
     def _inflight_record(self, step: int, weight: float) -> dict:
         """What this worker sent for ``step`` (kept for resending until every node applied it). A
@@ -926,9 +960,11 @@ class Client:
             self._replaying = False
 
     def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
-                 min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False) -> dict[str, int]:
+                 min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False,
+                 carried: dict | None = None) -> dict[str, int]:
         """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those.
-        Returns the job step each node that answered reported."""
+        Returns the job step each node that answered reported. A COMMIT's ``keys`` are the pull it
+        carries; ``carried`` gets the step of each node whose reply brought it."""
         if self._lost is not None:
             raise self._lost
         pending = list(keys)
@@ -948,7 +984,7 @@ class Client:
                 for node_id in self.routing.nodes:
                     if node_id not in done_nodes:
                         groups.setdefault(node_id, [])
-            args = (op, step, weight, grads, min_step, timeout)
+            args = (op, step, weight, grads, min_step, timeout, carried)
             if len(groups) == 1:  # no thread hand-off for the common single-node request
                 (node_id, blocks), = groups.items()
                 futures = {node_id: _Immediate(self._exchange, node_id, blocks, *args)}
@@ -1117,7 +1153,7 @@ class Client:
         return self._exchange_once(node_id, keys, op, *args, via=via)
 
     def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
-                       timeout: float, via=None) -> int:
+                       timeout: float, carried: dict | None = None, via=None) -> int:
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
@@ -1126,6 +1162,7 @@ class Client:
         header.commit_follows = op == dp.OP_PUSH and self._commit_follows
         header.subscriber = op == dp.OP_PULL and self.subscriber_pulls
         header.at_step = op == dp.OP_PULL and self._pulling_at_step
+        header.pull_applied = op == dp.OP_COMMIT and bool(keys)
         if op == dp.OP_PULL and self._reads.rack:
             header.reader_rack = self._reads.rack  # where this job's reads come from (ps_server/heat.py)
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
@@ -1167,20 +1204,21 @@ class Client:
         key = node_id if via is None else _cache_key(via, node_id)
         if op == dp.OP_PUSH:
             self._push_checks(keys)
-        if op == dp.OP_PULL:
+        pulls = frame.asks_blocks(header)
+        if pulls:
             self._begin_cache_write()
         try:
-            return self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via)
+            return self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via, carried)
         finally:
-            if op == dp.OP_PULL:
+            if pulls:
                 self._end_cache_write()
 
     def _exchange_locked(self, conn, key, node_id: str, header, payloads, expected: dict, op: int, timeout: float,
-                         via) -> int:
+                         via, carried: dict | None = None) -> int:
         with conn.lock:
             placed: set = set()
             try:
-                if op == dp.OP_PULL and via is None:
+                if frame.asks_blocks(header) and via is None:
                     placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
                 # a node that stops answering (paused, partitioned) is given up on after this
                 io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
@@ -1214,6 +1252,10 @@ class Client:
             if op == dp.OP_PULL:
                 self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
+            elif op == dp.OP_COMMIT:  # the blocks of the pull it carried, if the node applied the step
+                self._receive_blocks(conn, key, reply, expected if reply.pull_applied else {}, placed)
+                if header.pull_applied and reply.pull_applied and carried is not None:
+                    carried[node_id] = reply.step
         return reply.step
 
     @staticmethod

@@ -256,3 +256,28 @@ def test_every_waiter_blocks_until_the_pull_landed_and_other_models_never_wait(c
         assert sorted(returned) == ["forward", "zero_grad"] and not opt.pending
     finally:
         opt.close()
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_a_commit_that_completes_the_step_brings_it_and_no_pull_is_sent(cluster, flatten):
+    """One rank: its commit completes every step on both nodes, so each step's new values come in
+    the commit's replies (the pull it carries) and ``step()`` sends no pull; still torch.optim.AdamW."""
+    model, ref = Net(), Net()
+    opt = PSOptimizer(groups_of(model, named=True), cluster=cluster.address, job=f"carried-{flatten}",
+                      optimizer="adamw", world_size=1, rank=0, block_elements=32, connect_timeout=30, flatten=flatten,
+                      **HYPER)
+    ref_opt = torch.optim.AdamW(groups_of(ref, named=False), **HYPER)
+    try:
+        assert opt.client.pull_on_commit
+        for step in range(STEPS):
+            tokens, targets = batch(step, 0)
+            for m, o in ((model, opt), (ref, ref_opt)):
+                o.zero_grad()
+                nn.functional.cross_entropy(m(tokens), targets).backward()
+                o.step()
+        assert opt.client.stats.carried_steps == STEPS
+        for name, want in ref.state_dict().items():
+            diff = (model.state_dict()[name] - want).abs().max().item()
+            assert diff <= 1e-6, f"{name}: max abs diff {diff}"
+    finally:
+        opt.close()
