@@ -163,7 +163,9 @@ class Client:
     # rank whose commit applies the step has the new values in the commit's replies, and
     # pull_changed() then asks nothing. PSOptimizer turns it on where it pulls whole steps.
     pull_on_commit = False
-    _carried: "tuple[int, dict[str, int]] | None" = None   # (step, node -> step) of the last commit's pulls
+    # the last commit's carried pull: (the step it made, node -> the keys its reply brought,
+    # node -> the step its commit reply reported, how many keys it carried)
+    _carried: "tuple[int, dict[str, list], dict[str, int], int] | None" = None
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -606,16 +608,19 @@ class Client:
                 del self._inflight[step]
 
     def _took_carried_pull(self) -> bool:
-        """Whether every node of the routing answered this worker's last commit with the blocks of
-        the step it made (the commit carried a pull of every tensor of the job): then the caches
-        hold that step as a pull would leave them, and every node is known to have reached it."""
+        """Whether this worker's last commit brought the step it made: every block of the job came
+        in a reply that applied it (blocks are counted, not nodes: a node that failed mid-reply,
+        whose blocks others own now, answered for none), and every node of the routing reported
+        the step. Then the caches hold it as a pull would leave them."""
         carried, self._carried = self._carried, None
-        if carried is None or carried[0] != self.step or set(carried[1]) != set(self.routing.nodes) \
-                or self._replay_from is not None:
+        if carried is None or self._replay_from is not None:
             return False
-        if min(carried[1].values()) < self.step:
+        step, answered, node_steps, total = carried
+        if step != self.step or any(node_steps.get(node, -1) < step for node in self.routing.nodes):
             return False
-        self.held_step = min(carried[1].values())
+        if len({key for keys in answered.values() for key in keys}) != total:
+            return False
+        self.held_step = min(node_steps[node] for node in self.routing.nodes)
         self.stats.carried_steps += 1
         return True
 
@@ -788,11 +793,11 @@ class Client:
         self._inflight_record(step, weight)["committed"] = True
         keys = self._carried_pull_keys()
         self._carried = None
-        carried: dict[str, int] = {}
-        self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=carried)
+        answered: dict[str, list] = {}
+        node_steps = self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=answered)
         self.step = step + 1
         if keys:
-            self._carried = (self.step, carried)
+            self._carried = (self.step, answered, node_steps, len(set(keys)))
 
     def _inflight_record(self, step: int, weight: float) -> dict:
         """What this worker sent for ``step`` (kept for resending until every node applied it). A
@@ -964,7 +969,7 @@ class Client:
                  carried: dict | None = None) -> dict[str, int]:
         """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those.
         Returns the job step each node that answered reported. A COMMIT's ``keys`` are the pull it
-        carries; ``carried`` gets the step of each node whose reply brought it."""
+        carries; ``carried`` gets, for each node whose reply brought their blocks, the keys it answered for."""
         if self._lost is not None:
             raise self._lost
         pending = list(keys)
@@ -1255,7 +1260,7 @@ class Client:
             elif op == dp.OP_COMMIT:  # the blocks of the pull it carried, if the node applied the step
                 self._receive_blocks(conn, key, reply, expected if reply.pull_applied else {}, placed)
                 if header.pull_applied and reply.pull_applied and carried is not None:
-                    carried[node_id] = reply.step
+                    carried.setdefault(node_id, []).extend((ref.tensor, ref.index) for ref in header.blocks)
         return reply.step
 
     @staticmethod

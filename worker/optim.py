@@ -329,8 +329,9 @@ class PSOptimizer(torch.optim.Optimizer):
             self._priority = PriorityPull(self.params, cap_bytes)
             self._install_forward_hook()  # the first forward teaches the order
         # A whole-step pull rides on the commit: the rank that completes a step (the one every
-        # other waits for) gets it in the commit's replies, a round trip sooner.
-        self.client.pull_on_commit = self._priority is None
+        # other waits for) gets it in the commit's replies, a round trip sooner. Not with overlap:
+        # its commit goes out when backward ends, and the parameters must not change before step().
+        self.client.pull_on_commit = self._priority is None and self._pusher is None
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
         if metrics_port is not None:

@@ -119,6 +119,8 @@ def test_errors_of_what_backward_sent_are_raised_by_step(cluster):
                       block_elements=32, connect_timeout=30, pull_timeout=10, bucket_cap_mb=CAP_MB,
                       overlap=True)
     try:
+        # backward's commit carries no pull: the parameters must not change before step()
+        assert not opt.client.pull_on_commit
         tokens, targets = batch(0, 0)
         nn.functional.cross_entropy(model(tokens), targets).backward()
         with pytest.raises(ShardlineConfigError, match=r"set_step_weight\(3.0\)"):

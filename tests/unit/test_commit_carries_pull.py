@@ -148,3 +148,40 @@ def test_only_a_bsp_commit_carries_a_pull():
     carried.pull_applied = False
     with pytest.raises(FrameError, match="destination region"):
         frame.validate_header(carried)
+
+
+def client_after_commit(answered: dict, node_steps: dict, total: int, nodes=("A", "B")):
+    """A Client whose last commit made step 5 with these carried answers (what _commit leaves)."""
+    import types
+
+    from shardline.worker.client import Client, TransferStats
+
+    client = Client.__new__(Client)
+    client.routing = types.SimpleNamespace(nodes={n: 0 for n in nodes})
+    client.step, client.held_step, client._replay_from, client.stats = 5, None, None, TransferStats()
+    client._carried = (5, answered, node_steps, total)
+    return client
+
+
+KEYS_A, KEYS_B = [("w", 0), ("w", 1)], [("w", 2)]
+
+
+@pytest.mark.parametrize("answered, node_steps, nodes, took", [
+    ({"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, ("A", "B"), True),
+    # B died mid-reply and left the ring: A answered for its own blocks only (the chaos run that
+    # found this skipped the pull with B's blocks never brought)
+    ({"A": KEYS_A}, {"A": 5, "B": 5}, ("A",), False),
+    # B's blocks moved to A and the commit was resent there for them: A answered for all of them
+    ({"A": KEYS_A + KEYS_B}, {"A": 5}, ("A",), True),
+    ({"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 4}, ("A", "B"), False),   # B did not reach the step
+    ({"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, ("A", "B", "C"), False),   # C's step unknown
+])
+def test_a_pull_is_skipped_only_when_every_block_came_and_every_node_reached_the_step(answered, node_steps, nodes,
+                                                                                        took):
+    client = client_after_commit(answered, node_steps, 3, nodes)
+    assert client._took_carried_pull() is took
+    assert client._carried is None   # used once
+    assert client.stats.carried_steps == int(took)
+    client._carried = (5, {"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, 3)
+    client._replay_from = object()   # the routing moved during the step: its replay decides
+    assert not client._took_carried_pull()
