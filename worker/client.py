@@ -620,6 +620,11 @@ class Client:
             return False
         if len({key for keys in answered.values() for key in keys}) != total:
             return False
+        # the caches must still be what the replies left: a tensor bound or added since, or blocks
+        # whose bytes became unknown (their versions are gone), are pulled
+        held = [(n, s.index) for n in self._shapes for s in self._slices[n]]
+        if len(held) != total or any(key not in self._versions for key in held):
+            return False
         self.held_step = min(node_steps[node] for node in self.routing.nodes)
         self.stats.carried_steps += 1
         return True

@@ -1,5 +1,5 @@
 """Named, fast failures with real daemons on 127.0.0.1: an unreachable dispatcher is reported on a
-training script's stderr within 6 s, a PS started before its dispatcher says that it waits, and a
+training script's stderr within 8 s, a PS started before its dispatcher says that it waits, and a
 BSP rank that never arrives is named by the WARNING, the pull_timeout error and ``shardline status``."""
 
 from __future__ import annotations
@@ -35,17 +35,18 @@ def _read_lines(stream, into: list, started: list) -> None:
         into.append((time.monotonic() - started[0] if started else None, line.rstrip("\n")))
 
 
-def test_an_unreachable_cluster_is_reported_on_stderr_within_6_s():
+def test_an_unreachable_cluster_is_reported_on_stderr_within_8_s():
     """A training script with no logging set up: PSOptimizer on an address nobody listens on prints
-    a WARNING saying what it retries within 6 s, and fails after connect_timeout naming the reason
-    (6 s: past the WARNING, which falls due after 4 s, with time to spare on a loaded machine)."""
+    a WARNING saying what it retries within 8 s, and fails after connect_timeout naming the reason
+    (the WARNING falls due 4 s after the wait starts; under make test's load the script took up to
+    2 s more to get there, and once came at 6.0 s against a bound of 6)."""
     address = f"127.0.0.1:{_closed_port()}"
     script = (
         "import sys, torch\n"
         "from shardline import PSOptimizer\n"
         "model = torch.nn.Linear(2, 2)\n"
         "print('calling', flush=True)\n"
-        f"PSOptimizer(model.named_parameters(), cluster={address!r}, job='j', connect_timeout=6)\n")
+        f"PSOptimizer(model.named_parameters(), cluster={address!r}, job='j', connect_timeout=8)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         started: list = []
@@ -64,10 +65,10 @@ def test_an_unreachable_cluster_is_reported_on_stderr_within_6_s():
     text = "\n".join(line for _, line in lines)
     warning = next(((at, line) for at, line in lines if "still not reachable" in line), None)
     assert warning is not None, text
-    assert warning[0] <= 6.0, f"the WARNING came after {warning[0]:.1f} s:\n{text}"
+    assert warning[0] <= 8.0, f"the WARNING came after {warning[0]:.1f} s:\n{text}"
     assert address in warning[1] and "connection refused" in warning[1], text
     assert proc.returncode != 0 and "ShardlineTimeoutError" in text and "connect_timeout" in text, text
-    assert took < 6 + 5, f"it failed after {took:.1f} s"
+    assert took < 8 + 5, f"it failed after {took:.1f} s"
 
 
 def _wait_for_log(handle, needle: str, timeout: float) -> str:

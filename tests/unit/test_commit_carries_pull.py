@@ -158,6 +158,9 @@ def client_after_commit(answered: dict, node_steps: dict, total: int, nodes=("A"
 
     client = Client.__new__(Client)
     client.routing = types.SimpleNamespace(nodes={n: 0 for n in nodes})
+    client._shapes = {"w": (3 * BLOCK,)}
+    client._slices = {"w": [types.SimpleNamespace(index=i) for i in range(3)]}
+    client._versions = {("w", i): 5 for i in range(3)}
     client.step, client.held_step, client._replay_from, client.stats = 5, None, None, TransferStats()
     client._carried = (5, answered, node_steps, total)
     return client
@@ -185,3 +188,19 @@ def test_a_pull_is_skipped_only_when_every_block_came_and_every_node_reached_the
     client._carried = (5, {"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, 3)
     client._replay_from = object()   # the routing moved during the step: its replay decides
     assert not client._took_carried_pull()
+
+
+def test_caches_changed_after_the_commit_are_pulled():
+    """A tensor bound after the commit (its bytes unknown: versions gone) or added to the job
+    (a new revision) was not in what the replies brought."""
+    import types
+
+    everything = ({"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, 3)
+    client = client_after_commit(*everything)
+    del client._versions[("w", 1)]
+    assert not client._took_carried_pull()
+    client = client_after_commit(*everything)
+    client._shapes["v"], client._slices["v"] = (4,), [types.SimpleNamespace(index=0)]
+    client._versions[("v", 0)] = 0
+    assert not client._took_carried_pull()
+    assert client_after_commit(*everything)._took_carried_pull()
