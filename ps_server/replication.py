@@ -552,8 +552,9 @@ class Replicator:
                     payloads.extend(parts)
                 if item.previous is not None:  # after those: the value from before its last step
                     before, value = item.previous
-                    refs.append(dp.BlockRef(tensor=item.key[0], index=item.key[1], previous=True, base_version=before,
-                                            dtype=dp.FLOAT32, numel=value.numel(), nbytes=value.numel() * 4))
+                    previous_ref = frame.block_ref(item.key[0], item.key[1], value)
+                    previous_ref.previous, previous_ref.base_version = True, before
+                    refs.append(previous_ref)
                     payloads.append(frame.tensor_bytes(value))
             header = self._header(dp.OP_REPLICATE, job, blocks=refs, handover=True,
                                   payload_bytes=sum(r.nbytes for r in refs))

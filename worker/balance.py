@@ -348,21 +348,7 @@ def _improve_fullest(parts: list[list[int]], costs: list[float]) -> list[list[in
     loads = [sum(costs[i] for i in p) for p in parts]
     for _ in range(4 * len(costs) * k):   # a bound far above what the changes take; never reached
         hi = max(range(k), key=lambda r: (loads[r], -r))
-        top, best = loads[hi], None
-        for lo in range(k):
-            if lo == hi:
-                continue
-            for i in parts[hi]:
-                if len(parts[hi]) > 1:
-                    change = (max(top - costs[i], loads[lo] + costs[i]), lo, i, -1)
-                    if change[0] < top and (best is None or change < best):
-                        best = change
-                for j in parts[lo]:
-                    if costs[i] > costs[j]:
-                        d = costs[i] - costs[j]
-                        change = (max(top - d, loads[lo] + d), lo, i, j)
-                        if change[0] < top and (best is None or change < best):
-                            best = change
+        best = min((c for c in _changes_out_of(hi, parts, loads, costs) if c[0] < loads[hi]), default=None)
         if best is None:
             break
         _, lo, i, j = best
@@ -373,6 +359,23 @@ def _improve_fullest(parts: list[list[int]], costs: list[float]) -> list[list[in
             parts[hi].append(j)
         loads[hi], loads[lo] = sum(costs[x] for x in parts[hi]), sum(costs[x] for x in parts[lo])
     return parts
+
+
+def _changes_out_of(hi: int, parts: list[list[int]], loads: list[float], costs: list[float]):
+    """Every move of one sequence out of part ``hi`` and every swap of one of it for a cheaper one
+    of another part, as ``(the two parts' larger load after it, other part, sequence out, sequence
+    in or -1)``."""
+    top = loads[hi]
+    for lo in range(len(parts)):
+        if lo == hi:
+            continue
+        for i in parts[hi]:
+            if len(parts[hi]) > 1:
+                yield max(top - costs[i], loads[lo] + costs[i]), lo, i, -1
+            for j in parts[lo]:
+                if costs[i] > costs[j]:
+                    d = costs[i] - costs[j]
+                    yield max(top - d, loads[lo] + d), lo, i, j
 
 
 def part_costs(split: Sequence[Sequence[int]], lengths: Sequence[int], cost: Cost = None) -> list[float]:

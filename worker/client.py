@@ -164,8 +164,8 @@ class Client:
     # pull_changed() then asks nothing. PSOptimizer turns it on where it pulls whole steps.
     pull_on_commit = False
     # the last commit's carried pull: (the step it made, node -> the keys its reply brought,
-    # node -> the step its commit reply reported, how many keys it carried)
-    _carried: "tuple[int, dict[str, list], dict[str, int], int] | None" = None
+    # node -> the step its commit reply reported)
+    _carried: "tuple[int, dict[str, list], dict[str, int]] | None" = None
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -615,15 +615,14 @@ class Client:
         carried, self._carried = self._carried, None
         if carried is None or self._replay_from is not None:
             return False
-        step, answered, node_steps, total = carried
+        step, answered, node_steps = carried
         if step != self.step or any(node_steps.get(node, -1) < step for node in self.routing.nodes):
             return False
-        if len({key for keys in answered.values() for key in keys}) != total:
-            return False
-        # the caches must still be what the replies left: a tensor bound or added since, or blocks
-        # whose bytes became unknown (their versions are gone), are pulled
-        held = [(n, s.index) for n in self._shapes for s in self._slices[n]]
-        if len(held) != total or any(key not in self._versions for key in held):
+        # the caches must still be what the replies left: a tensor added since, or blocks whose
+        # bytes became unknown (their versions are gone: bound since, a copy broken off), are pulled
+        held = self._job_keys()
+        if {key for keys in answered.values() for key in keys} != set(held) \
+                or any(key not in self._versions for key in held):
             return False
         self.held_step = min(node_steps[node] for node in self.routing.nodes)
         self.stats.carried_steps += 1
@@ -633,6 +632,10 @@ class Client:
         """The blocks a BSP commit carries a pull of (``pull_on_commit``): every block of the job."""
         if not (self.pull_on_commit and self.sync == "bsp" and not self.subscriber_pulls):
             return []
+        return self._job_keys()
+
+    def _job_keys(self) -> list[tuple[str, int]]:
+        """Every block of the job this client holds the spec of, as (tensor, index)."""
         return [(n, s.index) for n in self._shapes for s in self._slices[n]]
 
     def join(self, names=None) -> int:
@@ -802,7 +805,7 @@ class Client:
         node_steps = self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=answered)
         self.step = step + 1
         if keys:
-            self._carried = (self.step, answered, node_steps, len(set(keys)))
+            self._carried = (self.step, answered, node_steps)
 
     def _inflight_record(self, step: int, weight: float) -> dict:
         """What this worker sent for ``step`` (kept for resending until every node applied it). A

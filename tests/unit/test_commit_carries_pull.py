@@ -150,7 +150,7 @@ def test_only_a_bsp_commit_carries_a_pull():
         frame.validate_header(carried)
 
 
-def client_after_commit(answered: dict, node_steps: dict, total: int, nodes=("A", "B")):
+def client_after_commit(answered: dict, node_steps: dict, nodes=("A", "B")):
     """A Client whose last commit made step 5 with these carried answers (what _commit leaves)."""
     import types
 
@@ -162,7 +162,7 @@ def client_after_commit(answered: dict, node_steps: dict, total: int, nodes=("A"
     client._slices = {"w": [types.SimpleNamespace(index=i) for i in range(3)]}
     client._versions = {("w", i): 5 for i in range(3)}
     client.step, client.held_step, client._replay_from, client.stats = 5, None, None, TransferStats()
-    client._carried = (5, answered, node_steps, total)
+    client._carried = (5, answered, node_steps)
     return client
 
 
@@ -181,11 +181,11 @@ KEYS_A, KEYS_B = [("w", 0), ("w", 1)], [("w", 2)]
 ])
 def test_a_pull_is_skipped_only_when_every_block_came_and_every_node_reached_the_step(answered, node_steps, nodes,
                                                                                         took):
-    client = client_after_commit(answered, node_steps, 3, nodes)
+    client = client_after_commit(answered, node_steps, nodes)
     assert client._took_carried_pull() is took
     assert client._carried is None   # used once
     assert client.stats.carried_steps == int(took)
-    client._carried = (5, {"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, 3)
+    client._carried = (5, {"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5})
     client._replay_from = object()   # the routing moved during the step: its replay decides
     assert not client._took_carried_pull()
 
@@ -195,7 +195,7 @@ def test_caches_changed_after_the_commit_are_pulled():
     (a new revision) was not in what the replies brought."""
     import types
 
-    everything = ({"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5}, 3)
+    everything = ({"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5})
     client = client_after_commit(*everything)
     del client._versions[("w", 1)]
     assert not client._took_carried_pull()
