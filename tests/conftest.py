@@ -25,3 +25,20 @@ def etcd():
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def closed_port():
+    """Reserve ports where connections are refused for the whole test: ``closed_port()`` returns a
+    :class:`ports.ClosedPort`."""
+    from ports import ClosedPort
+
+    held: list = []
+
+    def reserve() -> ClosedPort:
+        held.append(ClosedPort())
+        return held[-1]
+
+    yield reserve
+    for port in held:
+        port.release()

@@ -21,6 +21,7 @@ from typing import Iterable
 import torch
 
 from shardline.ps_server.optimizer import OptimizerConfig, group_configs
+from shardline.services.config import parse_address_list
 from shardline.services.compression import compression_of
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.security import client_credentials
@@ -229,6 +230,9 @@ class PSOptimizer(torch.optim.Optimizer):
         if flatten and overlap:
             raise ShardlineConfigError("flatten=True pushes each param group's gradients as one tensor after backward; "
                                        "it does not combine with overlap=True (push during backward): pass one of them")
+        # Checked here, not first by the client: the first torch.optim.Optimizer built in a process
+        # imports torch._dynamo (about 1 s), and a typo in the address should fail at once.
+        parse_address_list(cluster, what="cluster")
         cap_bytes = bucket_cap_bytes(bucket_cap_mb)
         defaults_config = OptimizerConfig.from_kwargs(optimizer, **optimizer_kwargs)
         cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)

@@ -4,7 +4,6 @@ started again; the final parameters must equal single-process torch.optim on the
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,12 @@ from safetensors.torch import load_file
 
 import train_model
 from shardline.services.local_cluster import LocalCluster
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 14
 HERE = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_cluster(cluster: LocalCluster, tmp_path: Path, *, nodes: int = 2, every: int = 1, **dispatcher_flags):

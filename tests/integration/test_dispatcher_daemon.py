@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardline.services.daemon import grpc_channel
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -367,12 +367,6 @@ def test_the_dispatcher_serves_jobs_without_loading_torch(daemon):
                           timeout=RPC_TIMEOUT)
     maps = Path(f"/proc/{daemon.proc.pid}/maps").read_text()
     assert "libtorch" not in maps, [line for line in maps.splitlines() if "torch" in line][:3]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_state_survives_kill_9_and_a_restart_on_the_same_port(tmp_path):

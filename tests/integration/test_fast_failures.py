@@ -5,7 +5,6 @@ BSP rank that never arrives is named by the WARNING, the pull_timeout error and 
 from __future__ import annotations
 
 import logging
-import socket
 import subprocess
 import sys
 import threading
@@ -23,24 +22,17 @@ pytestmark = pytest.mark.timeout(120)
 CLI = [sys.executable, "-m", "shardline.services.cli"]
 
 
-def _closed_port() -> int:
-    """A port that was free a moment ago: nothing listens there."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _read_lines(stream, into: list, started: list) -> None:
     for line in stream:
         into.append((time.monotonic() - started[0] if started else None, line.rstrip("\n")))
 
 
-def test_an_unreachable_cluster_is_reported_on_stderr_within_8_s():
+def test_an_unreachable_cluster_is_reported_on_stderr_within_8_s(closed_port):
     """A training script with no logging set up: PSOptimizer on an address nobody listens on prints
     a WARNING saying what it retries within 8 s, and fails after connect_timeout naming the reason
     (the WARNING falls due 4 s after the wait starts; under make test's load the script took up to
     2 s more to get there, and once came at 6.0 s against a bound of 6)."""
-    address = f"127.0.0.1:{_closed_port()}"
+    address = closed_port().address
     script = (
         "import sys, torch\n"
         "from shardline import PSOptimizer\n"
@@ -83,10 +75,11 @@ def _wait_for_log(handle, needle: str, timeout: float) -> str:
     raise AssertionError(f"{handle.name} did not log {needle!r} within {timeout:g} s:\n{handle.log_tail()}")
 
 
-def test_a_ps_started_before_its_dispatcher_says_it_waits(tmp_path):
+def test_a_ps_started_before_its_dispatcher_says_it_waits(tmp_path, closed_port):
     """Both PS nodes log at once that they wait for the dispatcher; SIGTERM ends one's wait with exit
     code 0 at once; the other joins once the dispatcher is up."""
-    address = f"127.0.0.1:{_closed_port()}"
+    refusing = closed_port()
+    address = refusing.address
     with LocalCluster(tmp_path / "c") as cluster:
         waiting = cluster.add_node(node_id="early", cluster=address, wait=False, connect_timeout=60)
         stopped = cluster.add_node(node_id="stopped", cluster=address, wait=False, connect_timeout=60)
@@ -96,6 +89,7 @@ def test_a_ps_started_before_its_dispatcher_says_it_waits(tmp_path):
         started = time.monotonic()
         assert cluster.stop(stopped) == 0, stopped.log_tail()
         assert time.monotonic() - started < 5
+        refusing.release()
         cluster.add_dispatcher(listen=address)
         cluster.wait_ready(waiting, timeout=30)
         cluster.wait_for_nodes(1, timeout=30)

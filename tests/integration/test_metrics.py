@@ -31,6 +31,7 @@ from shardline.services.local_cluster import LocalCluster
 from shardline.services.pb import dispatcher_pb2, dispatcher_pb2_grpc
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline import connect
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,12 +100,6 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() >= deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting for {what}; last: {last!r}")
         time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_traffic(cluster: LocalCluster) -> None:

@@ -36,6 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardline.services.daemon import grpc_channel
 from shardline.services.local_cluster import read_json_object
 from shardline.services.pb import dispatcher_pb2, dispatcher_pb2_grpc
+from ports import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -305,12 +306,6 @@ def _tail(log: Path | None, lines: int = 40) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _health_serving(address: str, timeout: float = 2.0) -> bool:
     channel = grpc_channel(address)
     try:
@@ -464,7 +459,7 @@ def _assert_clean_stop(daemons: Daemons, fake: FakeSystemd, proc) -> None:
 
 def test_ready_only_once_serving_watchdog_and_stopping(tmp_path, daemons, fake_systemd):
     # Path socket for the dispatcher, abstract-namespace socket for the PS: both forms end to end.
-    dispatcher_port, ps_port = _free_port(), _free_port()
+    dispatcher_port, ps_port = free_port(), free_port()
     cluster = f"127.0.0.1:{dispatcher_port}"
     ps_ready_file = tmp_path / "ps.json"
     dispatcher_ready_file = tmp_path / "dispatcher.json"
@@ -522,7 +517,7 @@ def test_ready_only_once_serving_watchdog_and_stopping(tmp_path, daemons, fake_s
 def test_worker_ready_once_joined(tmp_path, daemons, fake_systemd):
     dispatcher_fake = fake_systemd("d.sock")
     ps_fake = fake_systemd("p.sock")
-    cluster = f"127.0.0.1:{_free_port()}"
+    cluster = f"127.0.0.1:{free_port()}"
     worker_ready_file = tmp_path / "worker.json"
     worker_fake = fake_systemd("w.sock", _serving_snapshot(
         worker_ready_file, extra=lambda info: {"job": _job_exists(cluster, info["job"])}))

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
@@ -79,12 +78,6 @@ class FakePS(ps_pb2_grpc.ParameterServerServicer):
         return ps_pb2.DropJobReply(dropped=dropped)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Cluster:
     """A dispatcher servicer on a fake clock behind a real gRPC server, and fake PS nodes."""
 
@@ -150,14 +143,14 @@ def rpc_error(call, request, timeout: float = RPC_TIMEOUT) -> grpc.RpcError:
 
 # --- DeleteJob -----------------------------------------------------------------------------------
 
-def test_delete_job_drops_on_alive_nodes_and_leaves_the_rest_pending(recording_store):
+def test_delete_job_drops_on_alive_nodes_and_leaves_the_rest_pending(recording_store, closed_port):
     c = Cluster(recording_store, token=TOKEN)  # calls to nodes carry the cluster token
     try:
         uid = c.create_job("gone")
         a = c.add_ps(FakePS("ps-a", {"gone": (uid, 3)}))
         b = c.add_ps(FakePS("ps-b", {}))
-        c.register("ps-down", free_port())   # alive by its heartbeats, but nothing listens
-        c.register("ps-dead", free_port())
+        c.register("ps-down", closed_port().port)   # alive by its heartbeats, but nothing listens
+        c.register("ps-dead", closed_port().port)
         c.now = HEARTBEAT_TIMEOUT + 1
         for node_id in ("ps-a", "ps-b", "ps-down"):
             c.membership.heartbeat(node_id, c.now)
@@ -218,12 +211,12 @@ def test_checkpoint_timeout_names_the_nodes_not_durable(cluster):
     assert time.monotonic() - start < 5.0
 
 
-def test_checkpoint_without_holders_or_with_an_unreachable_node(cluster):
+def test_checkpoint_without_holders_or_with_an_unreachable_node(cluster, closed_port):
     uid = cluster.create_job("nobody")
     err = rpc_error(cluster.stub.CheckpointJob, dispatcher_pb2.CheckpointJobRequest(name="nobody", timeout_seconds=2))
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "no PS node holds job 'nobody'" in err.details()
     cluster.add_ps(FakePS("ps-a", {"nobody": (uid, 1)}))
-    cluster.register("ps-down", free_port())
+    cluster.register("ps-down", closed_port().port)
     err = rpc_error(cluster.stub.CheckpointJob, dispatcher_pb2.CheckpointJobRequest(name="nobody", timeout_seconds=2))
     assert err.code() == grpc.StatusCode.UNAVAILABLE and "ps-down" in err.details()
 

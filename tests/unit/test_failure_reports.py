@@ -4,7 +4,6 @@ with what is retried, and a BSP step that waits names the ranks that have not co
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
@@ -83,16 +82,10 @@ def test_unreachable_reasons_say_what_failed():
     assert "no answer in time" in unreachable_reason(slow, "a:1")
 
 
-def _closed_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"127.0.0.1:{s.getsockname()[1]}"
-
-
-def test_waiting_for_an_unreachable_dispatcher_logs_info_at_once_then_a_warning(caplog):
+def test_waiting_for_an_unreachable_dispatcher_logs_info_at_once_then_a_warning(caplog, closed_port):
     """INFO on the first failed try, a WARNING after warn_after naming the address and the reason;
     ``stop`` ends the wait at once (a daemon got SIGTERM)."""
-    address = _closed_port()
+    address = closed_port().address
     client = DispatcherClient(address)
     stop = threading.Event()
     errors = []
@@ -122,8 +115,8 @@ def test_waiting_for_an_unreachable_dispatcher_logs_info_at_once_then_a_warning(
     assert not thread.is_alive() and errors and "stopped" in str(errors[0])
 
 
-def test_the_timeout_names_the_address_and_the_reason():
-    address = _closed_port()
+def test_the_timeout_names_the_address_and_the_reason(closed_port):
+    address = closed_port().address
     client = DispatcherClient(address)
     try:
         with pytest.raises(ShardlineTimeoutError) as err:
