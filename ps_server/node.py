@@ -7,6 +7,7 @@ that will be refused); ``handle`` runs the operation on the received payload. Bo
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -42,11 +43,13 @@ REVISION_MISS_SECONDS = 1.0
 # holders acknowledged them, waiting at most this long (well under a worker's I/O timeout); after
 # it the commit is answered without them, and the worker's own pull waits as any pull does.
 CARRIED_PULL_WAIT_SECONDS = 1.0
-# A one-copy pull placing (or a push taking) at least this many bytes splits its copies with a helper thread.
+# A one-copy pull placing (or a push taking) at least this many bytes shares its copies with a helper
+# thread, and the copies bypass the node's caches (more than they would keep; _copycheck.c).
 PARALLEL_PLACE_BYTES = 8 * 1024 * 1024
-# A push's blocks taken from a client's region are copied this much at a time: the pieces the node's
-# copy threads share (interleaved, so the first bad block is found early either way).
-TAKE_PIECE_BYTES = 1024 * 1024
+# A large pull's placed blocks, and a push's blocks taken from a client's region, are copied this
+# much at a time: the pieces the node's two copy threads take in turn as each finishes one (so
+# neither waits for the other at the end, and the first bad block of a push is found early).
+COPY_PIECE_BYTES = 1024 * 1024
 
 
 # Ops whose frames carry tensor bytes; every other op's payload must be empty.
@@ -122,6 +125,21 @@ def _check_want_dtypes(header: frame.FrameHeader) -> None:
             name = dp.DType.Name(ref.want_dtype) if ref.want_dtype in dp.DType.values() else str(ref.want_dtype)
             raise StoreError("INVALID_ARGUMENT", f"pull asks block {ref.tensor[:200]}[{ref.index}] in dtype {name}; "
                                                  f"nodes send FLOAT32 or BFLOAT16")
+
+
+def _pieces(items: list, nbytes) -> list[list]:
+    """``items`` in order, in runs of about COPY_PIECE_BYTES (``nbytes(item)`` each; a larger item is
+    a piece of its own): the pieces PSNode._share hands out."""
+    pieces, piece, piece_bytes = [], [], 0
+    for item in items:
+        piece.append(item)
+        piece_bytes += nbytes(item)
+        if piece_bytes >= COPY_PIECE_BYTES:
+            pieces.append(piece)
+            piece, piece_bytes = [], 0
+    if piece:
+        pieces.append(piece)
+    return pieces
 
 
 class NotOwner(StoreError):
@@ -445,26 +463,47 @@ class PSNode:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
     def _place(self, regions, places: list) -> None:
-        """Copy ``places`` ((region, offset, value)) into the connection's regions; a large pull's
-        copies split with the helper thread (``_split``)."""
+        """Copy ``places`` ((region, offset, value)) into the connection's regions. A large pull's
+        copies are shared with the helper thread (``_share``) and bypass the node's caches (they
+        would not keep it; the client reads it, the node never does)."""
         if not places:
             return
-        if len(places) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
+        pieces = _pieces(places, lambda place: place[2].numel() * place[2].element_size())
+        if len(pieces) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
             regions.place_many(places)
             return
-        self._split(regions.place_many, places[::2], places[1::2])
+        self._share(functools.partial(regions.place_many, stream=True), pieces)
 
-    def _split(self, work, mine, helpers):
-        """``work(mine)`` on this thread and ``work(helpers)`` on one helper thread at once (a copy
-        to or from a client's region is the whole transfer: two cores copy 64 MiB in about two
-        thirds of the time one takes); if the helper is busy with another request, this thread
-        does its share too. Returns both results."""
+    def _share(self, work, pieces: list) -> list:
+        """``work(piece)`` for each of ``pieces`` in order, by this thread and one helper thread at
+        once, each taking the next piece when it finishes one (a copy to or from a client's region
+        is the whole transfer: two cores copy 64 MiB in about two thirds of the time one takes, and
+        taking pieces as they come leaves neither waiting for the other at the end, as fixed halves
+        did: the helper starts later and is slowed by the GIL). If the helper is busy with another
+        request, this thread does every piece.
+
+        A piece whose ``work`` returns a value (a push's first bad block) is the last one started;
+        every piece before it is done. Returns those values, in no order."""
         with self._place_pool_lock:
             if self._place_pool is None:
                 self._place_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-place")
-        helper = self._place_pool.submit(work, helpers)
-        ours = work(mine)
-        return ours, (work(helpers) if helper.cancel() else helper.result())
+        queue, taking, found = iter(pieces), threading.Lock(), []
+
+        def drain() -> None:
+            while not found:
+                with taking:
+                    piece = next(queue, None)
+                if piece is None:
+                    return
+                value = work(piece)
+                if value is not None:
+                    found.append(value)
+
+        helper = self._place_pool.submit(drain)
+        drain()
+        if not helper.cancel():
+            helper.result()
+        return found
 
     def take_push(self, regions, job: JobStore, ticket: PushTicket, header: frame.FrameHeader,
                   indices: list[int]) -> None:
@@ -473,34 +512,26 @@ class PSNode:
         failure is left on the ticket, for finish_push): piece by piece, split with the helper
         thread when large. Only the node's own copy is checked, never the client's memory, which
         the client could still change (ShmConnection.take_many, tensor_checks.copy_checked)."""
-        pieces, piece, piece_bytes, total = [], [], 0, 0
-        for i in indices:
-            nbytes = ticket.dests[i].numel() * ticket.dests[i].element_size()
-            piece.append(i)
-            piece_bytes += nbytes
-            total += nbytes
-            if piece_bytes >= TAKE_PIECE_BYTES:
-                pieces.append(piece)
-                piece, piece_bytes = [], 0
-        if piece:
-            pieces.append(piece)
         blocks, checked = header.blocks, not job.allow_nonfinite
+        sizes = {i: ticket.dests[i].numel() * ticket.dests[i].element_size() for i in indices}
+        pieces = _pieces(indices, sizes.__getitem__)
 
-        def take(some: list) -> int | None:
-            for part in some:
-                bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in part],
-                                        checked=checked)
+        def take(piece: list) -> int | None:
+            bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in piece],
+                                    checked=checked)
+            return None if bad is None else piece[bad]
+
+        if len(pieces) < 2 or sum(sizes.values()) < PARALLEL_PLACE_BYTES:
+            found = []
+            for piece in pieces:
+                bad = take(piece)
                 if bad is not None:
-                    return part[bad]
-            return None
-
-        if len(pieces) < 2 or total < PARALLEL_PLACE_BYTES:
-            found = [take(pieces)]
-        else:  # the halves interleave piece by piece; each stops at its first bad block
-            found = self._split(take, pieces[::2], pieces[1::2])
-        bad = [i for i in found if i is not None]
-        if bad:
-            job.refuse_nonfinite(ticket, min(bad))
+                    found.append(bad)
+                    break
+        else:
+            found = self._share(take, pieces)
+        if found:  # every piece before the last one started was checked: the least is the first bad block
+            job.refuse_nonfinite(ticket, min(found))
 
     def _copy_numel_bound(self, job: JobStore, numel: int, handover: bool) -> int:
         if handover or self.replicator is None:

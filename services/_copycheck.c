@@ -1,4 +1,5 @@
-/* One pass that copies float32 values and checks them for NaN/Inf (shardline.services.tensor_checks).
+/* The data plane's copies in C: one pass that copies float32 values and checks them for NaN/Inf
+ * (shardline.services.tensor_checks), and a copy that bypasses the caches (copy_stream, below).
  *
  * A one-copy push (ps_server/node.py, take_push) copies a gradient out of the client's shared memory
  * and must refuse NaN/Inf in the copy it keeps, never in the client's memory, which the client could
@@ -11,6 +12,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__x86_64__)
+#include <emmintrin.h>
+#endif
 
 /* NaN and +-Inf are the float32 values whose exponent bits are all ones. Integer tests vectorize
  * under -O3 (a float compare in a reduction would not, without -ffast-math). */
@@ -71,13 +75,71 @@ static PyObject *copy_f32(PyObject *self, PyObject *args)
     return result;
 }
 
+/* A pull placed in a client's shared cache (ShmConnection.place_many) is written by the node and read
+ * only by the client, later: stores that bypass the node's caches skip reading each destination line
+ * before it is overwritten, which is a third of a large copy's memory traffic. glibc's memcpy streams
+ * only copies larger than its non-temporal threshold (here 192 MiB: it takes the host's cache for
+ * this VM's), never a 1 MiB block. Elsewhere than x86-64 this is memcpy. */
+static void copy_streaming(char *d, const char *s, size_t n)
+{
+#if defined(__x86_64__)
+    size_t head = (size_t)(-(uintptr_t)d & 15);  /* streaming stores need 16-byte aligned addresses */
+    if (head > n)
+        head = n;
+    memcpy(d, s, head);
+    d += head, s += head, n -= head;
+    for (; n >= 64; n -= 64, d += 64, s += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)s), b = _mm_loadu_si128((const __m128i *)(s + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(s + 32)), e = _mm_loadu_si128((const __m128i *)(s + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+    }
+    memcpy(d, s, n);
+    _mm_sfence();  /* the streamed stores are visible before the reply that says they are there */
+#else
+    memcpy(d, s, n);
+#endif
+}
+
+PyDoc_STRVAR(copy_stream_doc,
+"copy_stream(dst, src)\n\n"
+"Copy buffer src into buffer dst (same length, not overlapping), bypassing this CPU's caches where\n"
+"the CPU allows (x86-64): for a copy the process will not read back, as a pull placed in a client's\n"
+"shared memory. The GIL is released meanwhile.");
+
+static PyObject *copy_stream(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy_stream", &dst, &src))
+        return NULL;
+    PyObject *result = NULL;
+    char *d = dst.buf;
+    const char *s = src.buf;
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "copy_stream needs equal lengths: dst %zd, src %zd bytes", dst.len, src.len);
+    } else if (d < s + src.len && s < d + dst.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_stream: dst and src overlap");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        copy_streaming(d, s, (size_t)dst.len);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_f32", copy_f32, METH_VARARGS, copy_f32_doc},
+    {"copy_stream", copy_stream, METH_VARARGS, copy_stream_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_copycheck", "A fused copy and NaN/Inf check of float32 buffers.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_copycheck", "The data plane's copies: a fused copy and NaN/Inf check of float32 buffers, and a copy that bypasses the caches.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__copycheck(void)

@@ -66,6 +66,11 @@ from shardline.services.daemon import parse_host_port
 from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError
 from shardline.services.transport import tcp
 
+try:  # services/_copycheck.c, built by the install; without it a pull's placement is a cached copy
+    from shardline.services import _copycheck
+except ImportError:  # pragma: no cover - tests/unit/test_tensor_checks.py fails where it is missing
+    _copycheck = None
+
 log = logging.getLogger("shardline.transport.shm")
 
 NAME = "shm"
@@ -381,10 +386,14 @@ class ShmConnection:
         may place at once; a ``close`` meanwhile unmaps once the last of them is done."""
         self.place_many([(region_id, offset, value)])
 
-    def place_many(self, items) -> None:
+    def place_many(self, items, *, stream: bool = False) -> None:
         """``place`` of each ``(region_id, offset, value)``: one lock round for all of them, then
-        byte copies through numpy views (_copy_bytes: cheap per block, for a pull of many small ones)."""
-        self._copy_regions(items, into_region=True)
+        byte copies through numpy views (_copy_bytes: cheap per block, for a pull of many small ones).
+
+        ``stream``: the copies bypass this process's caches (for a large pull, which the caches
+        would not keep: about two thirds of the time of a cached copy; a small one is better left
+        in the shared cache, where the peer reads it next)."""
+        self._copy_regions(items, into_region=True, stream=stream)
 
     def take_many(self, items, *, checked: bool = False) -> int | None:
         """Copy into each ``(region_id, offset, dest)``'s tensor ``dest`` (contiguous) its bytes at
@@ -397,7 +406,7 @@ class ShmConnection:
         returned (the items after it are left uncopied); None means every copy is finite."""
         return self._copy_regions(items, into_region=False, checked=checked)
 
-    def _copy_regions(self, items, *, into_region: bool, checked: bool = False) -> int | None:
+    def _copy_regions(self, items, *, into_region: bool, checked: bool = False, stream: bool = False) -> int | None:
         """Check every ``(region_id, offset, tensor)`` against its region (all or nothing), then
         copy the tensors into the regions or the regions into the tensors (``checked``: see
         take_many). Several threads may copy at once; a ``close`` or unshare meanwhile unmaps once
@@ -423,7 +432,7 @@ class ShmConnection:
             if not targets:
                 return None
             if not checked:
-                _copy_bytes(targets, into_region)
+                _copy_bytes(targets, into_region, stream)
                 return None
             # checked: a take (into_region is False); the region views live only in this call: the
             # finally below may unmap them
@@ -593,28 +602,37 @@ class ShmConnection:
             self._peer_regions[region_id] = region
 
 
-def _copy_bytes(targets, into_region: bool) -> None:
+def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
     """Copy each ``(_, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
-    it), through numpy byte views: a torch view per block costs several times the copy of a small
-    block (a pull of a model's many norms and biases). The views are gone when this returns, so
-    the caller may unmap the regions."""
+    it), through byte views: a torch view per block costs several times the copy of a small block
+    (a pull of a model's many norms and biases). ``stream``: copies into a region bypass this
+    process's caches (``_copycheck.copy_stream``; without the C module, a cached copy). The views
+    are gone when this returns, so the caller may unmap the regions."""
     import numpy as np
 
     from shardline.services.frame import tensor_bytes
 
     wholes: dict = {}
     whole = data = None
+    stream = _copycheck.copy_stream if stream and into_region and _copycheck is not None else None
     try:
         for _i, region, offset, tensor in targets:
             whole = wholes.get(id(region))
             if whole is None:
-                whole = wholes[id(region)] = np.frombuffer(region, dtype=np.uint8)
-            data = np.frombuffer(tensor_bytes(tensor), dtype=np.uint8)   # writable: the tensor's own bytes
+                whole = wholes[id(region)] = memoryview(region).cast("B") if stream else np.frombuffer(region, np.uint8)
+            data = tensor_bytes(tensor)   # writable: the tensor's own bytes
+            if stream:
+                stream(whole[offset:offset + len(data)], data)
+                continue
+            data = np.frombuffer(data, dtype=np.uint8)
             if into_region:
                 whole[offset:offset + data.size] = data
             else:
                 data[:] = whole[offset:offset + data.size]
     finally:
+        for view in wholes.values():
+            if isinstance(view, memoryview):
+                view.release()
         wholes.clear()
         whole = data = None
 

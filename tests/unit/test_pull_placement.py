@@ -4,6 +4,7 @@ a real ShmConnection pair; the values are checked against what was initialized."
 
 import socket
 import threading
+import time
 
 import pytest
 import torch
@@ -126,10 +127,11 @@ def test_a_pull_over_tcp_cannot_ask_for_placement_and_only_pulls_name_regions():
         frame.validate_header(reply)
 
 
-def test_a_large_placement_split_with_the_helper_thread_lands_whole(monkeypatch):
+def test_a_large_placement_shared_with_the_helper_thread_lands_whole(monkeypatch):
     from shardline.ps_server import node as node_module
 
-    monkeypatch.setattr(node_module, "PARALLEL_PLACE_BYTES", 0)   # every pull of two blocks or more splits
+    monkeypatch.setattr(node_module, "PARALLEL_PLACE_BYTES", 0)   # every pull of two pieces or more is shared
+    monkeypatch.setattr(node_module, "COPY_PIECE_BYTES", 1)       # a piece per block
     served, region = ServedOverShm(), shm.SharedRegion(2 * BLOCK * 4)
     try:
         init = torch.randn(2 * BLOCK, generator=torch.Generator().manual_seed(2))
@@ -144,6 +146,54 @@ def test_a_large_placement_split_with_the_helper_thread_lands_whole(monkeypatch)
     finally:
         served.close()
         region.close()
+
+
+def test_copies_are_cut_into_pieces_in_order():
+    from shardline.ps_server.node import COPY_PIECE_BYTES, _pieces
+
+    mib = COPY_PIECE_BYTES
+    sizes = {"a": mib // 2, "b": mib // 2, "c": 3 * mib, "d": mib // 4, "e": 0}
+    assert _pieces(list(sizes), sizes.__getitem__) == [["a", "b"], ["c"], ["d", "e"]]
+    assert _pieces([], sizes.__getitem__) == []
+
+
+def test_the_two_copy_threads_take_pieces_in_turn_and_stop_after_the_first_bad_one():
+    """PSNode._share: each piece is done once, by whichever thread is free (both take part when the
+    pieces take a while); once a piece reports a value no new one starts, and every piece before
+    the least reported one was done (a push's first bad block is found)."""
+    node = PSNode("n1", lambda name: None, lambda: common_pb2.RoutingTable(epoch=1))
+    done, lock = {}, threading.Lock()
+
+    def work(piece, bad=()):
+        time.sleep(0.005)
+        with lock:
+            done[piece] = threading.current_thread().name
+        return piece if piece in bad else None
+
+    assert node._share(work, list(range(20))) == []
+    assert sorted(done) == list(range(20))
+    assert len(set(done.values())) == 2, done   # this thread and the helper
+    for bad in ((7,), (3, 4, 12), (0,), (19,)):
+        done.clear()
+        found = node._share(lambda piece: work(piece, bad), list(range(20)))
+        assert min(found) == bad[0] and set(range(bad[0] + 1)) <= set(done), (bad, found, sorted(done))
+        # no new piece once it is known: the other thread's piece under way, and perhaps one it took
+        # while the value was being recorded
+        assert len(done) <= bad[0] + 3, (bad, sorted(done))
+
+
+def test_with_the_helper_busy_this_thread_does_every_piece():
+    node = PSNode("n1", lambda name: None, lambda: common_pb2.RoutingTable(epoch=1))
+    node._share(lambda piece: None, [1, 2])   # starts the helper pool
+    release = threading.Event()
+    busy = node._place_pool.submit(release.wait, 10)
+    try:
+        names = []
+        assert node._share(lambda piece: names.append(threading.current_thread().name), list(range(5))) == []
+        assert names == [threading.current_thread().name] * 5
+    finally:
+        release.set()
+        busy.result()
 
 
 # --- the client's caches ---------------------------------------------------------------------------

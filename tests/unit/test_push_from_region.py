@@ -100,11 +100,11 @@ def test_a_nan_in_the_region_refuses_the_whole_push(served):
 
 
 @pytest.mark.parametrize("bad_block", [0, 3])
-def test_a_large_take_split_with_the_helper_thread_lands_whole_and_finds_the_first_nan(monkeypatch, bad_block):
-    """Pieces of one block each, split between the connection's thread and the helper: the values
-    land whole; a NaN in either half refuses the push and is named."""
+def test_a_large_take_shared_with_the_helper_thread_lands_whole_and_finds_the_first_nan(monkeypatch, bad_block):
+    """Pieces of one block each, taken in turn by the connection's thread and the helper: the values
+    land whole; a NaN in any piece refuses the push and is named."""
     monkeypatch.setattr(node_module, "PARALLEL_PLACE_BYTES", 0)
-    monkeypatch.setattr(node_module, "TAKE_PIECE_BYTES", 1)
+    monkeypatch.setattr(node_module, "COPY_PIECE_BYTES", 1)
     job_spec = spec()
     job_spec.tensors[0].shape[0] = 4 * BLOCK
     table = common_pb2.RoutingTable(epoch=1)

@@ -421,7 +421,8 @@ def test_a_shared_region_takes_the_peers_copies_in_place_and_is_shared_once():
     del cache
 
 
-def test_place_many_copies_every_block_or_none_if_one_does_not_fit():
+@pytest.mark.parametrize("stream", [False, True])
+def test_place_many_copies_every_block_or_none_if_one_does_not_fit(stream):
     client, node = pair()
     region = shm.SharedRegion(4096)
     try:
@@ -429,11 +430,11 @@ def test_place_many_copies_every_block_or_none_if_one_does_not_fit():
         share_with_node(client, node, region)
         blocks = [torch.full((n,), float(i + 1)) for i, n in enumerate((3, 0, 16, 1))]
         offsets = [0, 12, 12, 4092]
-        node.place_many([(region.id, o, v) for o, v in zip(offsets, blocks)])
+        node.place_many([(region.id, o, v) for o, v in zip(offsets, blocks)], stream=stream)
         assert torch.equal(cache[:3], blocks[0]) and torch.equal(cache[3:19], blocks[2])
         assert float(cache[1023]) == 4.0 and not cache[19:1023].any()
         with pytest.raises(ValueError, match="do not fit"):   # checked before anything moves
-            node.place_many([(region.id, 400, torch.full((4,), 9.0)), (region.id, 4090, torch.ones(4))])
+            node.place_many([(region.id, 400, torch.full((4,), 9.0)), (region.id, 4090, torch.ones(4))], stream=stream)
         assert not cache[100:104].any()
         with pytest.raises(OSError):
             node.place_many([(region.id + 1, 0, torch.ones(1))])
@@ -444,7 +445,8 @@ def test_place_many_copies_every_block_or_none_if_one_does_not_fit():
     del cache
 
 
-def test_placed_and_taken_blocks_keep_their_exact_bytes_in_every_wire_dtype():
+@pytest.mark.parametrize("stream", [False, True])
+def test_placed_and_taken_blocks_keep_their_exact_bytes_in_every_wire_dtype(stream):
     client, node = pair()
     region = shm.SharedRegion(8192)
     try:
@@ -455,7 +457,7 @@ def test_placed_and_taken_blocks_keep_their_exact_bytes_in_every_wire_dtype():
                   torch.randn(9, generator=g).to(torch.float16),
                   torch.tensor([float("nan"), -0.0, float("inf")])]     # bytes, not values: NaN stays NaN
         offsets = [0, 64, 80, 104]
-        node.place_many([(region.id, o, v) for o, v in zip(offsets, values)])
+        node.place_many([(region.id, o, v) for o, v in zip(offsets, values)], stream=stream)
         for o, v in zip(offsets, values):
             placed = region.tensor(v.dtype, o, v.numel())
             assert torch.equal(placed.view(torch.uint8), v.reshape(-1).view(torch.uint8))

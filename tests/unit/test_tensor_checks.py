@@ -158,6 +158,28 @@ def test_the_native_kernel_refuses_mismatched_or_overlapping_buffers():
     assert kernel.copy_f32(a[:8], a[8:]) is True
 
 
+def test_the_streaming_copy_keeps_every_byte_at_any_alignment_and_length():
+    """copy_stream (a large pull placed in a client's memory, bypassing the node's caches): exact
+    bytes whatever the alignment of either end, the length (under, at and past its 64-byte steps),
+    and nothing written past the end; mismatched or overlapping buffers are refused."""
+    kernel = tensor_checks._copycheck
+    src = bytes(torch.randint(0, 256, (1 << 20 | 200,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).numpy())
+    for dst_at in (0, 1, 4, 15, 16, 17):
+        for src_at in (0, 3, 16):
+            for n in (0, 1, 15, 16, 63, 64, 65, 127, 200, (1 << 20) + 7):
+                dst = bytearray(n + 64)
+                kernel.copy_stream(memoryview(dst)[dst_at:dst_at + n], src[src_at:src_at + n])
+                assert dst[dst_at:dst_at + n] == src[src_at:src_at + n], (dst_at, src_at, n)
+                assert not any(dst[:dst_at]) and not any(dst[dst_at + n:]), (dst_at, src_at, n)
+    a = bytearray(64)
+    with pytest.raises(ValueError, match="equal lengths"):
+        kernel.copy_stream(memoryview(a)[:8], bytes(7))
+    with pytest.raises(ValueError, match="overlap"):
+        kernel.copy_stream(memoryview(a)[:32], memoryview(a)[16:48])
+    with pytest.raises(TypeError):
+        kernel.copy_stream(bytes(8), bytes(8))  # the destination must be writable
+
+
 @pytest.mark.parametrize("start", [0, 1, 2, 3, 5])
 def test_copy_span_checked_checks_whole_values_and_leaves_cut_ones(copy_path, start):
     """A span of a float32 array from its byte ``start``: every byte is copied; the answer covers
