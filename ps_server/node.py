@@ -509,19 +509,21 @@ class PSNode:
                   indices: list[int]) -> None:
         """Copy the push's blocks ``indices``, which the client left in its shared regions
         (``src_region``), into their destinations, checking each copy for NaN/Inf as it is made (a
-        failure is left on the ticket, for finish_push): piece by piece, split with the helper
-        thread when large. Only the node's own copy is checked, never the client's memory, which
-        the client could still change (ShmConnection.take_many, tensor_checks.copy_checked)."""
+        failure is left on the ticket, for finish_push): piece by piece, shared with the helper
+        thread and bypassing the node's caches when large. Only the node's own copy is checked,
+        never the client's memory, which the client could still change (ShmConnection.take_many,
+        tensor_checks.copy_checked)."""
         blocks, checked = header.blocks, not job.allow_nonfinite
         sizes = {i: ticket.dests[i].numel() * ticket.dests[i].element_size() for i in indices}
         pieces = _pieces(indices, sizes.__getitem__)
+        large = len(pieces) > 1 and sum(sizes.values()) >= PARALLEL_PLACE_BYTES
 
         def take(piece: list) -> int | None:
             bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in piece],
-                                    checked=checked)
+                                    checked=checked, stream=large)
             return None if bad is None else piece[bad]
 
-        if len(pieces) < 2 or sum(sizes.values()) < PARALLEL_PLACE_BYTES:
+        if not large:
             found = []
             for piece in pieces:
                 bad = take(piece)
