@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 
 
@@ -29,9 +30,31 @@ class ClosedPort:
         self.release()
 
 
+# free_port picks from below the kernel's ephemeral range, which no socket bound to port 0 (every
+# other test's daemons) and no outgoing connection is given: only another free_port could pick the
+# same port before the daemon binds it, one chance in thousands.
+FIXED_PORTS_LOW = 10000
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def free_port() -> int:
-    """A port that was free a moment ago, for a daemon the test starts on it next (the daemon binds
-    it within moments; a test that needs connections refused uses :class:`ClosedPort`)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that was free a moment ago, for a daemon the test starts on it next, on a port it
+    must know in advance (to restart on it, or to write it in a unit file). A test that needs
+    connections refused uses :class:`ClosedPort`."""
+    high = _ephemeral_low()
+    candidates = random.sample(range(FIXED_PORTS_LOW, high), 64) if high > FIXED_PORTS_LOW + 1000 else []
+    for port in [*candidates, 0]:   # 0: the kernel's pick, if none below its range is free
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port on 127.0.0.1")
