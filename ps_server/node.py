@@ -127,19 +127,22 @@ def _check_want_dtypes(header: frame.FrameHeader) -> None:
                                                  f"nodes send FLOAT32 or BFLOAT16")
 
 
-def _pieces(items: list, nbytes) -> list[list]:
+def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
     """``items`` in order, in runs of about COPY_PIECE_BYTES (``nbytes(item)`` each; a larger item is
-    a piece of its own): the pieces PSNode._share hands out."""
-    pieces, piece, piece_bytes = [], [], 0
+    a piece of its own): the pieces PSNode._share hands out; and whether the copy is large (two
+    pieces or more, PARALLEL_PLACE_BYTES in all): shared with the helper thread, bypassing the caches."""
+    pieces, piece, piece_bytes, total = [], [], 0, 0
     for item in items:
+        size = nbytes(item)
         piece.append(item)
-        piece_bytes += nbytes(item)
+        piece_bytes += size
+        total += size
         if piece_bytes >= COPY_PIECE_BYTES:
             pieces.append(piece)
             piece, piece_bytes = [], 0
     if piece:
         pieces.append(piece)
-    return pieces
+    return pieces, len(pieces) > 1 and total >= PARALLEL_PLACE_BYTES
 
 
 class NotOwner(StoreError):
@@ -468,8 +471,8 @@ class PSNode:
         would not keep it; the client reads it, the node never does)."""
         if not places:
             return
-        pieces = _pieces(places, lambda place: place[2].numel() * place[2].element_size())
-        if len(pieces) < 2 or sum(v.numel() * v.element_size() for _r, _o, v in places) < PARALLEL_PLACE_BYTES:
+        pieces, large = _pieces(places, lambda place: place[2].numel() * place[2].element_size())
+        if not large:
             regions.place_many(places)
             return
         self._share(functools.partial(regions.place_many, stream=True), pieces)
@@ -514,9 +517,7 @@ class PSNode:
         never the client's memory, which the client could still change (ShmConnection.take_many,
         tensor_checks.copy_checked)."""
         blocks, checked = header.blocks, not job.allow_nonfinite
-        sizes = {i: ticket.dests[i].numel() * ticket.dests[i].element_size() for i in indices}
-        pieces = _pieces(indices, sizes.__getitem__)
-        large = len(pieces) > 1 and sum(sizes.values()) >= PARALLEL_PLACE_BYTES
+        pieces, large = _pieces(indices, lambda i: ticket.dests[i].numel() * ticket.dests[i].element_size())
 
         def take(piece: list) -> int | None:
             bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in piece],

@@ -68,6 +68,22 @@ static int copy_words_finite_streaming(char *restrict dst, const char *restrict 
 }
 #endif
 
+/* Both copies take two buffers of the same length that do not overlap: 1 if so, else 0 with a
+ * ValueError naming the function. */
+static int check_pair(const char *name, const Py_buffer *dst, const Py_buffer *src)
+{
+    const char *d = dst->buf, *s = src->buf;
+    if (dst->len != src->len) {
+        PyErr_Format(PyExc_ValueError, "%s needs equal lengths: dst %zd, src %zd bytes", name, dst->len, src->len);
+        return 0;
+    }
+    if (d < s + src->len && s < d + dst->len) {
+        PyErr_Format(PyExc_ValueError, "%s: dst and src overlap", name);
+        return 0;
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(copy_f32_doc,
 "copy_f32(dst, src, start=0, stream=False) -> bool\n\n"
 "Copy buffer src into buffer dst (same length, not overlapping) and return True if no float32 value\n"
@@ -86,13 +102,9 @@ static PyObject *copy_f32(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     char *d = dst.buf;
     const char *s = src.buf;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "copy_f32 needs equal lengths: dst %zd, src %zd bytes", dst.len, src.len);
-    } else if (start < 0) {
+    if (start < 0) {
         PyErr_Format(PyExc_ValueError, "copy_f32: start must be >= 0, got %zd", start);
-    } else if (d < s + src.len && s < d + dst.len) {
-        PyErr_SetString(PyExc_ValueError, "copy_f32: dst and src overlap");
-    } else {
+    } else if (check_pair("copy_f32", &dst, &src)) {
         size_t n = (size_t)dst.len, head = (size_t)((4 - start % 4) % 4);
         if (head > n)
             head = n;
@@ -155,15 +167,9 @@ static PyObject *copy_stream(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "w*y*:copy_stream", &dst, &src))
         return NULL;
     PyObject *result = NULL;
-    char *d = dst.buf;
-    const char *s = src.buf;
-    if (dst.len != src.len) {
-        PyErr_Format(PyExc_ValueError, "copy_stream needs equal lengths: dst %zd, src %zd bytes", dst.len, src.len);
-    } else if (d < s + src.len && s < d + dst.len) {
-        PyErr_SetString(PyExc_ValueError, "copy_stream: dst and src overlap");
-    } else {
+    if (check_pair("copy_stream", &dst, &src)) {
         Py_BEGIN_ALLOW_THREADS
-        copy_streaming(d, s, (size_t)dst.len);
+        copy_streaming(dst.buf, src.buf, (size_t)dst.len);
         Py_END_ALLOW_THREADS
         result = Py_NewRef(Py_None);
     }

@@ -23,12 +23,6 @@ class ClosedPort:
         """Free the port, e.g. for the daemon a test starts on it next."""
         self._socket.close()
 
-    def __enter__(self) -> "ClosedPort":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
 
 # free_port picks from below the kernel's ephemeral range, which no socket bound to port 0 (every
 # other test's daemons) and no outgoing connection is given: only another free_port could pick the

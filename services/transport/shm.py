@@ -616,16 +616,20 @@ def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
 
     wholes: dict = {}
     whole = data = None
-    stream = _copycheck.copy_stream if stream and _copycheck is not None else None
+    copy_streaming = _copycheck.copy_stream if stream and _copycheck is not None else None
     try:
         for _i, region, offset, tensor in targets:
             whole = wholes.get(id(region))
             if whole is None:
-                whole = wholes[id(region)] = memoryview(region).cast("B") if stream else np.frombuffer(region, np.uint8)
+                whole = wholes[id(region)] = (memoryview(region).cast("B") if copy_streaming
+                                              else np.frombuffer(region, np.uint8))
             data = tensor_bytes(tensor)   # writable: the tensor's own bytes
-            if stream:
+            if copy_streaming:
                 part = whole[offset:offset + len(data)]
-                stream(part, data) if into_region else stream(data, part)
+                if into_region:
+                    copy_streaming(part, data)
+                else:
+                    copy_streaming(data, part)
                 continue
             data = np.frombuffer(data, dtype=np.uint8)
             if into_region:

@@ -153,8 +153,11 @@ def test_copies_are_cut_into_pieces_in_order():
 
     mib = COPY_PIECE_BYTES
     sizes = {"a": mib // 2, "b": mib // 2, "c": 3 * mib, "d": mib // 4, "e": 0}
-    assert _pieces(list(sizes), sizes.__getitem__) == [["a", "b"], ["c"], ["d", "e"]]
-    assert _pieces([], sizes.__getitem__) == []
+    assert _pieces(list(sizes), sizes.__getitem__) == ([["a", "b"], ["c"], ["d", "e"]], False)
+    assert _pieces([], sizes.__getitem__) == ([], False)
+    # large: two pieces or more, PARALLEL_PLACE_BYTES in all
+    assert _pieces(["x", "y"], lambda item: 4 * mib) == ([["x"], ["y"]], True)
+    assert _pieces(["x"], lambda item: 9 * mib) == ([["x"]], False)
 
 
 def test_the_two_copy_threads_take_pieces_in_turn_and_stop_after_the_first_bad_one():
