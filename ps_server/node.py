@@ -44,7 +44,7 @@ REVISION_MISS_SECONDS = 1.0
 # it the commit is answered without them, and the worker's own pull waits as any pull does.
 CARRIED_PULL_WAIT_SECONDS = 1.0
 # A one-copy pull placing (or a push taking) at least this many bytes shares its copies with a helper
-# thread, and the copies bypass the node's caches (more than they would keep; _copycheck.c).
+# thread; such a pull's copies bypass the node's caches (more than they would keep; _copycheck.c).
 PARALLEL_PLACE_BYTES = 8 * 1024 * 1024
 # A large pull's placed blocks, and a push's blocks taken from a client's region, are copied this
 # much at a time: the pieces the node's two copy threads take in turn as each finishes one (so
@@ -130,7 +130,7 @@ def _check_want_dtypes(header: frame.FrameHeader) -> None:
 def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
     """``items`` in order, in runs of about COPY_PIECE_BYTES (``nbytes(item)`` each; a larger item is
     a piece of its own): the pieces PSNode._share hands out; and whether the copy is large (two
-    pieces or more, PARALLEL_PLACE_BYTES in all): shared with the helper thread, bypassing the caches."""
+    pieces or more, PARALLEL_PLACE_BYTES in all): shared with the helper thread."""
     pieces, piece, piece_bytes, total = [], [], 0, 0
     for item in items:
         size = nbytes(item)
@@ -513,15 +513,14 @@ class PSNode:
         """Copy the push's blocks ``indices``, which the client left in its shared regions
         (``src_region``), into their destinations, checking each copy for NaN/Inf as it is made (a
         failure is left on the ticket, for finish_push): piece by piece, shared with the helper
-        thread and bypassing the node's caches when large. Only the node's own copy is checked,
-        never the client's memory, which the client could still change (ShmConnection.take_many,
-        tensor_checks.copy_checked)."""
+        thread when large. Only the node's own copy is checked, never the client's memory, which
+        the client could still change (ShmConnection.take_many, tensor_checks.copy_checked)."""
         blocks, checked = header.blocks, not job.allow_nonfinite
         pieces, large = _pieces(indices, lambda i: ticket.dests[i].numel() * ticket.dests[i].element_size())
 
         def take(piece: list) -> int | None:
             bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in piece],
-                                    checked=checked, stream=large)
+                                    checked=checked)
             return None if bad is None else piece[bad]
 
         if not large:

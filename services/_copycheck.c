@@ -35,39 +35,6 @@ static int copy_words_finite(char *restrict dst, const char *restrict src, size_
     return bad == 0;
 }
 
-#if defined(__x86_64__)
-/* copy_words_finite with stores that bypass the caches (see copy_streaming below): for a push too
- * large for the caches to keep until its sum reads it. dst must be 4-aligned to reach the 16-byte
- * alignment the stores need; it is, for a block of a float32 tensor. */
-static int copy_words_finite_streaming(char *restrict dst, const char *restrict src, size_t words)
-{
-    uint32_t bad = 0;
-    for (; words && ((uintptr_t)dst & 15); words--, dst += 4, src += 4) {
-        uint32_t v;
-        memcpy(&v, src, 4);
-        memcpy(dst, &v, 4);
-        bad |= (uint32_t)((v & F32_EXPONENT) == F32_EXPONENT);
-    }
-    const __m128i exponent = _mm_set1_epi32((int)F32_EXPONENT);
-    __m128i found = _mm_setzero_si128();
-    for (; words >= 16; words -= 16, dst += 64, src += 64) {
-        __m128i a = _mm_loadu_si128((const __m128i *)src), b = _mm_loadu_si128((const __m128i *)(src + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(src + 32)), e = _mm_loadu_si128((const __m128i *)(src + 48));
-        found = _mm_or_si128(found, _mm_cmpeq_epi32(_mm_and_si128(a, exponent), exponent));
-        found = _mm_or_si128(found, _mm_cmpeq_epi32(_mm_and_si128(b, exponent), exponent));
-        found = _mm_or_si128(found, _mm_cmpeq_epi32(_mm_and_si128(c, exponent), exponent));
-        found = _mm_or_si128(found, _mm_cmpeq_epi32(_mm_and_si128(e, exponent), exponent));
-        _mm_stream_si128((__m128i *)dst, a);
-        _mm_stream_si128((__m128i *)(dst + 16), b);
-        _mm_stream_si128((__m128i *)(dst + 32), c);
-        _mm_stream_si128((__m128i *)(dst + 48), e);
-    }
-    _mm_sfence();
-    bad |= (uint32_t)(_mm_movemask_epi8(found) != 0);
-    return copy_words_finite(dst, src, words) && !bad;
-}
-#endif
-
 /* Both copies take two buffers of the same length that do not overlap: 1 if so, else 0 with a
  * ValueError naming the function. */
 static int check_pair(const char *name, const Py_buffer *dst, const Py_buffer *src)
@@ -85,19 +52,17 @@ static int check_pair(const char *name, const Py_buffer *dst, const Py_buffer *s
 }
 
 PyDoc_STRVAR(copy_f32_doc,
-"copy_f32(dst, src, start=0, stream=False) -> bool\n\n"
+"copy_f32(dst, src, start=0) -> bool\n\n"
 "Copy buffer src into buffer dst (same length, not overlapping) and return True if no float32 value\n"
 "lying wholly in the copy is NaN or +-Inf. dst[0] is byte `start` of a float32 array: values begin\n"
 "where start plus the offset is a multiple of 4. Bytes of a value cut by either end of the copy are\n"
-"copied, not checked (the caller checks that value once its other bytes are in). stream: the stores\n"
-"bypass this CPU's caches where the CPU allows (x86-64, dst 4-aligned at its first whole value).");
+"copied, not checked (the caller checks that value once its other bytes are in).");
 
 static PyObject *copy_f32(PyObject *self, PyObject *args)
 {
     Py_buffer dst, src;
     Py_ssize_t start = 0;
-    int stream = 0;
-    if (!PyArg_ParseTuple(args, "w*y*|np:copy_f32", &dst, &src, &start, &stream))
+    if (!PyArg_ParseTuple(args, "w*y*|n:copy_f32", &dst, &src, &start))
         return NULL;
     PyObject *result = NULL;
     char *d = dst.buf;
@@ -112,12 +77,7 @@ static PyObject *copy_f32(PyObject *self, PyObject *args)
         int finite;
         Py_BEGIN_ALLOW_THREADS
         memcpy(d, s, head);
-#if defined(__x86_64__)
-        if (stream && !((uintptr_t)(d + head) & 3))
-            finite = copy_words_finite_streaming(d + head, s + head, words);
-        else
-#endif
-            finite = copy_words_finite(d + head, s + head, words);
+        finite = copy_words_finite(d + head, s + head, words);
         memcpy(d + head + 4 * words, s + head + 4 * words, tail);
         Py_END_ALLOW_THREADS
         result = PyBool_FromLong(finite);

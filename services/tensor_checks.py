@@ -41,7 +41,7 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def copy_checked(dst: torch.Tensor, src: torch.Tensor, stream: bool = False) -> bool:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Copy ``src`` into ``dst`` (equal shapes) and return True if no copied element is NaN or
     +-Inf. What is checked is the copy: a value the source changes meanwhile (another process's
     shared memory) is either kept and checked, or not kept at all.
@@ -49,23 +49,21 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, stream: bool = False) -> 
     Contiguous float32 CPU tensors (every fp32 block a one-copy push takes) go through one pass
     of the C kernel (services/_copycheck.c: each value loaded once, stored and tested in a
     register, the GIL released; :func:`copy_span_checked`); anything else is copied and then
-    checked with :func:`all_finite`. ``stream``: the C kernel's stores bypass the caches (a copy
-    too large for them to keep until it is read)."""
+    checked with :func:`all_finite`."""
     if (dst.dtype == src.dtype == torch.float32 and dst.device.type == src.device.type == "cpu"
             and dst.is_contiguous() and src.is_contiguous() and dst.shape == src.shape):
-        return copy_span_checked(dst.detach().numpy(), src.detach().numpy(), stream=stream)
+        return copy_span_checked(dst.detach().numpy(), src.detach().numpy())
     dst.copy_(src)
     return all_finite(dst)
 
 
-def copy_span_checked(dst, src, start: int = 0, stream: bool = False) -> bool:
+def copy_span_checked(dst, src, start: int = 0) -> bool:
     """Copy bytes ``src`` into ``dst`` (writable, the same length): a span of a float32 array that
     begins at its byte ``start``. True if no float32 value lying wholly in the span is NaN or
     +-Inf, checked in the copy as it is made (the C kernel) or after it (the fallback). A value cut
-    by either end of the span is copied, not checked: see :func:`value_finite_at`. ``stream``: see
-    :func:`copy_checked`."""
+    by either end of the span is copied, not checked: see :func:`value_finite_at`."""
     if _copycheck is not None:
-        return _copycheck.copy_f32(dst, src, start, stream)
+        return _copycheck.copy_f32(dst, src, start)
     dst = memoryview(dst).cast("B")
     dst[:] = memoryview(src).cast("B")
     head = (-start) % 4

@@ -395,7 +395,7 @@ class ShmConnection:
         in the shared cache, where the peer reads it next)."""
         self._copy_regions(items, into_region=True, stream=stream)
 
-    def take_many(self, items, *, checked: bool = False, stream: bool = False) -> int | None:
+    def take_many(self, items, *, checked: bool = False) -> int | None:
         """Copy into each ``(region_id, offset, dest)``'s tensor ``dest`` (contiguous) its bytes at
         ``offset`` of the peer's region ``region_id`` (a push's blocks the peer left in its memory):
         bounds checked first, then byte copies (_copy_bytes). What the peer writes there meanwhile may
@@ -403,10 +403,8 @@ class ShmConnection:
 
         ``checked``: a copy per item instead, each checked for NaN/Inf as it is made
         (tensor_checks.copy_checked), and the index of the first item whose copy holds one is
-        returned (the items after it are left uncopied); None means every copy is finite.
-        ``stream``: the copies bypass this process's caches (a push too large for them to keep
-        until its sum reads it)."""
-        return self._copy_regions(items, into_region=False, checked=checked, stream=stream)
+        returned (the items after it are left uncopied); None means every copy is finite."""
+        return self._copy_regions(items, into_region=False, checked=checked)
 
     def _copy_regions(self, items, *, into_region: bool, checked: bool = False, stream: bool = False) -> int | None:
         """Check every ``(region_id, offset, tensor)`` against its region (all or nothing), then
@@ -441,7 +439,7 @@ class ShmConnection:
             views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for _i, r, o, t in targets]
             tensors = [t.view(-1) for _i, _r, _o, t in targets]
             try:
-                bad = _first_nonfinite_copy(tensors, views, stream)
+                bad = _first_nonfinite_copy(tensors, views)
                 return None if bad is None else targets[bad][0]
             finally:
                 del views, tensors
@@ -607,16 +605,16 @@ class ShmConnection:
 def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
     """Copy each ``(_, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
     it), through byte views: a torch view per block costs several times the copy of a small block
-    (a pull of a model's many norms and biases). ``stream``: the copies bypass this process's
-    caches (``_copycheck.copy_stream``; without the C module, cached copies). The views are gone
-    when this returns, so the caller may unmap the regions."""
+    (a pull of a model's many norms and biases). ``stream``: copies into a region bypass this
+    process's caches (``_copycheck.copy_stream``; without the C module, cached copies). The views
+    are gone when this returns, so the caller may unmap the regions."""
     import numpy as np
 
     from shardline.services.frame import tensor_bytes
 
     wholes: dict = {}
     whole = data = None
-    copy_streaming = _copycheck.copy_stream if stream and _copycheck is not None else None
+    copy_streaming = _copycheck.copy_stream if stream and into_region and _copycheck is not None else None
     try:
         for _i, region, offset, tensor in targets:
             whole = wholes.get(id(region))
@@ -625,11 +623,7 @@ def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
                                               else np.frombuffer(region, np.uint8))
             data = tensor_bytes(tensor)   # writable: the tensor's own bytes
             if copy_streaming:
-                part = whole[offset:offset + len(data)]
-                if into_region:
-                    copy_streaming(part, data)
-                else:
-                    copy_streaming(data, part)
+                copy_streaming(whole[offset:offset + len(data)], data)
                 continue
             data = np.frombuffer(data, dtype=np.uint8)
             if into_region:
@@ -644,14 +638,14 @@ def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
         whole = data = None
 
 
-def _first_nonfinite_copy(dests, sources, stream: bool) -> int | None:
+def _first_nonfinite_copy(dests, sources) -> int | None:
     """Copy each of ``sources`` into its dest, checking the copy; the index of the first holding
     NaN/Inf (None: all finite). A function of its own: no loop variable outlives it to pin a view
     of a region that is to be unmapped."""
     from shardline.services.tensor_checks import copy_checked
 
     for k, (dest, source) in enumerate(zip(dests, sources)):
-        if not copy_checked(dest, source, stream):
+        if not copy_checked(dest, source):
             return k
     return None
 

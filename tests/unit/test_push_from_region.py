@@ -277,12 +277,10 @@ def test_take_many_checks_every_bound_before_copying_anything():
         region.close()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_take_many_checked_names_the_first_nonfinite_copy_and_stops_there(stream):
+def test_take_many_checked_names_the_first_nonfinite_copy_and_stops_there():
     """checked=True: each copy is checked as it is made; the index of the first one holding
     NaN/Inf is returned and the items after it are not copied (the push is refused anyway). An
-    empty item moves no bytes and is never the one named. The same with copies that bypass the
-    caches (a large push)."""
+    empty item moves no bytes and is never the one named."""
     from test_shm_transport import pair, share_with_node
 
     client, node = pair()
@@ -294,13 +292,13 @@ def test_take_many_checked_names_the_first_nonfinite_copy_and_stops_there(stream
         dests = [torch.zeros(4), torch.zeros(0), torch.zeros(4), torch.zeros(4)]
         items = [(region.id, 0, dests[0]), (region.id, 16, dests[1]), (region.id, 16, dests[2]),
                  (region.id, 32, dests[3])]
-        assert node.take_many(items, checked=True, stream=stream) is None
+        assert node.take_many(items, checked=True) is None
         assert dests[2].tolist() == [4, 5, 6, 7] and dests[3].tolist() == [8, 9, 10, 11]
         values[6] = float("inf")
         dests[3].zero_()
-        assert node.take_many(items, checked=True, stream=stream) == 2
+        assert node.take_many(items, checked=True) == 2
         assert not dests[3].any()          # after the bad one: not copied
-        assert node.take_many(items, stream=stream) is None   # unchecked: copies all
+        assert node.take_many(items) is None   # unchecked: copies all
         assert dests[3].tolist() == [8, 9, 10, 11]
     finally:
         client.close()

@@ -462,7 +462,7 @@ def test_placed_and_taken_blocks_keep_their_exact_bytes_in_every_wire_dtype(stre
             placed = region.tensor(v.dtype, o, v.numel())
             assert torch.equal(placed.view(torch.uint8), v.reshape(-1).view(torch.uint8))
         taken = [torch.empty_like(v) for v in values]
-        assert node.take_many([(region.id, o, t) for o, t in zip(offsets, taken)], stream=stream) is None
+        assert node.take_many([(region.id, o, t) for o, t in zip(offsets, taken)]) is None
         assert all(torch.equal(t.view(torch.uint8), v.view(torch.uint8)) for t, v in zip(taken, values))
         strided = torch.zeros(6, 2)[:, 0]   # not one span of bytes: refused before anything moves
         with pytest.raises(ValueError, match="contiguous"):
