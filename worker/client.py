@@ -729,10 +729,11 @@ class Client:
                 flat = flat.contiguous()
             flats.append((name, flat))
             slices = self._slices[name]
-            numel = flat.numel()
-            for s, zero in zip(slices, zero_parts(flat, [(s.start, s.stop) for s in slices])):
-                # a one-block tensor's block is the tensor itself (a slice is a tensor op more per block)
-                payload[(name, s.index)] = None if zero else flat if s.stop - s.start == numel else flat[s.start:s.stop]
+            # the blocks tile the tensor in order (blocks.block_slices): one split makes every
+            # block's view, at a third of the cost of a slice each; a one-block tensor's is itself
+            parts = flat.split([s.stop - s.start for s in slices]) if len(slices) > 1 else (flat,)
+            for s, part, zero in zip(slices, parts, zero_parts(flat, [(s.start, s.stop) for s in slices])):
+                payload[(name, s.index)] = None if zero else part
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
         # checks each block as its bytes arrive (cache-hot, on the side of the stream with slack)
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
@@ -1187,6 +1188,7 @@ class Client:
                 header.has_lr, header.lr = True, self.lr
         payloads = []
         expected: dict[tuple[str, int], object] = {}
+        sourced = [0, 0]   # a push's blocks left in a shared region: how many, their bytes
         conn = self._conn(node_id, via)
         sources = self._grad_regions if op == dp.OP_PUSH and hasattr(conn.sock, "share_region") else ()
         for name, index in keys:
@@ -1200,10 +1202,19 @@ class Client:
                     header.blocks.append(g.block_ref(name, index))
                     payloads.append(g.payload())
                 else:
-                    ref = frame.block_ref(name, index, g)
-                    if not self._leave_in_region(conn, ref, g, sources):
+                    # _push made every block a CPU tensor of a wire dtype; added in place (block_ref
+                    # and an append, which copies the message, cost twice as much per block)
+                    numel = g.numel()
+                    dtype, nbytes = frame.WIRE_DTYPE[g.dtype], numel * g.element_size()
+                    source = self._leave_in_region(conn, g, nbytes, sources)
+                    if source is None:
                         payloads.append(frame.tensor_bytes(g))
-                    header.blocks.append(ref)  # appends a copy: ref is complete
+                        header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes)
+                    else:
+                        header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes,
+                                          src_region=source[0], src_offset=source[1])
+                        sourced[0] += 1
+                        sourced[1] += nbytes
             elif op == dp.OP_INIT:
                 v = self._values[name][s.start:s.stop]
                 header.blocks.append(frame.block_ref(name, index, v))
@@ -1221,10 +1232,14 @@ class Client:
         if pulls:
             self._begin_cache_write()
         try:
-            return self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via, carried)
+            step = self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via, carried)
         finally:
             if pulls:
                 self._end_cache_write()
+        if op == dp.OP_PUSH:  # blocks the node took from a shared region count too
+            self.stats.pushed_bytes += header.payload_bytes + sourced[1]
+            self.stats.taken_blocks += sourced[0]
+        return step
 
     def _exchange_locked(self, conn, key, node_id: str, header, payloads, expected: dict, op: int, timeout: float,
                          via, carried: dict | None = None) -> int:
@@ -1259,9 +1274,6 @@ class Client:
                     conn.close()
                     self._conns.pop(key, None)
                 raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
-            if op == dp.OP_PUSH:  # blocks the node took from a shared region count too
-                self.stats.pushed_bytes += header.payload_bytes + frame.sourced_bytes(header)
-                self.stats.taken_blocks += sum(1 for ref in header.blocks if ref.src_region)
             if op == dp.OP_PULL:
                 self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
@@ -1272,18 +1284,18 @@ class Client:
         return reply.step
 
     @staticmethod
-    def _leave_in_region(conn: DataPlaneConnection, ref, block: torch.Tensor, regions) -> bool:
-        """If ``block`` lies in one of the shared ``regions`` (gradient buffers), point ``ref`` at
-        it there (sharing the region on this connection first): the node copies it out itself.
-        Should the push then be given up on, the connection is closed before the caller can change
-        the buffer again: the node drops a push whose client hung up during its copy."""
+    def _leave_in_region(conn: DataPlaneConnection, block: torch.Tensor, nbytes: int, regions) -> tuple | None:
+        """If ``block`` (``nbytes``) lies in one of the shared ``regions`` (gradient buffers), share
+        that region on this connection and return ``(region id, offset)``: the push names it there
+        and the node copies it out itself. Should the push then be given up on, the connection is
+        closed before the caller can change the buffer again: the node drops a push whose client
+        hung up during its copy."""
         for region in regions:
-            offset = region.offset_of(block)
+            offset = region.offset_of(block, nbytes)
             if offset is not None:
                 conn.sock.share_region(region)
-                ref.src_region, ref.src_offset = region.id, offset
-                return True
-        return False
+                return region.id, offset
+        return None
 
     def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
         """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region

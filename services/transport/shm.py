@@ -402,7 +402,7 @@ class ShmConnection:
         tear the copy; the caller checks the copy, never the region.
 
         ``checked``: a copy per item instead, each checked for NaN/Inf as it is made
-        (tensor_checks.copy_checked), and the index of the first item whose copy holds one is
+        (tensor_checks.copy_span_checked), and the index of the first item whose copy holds one is
         returned (the items after it are left uncopied); None means every copy is finite."""
         return self._copy_regions(items, into_region=False, checked=checked)
 
@@ -411,8 +411,6 @@ class ShmConnection:
         copy the tensors into the regions or the regions into the tensors (``checked``: see
         take_many). Several threads may copy at once; a ``close`` or unshare meanwhile unmaps once
         the last of them is done."""
-        import torch  # the transport itself moves bytes; only the copies to and from a region take tensors
-
         targets = []  # (item index, region, offset, tensor) of the copies that move bytes
         with self._map_lock:
             for i, (region_id, offset, tensor) in enumerate(items):
@@ -429,20 +427,7 @@ class ShmConnection:
                     targets.append((i, region, offset, tensor))
             self._copying += 1
         try:
-            if not targets:
-                return None
-            if not checked:
-                _copy_bytes(targets, into_region, stream)
-                return None
-            # checked: a take (into_region is False); the region views live only in this call: the
-            # finally below may unmap them
-            views = [torch.frombuffer(r, dtype=t.dtype, count=t.numel(), offset=o) for _i, r, o, t in targets]
-            tensors = [t.view(-1) for _i, _r, _o, t in targets]
-            try:
-                bad = _first_nonfinite_copy(tensors, views)
-                return None if bad is None else targets[bad][0]
-            finally:
-                del views, tensors
+            return _copy_bytes(targets, into_region, stream=stream, checked=checked) if targets else None
         finally:
             with self._map_lock:
                 self._copying -= 1
@@ -602,26 +587,40 @@ class ShmConnection:
             self._peer_regions[region_id] = region
 
 
-def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
-    """Copy each ``(_, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
+def _copy_bytes(targets, into_region: bool, *, stream: bool = False, checked: bool = False) -> int | None:
+    """Copy each ``(i, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
     it), through byte views: a torch view per block costs several times the copy of a small block
-    (a pull of a model's many norms and biases). ``stream``: copies into a region bypass this
-    process's caches (``_copycheck.copy_stream``; without the C module, cached copies). The views
-    are gone when this returns, so the caller may unmap the regions."""
-    import numpy as np
+    (a pull of a model's many norms and biases), and with two threads copying, whatever either
+    does while holding the GIL delays the other. ``stream``: copies into a region bypass this
+    process's caches (``_copycheck.copy_stream``; without the C module, cached copies).
+    ``checked`` (out of a region): each copy is checked for NaN/Inf as it is made, and the ``i``
+    of the first copy holding one is returned, the targets after it left uncopied; None: all
+    finite. The views are gone when this returns, so the caller may unmap the regions."""
+    import numpy as np  # the transport itself moves bytes; only the copies to and from a region take tensors
+    import torch
 
     from shardline.services.frame import tensor_bytes
+    from shardline.services.tensor_checks import all_finite, copy_span_checked
 
     wholes: dict = {}
     whole = data = None
     copy_streaming = _copycheck.copy_stream if stream and into_region and _copycheck is not None else None
+    as_bytes = copy_streaming is not None or checked
     try:
-        for _i, region, offset, tensor in targets:
+        for i, region, offset, tensor in targets:
             whole = wholes.get(id(region))
             if whole is None:
-                whole = wholes[id(region)] = (memoryview(region).cast("B") if copy_streaming
-                                              else np.frombuffer(region, np.uint8))
+                whole = wholes[id(region)] = memoryview(region).cast("B") if as_bytes else np.frombuffer(region, np.uint8)
             data = tensor_bytes(tensor)   # writable: the tensor's own bytes
+            if checked:
+                if tensor.dtype == torch.float32:
+                    finite = copy_span_checked(data, whole[offset:offset + len(data)])
+                else:
+                    data[:] = whole[offset:offset + len(data)]
+                    finite = all_finite(tensor)
+                if not finite:
+                    return i
+                continue
             if copy_streaming:
                 copy_streaming(whole[offset:offset + len(data)], data)
                 continue
@@ -630,24 +629,13 @@ def _copy_bytes(targets, into_region: bool, stream: bool = False) -> None:
                 whole[offset:offset + data.size] = data
             else:
                 data[:] = whole[offset:offset + data.size]
+        return None
     finally:
         for view in wholes.values():
             if isinstance(view, memoryview):
                 view.release()
         wholes.clear()
         whole = data = None
-
-
-def _first_nonfinite_copy(dests, sources) -> int | None:
-    """Copy each of ``sources`` into its dest, checking the copy; the index of the first holding
-    NaN/Inf (None: all finite). A function of its own: no loop variable outlives it to pin a view
-    of a region that is to be unmapped."""
-    from shardline.services.tensor_checks import copy_checked
-
-    for k, (dest, source) in enumerate(zip(dests, sources)):
-        if not copy_checked(dest, source):
-            return k
-    return None
 
 
 class SharedRegion:
@@ -675,12 +663,15 @@ class SharedRegion:
 
         return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=offset)
 
-    def offset_of(self, tensor) -> int | None:
-        """The offset in this region of contiguous CPU ``tensor``'s bytes; None unless they all lie in it."""
-        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+    def offset_of(self, tensor, nbytes: int | None = None) -> int | None:
+        """The offset in this region of contiguous CPU ``tensor``'s bytes (``nbytes`` of them, if
+        the caller knows); None unless they all lie in it."""
+        if not tensor.is_cpu or not tensor.is_contiguous():
             return None
+        if nbytes is None:
+            nbytes = tensor.numel() * tensor.element_size()
         offset = tensor.data_ptr() - self.address
-        return offset if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.size else None
+        return offset if 0 <= offset and offset + nbytes <= self.size else None
 
     def revoke(self) -> int:
         """Move this region to fresh memory at the same addresses (every view keeps its contents

@@ -207,11 +207,10 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
         client.gradient_buffer("frozen")
     shared = []
     conn = types.SimpleNamespace(sock=types.SimpleNamespace(share_region=shared.append))
-    ref = frame.block_ref("w", 1, w[BLOCK:])
-    assert Client._leave_in_region(conn, ref, w[BLOCK:], client._grad_regions)
-    assert (ref.src_region, ref.src_offset) == (region.id, BLOCK * 4) and shared == [region]
-    plain = frame.block_ref("w", 1, torch.zeros(BLOCK))
-    assert not Client._leave_in_region(conn, plain, torch.zeros(BLOCK), client._grad_regions) and not plain.src_region
+    assert Client._leave_in_region(conn, w[BLOCK:], BLOCK * 4, client._grad_regions) == (region.id, BLOCK * 4)
+    assert shared == [region]
+    assert Client._leave_in_region(conn, torch.zeros(BLOCK), BLOCK * 4, client._grad_regions) is None
+    assert region.offset_of(w[BLOCK:], region.size) is None   # a span running past the region's end
     region.close()
 
 
