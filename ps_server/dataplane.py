@@ -167,7 +167,7 @@ class _Connection:
                     except StoreError as exc:
                         self.refuse(header, exc, op, deadline)
                         continue
-                    reply, payloads, pushed = self.receive_push(header, job, ticket, deadline), [], (job, ticket)
+                    reply, payloads, pushed = self.receive_push(header, job, ticket, deadline), [], (header, job, ticket)
                 else:
                     pushed = None
                     view = memoryview(self.buffer)[: header.payload_bytes]

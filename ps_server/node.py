@@ -561,20 +561,22 @@ class PSNode:
         started = time.perf_counter()
         reply.step = job.finish_push(ticket, defer_early=True)
         elapsed = time.perf_counter() - started
-        self.heat.record_writes(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in header.blocks])
         if job.sync == "asp":  # ASP applies the push here
             self.heat.record_apply(elapsed)
             if self.metrics is not None:
                 self.metrics.apply(job.name, elapsed)
         return reply
 
-    def after_push(self, job: JobStore, ticket: PushTicket) -> None:
-        """After a push's reply went out: step the blocks it completed early (pipelined apply).
-        A failure here fails no request: the step's commits step those blocks themselves."""
+    def after_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> None:
+        """After a push's reply went out: step the blocks it completed early (pipelined apply),
+        then count its writes (ps_server/heat.py; a pass over every block, which the pusher need
+        not wait for). A failure here fails no request: the step's commits step those blocks
+        themselves."""
         try:
             job.step_early(ticket)
         except Exception:  # noqa: BLE001 - the push was answered; its commit takes the normal path
             log.exception("job %s: stepping blocks early after a push failed; the commits step them", job.name)
+        self.heat.record_writes(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in header.blocks])
 
     def handle(self, header: frame.FrameHeader, payload, *, cancelled: threading.Event | None = None,
                regions=None) -> tuple[frame.FrameHeader, list]:
