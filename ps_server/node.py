@@ -66,15 +66,15 @@ def header_lrs(header: frame.FrameHeader):
 def _placements(job: JobStore, header: frame.FrameHeader, regions) -> dict:
     """The blocks a pull asks to have placed in its connection's regions: {(tensor, index):
     (region, offset)}, each checked to fit (StoreError INVALID_ARGUMENT) before anything waits."""
-    placements = {}
+    placements, sizes = {}, {}
     for ref in header.blocks:
         if not ref.dest_region:
             continue
         if header.subscriber:
             raise StoreError("INVALID_ARGUMENT", "a subscriber's pull cannot place blocks in a region")
         itemsize = frame.ITEMSIZE[ref.want_dtype or dp.FLOAT32]
-        _check_in_region(regions, ref.dest_region, ref.dest_offset, job.expected_numel(ref.tensor, ref.index) * itemsize,
-                         itemsize, f"pull places {ref.tensor}[{ref.index}]")
+        _check_in_region(regions, sizes, ref.dest_region, ref.dest_offset,
+                         job.expected_numel(ref.tensor, ref.index) * itemsize, itemsize, "pull places", ref)
         placements[(ref.tensor, ref.index)] = (ref.dest_region, ref.dest_offset)
     return placements
 
@@ -83,30 +83,36 @@ def _check_sources(header: frame.FrameHeader, regions) -> None:
     """A push's blocks left in the client's regions (``BlockRef.src_region``, shm only) each lie
     inside a region its connection shared: StoreError INVALID_ARGUMENT otherwise, before anything
     is reserved."""
+    sizes = {}
     for ref in header.blocks:
         if ref.src_region:
-            _check_in_region(regions, ref.src_region, ref.src_offset, ref.nbytes, frame.ITEMSIZE[ref.dtype],
-                             f"push takes {ref.tensor}[{ref.index}]")
+            _check_in_region(regions, sizes, ref.src_region, ref.src_offset, ref.nbytes, frame.ITEMSIZE[ref.dtype],
+                             "push takes", ref)
 
 
-def _check_in_region(regions, region_id: int, offset: int, nbytes: int, itemsize: int, what: str) -> None:
-    """``nbytes`` at ``offset`` of the connection's peer region ``region_id``, aligned to ``itemsize``."""
-    size = 0 if regions is None else regions.region_size(region_id)
+def _check_in_region(regions, sizes: dict, region_id: int, offset: int, nbytes: int, itemsize: int, what: str,
+                     ref) -> None:
+    """``nbytes`` at ``offset`` of the connection's peer region ``region_id``, aligned to ``itemsize``,
+    for block ``ref`` (``what`` it is: the error names it). ``sizes`` keeps the sizes looked up
+    for one frame's blocks (a pass over 64 blocks asks for the same region 64 times)."""
+    size = sizes.get(region_id)
+    if size is None:
+        size = sizes[region_id] = 0 if regions is None else regions.region_size(region_id)
     if not size:
-        raise StoreError("INVALID_ARGUMENT", f"{what} from/into region {region_id}, which this connection did not "
-                                             f"share (regions exist over shm only)")
+        raise StoreError("INVALID_ARGUMENT", f"{what} {ref.tensor}[{ref.index}] from/into region {region_id}, which "
+                                             f"this connection did not share (regions exist over shm only)")
     if offset % itemsize or offset + nbytes > size:
-        raise StoreError("INVALID_ARGUMENT", f"{what}: {nbytes} bytes do not fit at offset {offset} of region "
-                                             f"{region_id} ({size} bytes, aligned to {itemsize})")
+        raise StoreError("INVALID_ARGUMENT", f"{what} {ref.tensor}[{ref.index}]: {nbytes} bytes do not fit at offset "
+                                             f"{offset} of region {region_id} ({size} bytes, aligned to {itemsize})")
 
 
 def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
     read) the same block's bytes again. (A handover's copy of a block and its value from before
     its last step are its second and third parts, flagged.)"""
-    seen = set()
+    seen, handover = set(), header.handover
     for ref in header.blocks:
-        key = (ref.tensor, ref.index, header.handover and ref.copy, header.handover and ref.previous)
+        key = (ref.tensor, ref.index, handover and ref.copy, handover and ref.previous)
         if key in seen:
             raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
                                                  f"more than once")
@@ -439,20 +445,23 @@ class PSNode:
                     raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
                                                          f"elements, more than a copy of this block holds")
             return
+        op, owner, node_id = header.op, routing.owner, self.node_id
+        sized = op in (dp.OP_INIT, dp.OP_PUSH)
         for ref in header.blocks:
-            numel = job.expected_numel(ref.tensor, ref.index)
-            if routing.owner(job.name, ref.tensor, ref.index) != self.node_id:
-                raise NotOwner(f"block {ref.tensor}[{ref.index}] is not owned by node {self.node_id!r} at epoch {routing.epoch}",
+            tensor, index = ref.tensor, ref.index
+            numel = job.expected_numel(tensor, index)
+            if owner(job.name, tensor, index) != node_id:
+                raise NotOwner(f"block {tensor}[{index}] is not owned by node {node_id!r} at epoch {routing.epoch}",
                                routing.epoch)
-            if header.op != dp.OP_INIT and (ref.tensor, ref.index) not in job.blocks and self.replicator is not None \
+            if op != dp.OP_INIT and (tensor, index) not in job.blocks and self.replicator is not None \
                     and self.replicator.fetching(job.name):
-                raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is still receiving block {ref.tensor}[{ref.index}] "
+                raise StoreError("UNAVAILABLE", f"node {node_id!r} is still receiving block {tensor}[{index}] "
                                                 f"(it took it over at epoch {routing.epoch}); retry shortly")
-            if header.op in (dp.OP_INIT, dp.OP_PUSH) and not ref.zero and ref.numel != numel:
+            if sized and not ref.zero and ref.numel != numel:
                 raise StoreError("INVALID_ARGUMENT",
-                                 f"block {ref.tensor}[{ref.index}] has {numel} elements, frame sends {ref.numel}")
-            if header.op == dp.OP_INIT and ref.dtype != dp.FLOAT32:
-                raise StoreError("INVALID_ARGUMENT", f"initial values of {ref.tensor!r} must be float32")
+                                 f"block {tensor}[{index}] has {numel} elements, frame sends {ref.numel}")
+            if op == dp.OP_INIT and ref.dtype != dp.FLOAT32:
+                raise StoreError("INVALID_ARGUMENT", f"initial values of {tensor!r} must be float32")
         if header.op == dp.OP_PULL and not (math.isfinite(header.wait_timeout_seconds)
                                             and header.wait_timeout_seconds >= 0):
             raise StoreError("INVALID_ARGUMENT", f"wait_timeout_seconds must be a finite number >= 0 (0: the default "

@@ -113,7 +113,8 @@ def zero_parts(flat: torch.Tensor, bounds: list[tuple[int, int]]) -> list[bool]:
     """``is_all_zero(flat[start:stop])`` for each of ``bounds`` (a 1-D tensor's blocks). Dense
     gradients answer with one gather of every block's first element instead of a scan each (by
     numpy for float32: a torch gather's fixed cost is ~10 us, paid for every tensor of every push)."""
-    if not bounds or any(not 0 <= start < stop <= flat.numel() for start, stop in bounds):
+    numel = flat.numel()
+    if not bounds or any(not 0 <= start < stop <= numel for start, stop in bounds):
         return [is_all_zero(flat[start:stop]) for start, stop in bounds]
     starts = [start for start, _ in bounds]
     if flat.dtype == torch.float32 and flat.is_contiguous():

@@ -731,7 +731,7 @@ class Client:
             slices = self._slices[name]
             # the blocks tile the tensor in order (blocks.block_slices): one split makes every
             # block's view, at a third of the cost of a slice each; a one-block tensor's is itself
-            parts = flat.split([s.stop - s.start for s in slices]) if len(slices) > 1 else (flat,)
+            parts = flat.split_with_sizes([s.stop - s.start for s in slices]) if len(slices) > 1 else (flat,)
             for s, part, zero in zip(slices, parts, zero_parts(flat, [(s.start, s.stop) for s in slices])):
                 payload[(name, s.index)] = None if zero else part
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
