@@ -1189,6 +1189,7 @@ class Client:
         payloads = []
         expected: dict[tuple[str, int], object] = {}
         sourced = [0, 0]   # a push's blocks left in a shared region: how many, their bytes
+        shared: set = set()  # the ids of the regions shared on this connection for this frame
         conn = self._conn(node_id, via)
         sources = self._grad_regions if op == dp.OP_PUSH and hasattr(conn.sock, "share_region") else ()
         for name, index in keys:
@@ -1206,13 +1207,16 @@ class Client:
                     # and an append, which copies the message, cost twice as much per block)
                     numel = g.numel()
                     dtype, nbytes = frame.WIRE_DTYPE[g.dtype], numel * g.element_size()
-                    source = self._leave_in_region(conn, g, nbytes, sources)
+                    source = _region_holding(sources, g, nbytes) if sources else None
                     if source is None:
                         payloads.append(frame.tensor_bytes(g))
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes)
                     else:
+                        region, offset = source
+                        if region.id not in shared:
+                            self._share_region(conn, region, shared)
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes,
-                                          src_region=source[0], src_offset=source[1])
+                                          src_region=region.id, src_offset=offset)
                         sourced[0] += 1
                         sourced[1] += nbytes
             elif op == dp.OP_INIT:
@@ -1284,18 +1288,13 @@ class Client:
         return reply.step
 
     @staticmethod
-    def _leave_in_region(conn: DataPlaneConnection, block: torch.Tensor, nbytes: int, regions) -> tuple | None:
-        """If ``block`` (``nbytes``) lies in one of the shared ``regions`` (gradient buffers), share
-        that region on this connection and return ``(region id, offset)``: the push names it there
-        and the node copies it out itself. Should the push then be given up on, the connection is
-        closed before the caller can change the buffer again: the node drops a push whose client
-        hung up during its copy."""
-        for region in regions:
-            offset = region.offset_of(block, nbytes)
-            if offset is not None:
-                conn.sock.share_region(region)
-                return region.id, offset
-        return None
+    def _share_region(conn: DataPlaneConnection, region, shared: set) -> None:
+        """Share ``region`` (a gradient buffer) on this connection, for a push that names blocks in
+        it (the node copies them out itself), and note it in ``shared``. Should the push then be
+        given up on, the connection is closed before the caller can change the buffer again: the
+        node drops a push whose client hung up during its copy."""
+        conn.sock.share_region(region)
+        shared.add(region.id)
 
     def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
         """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region
@@ -1427,6 +1426,16 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _region_holding(regions, block: torch.Tensor, nbytes: int) -> tuple | None:
+    """``(region, offset)`` of the one of ``regions`` (SharedRegion) holding all ``nbytes`` of
+    contiguous CPU ``block``; None if none does."""
+    for region in regions:
+        offset = region.offset_of(block, nbytes)
+        if offset is not None:
+            return region, offset
+    return None
 
 
 def _cache_key(info, node_id: str) -> tuple:

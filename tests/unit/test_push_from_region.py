@@ -192,7 +192,7 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
     import types
 
     from shardline.services.errors import ShardlineConfigError
-    from shardline.worker.client import Client
+    from shardline.worker.client import Client, _region_holding
 
     s = spec()
     s.tensors.add(name="b", shape=[3], dtype="float32", trainable=True)
@@ -207,9 +207,11 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
         client.gradient_buffer("frozen")
     shared = []
     conn = types.SimpleNamespace(sock=types.SimpleNamespace(share_region=shared.append))
-    assert Client._leave_in_region(conn, w[BLOCK:], BLOCK * 4, client._grad_regions) == (region.id, BLOCK * 4)
-    assert shared == [region]
-    assert Client._leave_in_region(conn, torch.zeros(BLOCK), BLOCK * 4, client._grad_regions) is None
+    assert _region_holding(client._grad_regions, w[BLOCK:], BLOCK * 4) == (region, BLOCK * 4)
+    assert _region_holding(client._grad_regions, torch.zeros(BLOCK), BLOCK * 4) is None
+    noted = set()
+    Client._share_region(conn, region, noted)
+    assert shared == [region] and noted == {region.id}
     assert region.offset_of(w[BLOCK:], region.size) is None   # a span running past the region's end
     region.close()
 
