@@ -447,14 +447,14 @@ class PSNode:
             return
         op, owner, node_id = header.op, routing.owner, self.node_id
         sized = op in (dp.OP_INIT, dp.OP_PUSH)
+        fetching = op != dp.OP_INIT and self.replicator is not None and self.replicator.fetching(job.name)
         for ref in header.blocks:
             tensor, index = ref.tensor, ref.index
             numel = job.expected_numel(tensor, index)
             if owner(job.name, tensor, index) != node_id:
                 raise NotOwner(f"block {tensor}[{index}] is not owned by node {node_id!r} at epoch {routing.epoch}",
                                routing.epoch)
-            if op != dp.OP_INIT and (tensor, index) not in job.blocks and self.replicator is not None \
-                    and self.replicator.fetching(job.name):
+            if fetching and (tensor, index) not in job.blocks:
                 raise StoreError("UNAVAILABLE", f"node {node_id!r} is still receiving block {tensor}[{index}] "
                                                 f"(it took it over at epoch {routing.epoch}); retry shortly")
             if sized and not ref.zero and ref.numel != numel:

@@ -740,8 +740,9 @@ class Client:
         # nodes is checked whole here first, or some would keep their part; so is a compressed one
         # (the error feedback must not take in a NaN).
         self._wait_for_ring()
+        owner, job = self.routing.owner, self.job
         node_checks = (not spec.allow_nonfinite and self._compressor is None
-                       and len({self.routing.owner(self.job, *key) for key, g in payload.items()
+                       and len({owner(job, name, index) for (name, index), g in payload.items()
                                 if g is not None}) == 1)
         if not spec.allow_nonfinite and not node_checks:
             for name, flat in flats:
@@ -992,8 +993,9 @@ class Client:
                 done_nodes.clear()
             self._wait_for_ring()
             groups: dict[str, list] = {}
+            owner, job = self.routing.owner, self.job
             for key in pending:
-                groups.setdefault(self.routing.owner(self.job, *key), []).append(key)
+                groups.setdefault(owner(job, key[0], key[1]), []).append(key)
             if all_nodes:
                 for node_id in self.routing.nodes:
                     if node_id not in done_nodes:
@@ -1207,7 +1209,7 @@ class Client:
                     # and an append, which copies the message, cost twice as much per block)
                     numel = g.numel()
                     dtype, nbytes = frame.WIRE_DTYPE[g.dtype], numel * g.element_size()
-                    source = _region_holding(sources, g, nbytes) if sources else None
+                    source = _region_holding(sources, g.data_ptr(), nbytes) if sources else None
                     if source is None:
                         payloads.append(frame.tensor_bytes(g))
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes)
@@ -1428,12 +1430,13 @@ class Client:
         self.close()
 
 
-def _region_holding(regions, block: torch.Tensor, nbytes: int) -> tuple | None:
-    """``(region, offset)`` of the one of ``regions`` (SharedRegion) holding all ``nbytes`` of
-    contiguous CPU ``block``; None if none does."""
+def _region_holding(regions, address: int, nbytes: int) -> tuple | None:
+    """``(region, offset)`` of the one of ``regions`` (SharedRegion) holding all ``nbytes`` from
+    ``address`` (a contiguous CPU block's ``data_ptr()``: what _push makes every block); None if
+    none does."""
     for region in regions:
-        offset = region.offset_of(block, nbytes)
-        if offset is not None:
+        offset = address - region.address
+        if 0 <= offset <= region.size - nbytes:
             return region, offset
     return None
 

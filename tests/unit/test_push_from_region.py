@@ -207,8 +207,10 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
         client.gradient_buffer("frozen")
     shared = []
     conn = types.SimpleNamespace(sock=types.SimpleNamespace(share_region=shared.append))
-    assert _region_holding(client._grad_regions, w[BLOCK:], BLOCK * 4) == (region, BLOCK * 4)
-    assert _region_holding(client._grad_regions, torch.zeros(BLOCK), BLOCK * 4) is None
+    assert _region_holding(client._grad_regions, w[BLOCK:].data_ptr(), BLOCK * 4) == (region, BLOCK * 4)
+    assert _region_holding(client._grad_regions, torch.zeros(BLOCK).data_ptr(), BLOCK * 4) is None
+    assert _region_holding(client._grad_regions, region.address + region.size - 4, 8) is None   # runs past its end
+    assert _region_holding(client._grad_regions, region.address - 4, 8) is None                 # starts before it
     noted = set()
     Client._share_region(conn, region, noted)
     assert shared == [region] and noted == {region.id}
