@@ -587,6 +587,21 @@ class ShmConnection:
             self._peer_regions[region_id] = region
 
 
+@functools.lru_cache(maxsize=1)
+def _tensor_helpers() -> tuple:
+    """What the copies to and from a region use of numpy, torch and the frame and check helpers,
+    imported on the first copy (the transport itself moves bytes: importing it imports no torch)
+    and then kept: a copy is made per piece of a large transfer, and import statements cost
+    microseconds each time, under the interpreter lock the other copy thread waits for."""
+    import numpy as np
+    import torch
+
+    from shardline.services.frame import tensor_bytes
+    from shardline.services.tensor_checks import all_finite, copy_span_checked
+
+    return np, torch, tensor_bytes, all_finite, copy_span_checked
+
+
 def _copy_bytes(targets, into_region: bool, *, stream: bool = False, checked: bool = False) -> int | None:
     """Copy each ``(i, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
     it), through byte views: a torch view per block costs several times the copy of a small block
@@ -596,12 +611,7 @@ def _copy_bytes(targets, into_region: bool, *, stream: bool = False, checked: bo
     ``checked`` (out of a region): each copy is checked for NaN/Inf as it is made, and the ``i``
     of the first copy holding one is returned, the targets after it left uncopied; None: all
     finite. The views are gone when this returns, so the caller may unmap the regions."""
-    import numpy as np  # the transport itself moves bytes; only the copies to and from a region take tensors
-    import torch
-
-    from shardline.services.frame import tensor_bytes
-    from shardline.services.tensor_checks import all_finite, copy_span_checked
-
+    np, torch, tensor_bytes, all_finite, copy_span_checked = _tensor_helpers()
     wholes: dict = {}
     whole = data = None
     copy_streaming = _copycheck.copy_stream if stream and into_region and _copycheck is not None else None
