@@ -189,6 +189,9 @@ class CacheFrontend:
             payloads.append(data)
         return reply, payloads
 
+    def after_reply(self, header, reply) -> None:
+        """After a pull's reply went out: nothing to count (a cache's reads are the PS nodes' heat)."""
+
     # --- fetching from the PS nodes ---------------------------------------------------------
     def fetch(self, job: str, node: str, epoch: int, min_step: int, asks: list, timeout: float, *,
               subscriber: bool = False) -> Fetched:

@@ -684,16 +684,23 @@ class PSNode:
             self.heat.record_rack_read(job.name, header.reader_rack, sum(ref.nbytes for ref, _ in sent))
             return [payload for _, payload in sent]
         payloads, places = [], []
-        for tensor, index, version, value in blocks:
-            ref = frame.block_ref(tensor, index, value, version=version)
+        for tensor, index, version, value in blocks:   # values of wire dtypes (fp32, bf16)
+            numel = value.numel()
             place = placements.get((tensor, index))
             if place is not None:  # one copy, straight into the client's cache
                 places.append((*place, value))
-                ref.placed = True
             else:
                 payloads.append(frame.tensor_bytes(value))
-            reply.blocks.append(ref)
+            reply.blocks.add(tensor=tensor, index=index, dtype=frame.WIRE_DTYPE[value.dtype], numel=numel,
+                             nbytes=numel * value.element_size(), version=version, placed=place is not None)
         self._place(regions, places)
-        self.heat.record_reads(job.name, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],
-                               rack=header.reader_rack)
         return payloads
+
+    def after_reply(self, header: frame.FrameHeader, reply: frame.FrameHeader) -> None:
+        """After the reply to a pull (or to a commit that carried one) went out: count its reads
+        (ps_server/heat.py; a pass over every block, which the reader need not wait for). A
+        subscriber's reads were counted with its reply."""
+        if header.subscriber or not (header.op == dp.OP_PULL or reply.pull_applied):
+            return
+        self.heat.record_reads(header.job, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],
+                               rack=header.reader_rack)

@@ -1228,8 +1228,8 @@ class Client:
             else:  # pull, in the cache's dtype (unset: FLOAT32); one of values at a step wants them all
                 have = None if self._pulling_at_step else self._versions.get((name, index))
                 want = frame.WIRE_DTYPE[self._values[name].dtype]
-                header.blocks.append(dp.BlockRef(tensor=name, index=index, version=have or 0, has=have is not None,
-                                                 want_dtype=0 if want == dp.FLOAT32 else want))
+                header.blocks.add(tensor=name, index=index, version=have or 0, has=have is not None,
+                                  want_dtype=0 if want == dp.FLOAT32 else want)
                 expected[(name, index)] = s
         key = node_id if via is None else _cache_key(via, node_id)
         if op == dp.OP_PUSH:
@@ -1303,15 +1303,18 @@ class Client:
         straight into it (sharing the region on this connection first). Returns their keys."""
         if header.subscriber or not hasattr(conn.sock, "share_region"):
             return set()
-        placed = set()
+        placed, shared = set(), set()
         for ref in header.blocks:
-            place = self._placement.get(ref.tensor)
+            tensor = ref.tensor
+            place = self._placement.get(tensor)
             if place is None or ref.want_dtype:
                 continue
             region, base = place
-            conn.sock.share_region(region)
-            ref.dest_region, ref.dest_offset = region.id, base + self._slices[ref.tensor][ref.index].start * 4
-            placed.add((ref.tensor, ref.index))
+            if region.id not in shared:
+                self._share_region(conn, region, shared)
+            index = ref.index
+            ref.dest_region, ref.dest_offset = region.id, base + self._slices[tensor][index].start * 4
+            placed.add((tensor, index))
         return placed
 
     def _begin_cache_write(self) -> None:
@@ -1364,21 +1367,29 @@ class Client:
         first: one the pull asked for, once, in the cache's dtype (so a reply is never larger than
         what was asked); a block the node placed in the shared cache (``placed``: asked so) has
         no payload bytes."""
-        for ref in reply.blocks:
-            s = expected.pop((ref.tensor, ref.index), None)
-            cache = None if s is None else self._values[ref.tensor]
-            if cache is None or ref.dtype != frame.WIRE_DTYPE[cache.dtype] or ref.numel != s.numel or ref.zero \
-                    or (ref.placed and (ref.tensor, ref.index) not in placed):
-                conn.close()
-                self._conns.pop(node_id, None)
-                raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {ref.tensor}[{ref.index}]")
-            if ref.placed:  # already in the cache: no view of it needed
-                self.stats.placed_blocks += 1
-            else:
-                frame.recv_exactly_into(conn.sock, frame.tensor_bytes(cache[s.start:s.stop]))
-            self._versions[(ref.tensor, ref.index)] = ref.version
-            self.stats.pulled_bytes += ref.nbytes
-            self.stats.pulled_blocks += 1
+        stats, versions = self.stats, self._versions
+        blocks = placed_blocks = nbytes = 0   # counted once at the end (a stats update per block adds up)
+        try:
+            for ref in reply.blocks:
+                key = (ref.tensor, ref.index)
+                s = expected.pop(key, None)
+                cache = None if s is None else self._values[key[0]]
+                if cache is None or ref.dtype != frame.WIRE_DTYPE[cache.dtype] or ref.numel != s.numel or ref.zero \
+                        or (ref.placed and key not in placed):
+                    conn.close()
+                    self._conns.pop(node_id, None)
+                    raise ShardlineConnectionError(f"node {node_id!r} sent an unexpected block {key[0]}[{key[1]}]")
+                if ref.placed:  # already in the cache: no view of it needed
+                    placed_blocks += 1
+                else:
+                    frame.recv_exactly_into(conn.sock, frame.tensor_bytes(cache[s.start:s.stop]))
+                versions[key] = ref.version
+                nbytes += ref.nbytes
+                blocks += 1
+        finally:
+            stats.placed_blocks += placed_blocks
+            stats.pulled_bytes += nbytes
+            stats.pulled_blocks += blocks
 
     # --- lease ------------------------------------------------------------------------------
     def start_lease(self) -> None:
