@@ -673,15 +673,12 @@ class SharedRegion:
 
         return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=offset)
 
-    def offset_of(self, tensor, nbytes: int | None = None) -> int | None:
-        """The offset in this region of contiguous CPU ``tensor``'s bytes (``nbytes`` of them, if
-        the caller knows); None unless they all lie in it."""
+    def offset_of(self, tensor) -> int | None:
+        """The offset in this region of contiguous CPU ``tensor``'s bytes; None unless they all lie in it."""
         if not tensor.is_cpu or not tensor.is_contiguous():
             return None
-        if nbytes is None:
-            nbytes = tensor.numel() * tensor.element_size()
         offset = tensor.data_ptr() - self.address
-        return offset if 0 <= offset and offset + nbytes <= self.size else None
+        return offset if 0 <= offset and offset + tensor.numel() * tensor.element_size() <= self.size else None
 
     def revoke(self) -> int:
         """Move this region to fresh memory at the same addresses (every view keeps its contents

@@ -214,7 +214,6 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
     noted = set()
     Client._share_region(conn, region, noted)
     assert shared == [region] and noted == {region.id}
-    assert region.offset_of(w[BLOCK:], region.size) is None   # a span running past the region's end
     region.close()
 
 
