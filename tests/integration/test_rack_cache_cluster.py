@@ -185,8 +185,10 @@ def test_bsp_through_the_cache_equals_torch_optim_across_a_ps_failover_and_the_c
     try:
         train_model.wait_for_steps(started, 3)
         at_kill = cache_counter(cache, "misses")
+        # The worker whose commit completes a step gets its values in that commit's reply; only the
+        # other one pulls them, through the cache: two pulls of a version seldom meet there, and
+        # this test's own pulls need not hit (hits: the readers' and subscribers' tests above).
         assert at_kill > before, "the workers' pulls did not go through the cache"
-        assert cache_counter(cache, "hits") + cache_counter(cache, "coalesced_misses") > 0
         cluster.kill(cluster.nodes[1])   # SIGKILL a PS node: the ring moves on without it
         train_model.wait_for_steps(started, 7)
         # the pulls went on through the cache: blocks learned again at the new epoch
