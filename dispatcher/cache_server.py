@@ -190,7 +190,7 @@ class CacheFrontend:
         return reply, payloads
 
     def after_reply(self, header, reply) -> None:
-        """After a pull's reply went out: nothing to count (a cache's reads are the PS nodes' heat)."""
+        """After a reply went out: nothing to count (a cache's reads are the PS nodes' heat)."""
 
     # --- fetching from the PS nodes ---------------------------------------------------------
     def fetch(self, job: str, node: str, epoch: int, min_step: int, asks: list, timeout: float, *,

@@ -188,7 +188,7 @@ class _Connection:
             finally:
                 if pushed is not None:  # answered (or the client is gone): now the early steps
                     node.after_push(*pushed)
-                elif frame.asks_blocks(header):
+                else:
                     node.after_reply(header, reply)
             if metrics:  # a pull's blocks copied into the client's shared cache are sent bytes too
                 placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)

@@ -486,19 +486,16 @@ class PSNode:
             return
         self._share(functools.partial(regions.place_many, stream=True), pieces)
 
-    def _share(self, work, pieces: list) -> list:
-        """``work(piece)`` for each of ``pieces`` in order, by this thread and one helper thread at
-        once, each taking the next piece when it finishes one (a copy to or from a client's region
-        is the whole transfer: two cores copy 64 MiB in about two thirds of the time one takes, and
-        taking pieces as they come leaves neither waiting for the other at the end, as fixed halves
-        did: the helper starts later and is slowed by the GIL). If the helper is busy with another
-        request, this thread does every piece.
+    def _share(self, work, pieces: list, helper: bool = True) -> list:
+        """``work(piece)`` for each of ``pieces`` in order, by this thread and (``helper``) one
+        helper thread at once, each taking the next piece when it finishes one (a copy to or from a
+        client's region is the whole transfer: two cores copy 64 MiB in about two thirds of the time
+        one takes, and taking pieces as they come leaves neither waiting for the other at the end,
+        as fixed halves did: the helper starts later and is slowed by the GIL). If the helper is
+        busy with another request, this thread does every piece.
 
         A piece whose ``work`` returns a value (a push's first bad block) is the last one started;
         every piece before it is done. Returns those values, in no order."""
-        with self._place_pool_lock:
-            if self._place_pool is None:
-                self._place_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-place")
         queue, taking, found = iter(pieces), threading.Lock(), []
 
         def drain() -> None:
@@ -511,10 +508,16 @@ class PSNode:
                 if value is not None:
                     found.append(value)
 
-        helper = self._place_pool.submit(drain)
+        if not helper:
+            drain()
+            return found
+        with self._place_pool_lock:
+            if self._place_pool is None:
+                self._place_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardline-place")
+        helping = self._place_pool.submit(drain)
         drain()
-        if not helper.cancel():
-            helper.result()
+        if not helping.cancel():
+            helping.result()
         return found
 
     def take_push(self, regions, job: JobStore, ticket: PushTicket, header: frame.FrameHeader,
@@ -523,7 +526,7 @@ class PSNode:
         (``src_region``), into their destinations, checking each copy for NaN/Inf as it is made (a
         failure is left on the ticket, for finish_push): piece by piece, shared with the helper
         thread when large. Only the node's own copy is checked, never the client's memory, which
-        the client could still change (ShmConnection.take_many, tensor_checks.copy_checked)."""
+        the client could still change (ShmConnection.take_many, tensor_checks.copy_span_checked)."""
         blocks, checked = header.blocks, not job.allow_nonfinite
         pieces, large = _pieces(indices, lambda i: ticket.dests[i].numel() * ticket.dests[i].element_size())
 
@@ -532,15 +535,7 @@ class PSNode:
                                     checked=checked)
             return None if bad is None else piece[bad]
 
-        if not large:
-            found = []
-            for piece in pieces:
-                bad = take(piece)
-                if bad is not None:
-                    found.append(bad)
-                    break
-        else:
-            found = self._share(take, pieces)
+        found = self._share(take, pieces, helper=large)
         if found:  # every piece before the last one started was checked: the least is the first bad block
             job.refuse_nonfinite(ticket, min(found))
 
@@ -697,9 +692,9 @@ class PSNode:
         return payloads
 
     def after_reply(self, header: frame.FrameHeader, reply: frame.FrameHeader) -> None:
-        """After the reply to a pull (or to a commit that carried one) went out: count its reads
-        (ps_server/heat.py; a pass over every block, which the reader need not wait for). A
-        subscriber's reads were counted with its reply."""
+        """After the reply to a request other than a push went out: if it answered a pull (or a
+        commit that carried one), count its reads (ps_server/heat.py; a pass over every block,
+        which the reader need not wait for). A subscriber's reads were counted with its reply."""
         if header.subscriber or not (header.op == dp.OP_PULL or reply.pull_applied):
             return
         self.heat.record_reads(header.job, [(ref.tensor, ref.index, ref.nbytes) for ref in reply.blocks],

@@ -1190,7 +1190,7 @@ class Client:
                 header.has_lr, header.lr = True, self.lr
         payloads = []
         expected: dict[tuple[str, int], object] = {}
-        sourced = [0, 0]   # a push's blocks left in a shared region: how many, their bytes
+        taken = taken_bytes = 0   # a push's blocks the node takes from a shared region: how many, their bytes
         shared: set = set()  # the ids of the regions shared on this connection for this frame
         conn = self._conn(node_id, via)
         sources = self._grad_regions if op == dp.OP_PUSH and hasattr(conn.sock, "share_region") else ()
@@ -1219,8 +1219,8 @@ class Client:
                             self._share_region(conn, region, shared)
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes,
                                           src_region=region.id, src_offset=offset)
-                        sourced[0] += 1
-                        sourced[1] += nbytes
+                        taken += 1
+                        taken_bytes += nbytes
             elif op == dp.OP_INIT:
                 v = self._values[name][s.start:s.stop]
                 header.blocks.append(frame.block_ref(name, index, v))
@@ -1243,8 +1243,8 @@ class Client:
             if pulls:
                 self._end_cache_write()
         if op == dp.OP_PUSH:  # blocks the node took from a shared region count too
-            self.stats.pushed_bytes += header.payload_bytes + sourced[1]
-            self.stats.taken_blocks += sourced[0]
+            self.stats.pushed_bytes += header.payload_bytes + taken_bytes
+            self.stats.taken_blocks += taken
         return step
 
     def _exchange_locked(self, conn, key, node_id: str, header, payloads, expected: dict, op: int, timeout: float,
@@ -1291,10 +1291,11 @@ class Client:
 
     @staticmethod
     def _share_region(conn: DataPlaneConnection, region, shared: set) -> None:
-        """Share ``region`` (a gradient buffer) on this connection, for a push that names blocks in
-        it (the node copies them out itself), and note it in ``shared``. Should the push then be
-        given up on, the connection is closed before the caller can change the buffer again: the
-        node drops a push whose client hung up during its copy."""
+        """Share ``region`` on this connection and note its id in ``shared`` (the regions shared
+        for one frame): a gradient buffer a push names blocks in (the node copies them out itself),
+        or a cache a pull asks blocks placed in. Should a push then be given up on, the connection
+        is closed before the caller can change the buffer again: the node drops a push whose client
+        hung up during its copy."""
         conn.sock.share_region(region)
         shared.add(region.id)
 

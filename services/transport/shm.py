@@ -388,7 +388,7 @@ class ShmConnection:
 
     def place_many(self, items, *, stream: bool = False) -> None:
         """``place`` of each ``(region_id, offset, value)``: one lock round for all of them, then
-        byte copies through numpy views (_copy_bytes: cheap per block, for a pull of many small ones).
+        byte copies through byte views (_copy_bytes: cheap per block, for a pull of many small ones).
 
         ``stream``: the copies bypass this process's caches (for a large pull, which the caches
         would not keep: about two thirds of the time of a cached copy; a small one is better left
@@ -589,63 +589,58 @@ class ShmConnection:
 
 @functools.lru_cache(maxsize=1)
 def _tensor_helpers() -> tuple:
-    """What the copies to and from a region use of numpy, torch and the frame and check helpers,
+    """What the copies to and from a region use of torch and the frame and check helpers,
     imported on the first copy (the transport itself moves bytes: importing it imports no torch)
     and then kept: a copy is made per piece of a large transfer, and import statements cost
     microseconds each time, under the interpreter lock the other copy thread waits for."""
-    import numpy as np
     import torch
 
     from shardline.services.frame import tensor_bytes
     from shardline.services.tensor_checks import all_finite, copy_span_checked
 
-    return np, torch, tensor_bytes, all_finite, copy_span_checked
+    return torch, tensor_bytes, all_finite, copy_span_checked
 
 
 def _copy_bytes(targets, into_region: bool, *, stream: bool = False, checked: bool = False) -> int | None:
     """Copy each ``(i, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
-    it), through byte views: a torch view per block costs several times the copy of a small block
-    (a pull of a model's many norms and biases), and with two threads copying, whatever either
-    does while holding the GIL delays the other. ``stream``: copies into a region bypass this
+    it), through byte memoryviews: a torch view (or a numpy array) per block costs several times
+    the copy of a small block (a pull of a model's many norms and biases), and with two threads
+    copying, whatever either does while holding the GIL delays the other. ``stream``: copies into a region bypass this
     process's caches (``_copycheck.copy_stream``; without the C module, cached copies).
     ``checked`` (out of a region): each copy is checked for NaN/Inf as it is made, and the ``i``
     of the first copy holding one is returned, the targets after it left uncopied; None: all
     finite. The views are gone when this returns, so the caller may unmap the regions."""
-    np, torch, tensor_bytes, all_finite, copy_span_checked = _tensor_helpers()
+    torch, tensor_bytes, all_finite, copy_span_checked = _tensor_helpers()
     wholes: dict = {}
     whole = data = None
     copy_streaming = _copycheck.copy_stream if stream and into_region and _copycheck is not None else None
-    as_bytes = copy_streaming is not None or checked
     try:
         for i, region, offset, tensor in targets:
             whole = wholes.get(id(region))
             if whole is None:
-                whole = wholes[id(region)] = memoryview(region).cast("B") if as_bytes else np.frombuffer(region, np.uint8)
+                whole = wholes[id(region)] = memoryview(region).cast("B")
             data = tensor_bytes(tensor)   # writable: the tensor's own bytes
+            span = whole[offset:offset + len(data)]
             if checked:
                 if tensor.dtype == torch.float32:
-                    finite = copy_span_checked(data, whole[offset:offset + len(data)])
+                    finite = copy_span_checked(data, span)
                 else:
-                    data[:] = whole[offset:offset + len(data)]
+                    data[:] = span
                     finite = all_finite(tensor)
                 if not finite:
                     return i
-                continue
-            if copy_streaming:
-                copy_streaming(whole[offset:offset + len(data)], data)
-                continue
-            data = np.frombuffer(data, dtype=np.uint8)
-            if into_region:
-                whole[offset:offset + data.size] = data
+            elif copy_streaming:
+                copy_streaming(span, data)
+            elif into_region:
+                span[:] = data
             else:
-                data[:] = whole[offset:offset + data.size]
+                data[:] = span
         return None
     finally:
         for view in wholes.values():
-            if isinstance(view, memoryview):
-                view.release()
+            view.release()
         wholes.clear()
-        whole = data = None
+        whole = data = span = None
 
 
 class SharedRegion:

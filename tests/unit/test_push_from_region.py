@@ -302,6 +302,15 @@ def test_take_many_checked_names_the_first_nonfinite_copy_and_stops_there():
         assert not dests[3].any()          # after the bad one: not copied
         assert node.take_many(items) is None   # unchecked: copies all
         assert dests[3].tolist() == [8, 9, 10, 11]
+        for dtype in (torch.float16, torch.bfloat16):   # copied, then the copy checked
+            halves = region.tensor(dtype, 0, 8)
+            halves.copy_(torch.arange(8.0))
+            dests = [torch.zeros(4, dtype=dtype), torch.zeros(4, dtype=dtype)]
+            items = [(region.id, 0, dests[0]), (region.id, 8, dests[1])]
+            assert node.take_many(items, checked=True) is None and dests[1].tolist() == [4, 5, 6, 7]
+            halves[5] = float("nan")
+            assert node.take_many(items, checked=True) == 1
+            del halves
     finally:
         client.close()
         node.close()
