@@ -1,5 +1,6 @@
 /* The data plane's copies in C: one pass that copies float32 values and checks them for NaN/Inf
- * (shardline.services.tensor_checks), and a copy that bypasses the caches (copy_stream, below).
+ * (shardline.services.tensor_checks), a copy that bypasses the caches (copy_stream, below), and a
+ * plain copy that lets other threads run meanwhile (copy, at the end).
  *
  * A one-copy push (ps_server/node.py, take_push) copies a gradient out of the client's shared memory
  * and must refuse NaN/Inf in the copy it keeps, never in the client's memory, which the client could
@@ -138,14 +139,46 @@ static PyObject *copy_stream(PyObject *self, PyObject *args)
     return result;
 }
 
+/* Below this a copy keeps the GIL: handing it over and taking it back can cost more than a small
+ * copy, and a thread that releases it may wait for another's Python to give it back. */
+#define RELEASE_GIL_BYTES (256 * 1024)
+
+PyDoc_STRVAR(copy_doc,
+"copy(dst, src)\n\n"
+"Copy buffer src into buffer dst (same length, not overlapping), as memoryview slice assignment\n"
+"does, but with the GIL released for copies of 256 KiB or more: two threads of a node placing two\n"
+"pulls, or a client's sender and its training thread, then run at once.");
+
+static PyObject *copy(PyObject *self, PyObject *args)
+{
+    Py_buffer dst, src;
+    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src))
+        return NULL;
+    PyObject *result = NULL;
+    if (check_pair("copy", &dst, &src)) {
+        if (dst.len >= RELEASE_GIL_BYTES) {
+            Py_BEGIN_ALLOW_THREADS
+            memcpy(dst.buf, src.buf, (size_t)dst.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            memcpy(dst.buf, src.buf, (size_t)dst.len);
+        }
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"copy", copy, METH_VARARGS, copy_doc},
     {"copy_f32", copy_f32, METH_VARARGS, copy_f32_doc},
     {"copy_stream", copy_stream, METH_VARARGS, copy_stream_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_copycheck", "The data plane's copies: a fused copy and NaN/Inf check of float32 buffers, and a copy that bypasses the caches.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_copycheck", "The data plane's copies: a fused copy and NaN/Inf check of float32 buffers, a copy that bypasses the caches, and a copy without the GIL.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__copycheck(void)

@@ -73,6 +73,15 @@ except ImportError:  # pragma: no cover - tests/unit/test_tensor_checks.py fails
 
 log = logging.getLogger("shardline.transport.shm")
 
+
+def _slice_copy(dst, src) -> None:
+    dst[:] = src
+
+
+# A plain copy of bytes: the C module's lets other threads run while it copies (two node threads
+# placing two ranks' pulls, a client's sender and its training thread); slice assignment holds the GIL.
+_copy = _copycheck.copy if _copycheck is not None else _slice_copy
+
 NAME = "shm"
 MESSAGE = struct.Struct("<B3xIQ")
 INLINE, CHUNK, CREDIT, SEGMENT, REGION, UNSHARE = 1, 2, 3, 4, 5, 6
@@ -261,7 +270,7 @@ class ShmConnection:
                 with self._map_lock:
                     if self._closed:
                         raise OSError(errno.EBADF, "shm connection is closed")
-                    self._tx_view[at:at + k] = src[sent:sent + k]
+                    _copy(self._tx_view[at:at + k], src[sent:sent + k])
                 self._tx_head += k
                 sent += k
                 done += k
@@ -329,7 +338,7 @@ class ShmConnection:
     @staticmethod
     def _copy_out(dst, src, start: int | None, got: int) -> bool:
         if start is None:
-            dst[:] = src
+            _copy(dst, src)
             return True
         from shardline.services.tensor_checks import copy_span_checked
 
@@ -605,8 +614,10 @@ def _copy_bytes(targets, into_region: bool, *, stream: bool = False, checked: bo
     """Copy each ``(i, region, offset, tensor)``'s bytes into its region at ``offset`` (or out of
     it), through byte memoryviews: a torch view (or a numpy array) per block costs several times
     the copy of a small block (a pull of a model's many norms and biases), and with two threads
-    copying, whatever either does while holding the GIL delays the other. ``stream``: copies into a region bypass this
-    process's caches (``_copycheck.copy_stream``; without the C module, cached copies).
+    copying, whatever either does while holding the GIL delays the other; the copies themselves
+    (``_copy`` and the C module's others) let other threads run while they copy a large block.
+    ``stream``: copies into a region bypass this process's caches (``_copycheck.copy_stream``;
+    without the C module, cached copies).
     ``checked`` (out of a region): each copy is checked for NaN/Inf as it is made, and the ``i``
     of the first copy holding one is returned, the targets after it left uncopied; None: all
     finite. The views are gone when this returns, so the caller may unmap the regions."""
@@ -625,16 +636,16 @@ def _copy_bytes(targets, into_region: bool, *, stream: bool = False, checked: bo
                 if tensor.dtype == torch.float32:
                     finite = copy_span_checked(data, span)
                 else:
-                    data[:] = span
+                    _copy(data, span)
                     finite = all_finite(tensor)
                 if not finite:
                     return i
             elif copy_streaming:
                 copy_streaming(span, data)
             elif into_region:
-                span[:] = data
+                _copy(span, data)
             else:
-                data[:] = span
+                _copy(data, span)
         return None
     finally:
         for view in wholes.values():

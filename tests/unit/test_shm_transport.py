@@ -86,6 +86,33 @@ def test_frames_with_payloads_larger_than_the_ring_arrive_intact():
     assert shm_mappings() == 0
 
 
+def test_ring_and_region_copies_use_the_copy_that_lets_other_threads_run(monkeypatch):
+    """With the C module built (make test builds it), the ring's and the regions' plain copies go
+    through its copy, which releases the GIL for large ones: a node's threads placing two ranks'
+    pulls copy at once. Every such copy of this frame goes through it."""
+    from shardline.services import _copycheck
+
+    assert shm._copy is _copycheck.copy
+    sizes = []
+
+    def counted(dst, src):
+        sizes.append(len(dst))
+        _copycheck.copy(dst, src)
+
+    monkeypatch.setattr(shm, "_copy", counted)
+    a, b = pair()
+    try:
+        big = torch.arange(RING // 2, dtype=torch.float32)   # through the ring, not inline
+        join = in_thread(a.sendall, frame.tensor_bytes(big))
+        out = torch.empty_like(big)
+        frame.recv_exactly_into(b, frame.tensor_bytes(out))
+        join()
+        assert torch.equal(out, big) and sum(sizes) == 2 * big.numel() * 4   # into the ring and out of it
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_frames_blocks_share_doorbells_and_arrive_intact(monkeypatch):
     """send_frame hands a frame's blocks to sendall_many: consecutive blocks are announced together
     (chunks of up to CHUNK_BYTES that never cross the ring's end), yet each block arrives intact."""

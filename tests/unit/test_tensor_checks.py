@@ -180,6 +180,25 @@ def test_the_streaming_copy_keeps_every_byte_at_any_alignment_and_length():
         kernel.copy_stream(bytes(8), bytes(8))  # the destination must be writable
 
 
+def test_the_plain_copy_keeps_every_byte_below_and_above_its_gil_threshold():
+    """copy (ring and region copies of the shm transport): exact bytes whether it keeps the GIL (under
+    256 KiB) or lets other threads run (from 256 KiB), from read-only sources too (a peer's ring is
+    mapped read-only); mismatched or overlapping buffers and a read-only destination are refused."""
+    kernel = tensor_checks._copycheck
+    src = bytes(torch.randint(0, 256, ((1 << 20) + 9,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)).numpy())
+    for n in (0, 1, 4095, (256 << 10) - 1, 256 << 10, (1 << 20) + 9):
+        dst = bytearray(n + 8)
+        kernel.copy(memoryview(dst)[3:3 + n], memoryview(src)[:n])
+        assert dst[3:3 + n] == src[:n] and not any(dst[:3]) and not any(dst[3 + n:]), n
+    a = bytearray(64)
+    with pytest.raises(ValueError, match="copy needs equal lengths"):
+        kernel.copy(memoryview(a)[:8], bytes(7))
+    with pytest.raises(ValueError, match="copy: dst and src overlap"):
+        kernel.copy(memoryview(a)[:32], memoryview(a)[16:48])
+    with pytest.raises(TypeError):
+        kernel.copy(bytes(8), bytes(8))  # the destination must be writable
+
+
 @pytest.mark.parametrize("start", [0, 1, 2, 3, 5])
 def test_copy_span_checked_checks_whole_values_and_leaves_cut_ones(copy_path, start):
     """A span of a float32 array from its byte ``start``: every byte is copied; the answer covers
