@@ -263,9 +263,10 @@ class ShardlineBig:
     """A 64 MiB tensor job on one cluster (SGD, BSP, world_size 1), driven through worker.client."""
 
     def __init__(self, cluster: Cluster, job: str, init: torch.Tensor, transport: str = "tcp",
-                 allow_nonfinite: bool = False):
+                 allow_nonfinite: bool = False, replication: int | None = None):
         self.client = connect(cluster.dispatcher, job, transport=transport, pull_timeout=60.0)
-        self.client.init({"w": init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1, allow_nonfinite=allow_nonfinite)
+        self.client.init({"w": init}, optimizer="sgd", lr=LR, sync="bsp", world_size=1, allow_nonfinite=allow_nonfinite,
+                         replication=replication)
         owners: dict[str, int] = {}
         for s in self.client._slices["w"]:
             node = self.client.routing.owner(job, "w", s.index)
@@ -372,11 +373,13 @@ TPUT_ROWS = {
     "raw_push_chunked": ("raw push, 1 MiB sendalls", "as raw_push_one, sent as 64 sendall calls of 1 MiB"),
     "ps1_pull": ("shardline pull, 1 PS", "client.pull(['w'], copy=False) right after a push changed every block: 64 blocks of 1 MiB move into the client cache"),
     "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}, commit=False): client checks, transfer, server checks and accumulation; the commit is not timed"),
-    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests)"),
+    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests); the job keeps a copy of each block on the other node (replication 2), and a pull of the step waits until those copies are acknowledged"),
     "ps2_push": ("shardline push, 2 PS", "as ps1_push, over 2 PS nodes"),
     "shm1_pull": ("shardline pull, shm, 1 PS", "as ps1_pull over transport shm (the PS on this host copies the blocks straight into the client's shared cache)"),
     "shm1_push": ("shardline push, shm, 1 PS", "as ps1_push over transport shm"),
     "shm1_push_buffer": ("shardline push from gradient_buffer, shm, 1 PS", "as shm1_push with the gradient in client.gradient_buffer('w'): the PS copies it straight out of the client's shared memory (no ring), checking it as it goes"),
+    "ps2_pull_norepl": ("diag: pull, 2 PS, no copies", "as ps2_pull for a job with replication 1: the two parallel transfers alone, no wait for the other node's copies"),
+    "ps2_push_norepl": ("diag: push, 2 PS, no copies", "as ps2_push for the job of ps2_pull_norepl"),
     "ps1_pull_copy": ("diag: pull() with copy, 1 PS", "client.pull(['w']) returning a fresh copy (an extra 64 MiB memcpy)"),
     "ps1_step": ("diag: push + commit + SGD, 1 PS", "client.push({'w': grad}): transfer, commit round trip, server-side SGD step over 64 MiB"),
     "frame_pull": ("diag: frame-level pull, 1 PS", "services.frame over a bare socket to the PS: PULL of all 64 blocks with an empty cache, payload into one preallocated buffer (no worker.client)"),
@@ -391,6 +394,8 @@ TPUT_RATIOS = {
     "push_1ps": ("ps1_push", "raw_push"),
     "pull_2ps": ("ps2_pull", "raw_pull"),
     "push_2ps": ("ps2_push", "raw_push"),
+    "pull_2ps_norepl": ("ps2_pull_norepl", "raw_pull"),
+    "push_2ps_norepl": ("ps2_push_norepl", "raw_push"),
     "pull_shm_1ps": ("shm1_pull", "raw_pull"),
     "push_shm_1ps": ("shm1_push", "raw_push"),
     "push_shm_buffer_1ps": ("shm1_push_buffer", "raw_push"),
@@ -459,6 +464,7 @@ def run(args) -> dict:
         grad = torch.randn(BIG_ELEMENTS, generator=gen)
         big = {"ps1": ShardlineBig(clusters["ps1"], "tput", init), "ps2": ShardlineBig(clusters["ps2"], "tput", init),
                "shm1": ShardlineBig(clusters["shm1"], "tput", init, transport="shm"),
+               "ps2nr": ShardlineBig(clusters["ps2"], "tput_norepl", init, replication=1),
                "ps1nc": ShardlineBig(clusters["ps1"], "tput_nocheck", init, allow_nonfinite=True),
                "shm1nc": ShardlineBig(clusters["shm1"], "tput_nocheck", init, transport="shm", allow_nonfinite=True)}
         closers.extend(b.close for b in big.values())
@@ -497,6 +503,7 @@ def run(args) -> dict:
             ("ps1", [("ps1_push", lambda: big["ps1"].push(grad)), ("ps1_pull", big["ps1"].pull),
                      ("ps1_step", lambda: big["ps1"].step(grad)), ("ps1_pull_copy", big["ps1"].pull_copy)]),
             ("ps2", [("ps2_push", lambda: big["ps2"].push(grad)), ("ps2_pull", big["ps2"].pull)]),
+            ("ps2nr", [("ps2_push_norepl", lambda: big["ps2nr"].push(grad)), ("ps2_pull_norepl", big["ps2nr"].pull)]),
             ("shm1", [("shm1_push", lambda: big["shm1"].push(grad)), ("shm1_pull", big["shm1"].pull),
                       ("shm1_push_buffer", lambda: big["shm1"].push(shm_grad))]),
             ("nocheck", [("ps1_push_nocheck", lambda: big["ps1nc"].push(grad)),
