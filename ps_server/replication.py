@@ -641,6 +641,10 @@ class Replicator:
         placement = place(view, job.spec)
         codec = self.codec(job)
         copies, carried, replayed = [], [], []
+        # copies and gradients travel as float32 runs; a run of another dtype would be misread
+        bad = next((ref for ref in header.blocks if ref.nbytes and ref.dtype != dp.FLOAT32), None)
+        if bad is not None:
+            raise StoreError("INVALID_ARGUMENT", f"copy of {bad.tensor}[{bad.index}] is not float32 (dtype {bad.dtype})")
         offset = 0
         for ref in header.blocks:
             key = (ref.tensor, ref.index)

@@ -498,6 +498,28 @@ def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, re
     assert torch.equal(block.value, before)
 
 
+def test_a_copy_that_is_not_float32_is_refused_and_the_block_left_as_it_was(initial):
+    """Copies travel as float32 runs (BlockCodec); a run of another wire dtype (its nbytes then
+    disagree with the codec's reading) is INVALID_ARGUMENT naming the block, before any is read."""
+    bus, cluster = start(initial=initial)
+    run_steps(cluster, gradients(1))
+    placement = place(next(iter(bus.nodes.values())).routing, bus.spec)
+    key = ("a", 0)
+    primary, holder = placement.owners[key][0], placement.owners[key][1]
+    job = bus.nodes[holder].job("job")
+    block = job.blocks[key]
+    packed = bus.nodes[holder].replicator.codec(job).packed_numel(block.value.numel())
+    before = block.value.clone()
+    header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,
+                               step=block.step + 1, payload_bytes=2 * packed)
+    header.blocks.append(dp.BlockRef(tensor="a", index=0, dtype=dp.FLOAT16, numel=packed, nbytes=2 * packed,
+                                     version=block.version + 1, step=block.step + 1))
+    with pytest.raises(StoreError, match=r"copy of a\[0\] is not float32") as err:
+        bus.nodes[holder].replicator.handle_replicate(job, header, bytearray(2 * packed))
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert torch.equal(block.value, before)
+
+
 @pytest.mark.parametrize("kind, hp", [
     ("sgd", dict(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)),
     ("adam", dict(lr=0.01, weight_decay=0.1, amsgrad=True)),
