@@ -94,6 +94,7 @@ def _in_threads(work) -> None:
 
 
 def _fork(child_main) -> int:
+    """Run ``child_main`` in a forked child that gets SIGTERM if this process dies; its pid."""
     pid = os.fork()
     if pid == 0:
         try:
@@ -224,16 +225,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     reps = args.reps + 2  # the first two warm the rings and the pages up, untimed
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    pid = os.fork()
-    if pid == 0:
+
+    def serve() -> None:
         a.close()
-        try:
-            os.environ[PARENT_PID_ENV] = str(os.getppid())
-            arm_parent_death_signal()
-            b.settimeout(60)
-            child(ShmConnection(b), reps)
-        finally:
-            os._exit(0)
+        b.settimeout(60)
+        child(ShmConnection(b), reps)
+
+    pid = _fork(serve)
     b.close()
     a.settimeout(60)
     conn = ShmConnection(a)

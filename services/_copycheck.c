@@ -122,16 +122,27 @@ PyDoc_STRVAR(copy_stream_doc,
 "the CPU allows (x86-64): for a copy the process will not read back, as a pull placed in a client's\n"
 "shared memory. The GIL is released meanwhile.");
 
-static PyObject *copy_stream(PyObject *self, PyObject *args)
+/* Below this a copy keeps the GIL: handing it over and taking it back can cost more than a small
+ * copy, and a thread that releases it may wait for another's Python to give it back. */
+#define RELEASE_GIL_BYTES (256 * 1024)
+
+/* copy_stream and copy: parse (dst, src), check them as a pair, run `copier` on them, with the GIL
+ * released for copies of `release_from` bytes or more. */
+static PyObject *copy_pair(PyObject *args, const char *format, const char *name,
+                           void (*copier)(char *, const char *, size_t), Py_ssize_t release_from)
 {
     Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy_stream", &dst, &src))
+    if (!PyArg_ParseTuple(args, format, &dst, &src))
         return NULL;
     PyObject *result = NULL;
-    if (check_pair("copy_stream", &dst, &src)) {
-        Py_BEGIN_ALLOW_THREADS
-        copy_streaming(dst.buf, src.buf, (size_t)dst.len);
-        Py_END_ALLOW_THREADS
+    if (check_pair(name, &dst, &src)) {
+        if (dst.len >= release_from) {
+            Py_BEGIN_ALLOW_THREADS
+            copier(dst.buf, src.buf, (size_t)dst.len);
+            Py_END_ALLOW_THREADS
+        } else {
+            copier(dst.buf, src.buf, (size_t)dst.len);
+        }
         result = Py_NewRef(Py_None);
     }
     PyBuffer_Release(&dst);
@@ -139,9 +150,10 @@ static PyObject *copy_stream(PyObject *self, PyObject *args)
     return result;
 }
 
-/* Below this a copy keeps the GIL: handing it over and taking it back can cost more than a small
- * copy, and a thread that releases it may wait for another's Python to give it back. */
-#define RELEASE_GIL_BYTES (256 * 1024)
+static PyObject *copy_stream(PyObject *self, PyObject *args)
+{
+    return copy_pair(args, "w*y*:copy_stream", "copy_stream", copy_streaming, 0);
+}
 
 PyDoc_STRVAR(copy_doc,
 "copy(dst, src)\n\n"
@@ -149,25 +161,14 @@ PyDoc_STRVAR(copy_doc,
 "does, but with the GIL released for copies of 256 KiB or more: two threads of a node placing two\n"
 "pulls, or a client's sender and its training thread, then run at once.");
 
+static void copy_plain(char *d, const char *s, size_t n)
+{
+    memcpy(d, s, n);
+}
+
 static PyObject *copy(PyObject *self, PyObject *args)
 {
-    Py_buffer dst, src;
-    if (!PyArg_ParseTuple(args, "w*y*:copy", &dst, &src))
-        return NULL;
-    PyObject *result = NULL;
-    if (check_pair("copy", &dst, &src)) {
-        if (dst.len >= RELEASE_GIL_BYTES) {
-            Py_BEGIN_ALLOW_THREADS
-            memcpy(dst.buf, src.buf, (size_t)dst.len);
-            Py_END_ALLOW_THREADS
-        } else {
-            memcpy(dst.buf, src.buf, (size_t)dst.len);
-        }
-        result = Py_NewRef(Py_None);
-    }
-    PyBuffer_Release(&dst);
-    PyBuffer_Release(&src);
-    return result;
+    return copy_pair(args, "w*y*:copy", "copy", copy_plain, RELEASE_GIL_BYTES);
 }
 
 static PyMethodDef methods[] = {

@@ -340,8 +340,7 @@ class ShmConnection:
         if start is None:
             _copy(dst, src)
             return True
-        from shardline.services.tensor_checks import copy_span_checked
-
+        *_, copy_span_checked = _tensor_helpers()   # imported once, not per chunk
         return copy_span_checked(dst, src, start + got)
 
     def wait_readable(self, timeout: float | None) -> bool:

@@ -468,17 +468,22 @@ def test_a_copy_holder_at_another_version_is_dropped_not_stepped_and_syncs_a_ful
         torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
 
 
+def a_stepped_copy(initial):
+    """A cluster one step in, and the copy of block a[0] its holder keeps: (bus, the block's
+    primary, its holder, the holder's job, the holder's block), for frames sent to the holder."""
+    bus, cluster = start(initial=initial)
+    run_steps(cluster, gradients(1))
+    placement = place(next(iter(bus.nodes.values())).routing, bus.spec)
+    primary, holder = placement.owners[("a", 0)][:2]
+    job = bus.nodes[holder].job("job")
+    return bus, primary, holder, job, job.blocks[("a", 0)]
+
+
 def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, replicate):
     """A replay ref for a job created without replicate_gradients, or in a sync reply (which
     carries full copies), is INVALID_ARGUMENT, and the copy is left as it was; so is a gradient of
     the wrong size."""
-    bus, cluster = start(initial=initial)
-    run_steps(cluster, gradients(1))
-    placement = place(next(iter(bus.nodes.values())).routing, bus.spec)
-    key = ("a", 0)
-    primary, holder = placement.owners[key][0], placement.owners[key][1]
-    job = bus.nodes[holder].job("job")
-    block = job.blocks[key]
+    bus, primary, holder, job, block = a_stepped_copy(initial)
     numel = block.value.numel()
     before = block.value.clone()
 
@@ -501,13 +506,7 @@ def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, re
 def test_a_copy_that_is_not_float32_is_refused_and_the_block_left_as_it_was(initial):
     """Copies travel as float32 runs (BlockCodec); a run of another wire dtype (its nbytes then
     disagree with the codec's reading) is INVALID_ARGUMENT naming the block, before any is read."""
-    bus, cluster = start(initial=initial)
-    run_steps(cluster, gradients(1))
-    placement = place(next(iter(bus.nodes.values())).routing, bus.spec)
-    key = ("a", 0)
-    primary, holder = placement.owners[key][0], placement.owners[key][1]
-    job = bus.nodes[holder].job("job")
-    block = job.blocks[key]
+    bus, primary, holder, job, block = a_stepped_copy(initial)
     packed = bus.nodes[holder].replicator.codec(job).packed_numel(block.value.numel())
     before = block.value.clone()
     header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,

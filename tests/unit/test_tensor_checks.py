@@ -161,7 +161,7 @@ def test_the_native_kernel_refuses_mismatched_or_overlapping_buffers():
 def test_the_streaming_copy_keeps_every_byte_at_any_alignment_and_length():
     """copy_stream (a large pull placed in a client's memory, bypassing the node's caches): exact
     bytes whatever the alignment of either end, the length (under, at and past its 64-byte steps),
-    and nothing written past the end; mismatched or overlapping buffers are refused."""
+    and nothing written past the end (its refusals: the test below)."""
     kernel = tensor_checks._copycheck
     src = bytes(torch.randint(0, 256, (1 << 20 | 200,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)).numpy())
     for dst_at in (0, 1, 4, 15, 16, 17):
@@ -171,32 +171,30 @@ def test_the_streaming_copy_keeps_every_byte_at_any_alignment_and_length():
                 kernel.copy_stream(memoryview(dst)[dst_at:dst_at + n], src[src_at:src_at + n])
                 assert dst[dst_at:dst_at + n] == src[src_at:src_at + n], (dst_at, src_at, n)
                 assert not any(dst[:dst_at]) and not any(dst[dst_at + n:]), (dst_at, src_at, n)
+
+
+@pytest.mark.parametrize("name", ["copy", "copy_stream"])
+def test_the_byte_copies_refuse_mismatched_or_overlapping_buffers_and_a_readonly_destination(name):
+    kernel = getattr(tensor_checks._copycheck, name)
     a = bytearray(64)
-    with pytest.raises(ValueError, match="equal lengths"):
-        kernel.copy_stream(memoryview(a)[:8], bytes(7))
-    with pytest.raises(ValueError, match="overlap"):
-        kernel.copy_stream(memoryview(a)[:32], memoryview(a)[16:48])
+    with pytest.raises(ValueError, match=f"{name} needs equal lengths"):
+        kernel(memoryview(a)[:8], bytes(7))
+    with pytest.raises(ValueError, match=f"{name}: dst and src overlap"):
+        kernel(memoryview(a)[:32], memoryview(a)[16:48])
     with pytest.raises(TypeError):
-        kernel.copy_stream(bytes(8), bytes(8))  # the destination must be writable
+        kernel(bytes(8), bytes(8))  # the destination must be writable
 
 
 def test_the_plain_copy_keeps_every_byte_below_and_above_its_gil_threshold():
     """copy (ring and region copies of the shm transport): exact bytes whether it keeps the GIL (under
     256 KiB) or lets other threads run (from 256 KiB), from read-only sources too (a peer's ring is
-    mapped read-only); mismatched or overlapping buffers and a read-only destination are refused."""
+    mapped read-only)."""
     kernel = tensor_checks._copycheck
     src = bytes(torch.randint(0, 256, ((1 << 20) + 9,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)).numpy())
     for n in (0, 1, 4095, (256 << 10) - 1, 256 << 10, (1 << 20) + 9):
         dst = bytearray(n + 8)
         kernel.copy(memoryview(dst)[3:3 + n], memoryview(src)[:n])
         assert dst[3:3 + n] == src[:n] and not any(dst[:3]) and not any(dst[3 + n:]), n
-    a = bytearray(64)
-    with pytest.raises(ValueError, match="copy needs equal lengths"):
-        kernel.copy(memoryview(a)[:8], bytes(7))
-    with pytest.raises(ValueError, match="copy: dst and src overlap"):
-        kernel.copy(memoryview(a)[:32], memoryview(a)[16:48])
-    with pytest.raises(TypeError):
-        kernel.copy(bytes(8), bytes(8))  # the destination must be writable
 
 
 @pytest.mark.parametrize("start", [0, 1, 2, 3, 5])
