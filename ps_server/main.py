@@ -30,7 +30,6 @@ from shardline.ps_server.grad_norm import GradNormExchange
 from shardline.ps_server.heat import heat_report, rack_reads_report
 from shardline.ps_server.node import HANDOVER_TIMEOUT_SECONDS, PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
-from shardline.ps_server.store import StoreError
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
 from shardline.services import failpoints, frame, sdnotify
@@ -113,12 +112,7 @@ class HeartbeatLoop(threading.Thread):
                 log.info("routing updated to epoch %d", self.node.routing.epoch)
         for job in resp.drop_jobs:
             self.node.drop_job(job)
-        for name in resp.jobs:  # a ring change: hold every job, to sync the blocks this node will own
-            if self.node.store.get(name) is None:
-                try:
-                    self.node.job(name)
-                except StoreError as exc:
-                    log.debug("job %s: %s", name, exc)
+        self.node.hold_jobs(resp.jobs)   # a ring change: every job, to sync the blocks this node will own
         for name, why in resp.failed_jobs.items():
             job = self.node.store.get(name)
             if job is not None and job.failed is None:

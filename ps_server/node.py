@@ -192,6 +192,7 @@ class PSNode:
         self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
         self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
         self._settled_epoch = 0
+        self._jobs_listed_epoch = 0   # the pending epoch whose job list this node holds every job of (hold_jobs)
         self._revision_lock = threading.Lock()
         self._revision_misses: dict[str, tuple[float, int]] = {}  # job -> (when, revision the dispatcher had)
         # Cleared while the node restores its checkpoints: requests get UNAVAILABLE meanwhile.
@@ -375,6 +376,25 @@ class PSNode:
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
+    def hold_jobs(self, names) -> None:
+        """A ring change is pending and the dispatcher lists its jobs (``names``, a heartbeat's
+        reply): hold each, so the replicator syncs the blocks this node will own. Until this has
+        run for the pending epoch, ``ready_epoch`` reports nothing: a node that (re)joins holds no
+        job yet, and reporting ready before it learnt them would switch the ring with none of its
+        blocks synced (a handover sent to it then finds no block and is lost)."""
+        pending = self._routing.pending_epoch
+        complete = True
+        for name in names:
+            if self.store.get(name) is not None:
+                continue
+            try:
+                self.job(name)
+            except StoreError as exc:
+                complete = complete and exc.code == "UNKNOWN_JOB"   # deleted meanwhile: nothing to sync
+                log.debug("job %s: %s", name, exc)
+        if pending and complete:
+            self._jobs_listed_epoch = pending
+
     def held_jobs(self) -> list[dispatcher_pb2.HeldJob]:
         """What heartbeats report: every job held, its step and latest durable checkpoint."""
         held = []
@@ -388,7 +408,8 @@ class PSNode:
         """The pending ring's epoch once every copy this node holds under it is in sync (the
         dispatcher switches when all nodes report it), else 0."""
         view = self._routing
-        if not view.pending_epoch or (self.replicator is not None and not self.replicator.ready()):
+        if not view.pending_epoch or self._jobs_listed_epoch != view.pending_epoch or (
+                self.replicator is not None and not self.replicator.ready()):
             return 0
         if self.settle_commits is not None and self._settled_epoch != view.pending_epoch:
             # Before blocks change owner: complete every step a rank committed on another node only

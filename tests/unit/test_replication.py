@@ -53,7 +53,7 @@ class Bus:
 
     def add(self, node_id: str) -> PSNode:
         info = dispatcher_pb2.JobInfo(spec=self.spec, uid="u1", ready=True)
-        node = PSNode(node_id, lambda name: info, self.table)
+        node = PSNode(node_id, lambda name: info if name == self.spec.name else None, self.table)
         node.replicator = Replicator(node, FakeLinks(self, node_id))
         self.nodes[node_id] = node
         return node
@@ -318,7 +318,11 @@ def test_join_through_a_pending_ring_switches_with_every_block_in_sync(initial):
     new = bus.add("n9")
     bus.pending = [*bus.serving, "n9"]
     bus.publish()                                   # pending ring: n9 learns what it will own
-    new.job("job")
+    # n9 holds no job yet: it must not report the pending ring ready before a heartbeat listed the
+    # jobs (it did, and the ring switched with nothing of n9's synced: a handover found no block)
+    assert [n.ready_epoch() for n in bus.nodes.values()] == [0, 0, 0]
+    for node in bus.nodes.values():
+        node.hold_jobs(["job", "a-deleted-job"])     # the heartbeat's reply; the deleted job is unknown
     bus.settle()
     run_steps(cluster, grads[2:3])                  # training goes on meanwhile; n9 gets the steps
     assert all(n.ready_epoch() == bus.epoch for n in bus.nodes.values())
