@@ -112,7 +112,10 @@ class HeartbeatLoop(threading.Thread):
                 log.info("routing updated to epoch %d", self.node.routing.epoch)
         for job in resp.drop_jobs:
             self.node.drop_job(job)
-        self.node.hold_jobs(resp.jobs)   # a ring change: every job, to sync the blocks this node will own
+        # A ring change: hold every job, to sync the blocks this node will own; then report at
+        # once (not a heartbeat interval later) if that is all the pending ring waited for here.
+        if self.node.hold_jobs(resp.jobs):
+            self.wake()
         for name, why in resp.failed_jobs.items():
             job = self.node.store.get(name)
             if job is not None and job.failed is None:

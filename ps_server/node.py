@@ -376,12 +376,13 @@ class PSNode:
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
-    def hold_jobs(self, names) -> None:
+    def hold_jobs(self, names) -> bool:
         """A ring change is pending and the dispatcher lists its jobs (``names``, a heartbeat's
         reply): hold each, so the replicator syncs the blocks this node will own. Until this has
         run for the pending epoch, ``ready_epoch`` reports nothing: a node that (re)joins holds no
         job yet, and reporting ready before it learnt them would switch the ring with none of its
-        blocks synced (a handover sent to it then finds no block and is lost)."""
+        blocks synced (a handover sent to it then finds no block and is lost). True when this
+        made the pending epoch's readiness reportable (the caller reports it at once)."""
         pending = self._routing.pending_epoch
         complete = True
         for name in names:
@@ -392,8 +393,10 @@ class PSNode:
             except StoreError as exc:
                 complete = complete and exc.code == "UNKNOWN_JOB"   # deleted meanwhile: nothing to sync
                 log.debug("job %s: %s", name, exc)
-        if pending and complete:
-            self._jobs_listed_epoch = pending
+        if not (pending and complete) or self._jobs_listed_epoch == pending:
+            return False
+        self._jobs_listed_epoch = pending
+        return True
 
     def held_jobs(self) -> list[dispatcher_pb2.HeldJob]:
         """What heartbeats report: every job held, its step and latest durable checkpoint."""

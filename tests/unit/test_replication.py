@@ -321,8 +321,9 @@ def test_join_through_a_pending_ring_switches_with_every_block_in_sync(initial):
     # n9 holds no job yet: it must not report the pending ring ready before a heartbeat listed the
     # jobs (it did, and the ring switched with nothing of n9's synced: a handover found no block)
     assert [n.ready_epoch() for n in bus.nodes.values()] == [0, 0, 0]
-    for node in bus.nodes.values():
-        node.hold_jobs(["job", "a-deleted-job"])     # the heartbeat's reply; the deleted job is unknown
+    # the heartbeat's reply lists the jobs (the deleted one is unknown): now ready to report, once
+    assert [node.hold_jobs(["job", "a-deleted-job"]) for node in bus.nodes.values()] == [True] * 3
+    assert not any(node.hold_jobs(["job"]) for node in bus.nodes.values())
     bus.settle()
     run_steps(cluster, grads[2:3])                  # training goes on meanwhile; n9 gets the steps
     assert all(n.ready_epoch() == bus.epoch for n in bus.nodes.values())
