@@ -84,7 +84,7 @@ CLONE_NEWNET = 0x40000000
 MODES = ("ddp", "ddp_balanced", "fsdp2", "shardline", "shardline_plain", "shardline_ssp1", "shardline_ssp1_plain",
          "shardline_flat", "shardline_ssp1_flat")
 # Shardline with one of the two levers only (not run by default: --modes names them)
-EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only")
+EXTRA_MODES = ("shardline_overlap_only", "shardline_prefetch_only", "shardline_flat_overlap")
 # PSOptimizer options of each Shardline mode (sync defaults to BSP).
 SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
                    "shardline_plain": dict(overlap=False, prefetch_window=0),
@@ -93,6 +93,7 @@ SHARDLINE_MODES = {"shardline": dict(overlap=True, prefetch_window=1),
                    "shardline_ssp1": dict(overlap=True, prefetch_window=1, sync="ssp", staleness=1),
                    "shardline_ssp1_plain": dict(overlap=False, prefetch_window=0, sync="ssp", staleness=1),
                    "shardline_flat": dict(overlap=False, prefetch_window=0, flatten=True),
+                   "shardline_flat_overlap": dict(overlap=True, prefetch_window=0, flatten=True),
                    "shardline_ssp1_flat": dict(overlap=False, prefetch_window=0, sync="ssp", staleness=1, flatten=True)}
 MODEL = dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0)
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
@@ -267,6 +268,7 @@ def run_rank(cfg: dict) -> dict:
         net = model
         opt = PSOptimizer(model.named_parameters(), cfg["cluster"], cfg["job"], optimizer="adamw",
                           world_size=world, rank=rank, bucket_cap_mb=cfg["bucket_cap_mb"],
+                          block_elements=cfg.get("block_elements"),
                           replication=cfg.get("replication"), replicate_gradients=cfg.get("replicate_gradients", False),
                           **SHARDLINE_MODES[mode],
                           **HYPER)
@@ -423,7 +425,7 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
             "cost_model": args.cost_model}
     if mode in SHARDLINE_MODES:
         base.update(cluster=cluster.address, job=f"vsddp-{mode}-{os.getpid()}-{repeat}",
-                    bucket_cap_mb=args.bucket_cap_mb, replication=args.replication,
+                    bucket_cap_mb=args.bucket_cap_mb, block_elements=args.block_elements, replication=args.replication,
                     replicate_gradients=args.replicate_gradients)
     else:
         base["port"] = free_port()
@@ -551,7 +553,7 @@ def run(args) -> dict:
                     "config": {"modes": modes, "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                "workload": args.workload, "world": args.world, "per_rank": PER_RANK, "seed": args.seed,
                                "split_cost": args.split_cost, "ps_nodes": args.ps, "ps_threads": args.ps_threads, "replication": args.replication,
-                               "replicate_gradients": args.replicate_gradients, "bucket_cap_mb": args.bucket_cap_mb, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
+                               "replicate_gradients": args.replicate_gradients, "bucket_cap_mb": args.bucket_cap_mb, "block_elements": args.block_elements, "model": MODEL, "hyper": {k: list(v) if isinstance(v, tuple) else v for k, v in HYPER.items()},
                                "split": {m: SPLIT_OF[m] for m in modes}, "reference": {m: REFERENCE_OF[m] for m in modes}},
                     "skipped": {}}
     children = Children()
@@ -722,6 +724,8 @@ def main(argv=None) -> int:
                          "(PSOptimizer replicate_gradients)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--bucket-cap-mb", type=float, default=1.0, help="PSOptimizer bucket_cap_mb (push and pull chunks)")
+    ap.add_argument("--block-elements", type=int, default=None,
+                    help="the jobs' block_elements (default the cluster's; with flatten, overlap pushes a block at a time)")
     ap.add_argument("--link", type=check_rate, metavar="RATE",
                     help="run every rank and PS node in a host of its own (network namespaces), each behind a "
                          "NIC of this rate, e.g. 10gbit (bench/emulated_link.py; needs root and iproute2)")

@@ -566,18 +566,21 @@ class Client:
             if tuple(t.shape) != self._shapes[n]:
                 raise ShardlineConfigError(f"out[{n!r}] has shape {tuple(t.shape)}, the job's tensor {self._shapes[n]}")
 
-    def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, commit: bool = True) -> None:
+    def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, commit: bool = True,
+             blocks: dict[str, list[int]] | None = None) -> None:
         """Contribute gradients for the current step.
 
         BSP: push to the owning nodes, then (unless ``commit=False``) commit the step on every
         node; the step is applied once all workers committed, and the client's step advances.
         Several ``push(..., commit=False)`` calls for different tensors may precede ``commit()``.
         ASP: applied on arrival. ``None`` gradients are not sent (the tensor is not stepped unless
-        another worker sends one).
+        another worker sends one). ``blocks`` (``{name: [block index]}``) sends only those blocks
+        of the named tensors (the rest of each go in other pushes of the step, as a flat group's
+        blocks do while backward completes them).
         """
         self._commit_follows = commit
         try:
-            self._push(grads, weight)
+            self._push(grads, weight, blocks)
         finally:
             self._commit_follows = False
         if commit and self._collects:
@@ -703,11 +706,13 @@ class Client:
             self._resume_at([])  # learn the step from the nodes
         return self.step or 0
 
-    def _push(self, grads: dict[str, torch.Tensor | None], weight: float) -> None:
+    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None) -> None:
         spec = self._require_spec()
         if not (math.isfinite(weight) and weight > 0):
             raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
         trainable = {t.name: t.trainable for t in spec.tensors}
+        if blocks is not None and not set(blocks) <= set(grads):
+            raise ShardlineConfigError(f"blocks= names tensors the push has no gradient for: {sorted(set(blocks) - set(grads))}")
         payload: dict[tuple[str, int], torch.Tensor | None] = {}
         flats: list[tuple[str, torch.Tensor]] = []
         for name, g in grads.items():
@@ -727,11 +732,21 @@ class Client:
                 flat = flat.to(torch.float32)
             if not flat.is_contiguous():
                 flat = flat.contiguous()
-            flats.append((name, flat))
             slices = self._slices[name]
             # the blocks tile the tensor in order (blocks.block_slices): one split makes every
             # block's view, at a third of the cost of a slice each; a one-block tensor's is itself
             parts = flat.split_with_sizes([s.stop - s.start for s in slices]) if len(slices) > 1 else (flat,)
+            if blocks is not None and name in blocks:
+                wanted = set(blocks[name])
+                if not wanted <= {s.index for s in slices}:
+                    raise ShardlineConfigError(f"tensor {name!r} has blocks 0..{len(slices) - 1}, the push names "
+                                               f"{sorted(wanted)}")
+                if not wanted:
+                    continue
+                slices, parts = zip(*[(s, part) for s, part in zip(slices, parts) if s.index in wanted])
+                flats.extend((name, part) for part in parts)
+            else:
+                flats.append((name, flat))
             for s, part, zero in zip(slices, parts, zero_parts(flat, [(s.start, s.stop) for s in slices])):
                 payload[(name, s.index)] = None if zero else part
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it

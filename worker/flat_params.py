@@ -59,6 +59,14 @@ class FlatGroup:
             for (_, p), offset in zip(self.members, self.offsets):
                 p.data = storage[offset:offset + p.numel()].view(p.shape)
 
+    def missing_grads_error(self, missing: list[str]) -> ShardlineConfigError:
+        """The error for a step where members ``missing`` got no gradient and others did."""
+        shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return ShardlineConfigError(
+            f"flatten=True steps param group {self.group} as one tensor, so every trainable parameter in it needs a "
+            f"gradient (torch.optim would skip one without): {shown} got none this step. Set requires_grad=False "
+            f"on parameters the model does not use before the job is created, or pass flatten=False")
+
     def gather_grads(self, out: torch.Tensor) -> bool:
         """Copy the members' gradients into ``out`` (1-D float32 of ``numel``). False if no member
         has one (nothing to push for this group); a group where only some have one is an error."""
@@ -67,11 +75,7 @@ class FlatGroup:
         if len(missing) == len(grads):
             return False
         if missing:
-            shown = ", ".join(repr(n) for n in missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ShardlineConfigError(
-                f"flatten=True steps param group {self.group} as one tensor, so every trainable parameter in it needs a "
-                f"gradient (torch.optim would skip one without): {shown} got none this step. Set requires_grad=False "
-                f"on parameters the model does not use before the job is created, or pass flatten=False")
+            raise self.missing_grads_error(missing)
         torch.cat([g.detach().reshape(-1) for g in grads], out=out)
         return True
 

@@ -28,7 +28,7 @@ from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 from shardline.worker import metrics
 from shardline.worker.flat_params import FlatGroup, flat_layout, is_flat_name
-from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, bucket_cap_bytes
+from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, FlatBackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
 
 
@@ -172,8 +172,11 @@ class PSOptimizer(torch.optim.Optimizer):
     work on the worker and the node: bench/step_overhead.py). BSP still equals torch.optim (the
     optimizers are elementwise). It needs float32 CPU parameters, every trainable parameter of a
     group with a gradient at each ``step()`` (or none of them: torch.optim skips one without, a
-    flat step cannot), ``overlap=False``; the pull is not by priority, and groups cannot be added
-    during training. The job's tensors are then named ``flat<group>.<digest>`` (frozen parameters
+    flat step cannot); the pull is not by priority, and groups cannot be added during training.
+    With ``overlap=True`` too, the buckets are the flat tensor's blocks (``block_elements``): each
+    parameter's gradient is copied into the buffer as it becomes final and each block goes out
+    once all of it is, as DDP's gradient bucket views; the commit then goes from ``step()``, which
+    gets the new parameters in its replies (the rules for lrs, weight and ``no_sync`` above hold). The job's tensors are then named ``flat<group>.<digest>`` (frozen parameters
     keep their names): weight subscribers, which read parameters by name, need the default layout;
     ``shardline export --hf-dir`` splits a one-group job back. Default False; every worker of a
     job must pass the same.
@@ -227,9 +230,6 @@ class PSOptimizer(torch.optim.Optimizer):
                            ("replicate_gradients", False if replicate_gradients is None else replicate_gradients)):
             if not isinstance(value, bool):
                 raise ShardlineConfigError(f"{key} must be True or False, got {value!r}")
-        if flatten and overlap:
-            raise ShardlineConfigError("flatten=True pushes each param group's gradients as one tensor after backward; "
-                                       "it does not combine with overlap=True (push during backward): pass one of them")
         # Checked here, not first by the client: the first torch.optim.Optimizer built in a process
         # imports torch._dynamo (about 1 s), and a typo in the address should fail at once.
         parse_address_list(cluster, what="cluster")
@@ -326,16 +326,20 @@ class PSOptimizer(torch.optim.Optimizer):
                 self._attach_cache(name, p, same_contents=created)  # the creator initialized the job with them
         self.client.join(list(job_tensors))
         self._sync_copies()
-        if overlap:
+        if overlap and flatten:
+            self._pusher = FlatBackwardPusher(self._flat, {f.name: self.client._slices[f.name] for f in self._flat},
+                                              buffer=self._flat_grad_buffer, send=self._send_blocks,
+                                              submit=self._executor.submit, round_info=self._round_info)
+        elif overlap:
             self._pusher = BackwardPusher(self.params, send=self._send, submit=self._executor.submit,
                                           round_info=self._round_info, cap_bytes=cap_bytes)
         if prefetch_window == 1 and priority_pull and not flatten:  # a flat group arrives whole
             self._priority = PriorityPull(self.params, cap_bytes)
             self._install_forward_hook()  # the first forward teaches the order
         # A whole-step pull rides on the commit: the rank that completes a step (the one every
-        # other waits for) gets it in the commit's replies, a round trip sooner. Not with overlap:
-        # its commit goes out when backward ends, and the parameters must not change before step().
-        self.client.pull_on_commit = self._priority is None and self._pusher is None
+        # other waits for) gets it in the commit's replies, a round trip sooner. Not where overlap
+        # commits when backward ends: the parameters must not change before step().
+        self.client.pull_on_commit = self._priority is None and (self._pusher is None or not self._pusher.commits)
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
         if metrics_port is not None:
@@ -405,22 +409,31 @@ class PSOptimizer(torch.optim.Optimizer):
         the node copies the push straight out of it); the step's record, which a replay resends,
         is dropped by the pull before the next step writes it again. SSP keeps the records of
         ``staleness`` steps, so each step gathers into a tensor of its own."""
+        self._check_flat_frozen()
+        grads = {}
+        for f in self._flat:
+            out = self._flat_grad_buffer(f)
+            if f.gather_grads(out):
+                grads[f.name] = out
+        return grads
+
+    def _check_flat_frozen(self) -> None:
         for name, p in self.params:  # frozen when the job was made: a flat job cannot train it later
             if name not in self._flat_members and p.requires_grad and p.grad is not None:
                 raise ShardlineConfigError(
                     f"parameter {name!r} has a gradient but was frozen (requires_grad=False) when job "
                     f"{self.client.job!r} was created; with flatten=True the parameters a job trains are fixed then")
-        grads = {}
-        for f in self._flat:
-            if self.client.staleness:
-                out = torch.empty(f.numel, dtype=torch.float32)
-            else:
-                out = self._flat_grads.get(f.name)
-                if out is None:
-                    out = self._flat_grads[f.name] = self.client.gradient_buffer(f.name).view(-1)
-            if f.gather_grads(out):
-                grads[f.name] = out
-        return grads
+
+    def _flat_grad_buffer(self, f: FlatGroup) -> torch.Tensor:
+        """Where a step gathers flat group ``f``'s gradients: BSP reuses one buffer per group (the
+        client's shared gradient buffer over shm); SSP keeps the records of ``staleness`` steps, so
+        each step has a tensor of its own."""
+        if self.client.staleness:
+            return torch.empty(f.numel, dtype=torch.float32)
+        out = self._flat_grads.get(f.name)
+        if out is None:
+            out = self._flat_grads[f.name] = self.client.gradient_buffer(f.name).view(-1)
+        return out
 
     # --- param groups -----------------------------------------------------------------------
     def _group_config(self, index: int, group: dict) -> OptimizerConfig:
@@ -590,6 +603,11 @@ class PSOptimizer(torch.optim.Optimizer):
             self.client.push(grads, weight=weight or declared or 1.0)
         else:
             self._check_sent(*sent, declared if weight is None else weight)
+            if not self._pusher.commits:   # flat groups: the commit goes from here, and brings the pull
+                if self.flatten:
+                    self._check_flat_frozen()
+                self.client.lr = sent[1]
+                self.client.commit(weight=sent[0])
         if self.prefetch_window == 0:
             started = time.perf_counter()
             self._pull()
@@ -645,6 +663,12 @@ class PSOptimizer(torch.optim.Optimizer):
         """A bucket of a step (communication thread)."""
         self.client.lr = lrs
         self.client.push(grads, weight=weight, commit=commit)
+
+    def _send_blocks(self, payload: dict, weight: float, lrs, commit: bool) -> None:
+        """Blocks of flat groups (communication thread): ``{name: (gradient buffer, [block index])}``."""
+        self.client.lr = lrs
+        self.client.push({name: buf for name, (buf, _) in payload.items()}, weight=weight, commit=commit,
+                         blocks={name: indices for name, (_, indices) in payload.items()})
 
     def _install_forward_hook(self) -> None:
         if self._hook is None:

@@ -13,6 +13,13 @@ One *round* is what one step sends. Its weight and learning rates are fixed when
 goes out (every block carries them); ``finish()`` returns them so ``step()`` can check they are
 still what it would have sent. The first error of a round (a failed push, a second backward outside
 ``no_sync()``) stops its later sends, the commit included, and is raised by ``finish()``.
+
+Flat groups (``flatten=True``, :class:`FlatBackwardPusher`): the buckets are the blocks of each
+group's flat tensor, as DDP's gradient bucket views. A parameter's gradient is copied into its
+range of the group's gradient buffer when it becomes final, and a block goes out once every
+parameter overlapping it is final. The commit is left to ``step()``, whose commit can then bring
+the new parameters back in its replies (they are views of the pulled tensor, so they must not
+change before ``step()``).
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from typing import Callable
 import torch
 
 from shardline.services.errors import ShardlineConfigError
+from shardline.worker.flat_params import FlatGroup
 
 DEFAULT_BUCKET_CAP_MB = 1.0
 
@@ -56,10 +64,11 @@ class _Round:
     weight: float
     lrs: object
     ready: set[int] = field(default_factory=set)    # final gradient in this round's backward
-    sent: set[int] = field(default_factory=set)     # handed to send
+    sent: set[int] = field(default_factory=set)     # handed to send (parameters; FlatBackwardPusher: blocks)
     futures: list[Future] = field(default_factory=list)
-    committed: bool = False
+    ended: bool = False      # its backward ended: everything went out (the commit too, if the pusher commits)
     error: BaseException | None = None
+    buffers: dict = field(default_factory=dict)     # FlatBackwardPusher: each flat group's gradient buffer
 
 
 class BackwardPusher:
@@ -71,6 +80,9 @@ class BackwardPusher:
     called in the training thread when a step's first bucket goes out and returns ``(weight,
     lrs)`` for it (and may raise ShardlineConfigError, which the round then raises at ``finish``).
     """
+
+    commits = True     # the send at the end of backward commits the step
+    reorders = True    # buckets follow the order the first backward produced the gradients
 
     def __init__(self, params, *, send: Callable, submit: Callable, round_info: Callable, cap_bytes: int):
         self._send, self._submit, self._round_info, self._cap = send, submit, round_info, cap_bytes
@@ -86,7 +98,7 @@ class BackwardPusher:
         """(Re)register the hooks on the trainable ones of ``params`` (after add_param_group)."""
         self.remove()
         self.params = [(n, p) for n, p in params if p.requires_grad]
-        self._seen: list[int] | None = []  # the order gradients became final in the first backward
+        self._seen: list[int] | None = [] if self.reorders else None  # the order gradients became final in the first backward
         self._set_buckets(list(reversed(range(len(self.params)))))
         for i, (_, p) in enumerate(self.params):
             self._handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i)))
@@ -126,8 +138,8 @@ class BackwardPusher:
                     rnd = self._round = _Round(1.0, None, error=exc)
             if rnd.error is not None:
                 return
-            if rnd.committed or i in rnd.ready:
-                sent = "went out and were committed" if rnd.committed else "went out"
+            if rnd.ended or i in rnd.ready:
+                sent = "went out and were committed" if rnd.ended and self.commits else "went out"
                 rnd.error = ShardlineConfigError(
                     f"parameter {self.params[i][0]!r} got a gradient from a second backward after its gradient "
                     f"was pushed for this step (the first backward's gradients {sent}): run every backward but "
@@ -135,31 +147,42 @@ class BackwardPusher:
                 return
             if self._seen is not None:
                 self._seen.append(i)
-            bucket = self.buckets[self._bucket_of[i]]
             rnd.ready.add(i)
-            if all(j in rnd.ready for j in bucket):
-                self._push(rnd, bucket, commit=False)
+            for units in self._completed(rnd, i):
+                self._push(rnd, units, commit=False)
+
+    def _completed(self, rnd: _Round, i: int) -> list[list[int]]:
+        """What parameter ``i``'s final gradient completes: its bucket, once all of it is final."""
+        bucket = self.buckets[self._bucket_of[i]]
+        return [bucket] if all(j in rnd.ready for j in bucket) else []
 
     def _on_backward_end(self) -> None:
         with self._lock:
             self._callback_queued = False
             rnd = self._round
-            if rnd is None or rnd.error is not None or rnd.committed:
+            if rnd is None or rnd.error is not None or rnd.ended:
                 return
-            # gradients whose hook did not fire in this backward (accumulated under no_sync, or a
-            # bucket a parameter without gradient kept open) go out with the commit
-            rest = [i for i, (_, p) in enumerate(self.params) if i not in rnd.sent and p.grad is not None]
-            rnd.committed = True
-            self._push(rnd, rest, commit=True)
+            rest = self._rest(rnd)
+            rnd.ended = True
+            if rnd.error is None and (rest or self.commits):
+                self._push(rnd, rest, commit=self.commits)
             if self._seen is not None:  # later buckets follow the order backward produced the gradients
                 order = self._seen + [i for i in reversed(range(len(self.params))) if i not in set(self._seen)]
                 self._seen = None
                 self._set_buckets(order)
 
-    def _push(self, rnd: _Round, members: list[int], *, commit: bool) -> None:
-        rnd.sent.update(members)
-        grads = {self.params[i][0]: self.params[i][1].grad for i in members}
-        rnd.futures.append(self._submit(self._send_or_skip, rnd, grads, commit))
+    def _rest(self, rnd: _Round) -> list[int]:
+        """What is left to send when backward ends: gradients whose hook did not fire in this
+        backward (accumulated under no_sync, or a bucket a parameter without gradient kept open)."""
+        return [i for i, (_, p) in enumerate(self.params) if i not in rnd.sent and p.grad is not None]
+
+    def _push(self, rnd: _Round, units: list[int], *, commit: bool) -> None:
+        rnd.sent.update(units)
+        rnd.futures.append(self._submit(self._send_or_skip, rnd, self._payload(rnd, units), commit))
+
+    def _payload(self, rnd: _Round, units: list[int]) -> dict:
+        """What ``send`` gets for ``units``: ``{name: gradient}``."""
+        return {self.params[i][0]: self.params[i][1].grad for i in units}
 
     def _send_or_skip(self, rnd: _Round, grads: dict, commit: bool) -> None:
         if rnd.error is not None:  # an earlier send of the round failed: send nothing more, no commit
@@ -192,7 +215,82 @@ class BackwardPusher:
                 pass
         if rnd.error is not None:
             raise rnd.error
-        if not rnd.committed:
+        if not rnd.ended:
             raise ShardlineConfigError("the backward that pushed this step's first gradients did not finish (did it "
                                        "raise?): the step was not committed")
         return rnd.weight, rnd.lrs
+
+
+class FlatBackwardPusher(BackwardPusher):
+    """Push during backward for flat groups (module doc). ``buffer(group)`` gives the gradient
+    buffer a round gathers ``group`` into (called at its first gradient of the round); ``slices``
+    are the blocks of each group's flat tensor (``{name: [BlockSlice]}``); ``send`` gets
+    ``{name: (buffer, [block index])}``. Every member of a group needs a gradient once any has one
+    (a flat step steps all of them); backward ending without one is the round's error."""
+
+    commits = False
+    reorders = False   # a block's members are fixed by the layout
+
+    def __init__(self, groups: list[FlatGroup], slices: dict, *, buffer: Callable, send: Callable, submit: Callable,
+                 round_info: Callable):
+        self._groups, self._slices, self._buffer = groups, slices, buffer
+        self._where: list[tuple[int, int]] = []   # parameter index -> (group, offset in its flat tensor)
+        self._members: list[range] = []           # group -> its parameters' indices
+        for g, f in enumerate(groups):
+            self._members.append(range(len(self._where), len(self._where) + len(f.members)))
+            self._where.extend((g, offset) for offset in f.offsets)
+        params = [member for f in groups for member in f.members]
+        super().__init__(params, send=send, submit=submit, round_info=round_info, cap_bytes=1)
+
+    def _set_buckets(self, order: list[int]) -> None:
+        """One bucket per block of a flat tensor: the parameters overlapping it."""
+        self.buckets, self._block_of, self._units_of = [], [], [[] for _ in self.params]
+        for g, f in enumerate(self._groups):
+            spans = [(i, offset, offset + self.params[i][1].numel()) for i, (_, offset) in
+                     zip(self._members[g], (self._where[i] for i in self._members[g]))]
+            for block in self._slices[f.name]:
+                members = [i for i, start, end in spans if start < block.stop and end > block.start]
+                for i in members:
+                    self._units_of[i].append(len(self.buckets))
+                self.buckets.append(members)
+                self._block_of.append((g, block.index))
+
+    def _gather(self, rnd: _Round, i: int) -> None:
+        """Copy parameter ``i``'s gradient into its range of its group's buffer for the round."""
+        g, offset = self._where[i]
+        buf = rnd.buffers.get(g)
+        if buf is None:
+            buf = rnd.buffers[g] = self._buffer(self._groups[g])
+        grad = self.params[i][1].grad
+        buf[offset:offset + grad.numel()].copy_(grad.detach().reshape(-1))
+
+    def _completed(self, rnd: _Round, i: int) -> list[list[int]]:
+        self._gather(rnd, i)
+        done = [u for u in self._units_of[i] if u not in rnd.sent and all(j in rnd.ready for j in self.buckets[u])]
+        return [done] if done else []
+
+    def _rest(self, rnd: _Round) -> list[int]:
+        """Blocks not sent yet: their members' gradients that no hook of this backward took
+        (accumulated under no_sync) are gathered now; a group some of whose members have a
+        gradient and others none is the round's error (ShardlineConfigError)."""
+        rest = []
+        for g, f in enumerate(self._groups):
+            have = [i for i in self._members[g] if i in rnd.ready or self.params[i][1].grad is not None]
+            if not have:
+                continue
+            if len(have) < len(self._members[g]):
+                rnd.error = f.missing_grads_error([self.params[i][0] for i in self._members[g] if i not in have])
+                return []
+            for i in have:
+                if i not in rnd.ready:
+                    rnd.ready.add(i)
+                    self._gather(rnd, i)
+            rest.extend(u for u, (group, _) in enumerate(self._block_of) if group == g and u not in rnd.sent)
+        return rest
+
+    def _payload(self, rnd: _Round, units: list[int]) -> dict:
+        payload: dict = {}
+        for u in units:
+            g, index = self._block_of[u]
+            payload.setdefault(self._groups[g].name, (rnd.buffers[g], []))[1].append(index)
+        return payload

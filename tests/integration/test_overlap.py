@@ -1,7 +1,8 @@
 """Push during backward and priority pull against real daemons: BSP with both on (buckets of a
 few tensors, gradient accumulation under ``no_sync``, token weights declared before backward)
-equals single-process torch.optim.AdamW; an error of a background push is raised by ``step()``
-without a commit; a PS killed in the middle of a backward changes nothing in the result."""
+equals single-process torch.optim.AdamW, and so do flat groups pushed block by block
+(``flatten=True``); an error of a background push is raised by ``step()`` without a commit; a PS
+killed in the middle of a backward changes nothing in the result."""
 
 from __future__ import annotations
 
@@ -104,12 +105,15 @@ def assert_equal(results, expected, tol=1e-6):
             assert not torch.equal(values[name], initial[name]), f"{name} never moved"
 
 
+@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flat"])
 @pytest.mark.parametrize("prefetch_window", [0, 1])
-def test_overlap_with_no_sync_accumulation_equals_single_process_adamw(cluster, prefetch_window):
+def test_overlap_with_no_sync_accumulation_equals_single_process_adamw(cluster, prefetch_window, flatten):
     """Buckets pushed during the last microbatch's backward (the first one only accumulates), token
     weights, param groups and a scheduler; with prefetch_window 1 the pull is the priority pull
-    (forward order, each module waiting only for its own parameters)."""
-    results = run_ranks(cluster.address, f"overlap-{prefetch_window}", prefetch_window=prefetch_window)
+    (forward order, each module waiting only for its own parameters). Flat: the buckets are the
+    blocks (32 elements) of each group's flat tensor, the commit goes from step()."""
+    results = run_ranks(cluster.address, f"overlap-{prefetch_window}-{int(flatten)}", prefetch_window=prefetch_window,
+                        flatten=flatten)
     assert_equal(results, reference())
 
 
@@ -147,7 +151,8 @@ def test_errors_of_what_backward_sent_are_raised_by_step(cluster):
         opt.close()
 
 
-def test_a_ps_killed_in_the_middle_of_a_backward_changes_nothing(tmp_path):
+@pytest.mark.parametrize("flatten", [False, True], ids=["per-tensor", "flat"])
+def test_a_ps_killed_in_the_middle_of_a_backward_changes_nothing(tmp_path, flatten):
     """Rank 0 kills one of two PS nodes (replication 2) while its backward of step 2 runs, after
     some buckets went out: the pushes still to come meet the dead node, the client resends the
     step to the replicas that took over, and the result is still exact."""
@@ -164,6 +169,52 @@ def test_a_ps_killed_in_the_middle_of_a_backward_changes_nothing(tmp_path):
                 killed.append(c.kill(nodes[1]))
 
         results = run_ranks(c.address, "overlap-kill", steps=4, mid_backward=kill_once, prefetch_window=1,
-                            recovery_timeout=30)
+                            recovery_timeout=30, flatten=flatten)
         assert killed
         assert_equal(results, reference(steps=4))
+
+
+def test_flat_blocks_pushed_during_backward_keep_the_rules_of_overlap(cluster):
+    """flatten=True with overlap=True: step() commits (and its commit brings the pull); a weight
+    or lr that differs from what backward pushed, a NaN, and a member without a gradient are
+    refused by step() without a commit."""
+    model = Net()
+    opt = PSOptimizer(model, cluster=cluster.address, job="overlap-flat-errors", optimizer="sgd", lr=0.1,
+                      block_elements=32, connect_timeout=30, pull_timeout=10, overlap=True, flatten=True)
+    try:
+        assert opt.client.pull_on_commit, "the commit goes from step(): it can carry the pull"
+        tokens, targets = batch(0, 0)
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        with pytest.raises(ShardlineConfigError, match=r"set_step_weight\(3.0\)"):
+            opt.step(weight=3.0)
+        assert opt.version == 0, "nothing was committed"
+        opt.step()  # the blocks backward pushed are still this step's: only the commit was missing
+        assert opt.version == 1
+
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        opt.param_groups[0]["lr"] = 0.5
+        with pytest.raises(ShardlineConfigError, match="learning rates changed"):
+            opt.step()
+        opt.param_groups[0]["lr"] = 0.1
+        opt.step()
+        applied = opt.version
+
+        opt.zero_grad()
+        handle = model.hidden.weight.register_hook(lambda g: g * float("nan"))
+        nn.functional.cross_entropy(model(tokens), targets).backward()
+        handle.remove()
+        with pytest.raises(ShardlineConfigError, match="flat0.*NaN"):
+            opt.step()
+        assert opt.version == applied
+
+        opt.zero_grad()
+        model.out.bias.requires_grad_(False)   # this backward gives it no gradient; a flat step needs one
+        model.out(torch.tanh(model.hidden(model.norm(model.embed(tokens).mean(1))))).sum().backward()
+        model.out.bias.requires_grad_(True)
+        with pytest.raises(ShardlineConfigError, match="'out.bias' got none this step"):
+            opt.step()
+        with connect(cluster.address, job="overlap-flat-errors") as probe:
+            assert probe.join() == applied, "a refused step was committed"
+    finally:
+        opt.close()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from shardline.services.errors import ShardlineConfigError
-from shardline.worker.overlap import BackwardPusher, bucket_cap_bytes, plan_buckets
+from shardline.worker.overlap import BackwardPusher, FlatBackwardPusher, bucket_cap_bytes, plan_buckets
 from shardline.worker.priority_pull import PriorityPull
 
 
@@ -227,3 +227,97 @@ def test_a_backward_that_raised_is_reported_and_the_next_one_pushes_again(comm):
     loss_of(model).backward()
     assert pusher.finish() == (2.0, 0.1)
     assert send.sent[-1][-1] is True
+
+
+class FlatNet(nn.Module):
+    """Three layers, every parameter used (a flat group needs every member's gradient)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 8)   # 32 + 8
+        self.b = nn.Linear(8, 8)   # 64 + 8
+        self.c = nn.Linear(8, 2)   # 16 + 2
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+class BlockRecorder:
+    """``send`` of a FlatBackwardPusher: each call's blocks, their values at send time, and commit."""
+
+    def __init__(self):
+        self.sent: list[tuple[dict, bool]] = []
+
+    def __call__(self, payload, weight, lrs, commit):
+        self.sent.append(({name: {i: buf[i * BLOCK:(i + 1) * BLOCK].clone() for i in indices}
+                           for name, (buf, indices) in payload.items()}, commit))
+
+
+BLOCK = 24   # blocks of the 130-element flat tensor: 0..5, each straddling parameters
+
+
+def flat_pusher_for(model, comm, send, buffers=None):
+    from shardline.services.blocks import block_slices
+    from shardline.worker.flat_params import flat_layout
+    groups = flat_layout([{"params": list(model.parameters()), "param_names": [n for n, _ in model.named_parameters()]}])
+
+    def buffer(f):
+        buf = torch.full((f.numel,), float("nan"))   # every element must be written before it goes out
+        if buffers is not None:
+            buffers.append(buf)
+        return buf
+
+    slices = {f.name: block_slices(f.numel, BLOCK) for f in groups}
+    pusher = FlatBackwardPusher(groups, slices, buffer=buffer, send=send, submit=comm.submit,
+                                round_info=lambda: (2.0, 0.1))
+    return pusher, groups[0]
+
+
+def test_flat_blocks_go_out_once_every_parameter_overlapping_them_is_final(comm):
+    model, send = FlatNet(), BlockRecorder()
+    pusher, group = flat_pusher_for(model, comm, send)
+    loss_of(model).backward()
+    assert pusher.finish() == (2.0, 0.1)
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    sent = [(i, value) for blocks, _ in send.sent for i, value in blocks[group.name].items()]
+    assert sorted(i for i, _ in sent) == list(range(6)), "each block exactly once"
+    for i, value in sent:
+        assert torch.equal(value, flat[i * BLOCK:(i + 1) * BLOCK]), f"block {i}"
+    # backward finishes c first, a last: the last blocks (c's and b's ranges) went out first, and the
+    # blocks holding a.weight (elements 0..31) last; none of it commits (step() does)
+    assert [i for i, _ in sent][0] == 5 and {i for i, _ in sent[-2:]} == {0, 1}
+    assert not any(commit for _, commit in send.sent)
+    assert len(send.sent) >= 3, "blocks go out during backward, not all at its end"
+
+
+def test_flat_no_sync_gathers_the_accumulated_gradients_when_backward_ends(comm):
+    model, reference, send = FlatNet(), FlatNet(), BlockRecorder()
+    pusher, group = flat_pusher_for(model, comm, send)
+    for seed in (1, 2):
+        loss_of(reference, seed).backward()
+    with pusher.no_sync():
+        loss_of(model, 1).backward()
+    assert not send.sent
+    loss_of(model, 2).backward()
+    pusher.finish()
+    flat = torch.cat([p.grad.reshape(-1) for p in reference.parameters()])
+    blocks = {i: v for b, _ in send.sent for i, v in b[group.name].items()}
+    assert torch.equal(torch.cat([blocks[i] for i in range(6)]), flat[:6 * BLOCK])
+
+
+def test_flat_a_member_without_a_gradient_is_the_rounds_error(comm):
+    model, send = FlatNet(), BlockRecorder()
+    pusher, _group = flat_pusher_for(model, comm, send)
+    model.b.weight.requires_grad_(False)   # after the layout: b.weight gets no gradient in backward
+    loss_of(model).backward()
+    with pytest.raises(ShardlineConfigError, match="'b.weight' got none this step"):
+        pusher.finish()
+    sent = {i for blocks, _ in send.sent for i in next(iter(blocks.values()))}
+    assert sent <= {5}, "only blocks without b.weight may have gone out"
+    with pytest.raises(ShardlineConfigError, match="second backward"):   # the flat rule of one backward holds
+        model.b.weight.requires_grad_(True)
+        model.zero_grad()
+        loss_of(model).backward()
+        loss_of(model).backward()
+        pusher.finish()
