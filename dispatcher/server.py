@@ -367,7 +367,9 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                 log.warning("node %s: heat report ignored: %s", request.node_id, exc)
         for reads in request.rack_reads if registered else ():
             state.reader_racks.report(reads.rack, {reads.job: reads.bytes}, self._clock())
-        if registered and request.ready_epoch and state.membership.report_ready(request.node_id, request.ready_epoch):
+        # Every heartbeat says whether the node is in sync now (0: not, or no ring change): a node
+        # that reported ready and then began another sync (a job it learnt late) no longer counts.
+        if registered and state.membership.report_ready(request.node_id, request.ready_epoch):
             snap = state.membership.snapshot()
             log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving), snap.epoch)
             epoch = snap.epoch

@@ -493,3 +493,25 @@ def test_a_drain_calls_a_pending_rebalance_off_and_a_stopping_node_still_drains(
     assert [(n.node_id, n.vnodes) for n in snap.pending] == [("ps-0", 128), ("ps-1", 128)]
     with pytest.raises(ShardlineStateError, match="in progress"):
         m.rebalance({"ps-0": 64, "ps-1": 192, "ps-2": 128})
+
+
+def test_a_heartbeat_that_is_no_longer_in_sync_takes_the_nodes_readiness_back(grpc_context):
+    """A node that reported the pending ring ready and then reports 0 (another sync began) does
+    not count: the ring switches only once every node's latest heartbeat reports it."""
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.dispatcher.server import DispatcherServicer
+    from shardline.services.pb import dispatcher_pb2
+
+    m = two_phase()
+    servicer = DispatcherServicer(m, JobRegistry(), heartbeat_interval=0.5, clock=lambda: 0.0)
+    pending = m.snapshot().pending_epoch
+
+    def beat(node_id, ready):
+        return servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id=node_id, ready_epoch=ready), grpc_context)
+
+    beat("ps-1", pending)
+    beat("ps-1", 0)                     # the joining node started another sync
+    beat("ps-0", pending)
+    assert m.snapshot().pending_epoch == pending, "switched while ps-1 was syncing"
+    beat("ps-1", pending)
+    assert m.snapshot().pending_epoch == 0 and _members(m) == {"ps-0": "serving", "ps-1": "serving"}
