@@ -254,8 +254,12 @@ class Chaos:
         node.env = None
         # The point fires only on a node in the ring (it applies, it checkpoints): wait for the
         # rejoin before letting training on, or the steps it names may go by first.
-        self.cluster.wait_until(lambda s: not node.alive() or (not s.routing.pending_epoch and any(
-            n.node_id == node.node_id for n in s.routing.nodes)), RECOVERY_TIMEOUT, f"{node.node_id} to rejoin the ring")
+        def rejoined(status) -> bool:
+            self.revive_workers()  # a worker armed by the previous fault may die meanwhile
+            return not node.alive() or (not status.routing.pending_epoch and any(
+                n.node_id == node.node_id for n in status.routing.nodes))
+
+        self.cluster.wait_until(rejoined, RECOVERY_TIMEOUT, f"{node.node_id} to rejoin the ring")
         self.allow(self.progress() + 13)  # past the step and past the next checkpoints (every 5)
         deadline = time.monotonic() + 20
         while node.alive() and time.monotonic() < deadline and self.progress() < self.steps:
