@@ -25,12 +25,15 @@ def job_tensors(address: str, job: str) -> dict[str, bool]:
         return {t.name: t.trainable for t in probe.wait_ready(30).tensors}
 
 
-@pytest.mark.parametrize("transport,prefetch_window", [("auto", 0), ("tcp", 0), ("auto", 1)])
-def test_flat_groups_under_bsp_equal_single_process_adamw(cluster, transport, prefetch_window):
+@pytest.mark.parametrize("transport,prefetch_window,overlap", [("auto", 0, False), ("tcp", 0, False), ("auto", 1, False),
+                                                              ("tcp", 1, True)])
+def test_flat_groups_under_bsp_equal_single_process_adamw(cluster, transport, prefetch_window, overlap):
     """Three groups (their own weight decay and lr), a cosine schedule, blocks of 32 elements over
-    two nodes; over shm a rank's push is taken from its shared gradient buffer, over TCP it is sent."""
-    job = f"flat-{transport}-{prefetch_window}"
-    results = run_ranks(cluster.address, job, flatten=True, transport=transport, prefetch_window=prefetch_window)
+    two nodes; over shm a rank's push is taken from its shared gradient buffer, over TCP it is sent;
+    with overlap the blocks go out during backward."""
+    job = f"flat-{transport}-{prefetch_window}-{int(overlap)}"
+    results = run_ranks(cluster.address, job, flatten=True, transport=transport, prefetch_window=prefetch_window,
+                        overlap=overlap)
     assert_equal(results, reference())
     tensors = job_tensors(cluster.address, job)
     assert len(tensors) == 3 and all(map(is_flat_name, tensors)) and all(tensors.values()), tensors
@@ -97,12 +100,13 @@ def test_a_ps_killed_in_the_middle_of_a_step_changes_nothing(tmp_path):
         assert_equal(results, reference(steps=steps))
 
 
-def test_ssp_flat_groups_never_compute_on_parameters_more_than_staleness_old(cluster):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ssp_flat_groups_never_compute_on_parameters_more_than_staleness_old(cluster, overlap):
     """SSP with staleness 1: each step's gradients are gathered into a tensor of their own (the
     records of the steps in flight keep them for resending), and a rank computes every step on
-    parameters at most one step old."""
+    parameters at most one step old; with overlap too (each round's blocks in their own buffer)."""
     gaps: dict[int, list[int]] = {0: [], 1: []}
-    run_ranks(cluster.address, "flat-ssp", sync="ssp", staleness=1, flatten=True,
+    run_ranks(cluster.address, f"flat-ssp-{int(overlap)}", sync="ssp", staleness=1, flatten=True, overlap=overlap,
               before_step=lambda rank, _step, opt: gaps[rank].append(opt.version - opt.held_version))
     assert all(len(g) == STEPS for g in gaps.values()), gaps
     assert all(0 <= gap <= 1 for g in gaps.values() for gap in g), gaps
