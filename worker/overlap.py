@@ -15,11 +15,11 @@ still what it would have sent. The first error of a round (a failed push, a seco
 ``no_sync()``) stops its later sends, the commit included, and is raised by ``finish()``.
 
 Flat groups (``flatten=True``, :class:`FlatBackwardPusher`): the buckets are the blocks of each
-group's flat tensor, as DDP's gradient bucket views. A parameter's gradient is copied into its
-range of the group's gradient buffer when it becomes final, and a block goes out once every
-parameter overlapping it is final. The commit is left to ``step()``, whose commit can then bring
-the new parameters back in its replies (they are views of the pulled tensor, so they must not
-change before ``step()``).
+group's flat tensor, as DDP's gradient bucket views. A block goes out once every parameter
+overlapping it is final, its gradients gathered into the block's range of the group's gradient
+buffer by one ``torch.cat`` (a copy per parameter costs about 25 us of dispatch each). The
+commit is left to ``step()``, whose commit can then bring the new parameters back in its replies
+(they are views of the pulled tensor, so they must not change before ``step()``).
 """
 
 from __future__ import annotations
@@ -243,36 +243,38 @@ class FlatBackwardPusher(BackwardPusher):
         super().__init__(params, send=send, submit=submit, round_info=round_info, cap_bytes=1)
 
     def _set_buckets(self, order: list[int]) -> None:
-        """One bucket per block of a flat tensor: the parameters overlapping it."""
-        self.buckets, self._block_of, self._units_of = [], [], [[] for _ in self.params]
+        """One bucket per block of a flat tensor: the parameters overlapping it, each with the
+        part of its flattened gradient that falls in the block (they tile the block in order)."""
+        self.buckets, self._block_of, self._units_of, self._pieces = [], [], [[] for _ in self.params], []
         for g, f in enumerate(self._groups):
             spans = [(i, offset, offset + self.params[i][1].numel()) for i, (_, offset) in
                      zip(self._members[g], (self._where[i] for i in self._members[g]))]
             for block in self._slices[f.name]:
-                members = [i for i, start, end in spans if start < block.stop and end > block.start]
-                for i in members:
+                members = [(i, start, end) for i, start, end in spans if start < block.stop and end > block.start]
+                for i, _, _ in members:
                     self._units_of[i].append(len(self.buckets))
-                self.buckets.append(members)
-                self._block_of.append((g, block.index))
+                self.buckets.append([i for i, _, _ in members])
+                self._block_of.append((g, block.index, block.start, block.stop))
+                self._pieces.append([(i, max(start, block.start) - start, min(end, block.stop) - start)
+                                     for i, start, end in members])
 
-    def _gather(self, rnd: _Round, i: int) -> None:
-        """Copy parameter ``i``'s gradient into its range of its group's buffer for the round."""
-        g, offset = self._where[i]
+    def _gather(self, rnd: _Round, u: int) -> None:
+        """Gather block ``u``'s gradients into its range of its group's buffer for the round."""
+        g, _index, start, stop = self._block_of[u]
         buf = rnd.buffers.get(g)
         if buf is None:
             buf = rnd.buffers[g] = self._buffer(self._groups[g])
-        grad = self.params[i][1].grad
-        buf[offset:offset + grad.numel()].copy_(grad.detach().reshape(-1))
+        parts = [self.params[i][1].grad.detach().reshape(-1)[a:b] for i, a, b in self._pieces[u]]
+        torch.cat(parts, out=buf[start:stop])
 
     def _completed(self, rnd: _Round, i: int) -> list[list[int]]:
-        self._gather(rnd, i)
         done = [u for u in self._units_of[i] if u not in rnd.sent and all(j in rnd.ready for j in self.buckets[u])]
         return [done] if done else []
 
     def _rest(self, rnd: _Round) -> list[int]:
-        """Blocks not sent yet: their members' gradients that no hook of this backward took
-        (accumulated under no_sync) are gathered now; a group some of whose members have a
-        gradient and others none is the round's error (ShardlineConfigError)."""
+        """Blocks not sent yet (with gradients no hook of this backward took: accumulated under
+        no_sync); a group some of whose members have a gradient and others none is the round's
+        error (ShardlineConfigError)."""
         rest = []
         for g, f in enumerate(self._groups):
             have = [i for i in self._members[g] if i in rnd.ready or self.params[i][1].grad is not None]
@@ -281,16 +283,14 @@ class FlatBackwardPusher(BackwardPusher):
             if len(have) < len(self._members[g]):
                 rnd.error = f.missing_grads_error([self.params[i][0] for i in self._members[g] if i not in have])
                 return []
-            for i in have:
-                if i not in rnd.ready:
-                    rnd.ready.add(i)
-                    self._gather(rnd, i)
-            rest.extend(u for u, (group, _) in enumerate(self._block_of) if group == g and u not in rnd.sent)
+            rnd.ready.update(have)
+            rest.extend(u for u, (group, *_) in enumerate(self._block_of) if group == g and u not in rnd.sent)
         return rest
 
     def _payload(self, rnd: _Round, units: list[int]) -> dict:
         payload: dict = {}
         for u in units:
-            g, index = self._block_of[u]
+            self._gather(rnd, u)   # here, in the training thread: the gradients are final and unchanged yet
+            g, index, _start, _stop = self._block_of[u]
             payload.setdefault(self._groups[g].name, (rnd.buffers[g], []))[1].append(index)
         return payload
