@@ -173,13 +173,13 @@ class PSOptimizer(torch.optim.Optimizer):
     optimizers are elementwise). It needs float32 CPU parameters, every trainable parameter of a
     group with a gradient at each ``step()`` (or none of them: torch.optim skips one without, a
     flat step cannot); the pull is not by priority, and groups cannot be added during training.
-    With ``overlap=True`` too, the buckets are the flat tensor's blocks (``block_elements``): each
-    parameter's gradient is copied into the buffer as it becomes final and each block goes out
-    once all of it is, as DDP's gradient bucket views; the commit then goes from ``step()``, which
-    gets the new parameters in its replies (the rules for lrs, weight and ``no_sync`` above hold). The job's tensors are then named ``flat<group>.<digest>`` (frozen parameters
-    keep their names): weight subscribers, which read parameters by name, need the default layout;
-    ``shardline export --hf-dir`` splits a one-group job back. Default False; every worker of a
-    job must pass the same.
+    With ``overlap=True`` too, the buckets are the flat tensor's blocks (``block_elements``): a
+    block is gathered into the buffer and goes out once all of its gradients are final, as DDP's
+    gradient bucket views; the commit then goes from ``step()``, which gets the new parameters in
+    its replies (the rules for lrs, weight and ``no_sync`` above hold). The job's tensors are then
+    named ``flat<group>.<digest>`` (frozen parameters keep their names): weight subscribers, which
+    read parameters by name, need the default layout; ``shardline export --hf-dir`` splits a
+    one-group job back. Default False; every worker of a job must pass the same.
 
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker

@@ -223,7 +223,7 @@ class BackwardPusher:
 
 class FlatBackwardPusher(BackwardPusher):
     """Push during backward for flat groups (module doc). ``buffer(group)`` gives the gradient
-    buffer a round gathers ``group`` into (called at its first gradient of the round); ``slices``
+    buffer a round gathers ``group`` into (called when its first block is gathered); ``slices``
     are the blocks of each group's flat tensor (``{name: [BlockSlice]}``); ``send`` gets
     ``{name: (buffer, [block index])}``. Every member of a group needs a gradient once any has one
     (a flat step steps all of them); backward ending without one is the round's error."""
