@@ -313,8 +313,10 @@ def test_flat_a_member_without_a_gradient_is_the_rounds_error(comm):
     loss_of(model).backward()
     with pytest.raises(ShardlineConfigError, match="'b.weight' got none this step"):
         pusher.finish()
+    # blocks 0 (a.weight only) and 5 (c only) are complete without b.weight: they may have gone
+    # out before backward's end found the missing gradient (the send races that), no other may
     sent = {i for blocks, _ in send.sent for i in next(iter(blocks.values()))}
-    assert sent <= {5}, "only blocks without b.weight may have gone out"
+    assert sent <= {0, 5}, "only blocks without b.weight may have gone out"
     with pytest.raises(ShardlineConfigError, match="second backward"):   # the flat rule of one backward holds
         model.b.weight.requires_grad_(True)
         model.zero_grad()
