@@ -328,7 +328,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._sync_copies()
         if overlap and flatten:
             self._pusher = FlatBackwardPusher(self._flat, {f.name: self.client._slices[f.name] for f in self._flat},
-                                              buffer=self._flat_grad_buffer, send=self._send_blocks,
+                                              buffer=self._flat_grad_buffer, send=self._send_flat,
                                               submit=self._executor.submit, round_info=self._round_info)
         elif overlap:
             self._pusher = BackwardPusher(self.params, send=self._send, submit=self._executor.submit,
@@ -604,8 +604,7 @@ class PSOptimizer(torch.optim.Optimizer):
         else:
             self._check_sent(*sent, declared if weight is None else weight)
             if not self._pusher.commits:   # flat groups: the commit goes from here, and brings the pull
-                if self.flatten:
-                    self._check_flat_frozen()
+                self._check_flat_frozen()
                 self.client.lr = sent[1]
                 self.client.commit(weight=sent[0])
         if self.prefetch_window == 0:
@@ -659,16 +658,15 @@ class PSOptimizer(torch.optim.Optimizer):
         """The weight and lrs a step's pushes carry, when its first bucket goes out (training thread)."""
         return (1.0 if self._step_weight is None else self._step_weight), self._step_lrs()
 
-    def _send(self, grads: dict, weight: float, lrs, commit: bool) -> None:
-        """A bucket of a step (communication thread)."""
+    def _send(self, grads: dict, weight: float, lrs, commit: bool, blocks: dict | None = None) -> None:
+        """A bucket of a step (communication thread); ``blocks``: only those blocks of each tensor."""
         self.client.lr = lrs
-        self.client.push(grads, weight=weight, commit=commit)
+        self.client.push(grads, weight=weight, commit=commit, blocks=blocks)
 
-    def _send_blocks(self, payload: dict, weight: float, lrs, commit: bool) -> None:
-        """Blocks of flat groups (communication thread): ``{name: (gradient buffer, [block index])}``."""
-        self.client.lr = lrs
-        self.client.push({name: buf for name, (buf, _) in payload.items()}, weight=weight, commit=commit,
-                         blocks={name: indices for name, (_, indices) in payload.items()})
+    def _send_flat(self, payload: dict, weight: float, lrs, commit: bool) -> None:
+        """Blocks of flat groups: ``{name: (gradient buffer, [block index])}``."""
+        self._send({name: buf for name, (buf, _) in payload.items()}, weight, lrs, commit,
+                   blocks={name: indices for name, (_, indices) in payload.items()})
 
     def _install_forward_hook(self) -> None:
         if self._hook is None:

@@ -234,12 +234,11 @@ class FlatBackwardPusher(BackwardPusher):
     def __init__(self, groups: list[FlatGroup], slices: dict, *, buffer: Callable, send: Callable, submit: Callable,
                  round_info: Callable):
         self._groups, self._slices, self._buffer = groups, slices, buffer
-        self._where: list[tuple[int, int]] = []   # parameter index -> (group, offset in its flat tensor)
-        self._members: list[range] = []           # group -> its parameters' indices
-        for g, f in enumerate(groups):
-            self._members.append(range(len(self._where), len(self._where) + len(f.members)))
-            self._where.extend((g, offset) for offset in f.offsets)
         params = [member for f in groups for member in f.members]
+        self._members: list[range] = []   # group -> its parameters' indices in params
+        for f in groups:
+            first = self._members[-1].stop if self._members else 0
+            self._members.append(range(first, first + len(f.members)))
         super().__init__(params, send=send, submit=submit, round_info=round_info, cap_bytes=1)
 
     def _set_buckets(self, order: list[int]) -> None:
@@ -247,8 +246,7 @@ class FlatBackwardPusher(BackwardPusher):
         part of its flattened gradient that falls in the block (they tile the block in order)."""
         self.buckets, self._block_of, self._units_of, self._pieces = [], [], [[] for _ in self.params], []
         for g, f in enumerate(self._groups):
-            spans = [(i, offset, offset + self.params[i][1].numel()) for i, (_, offset) in
-                     zip(self._members[g], (self._where[i] for i in self._members[g]))]
+            spans = [(i, offset, offset + p.numel()) for i, offset, (_, p) in zip(self._members[g], f.offsets, f.members)]
             for block in self._slices[f.name]:
                 members = [(i, start, end) for i, start, end in spans if start < block.stop and end > block.start]
                 for i, _, _ in members:

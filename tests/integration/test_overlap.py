@@ -117,6 +117,26 @@ def test_overlap_with_no_sync_accumulation_equals_single_process_adamw(cluster, 
     assert_equal(results, reference())
 
 
+def refuse_an_lr_changed_after_backward(opt, model, tokens, targets) -> None:
+    """A backward pushes with lr 0.1, the lr then changes: step() refuses it (the lr set back after)."""
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(tokens), targets).backward()
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.raises(ShardlineConfigError, match="learning rates changed"):
+        opt.step()
+    opt.param_groups[0]["lr"] = 0.1
+
+
+def refuse_a_nan_gradient(opt, model, tokens, targets, match: str) -> None:
+    """A backward whose hidden.weight gradient is NaN: step() raises the background push's error."""
+    opt.zero_grad()
+    handle = model.hidden.weight.register_hook(lambda g: g * float("nan"))
+    nn.functional.cross_entropy(model(tokens), targets).backward()
+    handle.remove()
+    with pytest.raises(ShardlineConfigError, match=match):
+        opt.step()  # raised by the background push, in this thread
+
+
 def test_errors_of_what_backward_sent_are_raised_by_step(cluster):
     model = Net()
     opt = PSOptimizer(model, cluster=cluster.address, job="overlap-errors", optimizer="sgd", lr=0.1,
@@ -130,20 +150,10 @@ def test_errors_of_what_backward_sent_are_raised_by_step(cluster):
         with pytest.raises(ShardlineConfigError, match=r"set_step_weight\(3.0\)"):
             opt.step(weight=3.0)  # backward already pushed (and committed) with weight 1
 
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(tokens), targets).backward()
-        opt.param_groups[0]["lr"] = 0.5
-        with pytest.raises(ShardlineConfigError, match="learning rates changed"):
-            opt.step()
-        opt.param_groups[0]["lr"] = 0.1
+        refuse_an_lr_changed_after_backward(opt, model, tokens, targets)
         applied = opt.version
 
-        opt.zero_grad()
-        handle = model.hidden.weight.register_hook(lambda g: g * float("nan"))
-        nn.functional.cross_entropy(model(tokens), targets).backward()
-        handle.remove()
-        with pytest.raises(ShardlineConfigError, match="hidden.weight.*NaN"):
-            opt.step()  # raised by the background push, in this thread
+        refuse_a_nan_gradient(opt, model, tokens, targets, "hidden.weight.*NaN")
         assert opt.version == applied
         with connect(cluster.address, job="overlap-errors") as probe:
             assert probe.join() == applied, "the failed step was committed"
@@ -191,21 +201,11 @@ def test_flat_blocks_pushed_during_backward_keep_the_rules_of_overlap(cluster):
         opt.step()  # the blocks backward pushed are still this step's: only the commit was missing
         assert opt.version == 1
 
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(tokens), targets).backward()
-        opt.param_groups[0]["lr"] = 0.5
-        with pytest.raises(ShardlineConfigError, match="learning rates changed"):
-            opt.step()
-        opt.param_groups[0]["lr"] = 0.1
-        opt.step()
+        refuse_an_lr_changed_after_backward(opt, model, tokens, targets)
+        opt.step()  # nothing was committed: the step goes out now
         applied = opt.version
 
-        opt.zero_grad()
-        handle = model.hidden.weight.register_hook(lambda g: g * float("nan"))
-        nn.functional.cross_entropy(model(tokens), targets).backward()
-        handle.remove()
-        with pytest.raises(ShardlineConfigError, match="flat0.*NaN"):
-            opt.step()
+        refuse_a_nan_gradient(opt, model, tokens, targets, "flat0.*NaN")
         assert opt.version == applied
 
         opt.zero_grad()

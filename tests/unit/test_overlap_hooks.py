@@ -10,7 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from shardline.services.blocks import block_slices
 from shardline.services.errors import ShardlineConfigError
+from shardline.worker.flat_params import flat_layout
 from shardline.worker.overlap import BackwardPusher, FlatBackwardPusher, bucket_cap_bytes, plan_buckets
 from shardline.worker.priority_pull import PriorityPull
 
@@ -258,8 +260,6 @@ BLOCK = 24   # blocks of the 130-element flat tensor: 0..5, each straddling para
 
 
 def flat_pusher_for(model, comm, send, buffers=None):
-    from shardline.services.blocks import block_slices
-    from shardline.worker.flat_params import flat_layout
     groups = flat_layout([{"params": list(model.parameters()), "param_names": [n for n, _ in model.named_parameters()]}])
 
     def buffer(f):
