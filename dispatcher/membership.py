@@ -28,7 +28,9 @@ drains, the routing table also publishes a **pending ring** — the serving node
 ones minus the draining ones — with a ``pending_epoch``; nodes bring in sync the blocks the
 pending ring gives them (ps_server/replication.py) and report ``ready_epoch``. Once every node of
 both rings reported the current pending epoch, the change **switches**: joining nodes serve,
-draining ones are drained, and the epoch moves on. A node that dies leaves the serving ring at
+draining ones are drained, and the epoch moves on. A report counts only while the node holds
+every job (the dispatcher checks the jobs its heartbeat lists), and a job created meanwhile takes
+every report back (``jobs_changed``): its blocks must be in sync too. A node that dies leaves the serving ring at
 once (its replicas hold its blocks); the pending ring, if any, is recomputed. A node joining an
 empty ring, or a cluster that holds no job data (``has_data()`` false), serves at once: there is
 nothing to sync.
@@ -203,6 +205,7 @@ class Membership:
         self.store = store if store is not None else MemoryStateStore()
         self._has_data = has_data or (lambda: False)
         self._lock = threading.Lock()
+        self._jobs_version = 0   # job creations seen (jobs_changed), not persisted: readiness is not either
         state = self.store.load()
         # The epoch stored by the previous run, None on a fresh store (for the start-up log).
         self.recovered_epoch: int | None = None
@@ -463,14 +466,33 @@ class Membership:
                 node.insecure = bool(insecure)
             return True
 
-    def report_ready(self, node_id: str, ready_epoch: int) -> bool:
+    @property
+    def jobs_version(self) -> int:
+        """Bumped by :meth:`jobs_changed`; read it before the job list a readiness report is
+        checked against, and pass it to :meth:`report_ready`."""
+        with self._lock:
+            return self._jobs_version
+
+    def jobs_changed(self) -> None:
+        """A job was created: every readiness report so far was made without it (a node that
+        does not hold the job has none of its blocks in sync and would drop a handover for
+        them), so none counts any more; nodes report again once they hold it."""
+        with self._lock:
+            self._jobs_version += 1
+            for node in self._nodes.values():
+                node.ready_epoch = 0
+
+    def report_ready(self, node_id: str, ready_epoch: int, *, jobs_version: int | None = None) -> bool:
         """A node holds in sync everything the pending ring of ``ready_epoch`` gives it. Switches
-        the change once every member of both rings did (returns True then)."""
+        the change once every member of both rings did (returns True then). ``jobs_version``:
+        the :attr:`jobs_version` read before the report was checked against the job list; a
+        report checked against a list older than the last :meth:`jobs_changed` counts as 0."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None or node.state != ALIVE:
                 return False
-            node.ready_epoch = ready_epoch
+            stale = jobs_version is not None and jobs_version != self._jobs_version
+            node.ready_epoch = 0 if stale else ready_epoch
             if not self._pending_epoch:
                 return False
             participants = [n for n in self._nodes.values() if n.state == ALIVE and n.member != DRAINED]

@@ -369,10 +369,14 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             state.reader_racks.report(reads.rack, {reads.job: reads.bytes}, self._clock())
         # Every heartbeat says whether the node is in sync now (0: not, or no ring change): a node
         # that reported ready and then began another sync (a job it learnt late) no longer counts.
-        if registered and state.membership.report_ready(request.node_id, request.ready_epoch):
-            snap = state.membership.snapshot()
-            log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving), snap.epoch)
-            epoch = snap.epoch
+        # Nor does one that does not hold every job: it has none of a missing job's blocks.
+        if registered:
+            ready, jobs_version = self._checked_ready(state, request)
+            if state.membership.report_ready(request.node_id, ready, jobs_version=jobs_version):
+                snap = state.membership.snapshot()
+                log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving),
+                         snap.epoch)
+                epoch = snap.epoch
         # Only a registered node's report counts for holders; any node is told what to drop.
         drop, steps = state.jobs.report_held(request.node_id, request.jobs, record=registered)
         if drop:
@@ -384,6 +388,23 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             failed_jobs=state.leases.failed(),
             jobs=[j.name for j in state.jobs.list()] if state.membership.snapshot().pending_epoch else [],
         )
+
+    @staticmethod
+    def _checked_ready(state: LeaderState, request) -> tuple[int, int]:
+        """A heartbeat's ``ready_epoch``, 0 if the node lacks a job (or holds another incarnation of
+        it), and the ``jobs_version`` it was checked at (read first: a job created after it takes
+        the report back)."""
+        jobs_version = state.membership.jobs_version
+        ready = request.ready_epoch
+        if ready:
+            held = {held.job: held.uid for held in request.jobs}
+            missing = [j.name for j in state.jobs.list()
+                       if j.name not in held or (held[j.name] and j.uid and held[j.name] != j.uid)]
+            if missing:
+                log.debug("node %s reports the pending ring ready without holding job(s) %s: not counted yet",
+                         request.node_id, ", ".join(missing[:5]))
+                ready = 0
+        return ready, jobs_version
 
     def _routing(self, state: LeaderState) -> common_pb2.RoutingTable:
         snap = state.membership.snapshot(self._clock())
@@ -456,6 +477,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         state = self._leading()
         record, created = state.jobs.create(request.spec)
         if created:
+            state.membership.jobs_changed()  # a pending ring change waits until every node holds it
             log.info("job %s created (%d tensors, %s, world size %d)", record.name, len(record.spec.tensors),
                      record.spec.sync, record.spec.world_size)
             self._publish_gauges(state)  # the job count is current at once, not at the next expiry pass

@@ -98,9 +98,12 @@ class HeartbeatLoop(threading.Thread):
         with self._lock:
             blocks, nbytes = self.node.store.totals()
             load, hot = heat_report(self.node.heat, self.node.node_id, self.registration.get("rack", ""))
+            # The jobs first: the dispatcher counts the readiness only if they are all it has, so
+            # a job learnt between the two must already be in the sync ready_epoch checks.
+            held = self.node.held_jobs()
+            ready = self.node.ready_epoch()
             resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
-                                         epoch=self.node.routing.epoch, jobs=self.node.held_jobs(),
-                                         ready_epoch=self.node.ready_epoch(),
+                                         epoch=self.node.routing.epoch, jobs=held, ready_epoch=ready,
                                          insecure=bool(self.registration.get("insecure")), timeout=timeout,
                                          load=load, hot=hot, rack_reads=rack_reads_report(self.node.heat))
             if not resp.registered:

@@ -515,3 +515,59 @@ def test_a_heartbeat_that_is_no_longer_in_sync_takes_the_nodes_readiness_back(gr
     assert m.snapshot().pending_epoch == pending, "switched while ps-1 was syncing"
     beat("ps-1", pending)
     assert m.snapshot().pending_epoch == 0 and _members(m) == {"ps-0": "serving", "ps-1": "serving"}
+
+
+def test_a_job_created_during_a_ring_change_takes_every_readiness_report_back():
+    """Reports made before a job existed say nothing of its blocks: after ``jobs_changed`` the
+    ring switches only once every node reported again, checked against the new job list."""
+    m = two_phase()
+    pending = m.snapshot().pending_epoch
+    before = m.jobs_version
+    assert not m.report_ready("ps-1", pending, jobs_version=before)   # the joining node, before the job
+    m.jobs_changed()
+    assert not m.report_ready("ps-0", pending, jobs_version=m.jobs_version)
+    assert m.snapshot().pending_epoch == pending, "switched on ps-1's report from before the job existed"
+    # a report checked against the job list read before the job was created counts as not ready
+    assert not m.report_ready("ps-1", pending, jobs_version=before)
+    assert m.snapshot().pending_epoch == pending
+    assert m.report_ready("ps-1", pending, jobs_version=m.jobs_version)
+    assert m.snapshot().pending_epoch == 0 and _members(m) == {"ps-0": "serving", "ps-1": "serving"}
+
+
+def test_a_node_reports_the_pending_ring_ready_only_while_it_holds_every_job(grpc_context):
+    """The dispatcher counts a heartbeat's ``ready_epoch`` only if the jobs it lists hold every
+    job the dispatcher has (that incarnation): a node without a job has none of its blocks in sync,
+    and a handover sent to it for them would be lost. A job created while the ring change is
+    pending takes the reports made before it back."""
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.dispatcher.server import DispatcherServicer
+    from shardline.services.pb import common_pb2, dispatcher_pb2
+
+    m = two_phase()
+    servicer = DispatcherServicer(m, JobRegistry(), heartbeat_interval=0.5, clock=lambda: 0.0)
+    pending = m.snapshot().pending_epoch
+
+    def create(name):
+        spec = common_pb2.JobSpec(name=name, optimizer=common_pb2.OptimizerSpec(kind="sgd", lr=0.1), sync="bsp",
+                                  world_size=1, tensors=[common_pb2.TensorSpec(name="w", shape=[4])])
+        return servicer.CreateJob(dispatcher_pb2.CreateJobRequest(spec=spec), grpc_context).job.uid
+
+    def beat(node_id, held):
+        jobs = [dispatcher_pb2.HeldJob(job=name, uid=uid) for name, uid in held.items()]
+        return servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id=node_id, ready_epoch=pending, jobs=jobs),
+                                  grpc_context)
+
+    uid_a = create("a")
+    beat("ps-0", {"a": uid_a})
+    reply = beat("ps-1", {})                           # ps-1 has not learnt job "a" yet
+    assert m.snapshot().pending_epoch == pending, "switched while ps-1 held none of job a's blocks"
+    assert list(reply.jobs) == ["a"]                   # what it is told to hold
+    beat("ps-1", {"a": "another-incarnation"})
+    assert m.snapshot().pending_epoch == pending, "switched while ps-1 held another incarnation of job a"
+    uid_b = create("b")                                # takes ps-0's report back
+    beat("ps-1", {"a": uid_a, "b": uid_b})
+    assert m.snapshot().pending_epoch == pending, "switched on ps-0's report from before job b existed"
+    beat("ps-0", {"a": uid_a})
+    assert m.snapshot().pending_epoch == pending, "switched while ps-0 held none of job b's blocks"
+    beat("ps-0", {"a": uid_a, "b": uid_b})
+    assert m.snapshot().pending_epoch == 0 and _members(m) == {"ps-0": "serving", "ps-1": "serving"}
