@@ -29,9 +29,10 @@ ones minus the draining ones — with a ``pending_epoch``; nodes bring in sync t
 pending ring gives them (ps_server/replication.py) and report ``ready_epoch``. Once every node of
 both rings reported the current pending epoch, the change **switches**: joining nodes serve,
 draining ones are drained, and the epoch moves on. A report counts only while the node holds
-every job (the dispatcher checks the jobs its heartbeat lists), and a job created meanwhile takes
-every report back (``jobs_changed``): its blocks must be in sync too. A node that dies leaves the serving ring at
-once (its replicas hold its blocks); the pending ring, if any, is recomputed. A node joining an
+every job at its revision (the dispatcher checks the jobs its heartbeat lists), and a job created
+or extended meanwhile takes every report back (``jobs_changed``): its blocks must be in sync too.
+A node that dies leaves the serving ring at once (its replicas hold its blocks); the pending
+ring, if any, is recomputed. A node joining an
 empty ring, or a cluster that holds no job data (``has_data()`` false), serves at once: there is
 nothing to sync.
 
@@ -205,7 +206,7 @@ class Membership:
         self.store = store if store is not None else MemoryStateStore()
         self._has_data = has_data or (lambda: False)
         self._lock = threading.Lock()
-        self._jobs_version = 0   # job creations seen (jobs_changed), not persisted: readiness is not either
+        self._jobs_version = 0   # job creations and extensions seen (jobs_changed), not persisted: readiness is not either
         state = self.store.load()
         # The epoch stored by the previous run, None on a fresh store (for the start-up log).
         self.recovered_epoch: int | None = None
@@ -474,9 +475,10 @@ class Membership:
             return self._jobs_version
 
     def jobs_changed(self) -> None:
-        """A job was created: every readiness report so far was made without it (a node that
-        does not hold the job has none of its blocks in sync and would drop a handover for
-        them), so none counts any more; nodes report again once they hold it."""
+        """A job was created or extended: every readiness report so far was made without it (a
+        node that does not hold the job, or its new tensors, has none of their blocks in sync and
+        would drop a handover for them), so none counts any more; nodes report again once they
+        hold it."""
         with self._lock:
             self._jobs_version += 1
             for node in self._nodes.values():

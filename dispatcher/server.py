@@ -69,6 +69,7 @@ from shardline.services.errors import (
     ShardlineStateError,
     ShardlineTimeoutError,
 )
+from shardline.services.extension import revision_of
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from shardline.services.ring import vnode_counts
 
@@ -386,20 +387,29 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             checkpoint_steps=[dispatcher_pb2.JobCheckpointStep(job=job, step=step) for job, step in sorted(steps.items())],
             unknown_jobs=state.jobs.unknown_held(request.jobs),
             failed_jobs=state.leases.failed(),
-            jobs=[j.name for j in state.jobs.list()] if state.membership.snapshot().pending_epoch else [],
+            **self._jobs_to_hold(state),
         )
 
     @staticmethod
+    def _jobs_to_hold(state: LeaderState) -> dict:
+        """During a ring change, what a heartbeat's reply lists: every job and its revision."""
+        if not state.membership.snapshot().pending_epoch:
+            return {}
+        jobs = state.jobs.list()
+        return {"jobs": [j.name for j in jobs], "job_revisions": {j.name: revision_of(j.spec) for j in jobs}}
+
+    @staticmethod
     def _checked_ready(state: LeaderState, request) -> tuple[int, int]:
-        """A heartbeat's ``ready_epoch``, 0 if the node lacks a job (or holds another incarnation of
-        it), and the ``jobs_version`` it was checked at (read first: a job created after it takes
-        the report back)."""
+        """A heartbeat's ``ready_epoch``, 0 if the node lacks a job (or holds another incarnation,
+        or an older revision, of it), and the ``jobs_version`` it was checked at (read first: a
+        job created or extended after it takes the report back)."""
         jobs_version = state.membership.jobs_version
         ready = request.ready_epoch
         if ready:
-            held = {held.job: held.uid for held in request.jobs}
+            held = {held.job: held for held in request.jobs}
             missing = [j.name for j in state.jobs.list()
-                       if j.name not in held or (held[j.name] and j.uid and held[j.name] != j.uid)]
+                       if j.name not in held or (held[j.name].uid and j.uid and held[j.name].uid != j.uid)
+                       or held[j.name].revision < revision_of(j.spec)]
             if missing:
                 log.debug("node %s reports the pending ring ready without holding job(s) %s: not counted yet",
                          request.node_id, ", ".join(missing[:5]))
@@ -533,8 +543,10 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if not request.HasField("extension"):
             raise ShardlineConfigError("ExtendJob needs an extension")
         ext = request.extension
-        record, applied = self._leading().jobs.extend(request.name, request.uid, ext)
+        state = self._leading()
+        record, applied = state.jobs.extend(request.name, request.uid, ext)
         if applied:
+            state.membership.jobs_changed()  # a pending ring change waits until every node holds the new tensors
             log.info("job %s extended to revision %d from step %d: a parameter group with %d new tensor(s), %d "
                      "unfrozen", record.name, ext.revision, ext.step, len(ext.tensors), len(ext.unfreeze))
         return dispatcher_pb2.ExtendJobResponse(job=job_info(record), applied=applied)

@@ -117,7 +117,7 @@ class HeartbeatLoop(threading.Thread):
             self.node.drop_job(job)
         # A ring change: hold every job, to sync the blocks this node will own; then report at
         # once (not a heartbeat interval later) if that is all the pending ring waited for here.
-        if self.node.hold_jobs(resp.jobs):
+        if self.node.hold_jobs(resp.jobs, resp.job_revisions):
             self.wake()
         for name, why in resp.failed_jobs.items():
             job = self.node.store.get(name)

@@ -376,20 +376,26 @@ class PSNode:
         log.info("job %s (uid %s) dropped", name, job.uid or "-")
         return True
 
-    def hold_jobs(self, names) -> bool:
+    def hold_jobs(self, names, revisions=None) -> bool:
         """A ring change is pending and the dispatcher lists its jobs (``names``, a heartbeat's
-        reply): hold each, so the replicator syncs the blocks this node will own. Until this has
-        run for the pending epoch, ``ready_epoch`` reports nothing: a node that (re)joins holds no
-        job yet, and reporting ready before it learnt them would switch the ring with none of its
-        blocks synced (a handover sent to it then finds no block and is lost). True when this
-        made the pending epoch's readiness reportable (the caller reports it at once)."""
+        reply, and ``revisions``: name -> the job's revision): hold each at that revision, so the
+        replicator syncs the blocks this node will own. Until this has run for the pending epoch,
+        ``ready_epoch`` reports nothing: a node that (re)joins holds no job yet, and reporting
+        ready before it learnt them would switch the ring with none of its blocks synced (a
+        handover sent to it then finds no block and is lost). True when this made the pending
+        epoch's readiness reportable (the caller reports it at once)."""
         pending = self._routing.pending_epoch
         complete = True
+        revisions = revisions or {}
         for name in names:
-            if self.store.get(name) is not None:
+            job = self.store.get(name)
+            if job is not None and job.revision >= revisions.get(name, 0):
                 continue
             try:
-                self.job(name)
+                if job is None:
+                    self.job(name)
+                else:   # extended since: its new tensors' blocks are to sync too
+                    self.catch_up(job, revisions[name])
             except StoreError as exc:
                 complete = complete and exc.code == "UNKNOWN_JOB"   # deleted meanwhile: nothing to sync
                 log.debug("job %s: %s", name, exc)
@@ -404,7 +410,7 @@ class PSNode:
         for job in self.store.jobs():
             durable = None if self.checkpointer is None else self.checkpointer.durable_step(job.name)
             held.append(dispatcher_pb2.HeldJob(job=job.name, uid=job.uid, step=job.step, has_durable=durable is not None,
-                                               durable_step=durable or 0))
+                                               durable_step=durable or 0, revision=job.revision))
         return held
 
     def ready_epoch(self) -> int:

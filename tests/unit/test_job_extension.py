@@ -264,6 +264,50 @@ def test_a_frame_naming_a_newer_revision_makes_the_node_extend_the_job():
     assert dispatcher.asked == asked + 1
 
 
+def test_a_ring_change_holds_every_job_at_the_revision_the_dispatcher_lists():
+    """A heartbeat's reply during a ring change lists each job's revision: a node holding an older
+    one takes the newer spec (the new tensors' blocks are then among those it syncs), and its
+    heartbeat reports the revision it holds."""
+    node, dispatcher = one_node(base_spec())
+    job = node.job("ft")
+    dispatcher.info.spec.CopyFrom(apply_extension(base_spec(), extension(step=0)))
+    node.hold_jobs(["ft"], {"ft": 0})
+    assert job.revision == 0 and dispatcher.asked == 1, "the revision held: nothing to ask"
+    node.hold_jobs(["ft"], {"ft": 1})
+    assert job.revision == 1 and "adapter" in job.tensors
+    assert [(h.job, h.revision) for h in node.held_jobs()] == [("ft", 1)]
+
+
+def test_a_ring_change_waits_for_every_node_to_hold_an_extended_jobs_revision(grpc_context):
+    """The dispatcher counts a node's pending-ring readiness only at the job's current revision,
+    and an extension made while the change is pending takes the reports made before it back."""
+    from shardline.dispatcher.membership import Membership
+    from shardline.dispatcher.server import DispatcherServicer
+
+    m = Membership(5.0, has_data=lambda: True)
+    for i, node_id in enumerate(("ps-0", "ps-1")):
+        m.register(node_id, "r", f"127.0.0.1:{9000 + 2 * i}", f"127.0.0.1:{9001 + 2 * i}", 1.0, now=0.0)
+    jobs = JobRegistry()
+    uid = ready_job(jobs).uid
+    servicer = DispatcherServicer(m, jobs, heartbeat_interval=0.5, clock=lambda: 0.0)
+    pending = m.snapshot().pending_epoch
+
+    def beat(node_id, revision):
+        held = [dispatcher_pb2.HeldJob(job="ft", uid=uid, revision=revision)]
+        return servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id=node_id, ready_epoch=pending, jobs=held),
+                                  grpc_context)
+
+    assert dict(beat("ps-0", 0).job_revisions) == {"ft": 0}
+    servicer.ExtendJob(dispatcher_pb2.ExtendJobRequest(name="ft", uid=uid, extension=extension()), grpc_context)
+    reply = beat("ps-1", 1)
+    assert m.snapshot().pending_epoch == pending, "switched on ps-0's report from before the extension"
+    assert list(reply.jobs) == ["ft"] and dict(reply.job_revisions) == {"ft": 1}
+    beat("ps-0", 0)
+    assert m.snapshot().pending_epoch == pending, "switched while ps-0 held revision 0 of a job at revision 1"
+    beat("ps-0", 1)
+    assert m.snapshot().pending_epoch == 0
+
+
 # --- checkpoints -----------------------------------------------------------------------------------
 def snapshot(store: JobStore) -> JobSnapshot:
     step, held, copies = store.snapshot()
