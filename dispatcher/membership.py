@@ -32,9 +32,8 @@ draining ones are drained, and the epoch moves on. A report counts only while th
 every job at its revision (the dispatcher checks the jobs its heartbeat lists), and a job created
 or extended meanwhile takes every report back (``jobs_changed``): its blocks must be in sync too.
 A node that dies leaves the serving ring at once (its replicas hold its blocks); the pending
-ring, if any, is recomputed. A node joining an
-empty ring, or a cluster that holds no job data (``has_data()`` false), serves at once: there is
-nothing to sync.
+ring, if any, is recomputed. A node joining an empty ring, or a cluster that holds no job data
+(``has_data()`` false), serves at once: there is nothing to sync.
 
 Rebalancing (dispatcher/rebalance.py decides, ``rebalance`` applies) is a ring change of the same
 kind: serving nodes get **pending virtual-node counts**, the pending ring is built with them, and
@@ -206,7 +205,7 @@ class Membership:
         self.store = store if store is not None else MemoryStateStore()
         self._has_data = has_data or (lambda: False)
         self._lock = threading.Lock()
-        self._jobs_version = 0   # job creations and extensions seen (jobs_changed), not persisted: readiness is not either
+        self._jobs_version = 0   # job creations and extensions seen (jobs_changed); not persisted, as readiness is not
         state = self.store.load()
         # The epoch stored by the previous run, None on a fresh store (for the start-up log).
         self.recovered_epoch: int | None = None

@@ -412,7 +412,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                        or held[j.name].revision < revision_of(j.spec)]
             if missing:
                 log.debug("node %s reports the pending ring ready without holding job(s) %s: not counted yet",
-                         request.node_id, ", ".join(missing[:5]))
+                          request.node_id, ", ".join(missing[:5]))
                 ready = 0
         return ready, jobs_version
 

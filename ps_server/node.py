@@ -393,7 +393,7 @@ class PSNode:
                 continue
             try:
                 if job is None:
-                    self.job(name)
+                    self.job(name, trust_misses=False)   # the dispatcher just listed it
                 else:   # extended since: its new tensors' blocks are to sync too
                     self.catch_up(job, revisions[name])
             except StoreError as exc:

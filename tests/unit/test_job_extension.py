@@ -278,6 +278,15 @@ def test_a_ring_change_holds_every_job_at_the_revision_the_dispatcher_lists():
     assert [(h.job, h.revision) for h in node.held_jobs()] == [("ft", 1)]
 
 
+def test_a_job_the_ring_change_lists_is_held_though_the_node_missed_it_before():
+    """A request that named the job before it was created left a remembered miss; the job list
+    of a heartbeat's reply is the dispatcher's word that it exists now."""
+    node, _dispatcher = one_node(base_spec())
+    node.name_misses.add("ft")
+    node.hold_jobs(["ft"], {"ft": 0})
+    assert node.store.get("ft") is not None
+
+
 def test_a_ring_change_waits_for_every_node_to_hold_an_extended_jobs_revision(grpc_context):
     """The dispatcher counts a node's pending-ring readiness only at the job's current revision,
     and an extension made while the change is pending takes the reports made before it back."""
