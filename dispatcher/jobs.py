@@ -589,3 +589,9 @@ class JobRegistry:
         """All jobs, sorted by name."""
         with self._cond:
             return [self._jobs[name].record() for name in sorted(self._jobs)]
+
+    def incarnations(self) -> dict[str, tuple[str, int]]:
+        """Every job's uid and revision by name, sorted by name (what a ring change checks on
+        each heartbeat: no spec is copied)."""
+        with self._cond:
+            return {name: (self._jobs[name].uid, revision_of(self._jobs[name].spec)) for name in sorted(self._jobs)}

@@ -69,7 +69,6 @@ from shardline.services.errors import (
     ShardlineStateError,
     ShardlineTimeoutError,
 )
-from shardline.services.extension import revision_of
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 from shardline.services.ring import vnode_counts
 
@@ -395,8 +394,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         """During a ring change, what a heartbeat's reply lists: every job and its revision."""
         if not state.membership.snapshot().pending_epoch:
             return {}
-        jobs = state.jobs.list()
-        return {"jobs": [j.name for j in jobs], "job_revisions": {j.name: revision_of(j.spec) for j in jobs}}
+        jobs = state.jobs.incarnations()
+        return {"jobs": list(jobs), "job_revisions": {name: revision for name, (_uid, revision) in jobs.items()}}
 
     @staticmethod
     def _checked_ready(state: LeaderState, request) -> tuple[int, int]:
@@ -407,9 +406,9 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         ready = request.ready_epoch
         if ready:
             held = {held.job: held for held in request.jobs}
-            missing = [j.name for j in state.jobs.list()
-                       if j.name not in held or (held[j.name].uid and j.uid and held[j.name].uid != j.uid)
-                       or held[j.name].revision < revision_of(j.spec)]
+            missing = [name for name, (uid, revision) in state.jobs.incarnations().items()
+                       if name not in held or (held[name].uid and uid and held[name].uid != uid)
+                       or held[name].revision < revision]
             if missing:
                 log.debug("node %s reports the pending ring ready without holding job(s) %s: not counted yet",
                           request.node_id, ", ".join(missing[:5]))

@@ -69,6 +69,7 @@ def test_extend_makes_the_next_revision_and_every_rank_asking_again_gets_it():
     assert (by_name["body"].trainable, by_name["body"].group) == (True, 1)
     assert (by_name["adapter"].trainable, by_name["adapter"].group, by_name["adapter"].dtype) == (True, 1, "float32")
     assert (by_name["embed"].trainable, by_name["head"].group) == (False, 0)
+    assert jobs.incarnations() == {"ft": (uid, 1)}
     again, applied = jobs.extend("ft", uid, extension())
     assert not applied and again.spec == spec
     assert jobs.mark_ready("ft", 1).ready_revision == 1
