@@ -89,6 +89,8 @@ class NodeRecord:
     bytes: int
     member: str                   # SERVING, JOINING, DRAINING or DRAINED (alive nodes)
     insecure: bool = False        # serves a non-loopback address without a cluster token
+    # During a ring change: why it still waits for this node ("": no change, or the node is ready).
+    not_ready: str = ""
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,7 @@ class _Node:
     bytes: int = 0
     member: str = SERVING
     ready_epoch: int = 0          # the pending epoch the node last reported in sync for (not persisted)
+    not_ready: str = ""           # why its last report did not count (status and the dispatcher's warnings)
     incarnation: str = ""         # the process that registered last (not persisted: a new leader learns it)
     insecure: bool = False        # as the node registered (not persisted: it registers again)
     pending_vnodes: int = 0       # a rebalance in progress: the count of the pending ring (0: none)
@@ -482,18 +485,24 @@ class Membership:
             self._jobs_version += 1
             for node in self._nodes.values():
                 node.ready_epoch = 0
+                node.not_ready = "has not reported ready since a job was created or extended"
 
-    def report_ready(self, node_id: str, ready_epoch: int, *, jobs_version: int | None = None) -> bool:
+    def report_ready(self, node_id: str, ready_epoch: int, *, jobs_version: int | None = None,
+                     why: str = "") -> bool:
         """A node holds in sync everything the pending ring of ``ready_epoch`` gives it. Switches
         the change once every member of both rings did (returns True then). ``jobs_version``:
         the :attr:`jobs_version` read before the report was checked against the job list; a
-        report checked against a list older than the last :meth:`jobs_changed` counts as 0."""
+        report checked against a list older than the last :meth:`jobs_changed` counts as 0.
+        ``why``: the caller's reason for a report of 0 (status shows it while the change waits)."""
         with self._lock:
             node = self._nodes.get(node_id)
             if node is None or node.state != ALIVE:
                 return False
             stale = jobs_version is not None and jobs_version != self._jobs_version
             node.ready_epoch = 0 if stale else ready_epoch
+            node.not_ready = "" if node.ready_epoch and node.ready_epoch == self._pending_epoch else (
+                "has not reported ready since a job was created or extended" if stale
+                else why or "is bringing its blocks in sync")
             if not self._pending_epoch:
                 return False
             participants = [n for n in self._nodes.values() if n.state == ALIVE and n.member != DRAINED]
@@ -586,13 +595,29 @@ class Membership:
         snap = self.snapshot(now)
         return snap.epoch, snap.serving
 
+    def waiting_for(self) -> tuple[int, dict[str, str]]:
+        """The pending epoch (0: no ring change) and the nodes the change still waits for, with
+        why (node id -> reason)."""
+        with self._lock:
+            return self._pending_epoch, {n.node_id: self._not_ready(n)
+                                         for n in sorted(self._nodes.values(), key=lambda n: n.node_id)
+                                         if self._not_ready(n)}
+
+    def _not_ready(self, node: _Node) -> str:
+        """Why the pending ring change waits for ``node`` ("": it does not). Lock held."""
+        if not self._pending_epoch or node.state != ALIVE or node.member == DRAINED \
+                or node.ready_epoch == self._pending_epoch:
+            return ""
+        return node.not_ready or "has not reported ready yet"
+
     def all_nodes(self, now: float) -> list[NodeRecord]:
         """Every known node, alive and dead, sorted by id, with heartbeat ages at ``now``."""
         with self._lock:
-            return [self._record(node, now) for node in sorted(self._nodes.values(), key=lambda n: n.node_id)]
+            return [self._record(node, now, waiting=True) for node in sorted(self._nodes.values(), key=lambda n: n.node_id)]
 
-    @staticmethod
-    def _record(node: _Node, now: float | None, pending: bool = False) -> NodeRecord:
+    def _record(self, node: _Node, now: float | None, pending: bool = False, waiting: bool = False) -> NodeRecord:
+        """``waiting``: with ``not_ready`` (status; routing tables leave it out, as it changes with
+        every heartbeat during a ring change)."""
         return NodeRecord(
             node_id=node.node_id,
             rack=node.rack,
@@ -606,4 +631,5 @@ class Membership:
             bytes=node.bytes,
             member=node.member if node.state == ALIVE else "",
             insecure=node.insecure,
+            not_ready=self._not_ready(node) if waiting else "",
         )

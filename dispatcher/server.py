@@ -79,6 +79,8 @@ DEFAULT_REBALANCE_INTERVAL_SECONDS = 60.0
 DEFAULT_HOT_SHARDS = 32
 # WaitJobReady re-checks this often whether its caller is still there or the server is stopping.
 WAIT_SLICE_SECONDS = 0.5
+# A ring change pending this long is logged, naming the nodes it waits for (and again as often).
+RING_CHANGE_WARN_SECONDS = 60.0
 
 
 def node_info(record: NodeRecord) -> common_pb2.NodeInfo:
@@ -229,6 +231,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             raise ShardlineConfigError(f"reader_racks must be true or false, got {reader_racks!r}")
         self.reader_racks = reader_racks
         self._last_rebalance: tuple[float, str] | None = None   # (when, what) under the current leader state
+        self._ring_change_seen: tuple[int, float, float] = (0, 0.0, 0.0)   # (pending epoch, since, last warned)
         self._state: LeaderState | None = (LeaderState(membership, jobs, heatmap=Heatmap(self.heat_half_life))
                                            if membership is not None else None)
         self.election = election
@@ -320,8 +323,25 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if expired:
             log.warning("nodes declared dead (no heartbeat for %.3g s): %s", state.membership.heartbeat_timeout,
                         ", ".join(expired))
+        self._warn_of_a_long_ring_change(state)
         self._publish_gauges(state)
         return expired
+
+    def _warn_of_a_long_ring_change(self, state: LeaderState) -> None:
+        """Name the nodes a ring change has waited for, once it has been pending for
+        RING_CHANGE_WARN_SECONDS (and again every as long): it has no deadline of its own, as a
+        sync takes as long as the bytes it moves, so a node that cannot get in sync is named."""
+        pending, waiting = state.membership.waiting_for()
+        now = self._clock()
+        seen, since, warned = self._ring_change_seen
+        if pending != seen:
+            self._ring_change_seen = (pending, now, now)
+            return
+        if pending and now - warned >= RING_CHANGE_WARN_SECONDS:
+            log.warning("the ring change to epoch %d has been pending for %.0f s; it waits for %s", pending,
+                        now - since, "; ".join(f"{node} ({why})" for node, why in waiting.items())
+                        or "no node now (it switches at the next heartbeat)")
+            self._ring_change_seen = (pending, since, now)
 
     def stop(self) -> None:
         """Release WaitJobReady callers so the server can drain."""
@@ -371,8 +391,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         # that reported ready and then began another sync (a job it learnt late) no longer counts.
         # Nor does one that does not hold every job: it has none of a missing job's blocks.
         if registered:
-            ready, jobs_version = self._checked_ready(state, request)
-            if state.membership.report_ready(request.node_id, ready, jobs_version=jobs_version):
+            ready, jobs_version, why = self._checked_ready(state, request)
+            if state.membership.report_ready(request.node_id, ready, jobs_version=jobs_version, why=why):
                 snap = state.membership.snapshot()
                 log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving),
                          snap.epoch)
@@ -398,22 +418,21 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         return {"jobs": list(jobs), "job_revisions": {name: revision for name, (_uid, revision) in jobs.items()}}
 
     @staticmethod
-    def _checked_ready(state: LeaderState, request) -> tuple[int, int]:
+    def _checked_ready(state: LeaderState, request) -> tuple[int, int, str]:
         """A heartbeat's ``ready_epoch``, 0 if the node lacks a job (or holds another incarnation,
-        or an older revision, of it), and the ``jobs_version`` it was checked at (read first: a
-        job created or extended after it takes the report back)."""
+        or an older revision, of it), the ``jobs_version`` it was checked at (read first: a job
+        created or extended after it takes the report back), and why a report of 0 is one."""
         jobs_version = state.membership.jobs_version
-        ready = request.ready_epoch
+        ready, why = request.ready_epoch, ""
         if ready:
             held = {held.job: held for held in request.jobs}
             missing = [name for name, (uid, revision) in state.jobs.incarnations().items()
                        if name not in held or (held[name].uid and uid and held[name].uid != uid)
                        or held[name].revision < revision]
             if missing:
-                log.debug("node %s reports the pending ring ready without holding job(s) %s: not counted yet",
-                          request.node_id, ", ".join(missing[:5]))
                 ready = 0
-        return ready, jobs_version
+                why = f"does not hold job(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} yet"
+        return ready, jobs_version, why
 
     def _routing(self, state: LeaderState) -> common_pb2.RoutingTable:
         snap = state.membership.snapshot(self._clock())

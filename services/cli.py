@@ -124,6 +124,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "state": n.state, "member": n.member or None, "capacity": n.capacity, "vnodes": int(n.vnodes),
             "heartbeat_age_seconds": round(n.heartbeat_age_seconds, 3), "blocks": int(n.blocks), "bytes": int(n.bytes),
             "key_share": share.get(n.node_id, 0.0), "insecure": bool(n.insecure),
+            "not_ready": n.not_ready or None,   # during a ring change: why it still waits for this node
         })
     jobs = []
     for j in status.jobs:
@@ -211,6 +212,8 @@ def render_status(data: dict) -> str:
     if data.get("pending_epoch"):
         moving = ", ".join(f"{n['node_id']} {n['member']}" for n in data["nodes"] if n.get("member") in ("joining", "draining"))
         lines.append(f"ring change in progress (pending epoch {data['pending_epoch']}): {moving}")
+        waiting = [f"{n['node_id']} {n['not_ready']}" for n in data["nodes"] if n.get("not_ready")]
+        lines.append("  waiting for: " + ("; ".join(waiting) if waiting else "none (it switches at the next heartbeat)"))
     if data["nodes"]:
         rows = [[n["node_id"], n["rack"], n["grpc"], n["data"],
                  n["state"] if n["state"] != "alive" or n.get("member") in (None, "serving") else n["member"],

@@ -571,3 +571,61 @@ def test_a_node_reports_the_pending_ring_ready_only_while_it_holds_every_job(grp
     assert m.snapshot().pending_epoch == pending, "switched while ps-0 held none of job b's blocks"
     beat("ps-0", {"a": uid_a, "b": uid_b})
     assert m.snapshot().pending_epoch == 0 and _members(m) == {"ps-0": "serving", "ps-1": "serving"}
+
+
+def test_a_pending_ring_change_names_the_nodes_it_waits_for_and_why(grpc_context, caplog):
+    """Status lists why a ring change still waits for each node, and the dispatcher warns, naming
+    them, once the change has been pending for RING_CHANGE_WARN_SECONDS (a sync has no deadline
+    of its own: it takes as long as the bytes it moves)."""
+    import logging
+
+    from shardline.dispatcher import server as dispatcher_server
+    from shardline.dispatcher.jobs import JobRegistry
+    from shardline.dispatcher.server import DispatcherServicer
+    from shardline.services.cli import render_status, status_dict
+    from shardline.services.pb import common_pb2, dispatcher_pb2
+
+    m = two_phase()
+    clock = [0.0]
+    servicer = DispatcherServicer(m, JobRegistry(), heartbeat_interval=0.5, clock=lambda: clock[0])
+    pending = m.snapshot().pending_epoch
+    spec = common_pb2.JobSpec(name="a", optimizer=common_pb2.OptimizerSpec(kind="sgd", lr=0.1), sync="bsp",
+                              world_size=1, tensors=[common_pb2.TensorSpec(name="w", shape=[4])])
+    servicer.CreateJob(dispatcher_pb2.CreateJobRequest(spec=spec), grpc_context)
+    uid = servicer.GetJob(dispatcher_pb2.GetJobRequest(name="a"), grpc_context).uid
+    assert m.waiting_for() == (pending, {"ps-0": "has not reported ready since a job was created or extended",
+                                         "ps-1": "has not reported ready since a job was created or extended"})
+
+    def beat(node_id, ready, jobs):
+        held = [dispatcher_pb2.HeldJob(job=name, uid=uid) for name in jobs]
+        servicer.Heartbeat(dispatcher_pb2.HeartbeatRequest(node_id=node_id, ready_epoch=ready, jobs=held),
+                           grpc_context)
+
+    beat("ps-0", pending, ["a"])
+    beat("ps-1", pending, [])
+    assert m.waiting_for() == (pending, {"ps-1": "does not hold job(s) a yet"})
+    beat("ps-1", 0, ["a"])
+    assert m.waiting_for() == (pending, {"ps-1": "is bringing its blocks in sync"})
+    assert all(not n.not_ready for n in m.snapshot().serving + m.snapshot().pending), "routing tables leave it out"
+    text = render_status(status_dict(servicer.GetClusterStatus(dispatcher_pb2.GetClusterStatusRequest(), grpc_context),
+                                     "127.0.0.1:1"))
+    assert "waiting for: ps-1 is bringing its blocks in sync" in text
+
+    caplog.set_level(logging.WARNING, logger="shardline.dispatcher")
+    servicer.expire()                                            # the change is first seen at 0 s
+
+    def later(seconds):  # both nodes keep beating (ps-1 still syncing), then an expiry pass
+        clock[0] = seconds
+        beat("ps-0", pending, ["a"])
+        beat("ps-1", 0, ["a"])
+        servicer.expire()
+
+    later(dispatcher_server.RING_CHANGE_WARN_SECONDS - 1)
+    assert "pending for" not in caplog.text
+    later(dispatcher_server.RING_CHANGE_WARN_SECONDS)
+    later(dispatcher_server.RING_CHANGE_WARN_SECONDS + 1)        # once per period, not per pass
+    warnings = [r.getMessage() for r in caplog.records if "pending for" in r.getMessage()]
+    assert warnings == [f"the ring change to epoch {pending} has been pending for 60 s; it waits for ps-1 (is "
+                        f"bringing its blocks in sync)"]
+    beat("ps-1", pending, ["a"])
+    assert m.waiting_for() == (0, {}) and m.snapshot().pending_epoch == 0
