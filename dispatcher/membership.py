@@ -298,6 +298,8 @@ class Membership:
             self._pending_epoch = 0
         elif self._pending_members() != pending_before or not self._pending_epoch:
             self._pending_epoch = epoch  # a new pending ring: every node must sync for it again
+            for node in self._nodes.values():
+                node.not_ready = ""      # reasons given for the ring before
 
     def _changing(self) -> bool:
         return self._pending_reader_racks is not None or any(
@@ -485,7 +487,8 @@ class Membership:
             self._jobs_version += 1
             for node in self._nodes.values():
                 node.ready_epoch = 0
-                node.not_ready = "has not reported ready since a job was created or extended"
+                node.not_ready = "has not reported ready since a job was created or extended" \
+                    if self._pending_epoch else ""
 
     def report_ready(self, node_id: str, ready_epoch: int, *, jobs_version: int | None = None,
                      why: str = "") -> bool:
