@@ -115,6 +115,38 @@ def test_add_a_fourth_ps_mid_run(tmp_path):
         assert ps3.member == "serving" and ps3.blocks > 0
 
 
+def test_a_join_waits_for_a_sigstopped_node_and_status_names_what_it_waits_for(tmp_path):
+    """SIGSTOP of a serving PS, then a fourth node joins mid-job: the ring change cannot switch (the
+    stopped node neither hands its blocks over nor reports), `shardline status` names the nodes it
+    waits for and why; after SIGCONT it switches and the run still equals torch.optim."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        cluster.start_dispatcher(heartbeat_timeout=30, heartbeat_interval=0.5)   # no death: a pause
+        nodes = [cluster.add_node(node_id=f"ps{i}") for i in range(3)]
+        cluster.wait_for_nodes(3, timeout=30)
+        workers = train_model.start_workers(cluster.address, "join-paused", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            step_sleep=0.2)
+        train_model.wait_for_steps(workers, 3)
+        cluster.kill(nodes[1], signal.SIGSTOP)
+        try:
+            cluster.add_node(node_id="ps3")
+            status = cluster.wait_until(lambda s: s.routing.pending_epoch and any(
+                n.node_id == "ps1" and n.not_ready for n in s.all_nodes), 20, "a ring change waiting for ps1")
+            waiting = {n.node_id: n.not_ready for n in status.all_nodes if n.not_ready}
+            assert waiting.get("ps1") == "has not reported ready yet", waiting
+            out = subprocess.run([*CLI, "status", "--cluster", cluster.address], capture_output=True, text=True,
+                                 timeout=60)
+            line = next((ln for ln in out.stdout.splitlines() if "waiting for:" in ln), "")
+            assert "ps1 has not reported ready yet" in line, out.stdout + out.stderr
+            time.sleep(1.0)
+            assert cluster.cluster_status().routing.pending_epoch, "switched while ps1 was stopped"
+        finally:
+            cluster.kill(nodes[1], signal.SIGCONT)
+        cluster.wait_for_nodes(4, timeout=60)
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
+        assert not any(n.not_ready for n in cluster.cluster_status().all_nodes)
+
+
 def test_drain_a_ps_mid_run(tmp_path):
     with LocalCluster(tmp_path / "c") as cluster:
         nodes = start(cluster, 3)
