@@ -118,7 +118,8 @@ def test_add_a_fourth_ps_mid_run(tmp_path):
 def test_a_join_waits_for_a_sigstopped_node_and_status_names_what_it_waits_for(tmp_path):
     """SIGSTOP of a serving PS, then a fourth node joins mid-job: the ring change cannot switch (the
     stopped node neither hands its blocks over nor reports), `shardline status` names the nodes it
-    waits for and why; after SIGCONT it switches and the run still equals torch.optim."""
+    waits for and why. A second job is created while the change waits (every node must then hold
+    it before the switch). After SIGCONT the ring switches and both runs equal torch.optim."""
     with LocalCluster(tmp_path / "c") as cluster:
         cluster.start_dispatcher(heartbeat_timeout=30, heartbeat_interval=0.5)   # no death: a pause
         nodes = [cluster.add_node(node_id=f"ps{i}") for i in range(3)]
@@ -137,14 +138,20 @@ def test_a_join_waits_for_a_sigstopped_node_and_status_names_what_it_waits_for(t
                                  timeout=60)
             line = next((ln for ln in out.stdout.splitlines() if "waiting for:" in ln), "")
             assert "ps1 has not reported ready yet" in line, out.stdout + out.stderr
-            time.sleep(1.0)
-            assert cluster.cluster_status().routing.pending_epoch, "switched while ps1 was stopped"
+            late = train_model.start_workers(cluster.address, "created-mid-change", "adamw", "bsp", tmp_path,
+                                             steps=8)
+            status = cluster.wait_until(lambda s: any(j.spec.name == "created-mid-change" for j in s.jobs), 30,
+                                        "the second job created")
+            assert status.routing.pending_epoch, "switched while ps1 was stopped"
         finally:
             cluster.kill(nodes[1], signal.SIGCONT)
         cluster.wait_for_nodes(4, timeout=60)
-        results = train_model.finish_workers(workers)
-        train_model.assert_equals_reference(results, STEPS)
-        assert not any(n.not_ready for n in cluster.cluster_status().all_nodes)
+        train_model.assert_equals_reference(train_model.finish_workers(workers), STEPS)
+        train_model.assert_equals_reference(train_model.finish_workers(late), 8)
+        status = cluster.cluster_status()
+        assert not any(n.not_ready for n in status.all_nodes)
+        ps3 = next(n for n in status.all_nodes if n.node_id == "ps3")
+        assert ps3.member == "serving" and ps3.blocks > 0
 
 
 def test_drain_a_ps_mid_run(tmp_path):
