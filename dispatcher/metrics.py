@@ -23,6 +23,10 @@ NODES_DECLARED_DEAD = Counter("shardline_nodes_declared_dead_total", "Times a PS
 HEARTBEAT_TIMEOUT = Gauge("shardline_heartbeat_timeout_seconds",
                           "Heartbeat silence after which the dispatcher declares a PS node dead")
 JOBS = Gauge("shardline_jobs", "Jobs registered with the dispatcher")
+RING_CHANGE_PENDING = Gauge("shardline_ring_change_pending_seconds",
+                            "Seconds the pending ring change (a join, drain or rebalance) has waited; 0: none")
+RING_CHANGE_WAITING = Gauge("shardline_ring_change_waiting_nodes",
+                            "PS nodes the pending ring change still waits for (shardline status names them)")
 JOB_CHECKPOINT_STEP = Gauge("shardline_job_checkpoint_step",
                             "Latest step every PS node holding the job has durable (absent while one has none)",
                             ["job_name"])
@@ -76,6 +80,11 @@ def publish(epoch: int, nodes: Iterable, *, heartbeat_timeout: float, jobs: int)
         DEAD_NODES.set(dead)
         HEARTBEAT_TIMEOUT.set(heartbeat_timeout)
         JOBS.set(jobs)
+
+
+def ring_change(pending_seconds: float, waiting_nodes: int) -> None:
+    RING_CHANGE_PENDING.set(pending_seconds)
+    RING_CHANGE_WAITING.set(waiting_nodes)
 
 
 def nodes_declared_dead(count: int) -> None:

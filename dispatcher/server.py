@@ -308,6 +308,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         was declared dead."""
         state = self._state
         if not self._current(state):
+            M.ring_change(0.0, 0)   # a follower reports no change pending (the leader does)
             return []
         try:
             expired = state.membership.expire(self._clock())
@@ -323,20 +324,23 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if expired:
             log.warning("nodes declared dead (no heartbeat for %.3g s): %s", state.membership.heartbeat_timeout,
                         ", ".join(expired))
-        self._warn_of_a_long_ring_change(state)
+        self._watch_ring_change(state)
         self._publish_gauges(state)
         return expired
 
-    def _warn_of_a_long_ring_change(self, state: LeaderState) -> None:
-        """Name the nodes a ring change has waited for, once it has been pending for
-        RING_CHANGE_WARN_SECONDS (and again every as long): it has no deadline of its own, as a
-        sync takes as long as the bytes it moves, so a node that cannot get in sync is named."""
+    def _watch_ring_change(self, state: LeaderState) -> None:
+        """Publish how long a ring change has waited and for how many nodes, and name them once it
+        has been pending for RING_CHANGE_WARN_SECONDS (and again every as long): it has no
+        deadline of its own, as a sync takes as long as the bytes it moves, so a node that cannot
+        get in sync is named."""
         pending, waiting = state.membership.waiting_for()
         now = self._clock()
         seen, since, warned = self._ring_change_seen
         if pending != seen:
             self._ring_change_seen = (pending, now, now)
+            M.ring_change(0.0, len(waiting))
             return
+        M.ring_change(now - since if pending else 0.0, len(waiting))
         if pending and now - warned >= RING_CHANGE_WARN_SECONDS:
             log.warning("the ring change to epoch %d has been pending for %.0f s; it waits for %s", pending,
                         now - since, "; ".join(f"{node} ({why})" for node, why in waiting.items())

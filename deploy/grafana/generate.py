@@ -211,7 +211,9 @@ def build() -> dict:
         ("sum(shardline_dead_nodes)", "dead"),
         ("max(shardline_ring_epoch)", "ring epoch (dispatcher)"),
         ("shardline_ps_ring_epoch", "epoch seen by {{instance}}"),
-    ], description="Node counts and the routing epoch; PS nodes follow the dispatcher's epoch within a heartbeat."))
+        ("max(shardline_ring_change_waiting_nodes)", "nodes a ring change waits for"),
+    ], description="Node counts and the routing epoch; PS nodes follow the dispatcher's epoch within a heartbeat. "
+                   "During a join, drain or rebalance: the nodes it still waits for (shardline status names them)."))
 
     g.row("Throughput")
     g.add(timeseries("Push / pull throughput", [
