@@ -69,6 +69,8 @@ SERVING, JOINING, DRAINING, DRAINED = "serving", "joining", "draining", "drained
 MEMBER_ROLES = (SERVING, JOINING, DRAINING, DRAINED)
 # Epochs travel as uint64; a node may report at most this, so E + 1 and a restart's + 1 stay in range.
 MAX_EPOCH = 2**63 - 1
+# Why a node does not count as ready after a job was created or extended during a ring change.
+NOT_READY_SINCE_JOB_CHANGE = "has not reported ready since a job was created or extended"
 _NAME_RE = re.compile(r"[A-Za-z0-9._-]{1,128}")
 READER_RACKS_KEY = "reader_racks"
 
@@ -375,6 +377,12 @@ class Membership:
             return self._epoch
 
     @property
+    def pending_epoch(self) -> int:
+        """The pending ring's epoch; 0: no ring change."""
+        with self._lock:
+            return self._pending_epoch
+
+    @property
     def alive_count(self) -> int:
         with self._lock:
             return sum(1 for node in self._nodes.values() if node.state == ALIVE)
@@ -487,8 +495,7 @@ class Membership:
             self._jobs_version += 1
             for node in self._nodes.values():
                 node.ready_epoch = 0
-                node.not_ready = "has not reported ready since a job was created or extended" \
-                    if self._pending_epoch else ""
+                node.not_ready = NOT_READY_SINCE_JOB_CHANGE if self._pending_epoch else ""
 
     def report_ready(self, node_id: str, ready_epoch: int, *, jobs_version: int | None = None,
                      why: str = "") -> bool:
@@ -504,7 +511,7 @@ class Membership:
             stale = jobs_version is not None and jobs_version != self._jobs_version
             node.ready_epoch = 0 if stale else ready_epoch
             node.not_ready = "" if node.ready_epoch and node.ready_epoch == self._pending_epoch else (
-                "has not reported ready since a job was created or extended" if stale
+                NOT_READY_SINCE_JOB_CHANGE if stale
                 else why or "is bringing its blocks in sync")
             if not self._pending_epoch:
                 return False
@@ -602,9 +609,8 @@ class Membership:
         """The pending epoch (0: no ring change) and the nodes the change still waits for, with
         why (node id -> reason)."""
         with self._lock:
-            return self._pending_epoch, {n.node_id: self._not_ready(n)
-                                         for n in sorted(self._nodes.values(), key=lambda n: n.node_id)
-                                         if self._not_ready(n)}
+            reasons = {n.node_id: self._not_ready(n) for n in sorted(self._nodes.values(), key=lambda n: n.node_id)}
+            return self._pending_epoch, {node_id: why for node_id, why in reasons.items() if why}
 
     def _not_ready(self, node: _Node) -> str:
         """Why the pending ring change waits for ``node`` ("": it does not). Lock held."""

@@ -393,10 +393,16 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             state.reader_racks.report(reads.rack, {reads.job: reads.bytes}, self._clock())
         # Every heartbeat says whether the node is in sync now (0: not, or no ring change): a node
         # that reported ready and then began another sync (a job it learnt late) no longer counts.
-        # Nor does one that does not hold every job: it has none of a missing job's blocks.
+        # Nor does one that does not hold every job: it has none of a missing job's blocks. The
+        # job list is read once, after jobs_version (a job created after that takes reports back).
+        jobs_version = state.membership.jobs_version
+        pending = state.membership.pending_epoch
+        jobs = state.jobs.incarnations() if pending or (registered and request.ready_epoch) else {}
+        switched = False
         if registered:
-            ready, jobs_version, why = self._checked_ready(state, request)
-            if state.membership.report_ready(request.node_id, ready, jobs_version=jobs_version, why=why):
+            ready, why = self._checked_ready(request, jobs)
+            switched = state.membership.report_ready(request.node_id, ready, jobs_version=jobs_version, why=why)
+            if switched:
                 snap = state.membership.snapshot()
                 log.info("ring change complete: serving %s at epoch %d", ", ".join(n.node_id for n in snap.serving),
                          snap.epoch)
@@ -410,33 +416,26 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             checkpoint_steps=[dispatcher_pb2.JobCheckpointStep(job=job, step=step) for job, step in sorted(steps.items())],
             unknown_jobs=state.jobs.unknown_held(request.jobs),
             failed_jobs=state.leases.failed(),
-            **self._jobs_to_hold(state),
+            # during a ring change (still on after this report): every job and its revision to hold
+            **({"jobs": list(jobs), "job_revisions": {name: revision for name, (_uid, revision) in jobs.items()}}
+               if pending and not switched else {}),
         )
 
     @staticmethod
-    def _jobs_to_hold(state: LeaderState) -> dict:
-        """During a ring change, what a heartbeat's reply lists: every job and its revision."""
-        if not state.membership.snapshot().pending_epoch:
-            return {}
-        jobs = state.jobs.incarnations()
-        return {"jobs": list(jobs), "job_revisions": {name: revision for name, (_uid, revision) in jobs.items()}}
-
-    @staticmethod
-    def _checked_ready(state: LeaderState, request) -> tuple[int, int, str]:
-        """A heartbeat's ``ready_epoch``, 0 if the node lacks a job (or holds another incarnation,
-        or an older revision, of it), the ``jobs_version`` it was checked at (read first: a job
-        created or extended after it takes the report back), and why a report of 0 is one."""
-        jobs_version = state.membership.jobs_version
+    def _checked_ready(request, jobs: dict[str, tuple[str, int]]) -> tuple[int, str]:
+        """A heartbeat's ``ready_epoch``, 0 if the node lacks one of ``jobs`` (name -> (uid,
+        revision): it holds none, another incarnation, or an older revision), and why a report of
+        0 is one."""
         ready, why = request.ready_epoch, ""
         if ready:
             held = {held.job: held for held in request.jobs}
-            missing = [name for name, (uid, revision) in state.jobs.incarnations().items()
+            missing = [name for name, (uid, revision) in jobs.items()
                        if name not in held or (held[name].uid and uid and held[name].uid != uid)
                        or held[name].revision < revision]
             if missing:
                 ready = 0
                 why = f"does not hold job(s) {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''} yet"
-        return ready, jobs_version, why
+        return ready, why
 
     def _routing(self, state: LeaderState) -> common_pb2.RoutingTable:
         snap = state.membership.snapshot(self._clock())
