@@ -102,6 +102,8 @@ MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token 
 REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean",
                 **{m: "token_mean" for m in SHARDLINE_MODES}}
 SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", **{m: "kk" for m in SHARDLINE_MODES}}
+# Issue 11's goals for Shardline BSP, per workload: the least tok/s ratio to each peer in the same run.
+GOALS = {"lognormal": {"ddp": 1.3, "ddp_balanced": 1.02, "fsdp2": 4.0}, "balanced": {"ddp": 1.0}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,6 +622,7 @@ def run(args) -> dict:
                           flush=True)
         result["runs"] = runs
         result["summary"] = summarize(runs, ref["curves"], args)
+        result["goals"] = goal_checks(result["summary"], args.workload)
     finally:
         children.stop_all()
         if cluster is not None:
@@ -637,6 +640,7 @@ def run(args) -> dict:
 def summarize(runs: dict, curves: dict, args) -> dict:
     out = {}
     base = {r["repeat"]: r for r in runs.get("ddp", [])}
+    balanced = {r["repeat"]: r for r in runs.get("ddp_balanced", [])}
     fsdp = {r["repeat"]: r for r in runs.get("fsdp2", [])}
 
     def paired(rs, peers, key="tokens_per_s"):  # per repeat: this mode's key over the peer's tok/s
@@ -661,12 +665,30 @@ def summarize(runs: dict, curves: dict, args) -> dict:
             "reference": REFERENCE_OF[m], "split": SPLIT_OF[m],
             "loss_max_abs_diff": diffs, "loss_max_abs_diff_own_reference": diffs[REFERENCE_OF[m]],
             "first_loss": rs[0]["losses"][0], "last_loss": rs[0]["losses"][-1],
+            "ratio_to_ddp_balanced_paired_median": median(paired(rs, balanced)),
             "ratio_to_fsdp2_paired_median": median(paired(rs, fsdp)),
             "tokens_per_s_without_waits_median": statistics.median(r["tokens_per_s_without_waits"] for r in rs),
             "without_waits_ratio_to_ddp_paired_median": median(paired(rs, base, "tokens_per_s_without_waits")),
             "without_waits_ratio_to_fsdp2_paired_median": median(paired(rs, fsdp, "tokens_per_s_without_waits")),
         }
     return out
+
+
+def goal_checks(summary: dict, workload: str) -> dict:
+    """Each Shardline BSP mode's paired-median ratio to each peer that has a goal (GOALS) and ran:
+    ``{mode: {peer: {"ratio", "goal", "met", "bound"}}}``; ``bound`` is the ratio were every wait
+    of the mode's ranks gone (ddp and fsdp2 only). SSP modes are reported, not held to the goals."""
+    checks = {}
+    for mode, s in summary.items():
+        if mode not in SHARDLINE_MODES or SHARDLINE_MODES[mode].get("sync", "bsp") != "bsp":
+            continue
+        for peer, goal in GOALS[workload].items():
+            ratio = s.get(f"ratio_to_{peer}_paired_median")
+            if ratio is not None:
+                checks.setdefault(mode, {})[peer] = {
+                    "ratio": ratio, "goal": goal, "met": ratio >= goal,
+                    "bound": s.get(f"without_waits_ratio_to_{peer}_paired_median")}
+    return checks
 
 
 def print_table(result: dict) -> None:
@@ -695,6 +717,15 @@ def print_table(result: dict) -> None:
             measured = s.get("ratio_to_fsdp2_paired_median")
             print(f"  {m:<22}{s['tokens_per_s_without_waits_median']:>9.0f} tok/s = {', '.join(vs)}"
                   + (f" (measured {measured:.2f} x fsdp2)" if measured is not None else ""))
+    goals = result.get("goals", {})
+    if goals:
+        print("goals (issue 11, Shardline BSP, paired medians; bound: every wait gone): "
+              + ", ".join(f">= {g:g} x {peer}" for peer, g in GOALS[cfg["workload"]].items()))
+    for m, peers in goals.items():
+        print(f"  {m:<22}" + "  ".join(
+            f"{c['ratio']:.2f} x {peer} {'met' if c['met'] else 'NOT MET'}"
+            + (f" (bound {c['bound']:.2f})" if c["bound"] is not None and not c["met"] else "")
+            for peer, c in peers.items()))
     for m, why in result.get("skipped", {}).items():
         print(f"{m}: skipped: {why.splitlines()[-1] if why else why}")
     print(f"wall {result['wall_seconds']:.0f} s, load {result['loadavg_start'][0]:.1f} -> {result['loadavg_end'][0]:.1f}")
