@@ -622,7 +622,8 @@ def run(args) -> dict:
                           flush=True)
         result["runs"] = runs
         result["summary"] = summarize(runs, ref["curves"], args)
-        result["goals"] = goal_checks(result["summary"], args.workload)
+        # the goals are for one host (the measurements); between emulated hosts they are not held
+        result["goals"] = {} if args.link else goal_checks(result["summary"], args.workload)
     finally:
         children.stop_all()
         if cluster is not None:
