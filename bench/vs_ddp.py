@@ -102,6 +102,9 @@ MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token 
 REFERENCE_OF = {"ddp": "rank_mean", "ddp_balanced": "token_mean", "fsdp2": "rank_mean",
                 **{m: "token_mean" for m in SHARDLINE_MODES}}
 SPLIT_OF = {"ddp": "contiguous", "ddp_balanced": "kk", "fsdp2": "contiguous", **{m: "kk" for m in SHARDLINE_MODES}}
+# Every run is a short job on one shared cluster: a rebalance planned from one run's load would
+# place the next runs' blocks, so each run starts from the ring its nodes' capacities give.
+NO_REBALANCE = {"rebalance_interval": 0}
 # Issue 11's goals for Shardline BSP, per workload: the least tok/s ratio to each peer in the same run.
 GOALS = {"lognormal": {"ddp": 1.3, "ddp_balanced": 1.02, "fsdp2": 4.0}, "balanced": {"ddp": 1.0}}
 
@@ -447,7 +450,8 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
     children.procs = [p for p in children.procs if p not in started]
     summary = summarize_mode(mode, ranks, args, wall)
     if ps_cpu is not None:
-        summary["ps"] = dict(early_blocks(cluster, base["job"]), cpu_seconds=ps_cpu_seconds(cluster) - ps_cpu)
+        summary["ps"] = dict(early_blocks(cluster, base["job"]), cpu_seconds=ps_cpu_seconds(cluster) - ps_cpu,
+                             primary_share=primary_share(cluster, base["job"]))
     return summary
 
 
@@ -479,6 +483,28 @@ def ps_cpu_seconds(cluster) -> float:
         fields = Path(f"/proc/{node.pid}/stat").read_text().rsplit(")", 1)[1].split()
         total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return total
+
+
+def primary_share(cluster, job: str) -> dict:
+    """Each PS node's share of ``job``'s trainable elements it is the primary of (what it receives
+    pushes for and steps): the consistent-hash placement of the job's blocks. A flat job has a few
+    large blocks, so on several nodes one node often holds most of them."""
+    from shardline.ps_server.placement import place, trainable_keys
+    from shardline.services.blocks import block_slice
+    from shardline.services.routing import RoutingView
+
+    client = cluster.client()
+    try:
+        view, spec = RoutingView.from_proto(client.get_routing()), client.get_job(job).spec
+    finally:
+        client.close()
+    placement, numel = place(view, spec), {t.name: math.prod(t.shape) for t in spec.tensors}
+    elements: dict[str, int] = {}
+    for tensor, index in trainable_keys(spec):
+        node = placement.primary((tensor, index))
+        elements[node] = elements.get(node, 0) + block_slice(numel[tensor], spec.block_elements, index).numel
+    total = sum(elements.values()) or 1
+    return {node: round(n / total, 3) for node, n in sorted(elements.items())}
 
 
 def early_blocks(cluster, job: str) -> dict:
@@ -583,7 +609,7 @@ def run(args) -> dict:
         if any(m in SHARDLINE_MODES for m in modes):
             if link is None:
                 cluster = LocalCluster(workdir / "daemons")
-                cluster.start_dispatcher()
+                cluster.start_dispatcher(**NO_REBALANCE)
                 nodes = [cluster.add_node(wait=False, torch_threads=args.ps_threads) for _ in range(args.ps)]
             else:  # every daemon in its host, TCP between hosts (a non-loopback address needs the token)
                 token = workdir / "cluster.token"
@@ -593,7 +619,7 @@ def run(args) -> dict:
                                        cluster_token_file=str(token))
                 host = lambda i: dict(listen=f"{link.address(ps_host(i))}:0",  # noqa: E731
                                       env={"SHARDLINE_BENCH_NETNS": link.hosts[ps_host(i)][0]})
-                cluster.start_dispatcher(**host(0))
+                cluster.start_dispatcher(**host(0), **NO_REBALANCE)
                 nodes = [cluster.add_node(wait=False, torch_threads=args.ps_threads, **host(i)) for i in range(args.ps)]
             for n in nodes:
                 cluster.wait_ready(n)
@@ -617,7 +643,8 @@ def run(args) -> dict:
                 if args.verbose:
                     ps = res.get("ps")
                     ps_text = "" if ps is None else (f", PS {ps['cpu_seconds']:.2f} CPU s, blocks applied early "
-                                                     f"{ps['applied_early']} (stepped in vain {ps['stepped_early_unused']})")
+                                                     f"{ps['applied_early']} (stepped in vain {ps['stepped_early_unused']}), "
+                                                     f"primary share {ps['primary_share']}")
                     print(f"repeat {rep} {m}: {res['tokens_per_s']:.0f} tok/s, wait {res['wait_share_mean']:.1%}{ps_text}",
                           flush=True)
         result["runs"] = runs
