@@ -129,6 +129,7 @@ class Chaos:
         self.gate = workdir / "step-gate"
         self.allowed = 0
         self.armed: dict[int, tuple[str, int]] = {}   # rank -> (worker failpoint, step) its process has
+        self.workers: dict = {}   # rank -> train_model.start_workers entry of its current process
 
     # -- cluster ---------------------------------------------------------------------------
     def start(self, cluster: LocalCluster) -> None:
@@ -313,22 +314,25 @@ class Chaos:
     def run(self) -> Report:
         t0 = time.monotonic()
         with LocalCluster(self.workdir / "cluster", start_timeout=90) as cluster:
-            self.start(cluster)
-            self.wait_step_after(1, time.monotonic())
-            for _ in range(self.n_faults):
-                fault = self.inject()
-                self.report.faults.append(fault)
-                self.log(f"[seed {self.report.seed}] {fault['kind']:<16} {fault['detail']:<40} at step {fault['at_step']:>3}: "
-                         f"next step after {fault['recovery_seconds'] or 0:.2f} s")
-                self.wait_serving()
-            self.allow(self.steps)
-            deadline = time.monotonic() + 600
-            while self.progress() < self.steps:   # a worker armed by the last faults may still die
-                self.revive_workers()
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"training did not finish: at step {self.progress()} of {self.steps}")
-                time.sleep(0.05)
-            results = train_model.finish_workers(list(self.workers.values()), timeout=600)
+            try:   # a worker held at the step gate never exits on its own
+                self.start(cluster)
+                self.wait_step_after(1, time.monotonic())
+                for _ in range(self.n_faults):
+                    fault = self.inject()
+                    self.report.faults.append(fault)
+                    self.log(f"[seed {self.report.seed}] {fault['kind']:<16} {fault['detail']:<40} at step "
+                             f"{fault['at_step']:>3}: next step after {fault['recovery_seconds'] or 0:.2f} s")
+                    self.wait_serving()
+                self.allow(self.steps)
+                deadline = time.monotonic() + 600
+                while self.progress() < self.steps:   # a worker armed by the last faults may still die
+                    self.revive_workers()
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"training did not finish: at step {self.progress()} of {self.steps}")
+                    time.sleep(0.05)
+                results = train_model.finish_workers(list(self.workers.values()), timeout=600)
+            finally:
+                train_model.kill_workers(list(self.workers.values()))
             if self.rebalance:
                 self.report.rebalances = sum(h.log_path.read_text(errors="replace").count("rebalancing the ring")
                                              for h in cluster.dispatchers)
