@@ -9,6 +9,16 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 
+@pytest.fixture(autouse=True)
+def no_worker_left_behind():
+    """Worker processes a test started (train_model.start_workers) do not outlive it: one that
+    failed midway may have left them running, e.g. held at a step gate, which they never leave."""
+    yield
+    train_model = sys.modules.get("train_model")
+    if train_model is not None:
+        train_model.kill_started()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     """A dispatcher and two PS nodes, real processes on 127.0.0.1, shared by a test module

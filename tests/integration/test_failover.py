@@ -254,21 +254,18 @@ def test_a_commit_that_reached_only_a_draining_node(tmp_path, flat):
         env = {0: {**common, "SHARDLINE_FAILPOINTS": f"worker.commit_partial@{at}"}, 1: common}
         workers = train_model.start_workers(cluster.address, "commit-to-a-draining-node", "adamw", "bsp", tmp_path,
                                             steps=steps, env=env, log_output=True)
-        try:   # a worker held at the step gate never exits on its own
-            train_model.wait_for_steps(workers, at)
-            nodes[0].proc.send_signal(signal.SIGTERM)
-            cluster.wait_until(lambda s: s.routing.pending_epoch, 10, "ps0 draining")
-            gate.write_text(str(steps))   # step 6 runs while ps0 leaves the ring
-            crashed = workers[0][0]
-            crashed.wait(60)
-            assert crashed.returncode == 137, train_model.worker_output(workers[0])
-            nodes[0].proc.wait(30)
-            cluster.restart(nodes[0], wait=True)
-            workers[0] = train_model.start_workers(cluster.address, "commit-to-a-draining-node", "adamw", "bsp",
-                                                   tmp_path, steps=steps, ranks=[0], env=common, log_output=True)[0]
-            results = train_model.finish_workers(workers)
-        finally:
-            train_model.kill_workers(workers)
+        train_model.wait_for_steps(workers, at)
+        nodes[0].proc.send_signal(signal.SIGTERM)
+        cluster.wait_until(lambda s: s.routing.pending_epoch, 10, "ps0 draining")
+        gate.write_text(str(steps))   # step 6 runs while ps0 leaves the ring
+        crashed = workers[0][0]
+        crashed.wait(60)
+        assert crashed.returncode == 137, train_model.worker_output(workers[0])
+        nodes[0].proc.wait(30)
+        cluster.restart(nodes[0], wait=True)
+        workers[0] = train_model.start_workers(cluster.address, "commit-to-a-draining-node", "adamw", "bsp",
+                                               tmp_path, steps=steps, ranks=[0], env=common, log_output=True)[0]
+        results = train_model.finish_workers(workers)
         output = train_model.worker_output(workers[0])
         assert "may differ" not in output, output
         train_model.assert_equals_reference(results, steps)

@@ -45,37 +45,34 @@ def test_a_rolling_restart_of_every_daemon_while_workers_train(tmp_path, etcd):
         allow(gate, allowed)
         workers = train_model.start_workers(cluster.address, "rolling", "adamw", "bsp", tmp_path, steps=STEPS,
                                             step_sleep=STEP_SLEEP, env={"SHARDLINE_TEST_STEP_GATE": str(gate)})
-        try:   # a worker held at the gate never exits on its own
-            train_model.wait_for_steps(workers, allowed)
+        train_model.wait_for_steps(workers, allowed)
 
-            def settled(s) -> bool:   # every node back in the ring, no ring change pending, one leader
-                return (not s.routing.pending_epoch and {n.node_id for n in s.routing.nodes} == {"ps0", "ps1", "ps2"}
-                        and all(n.state == "alive" and not n.not_ready for n in s.all_nodes)
-                        and sum(d.role == "leader" for d in s.dispatchers) == 1 and len(s.dispatchers) == 2)
+        def settled(s) -> bool:   # every node back in the ring, no ring change pending, one leader
+            return (not s.routing.pending_epoch and {n.node_id for n in s.routing.nodes} == {"ps0", "ps1", "ps2"}
+                    and all(n.state == "alive" and not n.not_ready for n in s.all_nodes)
+                    and sum(d.role == "leader" for d in s.dispatchers) == 1 and len(s.dispatchers) == 2)
 
-            leader = cluster.leader()
-            order = nodes + [h for h in dispatchers if h is not leader] + [leader]
-            assert len(order) == DAEMONS
-            for daemon in order:
-                before = done(workers)
-                allowed += STEPS_PER_RESTART
-                allow(gate, allowed)   # the workers train on while it stops, drains or hands the lead over
-                started = time.monotonic()
-                code = cluster.stop(daemon)
-                assert code == 0, f"{daemon.name} exited {code} on SIGTERM:\n{daemon.log_tail()}"
-                stopped = done(workers)
-                cluster.restart(daemon)
-                cluster.wait_until(settled, 60, f"the cluster settled after {daemon.name} restarted")
-                back = done(workers)
-                print(f"{daemon.name}: stopped and back in {time.monotonic() - started:.1f} s; steps done "
-                      f"{before} -> {stopped} (stopped) -> {back} (settled)")
-                assert back > before, f"no step was taken while {daemon.name} restarted"
-                train_model.wait_for_steps(workers, allowed, timeout=60)
-            assert cluster.leader() is not leader   # the lead moved when the leader stopped
+        leader = cluster.leader()
+        order = nodes + [h for h in dispatchers if h is not leader] + [leader]
+        assert len(order) == DAEMONS
+        for daemon in order:
+            before = done(workers)
+            allowed += STEPS_PER_RESTART
+            allow(gate, allowed)   # the workers train on while it stops, drains or hands the lead over
+            started = time.monotonic()
+            code = cluster.stop(daemon)
+            assert code == 0, f"{daemon.name} exited {code} on SIGTERM:\n{daemon.log_tail()}"
+            stopped = done(workers)
+            cluster.restart(daemon)
+            cluster.wait_until(settled, 60, f"the cluster settled after {daemon.name} restarted")
+            back = done(workers)
+            print(f"{daemon.name}: stopped and back in {time.monotonic() - started:.1f} s; steps done "
+                  f"{before} -> {stopped} (stopped) -> {back} (settled)")
+            assert back > before, f"no step was taken while {daemon.name} restarted"
+            train_model.wait_for_steps(workers, allowed, timeout=60)
+        assert cluster.leader() is not leader   # the lead moved when the leader stopped
 
-            allow(gate, STEPS)
-            train_model.assert_equals_reference(train_model.finish_workers(workers), STEPS)
-        finally:
-            train_model.kill_workers(workers)
+        allow(gate, STEPS)
+        train_model.assert_equals_reference(train_model.finish_workers(workers), STEPS)
         status = cluster.cluster_status()
         assert all(n.blocks > 0 for n in status.all_nodes), [(n.node_id, n.blocks) for n in status.all_nodes]

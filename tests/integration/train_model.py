@@ -23,6 +23,10 @@ HYPER = {
     "sgd": dict(lr=0.1, momentum=0.9, weight_decay=0.01),
     "adam": dict(lr=0.05),
 }
+# Every worker process start_workers started in this process: kill_started reaps those left
+# running when a test ends (tests/integration/conftest.py), e.g. held at a step gate by a test
+# that failed before it let them finish.
+_started_procs: list = []
 
 
 class SmallModel(nn.Module):
@@ -110,6 +114,7 @@ def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8
             [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
              "schedule" if schedule else "constant", str(prefetch), str(progress), str(step_sleep)],
             stdout=output, stderr=subprocess.STDOUT, text=True, env={**os.environ, **extra}), out, progress))
+        _started_procs.append(started[-1][0])
         if log_output:
             output.close()  # the child holds its own copy
     return started
@@ -147,6 +152,16 @@ def kill_workers(started):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def kill_started() -> int:
+    """Kill every worker process start_workers started that still runs; returns how many."""
+    alive = [p for p in _started_procs if p.poll() is None]
+    for p in alive:
+        p.kill()
+        p.wait()
+    _started_procs.clear()
+    return len(alive)
 
 
 def wait_for_steps(started, at_least: int, timeout: float = 60) -> None:
