@@ -27,6 +27,8 @@ HYPER = {
 # running when a test ends (tests/integration/conftest.py), e.g. held at a step gate by a test
 # that failed before it let them finish.
 _started_procs: list = []
+# Longest a worker waits at a step gate for its next step: no harness holds one that long.
+GATE_TIMEOUT_SECONDS = 900.0
 
 
 class SmallModel(nn.Module):
@@ -247,7 +249,10 @@ def main(argv):
     # a fault harness paces training: step s starts once this file allows it (tests/fault/chaos.py)
     gate = os.environ.get("SHARDLINE_TEST_STEP_GATE")
     for step in range(start_version, steps):
+        held_since = time.monotonic()
         while gate and step >= _allowed(gate):
+            if time.monotonic() - held_since > GATE_TIMEOUT_SECONDS:  # its harness is gone (SIGKILL, a hang)
+                sys.exit(f"rank {rank}: step {step} not allowed by step gate {gate} within {GATE_TIMEOUT_SECONDS:g} s")
             time.sleep(0.02)
         tokens, targets = batch(step, rank)
         if schedule == "schedule":  # before backward: with overlap, backward pushes with the step's lr
