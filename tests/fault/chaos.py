@@ -129,7 +129,6 @@ class Chaos:
         self.gate = workdir / "step-gate"
         self.allowed = 0
         self.armed: dict[int, tuple[str, int]] = {}   # rank -> (worker failpoint, step) its process has
-        self.workers: dict = {}   # rank -> train_model.start_workers entry of its current process
 
     # -- cluster ---------------------------------------------------------------------------
     def start(self, cluster: LocalCluster) -> None:
@@ -332,7 +331,7 @@ class Chaos:
                     time.sleep(0.05)
                 results = train_model.finish_workers(list(self.workers.values()), timeout=600)
             finally:
-                train_model.kill_workers(list(self.workers.values()))
+                train_model.kill_started()   # every incarnation it started, the revived ones too
             if self.rebalance:
                 self.report.rebalances = sum(h.log_path.read_text(errors="replace").count("rebalancing the ring")
                                              for h in cluster.dispatchers)

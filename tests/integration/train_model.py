@@ -149,21 +149,21 @@ def finish_workers(started, timeout=120):
     return [load_file(str(out)) for _, out, _ in started]
 
 
-def kill_workers(started):
-    for p, _, _ in started:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-
-
-def kill_started() -> int:
-    """Kill every worker process start_workers started that still runs; returns how many."""
-    alive = [p for p in _started_procs if p.poll() is None]
+def kill_workers(started) -> int:
+    """Kill the processes of ``start_workers`` entries that still run; returns how many."""
+    alive = [p for p, _, _ in started if p.poll() is None]
     for p in alive:
         p.kill()
         p.wait()
-    _started_procs.clear()
     return len(alive)
+
+
+def kill_started() -> int:
+    """Kill every worker process start_workers started in this process that still runs (a test or
+    harness that failed midway may have left some); returns how many."""
+    killed = kill_workers([(p, None, None) for p in _started_procs])
+    _started_procs.clear()
+    return killed
 
 
 def wait_for_steps(started, at_least: int, timeout: float = 60) -> None:
