@@ -12,6 +12,15 @@ outside them is touched):
   and receives at most R, independently, as a full-duplex NIC does. No delay is added (the
   kernel has no netem here); the transfer time of a payload is what the link costs.
 
+With ``rate=None`` the NICs are not shaped (the partition tests want a network, not a slow one).
+
+Partitions (tests/integration/test_partitions.py, tests/fault/chaos.py): the switch drops frames
+as a failed port or a partitioned network does, silently, with a bridge-family nftables table in
+the switch namespace (``nft``, from nftables). :meth:`cut` loses everything a host sends and
+receives, :meth:`drop` what one host sends to another (one way; call it twice for both),
+:meth:`mend` ends every fault. Nothing inside the hosts changes: their links stay up, so their
+sockets see a silent network (retransmits, timeouts), not an error.
+
 Processes run in a host with :meth:`EmulatedLink.command` (``ip netns exec <ns> ...``, which
 execs in place: the pid is the process's own). It needs root and iproute2 (``ip``, ``tc``; in
 scripts/install-system-deps.sh). :meth:`close` deletes every namespace it made (their veths go
@@ -39,20 +48,28 @@ def _run(*argv: str) -> None:
     try:
         done = subprocess.run(argv, capture_output=True, text=True)
     except FileNotFoundError:
-        raise RuntimeError(f"{argv[0]} not found: an emulated link needs iproute2 (scripts/install-system-deps.sh)") from None
+        raise RuntimeError(f"{argv[0]} not found: emulated hosts need iproute2 and nftables "
+                           f"(scripts/install-system-deps.sh)") from None
     if done.returncode != 0:
         hint = " (network namespaces need root)" if os.geteuid() != 0 else ""
         raise RuntimeError(f"{' '.join(argv)} failed ({done.returncode}): {done.stderr.strip()}{hint}")
 
 
-class EmulatedLink:
-    """Hosts ``names`` (e.g. ``["ps0", "rank0", "rank1"]``) on a switch, each NIC at ``rate``."""
+# The switch's table of partition faults (bridge family: it sees every frame between two ports).
+FAULT_TABLE = ("bridge", "shardline_faults")
 
-    def __init__(self, names: list[str], rate: str, *, prefix: str | None = None):
-        self.rate = check_rate(rate)
+
+class EmulatedLink:
+    """Hosts ``names`` (e.g. ``["ps0", "rank0", "rank1"]``) on a switch, each NIC at ``rate``
+    (None: unshaped)."""
+
+    def __init__(self, names: list[str], rate: str | None, *, prefix: str | None = None):
+        self.rate = None if rate is None else check_rate(rate)
         self.prefix = prefix or f"sl{os.getpid()}"
         self.hosts: dict[str, tuple[str, str]] = {}   # name -> (namespace, address)
+        self._ports: dict[str, str] = {}              # name -> its port on the switch
         self._namespaces: list[str] = []
+        self._faults = False                          # the fault table exists
         try:
             self._build(names)
         except BaseException:
@@ -67,6 +84,8 @@ class EmulatedLink:
         return ns
 
     def _shape(self, ns: str, dev: str) -> None:
+        if self.rate is None:
+            return
         # burst: a few MTU-sized (64 KiB) packets; latency bounds the queue (packets beyond wait, not drop)
         _run("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", self.rate,
              "burst", "256kb", "latency", "50ms")
@@ -88,6 +107,35 @@ class EmulatedLink:
             self._shape(ns, "eth0")        # what the host sends
             self._shape(switch, port)      # what it receives
             self.hosts[name] = (ns, address)
+            self._ports[name] = port
+
+    # -- partitions ---------------------------------------------------------------------------
+
+    def _nft(self, *rule: str) -> None:
+        _run("ip", "netns", "exec", f"{self.prefix}-net", "nft", *rule)
+
+    def _fault(self, match: list[str]) -> None:
+        family, table = FAULT_TABLE
+        if not self._faults:
+            self._nft("add", "table", family, table)
+            self._nft("add", "chain", family, table, "forward", "{ type filter hook forward priority 0; }")
+            self._faults = True
+        self._nft("add", "rule", family, table, "forward", *match, "drop")
+
+    def cut(self, name: str) -> None:
+        """Host ``name`` loses its network: every frame it sends or is sent is dropped."""
+        port = self._ports[name]
+        self._fault(["iifname", port])
+        self._fault(["oifname", port])
+
+    def drop(self, src: str, dst: str) -> None:
+        """Frames from host ``src`` to host ``dst`` are lost (one way: ``dst`` still reaches ``src``)."""
+        self._fault(["iifname", self._ports[src], "oifname", self._ports[dst]])
+
+    def mend(self) -> None:
+        """End every cut and drop."""
+        if self._faults:
+            self._nft("flush", "chain", *FAULT_TABLE, "forward")
 
     def address(self, name: str) -> str:
         return self.hosts[name][1]
@@ -110,11 +158,11 @@ class EmulatedLink:
 
 def python_wrapper(path, python: str) -> str:
     """An executable at ``path`` that runs ``python`` inside the namespace named by the environment
-    variable SHARDLINE_BENCH_NETNS (directly if unset): LocalCluster starts every daemon with it,
+    variable EMULATED_HOST_NETNS (directly if unset): LocalCluster starts every daemon with it,
     and each daemon's own env names its host."""
     with open(path, "w") as fh:
         fh.write("#!/bin/sh\n"
-                 f'[ -n "$SHARDLINE_BENCH_NETNS" ] && exec ip netns exec "$SHARDLINE_BENCH_NETNS" {python} "$@"\n'
+                 f'[ -n "$EMULATED_HOST_NETNS" ] && exec ip netns exec "$EMULATED_HOST_NETNS" {python} "$@"\n'
                  f'exec {python} "$@"\n')
     os.chmod(path, 0o755)
     return str(path)

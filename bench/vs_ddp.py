@@ -489,7 +489,7 @@ def primary_share(cluster, job: str) -> dict:
     """Each PS node's share of ``job``'s trainable elements it is the primary of (what it receives
     pushes for and steps): the consistent-hash placement of the job's blocks. A flat job has a few
     large blocks, so on several nodes one node often holds most of them."""
-    from shardline.ps_server.placement import place, trainable_keys
+    from shardline.services.placement import place, trainable_keys
     from shardline.services.blocks import block_slice
     from shardline.services.routing import RoutingView
 
@@ -618,7 +618,7 @@ def run(args) -> dict:
                 cluster = LocalCluster(workdir / "daemons", python=python_wrapper(workdir / "python", sys.executable),
                                        cluster_token_file=str(token))
                 host = lambda i: dict(listen=f"{link.address(ps_host(i))}:0",  # noqa: E731
-                                      env={"SHARDLINE_BENCH_NETNS": link.hosts[ps_host(i)][0]})
+                                      env={"EMULATED_HOST_NETNS": link.hosts[ps_host(i)][0]})
                 cluster.start_dispatcher(**host(0), **NO_REBALANCE)
                 nodes = [cluster.add_node(wait=False, torch_threads=args.ps_threads, **host(i)) for i in range(args.ps)]
             for n in nodes:

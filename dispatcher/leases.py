@@ -96,6 +96,15 @@ class WorkerLeases:
                                                f"{timeout:g} s (worker_lease_timeout)")
         return lost
 
+    def extend(self, now: float) -> None:
+        """Renew every lease not lost as of ``now``: after a time in which renewals could not arrive
+        (the dispatcher suspected its own isolation), each rank gets one lease timeout to check in,
+        as with a new leader."""
+        with self._lock:
+            for lease in self._leases.values():
+                if lease.lost_at is None:
+                    lease.last = max(lease.last, now)
+
     def _clear_failure(self, job: str) -> None:
         if job in self._failed and not any(lo.lost_at is not None for lo in self._leases.values() if lo.job == job):
             del self._failed[job]

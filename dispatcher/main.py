@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             args.listen,
             heartbeat_timeout=args.heartbeat_timeout,
             heartbeat_interval=args.heartbeat_interval,
+            isolation_share=args.isolation_share,
+            isolation_timeout=args.isolation_timeout,
             vnodes_per_capacity=args.vnodes_per_capacity,
             cluster_token=security.token,
             server_tls=security.server_tls,

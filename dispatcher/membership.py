@@ -35,6 +35,18 @@ A node that dies leaves the serving ring at once (its replicas hold its blocks);
 ring, if any, is recomputed. A node joining an empty ring, or a cluster that holds no job data
 (``has_data()`` false), serves at once: there is nothing to sync.
 
+No ring from partial data. Which silent nodes are dead is the IsolationGuard's call
+(dispatcher/isolation.py: none while more than half of them went silent together, which is what a
+dispatcher cut off from the network sees). And a silent node leaves the serving ring only if every
+block it holds has a holder that is not silent: ``sole_holders(serving, reader_racks, leaving)``
+names the nodes of ``leaving`` that hold blocks no other serving node outside ``leaving`` holds
+(dispatcher/holders.py); such a node is **kept**: it stays alive and serving (workers wait for it,
+and its blocks stay where they are) until it answers again, or until another holder of its
+blocks does (then it is declared dead). A kept node that restarted (a new incarnation) serves on,
+from its checkpoint: no other node holds what it holds. So no node ever becomes the serving owner
+of blocks that no live node holds, and every node being declared dead at once cannot happen while
+jobs hold data.
+
 Rebalancing (dispatcher/rebalance.py decides, ``rebalance`` applies) is a ring change of the same
 kind: serving nodes get **pending virtual-node counts**, the pending ring is built with them, and
 the switch makes them the counts in use. It starts only while no change is pending, and any other
@@ -56,6 +68,7 @@ import re
 import threading
 from dataclasses import dataclass
 
+from shardline.dispatcher.isolation import DEFAULT_ISOLATION_SHARE, DEFAULT_ISOLATION_TIMEOUT_SECONDS, IsolationGuard
 from shardline.dispatcher.state_memory import MemoryStateStore
 from shardline.dispatcher.state_store import EPOCH_KEY, NODE_PREFIX, StateStore, StateStoreError, with_prefix
 from shardline.services.daemon import parse_host_port
@@ -191,8 +204,12 @@ class Membership:
 
     ``store`` keeps them across restarts (default: memory, i.e. not kept); ``now`` is the start
     time on the caller's clock, from which restored alive nodes get their heartbeat grace;
-    ``has_data()`` says whether any job holds blocks (a node joining then syncs first). Raises
-    StateStoreError naming the store if its state cannot be read or written.
+    ``has_data()`` says whether any job holds blocks (a node joining then syncs first);
+    ``sole_holders`` (see the module docstring; None: every silent node may leave) keeps the
+    last holders of blocks in the ring; ``heartbeat_interval`` (default: the dispatcher's, the
+    smaller of 1 s and a third of the timeout), ``isolation_share`` and ``isolation_timeout``
+    configure the :attr:`isolation` guard. Raises StateStoreError naming the store if its state
+    cannot be read or written.
     """
 
     def __init__(
@@ -203,12 +220,21 @@ class Membership:
         store: StateStore | None = None,
         now: float = 0.0,
         has_data=None,
+        sole_holders=None,
+        heartbeat_interval: float | None = None,
+        isolation_share: float = DEFAULT_ISOLATION_SHARE,
+        isolation_timeout: float = DEFAULT_ISOLATION_TIMEOUT_SECONDS,
     ):
         self.heartbeat_timeout = require_positive_number(heartbeat_timeout, "heartbeat_timeout (seconds)")
         vnode_counts({}, vnodes_per_capacity)  # validates the density
         self.vnodes_per_capacity = vnodes_per_capacity
         self.store = store if store is not None else MemoryStateStore()
         self._has_data = has_data or (lambda: False)
+        self._sole_holders = sole_holders
+        interval = min(1.0, heartbeat_timeout / 3) if heartbeat_interval is None else heartbeat_interval
+        self.isolation = IsolationGuard(self.heartbeat_timeout, interval, share=isolation_share,
+                                        isolation_timeout=isolation_timeout)
+        self._kept: dict[str, str] = {}   # silent nodes kept in the ring last pass -> what only they hold
         self._lock = threading.Lock()
         self._jobs_version = 0   # job creations and extensions seen (jobs_changed); not persisted, as readiness is not
         state = self.store.load()
@@ -382,6 +408,11 @@ class Membership:
         with self._lock:
             return self._pending_epoch
 
+    def epochs(self) -> tuple[int, int]:
+        """``(epoch, pending_epoch)``, read together."""
+        with self._lock:
+            return self._epoch, self._pending_epoch
+
     @property
     def alive_count(self) -> int:
         with self._lock:
@@ -437,8 +468,10 @@ class Membership:
             serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
             restarted = before is not None and bool(incarnation) and before.incarnation not in ("", incarnation)
             if before is not None and before.state == ALIVE and before.member in (SERVING, JOINING, DRAINING) \
-                    and not restarted:
-                node.member = before.member  # a known member re-registering (new addresses, a retry)
+                    and (not restarted or (before.member != JOINING and self._holds_alone(node_id, now))):
+                # a known member re-registering (new addresses, a retry), or one that restarted and
+                # holds blocks no live node holds: it serves them on (from its checkpoint)
+                node.member = before.member
             elif serving and self._has_data():
                 node.member = JOINING        # new, revived or drained: brought in sync before it serves
             else:
@@ -574,17 +607,43 @@ class Membership:
             return RoutingSnapshot(self._epoch, serving, self._pending_epoch, pending, readers,
                                    pending_readers if self._pending_epoch else {})
 
+    def _silent(self, now: float) -> set[str]:
+        """Alive nodes without a heartbeat for more than heartbeat_timeout. Lock held."""
+        return {n.node_id for n in self._nodes.values() if n.state == ALIVE and now - n.last_heartbeat > self.heartbeat_timeout}
+
+    def _holding_alone(self, leaving: set[str]) -> dict[str, str]:
+        """Of ``leaving``, the serving nodes that hold blocks no other serving node holds, with what
+        (see ``sole_holders``). Lock held."""
+        if self._sole_holders is None or not leaving or not self._has_data():
+            return {}
+        serving = [self._record(n, None) for n in sorted(self._nodes.values(), key=lambda n: n.node_id)
+                   if n.state == ALIVE and n.member in (SERVING, DRAINING)]
+        return self._sole_holders(serving, dict(self._reader_racks), set(leaving))
+
+    def _holds_alone(self, node_id: str, now: float) -> bool:
+        """``node_id`` holds blocks no serving node that still heartbeats holds. Lock held."""
+        return node_id in self._holding_alone(self._silent(now) | {node_id})
+
+    def kept(self) -> dict[str, str]:
+        """Silent nodes the last :meth:`expire` kept in the ring, with the blocks only they hold."""
+        with self._lock:
+            return dict(self._kept)
+
     def expire(self, now: float) -> list[str]:
-        """Declare dead every alive node silent for more than ``heartbeat_timeout``. Returns their ids.
+        """Declare dead the alive nodes silent for more than ``heartbeat_timeout`` that the
+        isolation guard gives up on and that hold no block alone (the module docstring). Returns
+        their ids.
 
         Raises StateStoreError (and declares none dead) if the change cannot be persisted.
         """
         with self._lock:
-            expired = sorted(
-                node.node_id
-                for node in self._nodes.values()
-                if node.state == ALIVE and now - node.last_heartbeat > self.heartbeat_timeout
-            )
+            ages = {n.node_id: now - n.last_heartbeat for n in self._nodes.values() if n.state == ALIVE}
+            expired = self.isolation.dead(ages, now)
+            if not self.isolation.isolated:   # (isolated: none expired, the kept ones stay as they were)
+                # covered only by holders that heartbeat: a node silent but not yet declared dead counts as gone
+                alone = self._holding_alone(self._silent(now)) if expired else {}
+                self._kept = {node_id: what for node_id, what in alone.items() if node_id in expired}
+                expired = [node_id for node_id in expired if node_id not in alone]
             if expired:
                 changed = [dataclasses.replace(self._nodes[node_id], state=DEAD, pending_vnodes=0) for node_id in expired]
                 # a death calls off a pending rebalance (failover changes the loads it was planned from)

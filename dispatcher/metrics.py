@@ -30,6 +30,11 @@ RING_CHANGE_WAITING = Gauge("shardline_ring_change_waiting_nodes",
 JOB_CHECKPOINT_STEP = Gauge("shardline_job_checkpoint_step",
                             "Latest step every PS node holding the job has durable (absent while one has none)",
                             ["job_name"])
+ISOLATED = Gauge("shardline_dispatcher_isolated",
+                 "1 while the dispatcher suspects its own isolation (most PS nodes went silent together): it "
+                 "declares no node dead and no worker lost")
+NODES_KEPT_SILENT = Gauge("shardline_nodes_kept_silent",
+                          "Silent PS nodes kept in the ring because they hold blocks no node that heartbeats holds")
 STATE_STORE_WRITE_FAILURES = Counter("shardline_state_store_write_failures_total",
                                      "Changes of dispatcher state refused because the state store could not write them")
 
@@ -90,6 +95,11 @@ def ring_change(pending_seconds: float, waiting_nodes: int) -> None:
 def nodes_declared_dead(count: int) -> None:
     if count > 0:
         NODES_DECLARED_DEAD.inc(count)
+
+
+def failure_detection(isolated: bool, kept_silent: int) -> None:
+    ISOLATED.set(1 if isolated else 0)
+    NODES_KEPT_SILENT.set(kept_silent)
 
 
 

@@ -7,7 +7,7 @@ reported at ``t`` weighs ``c * 2**(-(now - t) / half_life)`` at ``now``. Memory 
 most ``max_racks`` racks per job (the decayed-smallest is dropped); the caller forgets deleted jobs.
 
 ``decide`` turns the shares into a job -> reader rack map for the routing table's
-``reader_racks`` (ps_server/placement.py ``prefer_rack`` applies it). Hysteresis keeps it from
+``reader_racks`` (services/placement.py ``prefer_rack`` applies it). Hysteresis keeps it from
 flapping: a rack becomes a job's reader rack when its share reaches ``enter_share``, and stays one
 while its share is at least ``leave_share`` and the job still reads at ``min_bytes_per_second``.
 A rack without a serving PS node is never chosen (and a chosen one whose nodes all left is

@@ -45,6 +45,8 @@ from shardline.dispatcher.fanout import (
 )
 from shardline.dispatcher.cache_registry import CacheRegistry
 from shardline.dispatcher.heatmap import DEFAULT_HALF_LIFE_SECONDS, Heatmap
+from shardline.dispatcher.holders import SoleHolders
+from shardline.dispatcher.isolation import DEFAULT_ISOLATION_SHARE, DEFAULT_ISOLATION_TIMEOUT_SECONDS, check_share, check_timeout
 from shardline.dispatcher.reader_racks import ReaderRacks
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, WorkerLeases
 from shardline.dispatcher import rebalance as rebalance_policy
@@ -232,6 +234,7 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         self.reader_racks = reader_racks
         self._last_rebalance: tuple[float, str] | None = None   # (when, what) under the current leader state
         self._ring_change_seen: tuple[int, float, float] = (0, 0.0, 0.0)   # (pending epoch, since, last warned)
+        self._kept_logged: dict[str, str] = {}   # silent nodes kept in the ring, as last logged
         self._state: LeaderState | None = (LeaderState(membership, jobs, heatmap=Heatmap(self.heat_half_life))
                                            if membership is not None else None)
         self.election = election
@@ -310,14 +313,21 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if not self._current(state):
             M.ring_change(0.0, 0)   # a follower reports no change pending (the leader does)
             return []
+        guard = state.membership.isolation
+        was_isolated = guard.isolated
         try:
             expired = state.membership.expire(self._clock())
         except StateStoreError:
             M.state_store_write_failed()
             raise
-        for lease in state.leases.expire(self._clock()):
-            log.warning("job %s: rank %d (incarnation %s) lost: no heartbeat for %.3g s", lease.job, lease.rank,
-                        lease.incarnation, self._clock() - lease.last)
+        if was_isolated and not guard.isolated:
+            state.leases.extend(self._clock())   # their renewals could not arrive either
+        if not guard.isolated:
+            for lease in state.leases.expire(self._clock()):
+                log.warning("job %s: rank %d (incarnation %s) lost: no heartbeat for %.3g s", lease.job, lease.rank,
+                            lease.incarnation, self._clock() - lease.last)
+        self._report_kept(state.membership.kept())
+        M.failure_detection(guard.isolated, len(self._kept_logged))
         M.nodes_declared_dead(len(expired))
         for node_id in expired:
             state.heatmap.forget_node(node_id)
@@ -327,6 +337,19 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         self._watch_ring_change(state)
         self._publish_gauges(state)
         return expired
+
+    def _report_kept(self, kept: dict[str, str]) -> None:
+        """Log the silent nodes kept in the ring (dispatcher/membership.py), once each time one is
+        kept, and when one is not any more."""
+        for node_id, what in kept.items():
+            if node_id not in self._kept_logged:
+                log.warning("node %s is silent but not declared dead: it holds blocks no node that heartbeats holds "
+                            "(%s); they stay routed to it, and workers wait for it, until it or another holder "
+                            "answers", node_id, what)
+        for node_id in self._kept_logged.keys() - kept.keys():
+            log.info("node %s is no longer kept in the ring for its blocks (it answers again, or another holder does)",
+                     node_id)
+        self._kept_logged = dict(kept)
 
     def _watch_ring_change(self, state: LeaderState) -> None:
         """Publish how long a ring change has waited and for how many nodes, and name them once it
@@ -372,7 +395,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
                 request.node_id, request.rack, request.grpc_address, request.data_address, request.capacity, epoch,
             )
         self._publish_gauges(state)
-        return dispatcher_pb2.RegisterNodeResponse(epoch=epoch, heartbeat_interval_seconds=self.heartbeat_interval)
+        return dispatcher_pb2.RegisterNodeResponse(epoch=epoch, heartbeat_interval_seconds=self.heartbeat_interval,
+                                                   heartbeat_timeout_seconds=state.membership.heartbeat_timeout)
 
     @_rpc
     def Heartbeat(self, request, context):
@@ -499,7 +523,12 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
 
     @_rpc
     def GetRouting(self, request, context):
-        return self._routing(self._leading())
+        state = self._leading()
+        if request.known_epoch:   # a watcher asking whether the routing moved: cheap while it did not
+            epoch, pending = state.membership.epochs()
+            if (request.known_epoch, request.known_pending_epoch) == (epoch, pending):
+                return common_pb2.RoutingTable(epoch=epoch, pending_epoch=pending, unchanged=True)
+        return self._routing(state)
 
     @_rpc
     def CreateJob(self, request, context):
@@ -717,11 +746,16 @@ def _rebalance_interval(value) -> float:
     return float(value)
 
 
-def _state_over(store, heartbeat_timeout: float, vnodes_per_capacity: int, replication: int):
-    """Membership and jobs over ``store``; nodes that join a cluster holding job data sync first."""
+def _state_over(store, heartbeat_timeout: float, vnodes_per_capacity: int, replication: int,
+                heartbeat_interval: float | None = None, isolation_share: float = DEFAULT_ISOLATION_SHARE,
+                isolation_timeout: float = DEFAULT_ISOLATION_TIMEOUT_SECONDS):
+    """Membership and jobs over ``store``; nodes that join a cluster holding job data sync first,
+    and silent nodes that hold blocks alone stay in the ring (dispatcher/holders.py)."""
     jobs = JobRegistry(store=store, default_replication=replication)
     membership = Membership(heartbeat_timeout, vnodes_per_capacity, store=store, now=time.monotonic(),
-                            has_data=lambda: bool(jobs.list()))
+                            has_data=lambda: bool(jobs.list()), sole_holders=SoleHolders(jobs),
+                            heartbeat_interval=heartbeat_interval, isolation_share=isolation_share,
+                            isolation_timeout=isolation_timeout)
     return membership, jobs
 
 
@@ -822,6 +856,8 @@ def create_server(
     heat_half_life: float = DEFAULT_HALF_LIFE_SECONDS,
     rebalance_interval: float = DEFAULT_REBALANCE_INTERVAL_SECONDS,
     reader_racks: bool = False,
+    isolation_share: float = DEFAULT_ISOLATION_SHARE,
+    isolation_timeout: float = DEFAULT_ISOLATION_TIMEOUT_SECONDS,
 ) -> tuple[DispatcherServer, int, DispatcherServicer]:
     """Start a dispatcher on ``address`` (port 0: any free port). Returns (server, bound port, servicer).
 
@@ -838,7 +874,9 @@ def create_server(
     services.security.ServerTLS) makes the server speak TLS; ``insecure`` (exposed without a token)
     is shown in the cluster status. ``replication``: copies of every block for jobs that do not set
     their own. ``heat_half_life``: of the access heatmap; ``rebalance_interval``: seconds between
-    rebalances of the ring from measured load (0: never).
+    rebalances of the ring from measured load (0: never). ``isolation_share`` and
+    ``isolation_timeout``: when silent nodes suggest this dispatcher's own isolation
+    (dispatcher/isolation.py).
     """
     security = dict(cluster_token=cluster_token, server_tls=server_tls, tls_ca=tls_ca,
                     security_flags={"insecure": insecure, "cluster_token": cluster_token is not None,
@@ -854,16 +892,18 @@ def create_server(
             f"heartbeat_interval must be below heartbeat_timeout, got interval {heartbeat_interval!r} "
             f"and timeout {heartbeat_timeout!r}"
         )
+    detection = dict(heartbeat_interval=heartbeat_interval, isolation_share=check_share(isolation_share),
+                     isolation_timeout=check_timeout(isolation_timeout))
     backend = state_backend(state_dir, state_store)
     if backend == "etcd":
         return _create_replicated_server(
-            address, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=heartbeat_interval,
+            address, heartbeat_timeout=heartbeat_timeout, **detection,
             vnodes_per_capacity=vnodes_per_capacity, max_workers=max_workers, **security,
             state_store=state_store, state_prefix=state_prefix, leader_lease_timeout=leader_lease_timeout,
             advertise_address=advertise_address, connect_timeout=connect_timeout, replication=replication)
     store = open_state_store(state_dir)
     try:
-        membership, jobs = _state_over(store, heartbeat_timeout, vnodes_per_capacity, replication)
+        membership, jobs = _state_over(store, heartbeat_timeout, vnodes_per_capacity, replication, **detection)
     except BaseException:
         store.close()
         raise
@@ -888,6 +928,7 @@ def create_server(
 
 
 def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbeat_interval: float,
+                              isolation_share: float, isolation_timeout: float,
                               vnodes_per_capacity: int, max_workers: int, cluster_token: bytes | None,
                               server_tls, tls_ca: bytes | None, security_flags: Mapping[str, bool],
                               state_store: str, state_prefix: str, leader_lease_timeout: float,
@@ -935,7 +976,8 @@ def _create_replicated_server(address: str, *, heartbeat_timeout: float, heartbe
         store = open_state_store(None, state_store, prefix=state_prefix, fence=Fence(term.token, election.step_down),
                                  connect_timeout=ttl)
         try:
-            membership, jobs = _state_over(store, heartbeat_timeout, vnodes_per_capacity, replication)
+            membership, jobs = _state_over(store, heartbeat_timeout, vnodes_per_capacity, replication,
+                                           heartbeat_interval, isolation_share, isolation_timeout)
         except BaseException:
             store.close()
             raise

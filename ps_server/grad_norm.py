@@ -26,7 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.ps_server.store import JobStore
 from shardline.services.pb import ps_pb2
 

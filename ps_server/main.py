@@ -37,7 +37,8 @@ from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.daemon import (add_common_args, format_host_port, exit_after_stop, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
 from shardline.services.dispatcher_client import DispatcherClient
-from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineError,
+                                       ShardlineTimeoutError)
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.security import daemon_security
 from shardline.services.transport import get_transport
@@ -65,6 +66,17 @@ LEAVE_UNREACHABLE_TIMEOUT_SECONDS = 6.0
 PEER_STATUS_TIMEOUT_SECONDS = 2.0
 
 
+def heartbeat_deadline(interval: float, failure_timeout: float, rpc_timeout: float) -> float:
+    """How long one heartbeat may wait for its reply: half the dispatcher's failure timeout (no
+    less than the interval, no more than ``rpc_timeout``), so a heartbeat that went into a cut
+    network is given up, and the next one sent, well before the node would be declared dead, and
+    a node whose network returns reaches the dispatcher within about a heartbeat interval.
+    ``failure_timeout`` 0 (a dispatcher that does not say): ``rpc_timeout``."""
+    if not failure_timeout:
+        return rpc_timeout
+    return max(interval, min(rpc_timeout, failure_timeout / 2))
+
+
 def open_checkpoint_dir(path: str | None, node_id: str) -> CheckpointDir | None:
     """The node's CheckpointDir (created if missing, checked writable and not another node's)."""
     if not path:
@@ -81,10 +93,12 @@ class HeartbeatLoop(threading.Thread):
     tell it which jobs to drop and which checkpoint steps the cluster still needs. ``wake()`` sends
     one at once (a checkpoint just became durable)."""
 
-    def __init__(self, client: DispatcherClient, node: PSNode, registration: dict, interval: float, stop: threading.Event):
+    def __init__(self, client: DispatcherClient, node: PSNode, registration: dict, interval: float, stop: threading.Event,
+                 deadline: float | None = None):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.node, self.registration = client, node, registration
         self.interval, self.stop = interval, stop
+        self.deadline = deadline   # of each heartbeat in the loop (None: the client's rpc_timeout)
         self._wake = threading.Event()
         self._lock = threading.Lock()  # one heartbeat at a time (loop, wake-ups, the final report)
         M.watch_node(node, registration.get("node_id"), registration.get("rack"))
@@ -148,7 +162,7 @@ class HeartbeatLoop(threading.Thread):
                 return
             last = time.monotonic()
             try:
-                self.beat()
+                self.beat(timeout=self.deadline)
                 M.heartbeat(ok=True)
                 if failing:
                     log.info("heartbeats reach the dispatcher again")
@@ -157,6 +171,8 @@ class HeartbeatLoop(threading.Thread):
                 M.heartbeat(ok=False)
                 (log.debug if failing else log.warning)("heartbeat failed: %s", exc)
                 failing = True
+                if isinstance(exc, (ShardlineTimeoutError, ShardlineConnectionError)):
+                    self.client.reconnect()   # the next heartbeat dials afresh (a cut network may be back)
 
 
 def peer_job_steps(node: PSNode, token: bytes | None, tls_ca: bytes | None = None) -> Callable[[str], int | None]:
@@ -412,7 +428,9 @@ def main(argv=None) -> int:
     # Heartbeats and the commit relay go on while the node leaves the ring after SIGTERM.
     serving_done = threading.Event()
     node.serving.set()
-    heartbeats = HeartbeatLoop(client, node, registration, resp.heartbeat_interval_seconds or 1.0, serving_done)
+    interval = resp.heartbeat_interval_seconds or 1.0
+    heartbeats = HeartbeatLoop(client, node, registration, interval, serving_done,
+                               heartbeat_deadline(interval, resp.heartbeat_timeout_seconds, args.rpc_timeout))
     heartbeats.start()
     relay = CommitRelay(node.store.jobs, peer_commits(node, cluster_token, security.tls_ca), serving_done)
     node.settle_commits = relay.settle

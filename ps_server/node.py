@@ -20,7 +20,7 @@ import torch
 from shardline.ps_server.admission import NameMisses
 from shardline.ps_server.delta_history import DEFAULT_MAX_BYTES, DeltaHistory, subscriber_blocks
 from shardline.ps_server.heat import HeatCounter
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
 from shardline.services.errors import ShardlineError
@@ -166,7 +166,7 @@ class PSNode:
     a checkpoint directory, is attached to every job the node holds; so is ``replicator``
     (ps_server/replication.py), which keeps copies of blocks on the nodes the placement names.
 
-    On every routing change the node re-assigns its roles per block (ps_server/placement.py):
+    On every routing change the node re-assigns its roles per block (services/placement.py):
     blocks it now applies, blocks it keeps copies of, blocks it no longer holds; waiting pulls
     return NOT_OWNER so that clients refresh too.
     """
@@ -218,6 +218,8 @@ class PSNode:
             if changed:
                 self._previous = old
         if changed:
+            if self.replicator is not None:
+                self.replicator.links.abandon_gone()   # before the roles: the acks they wait for
             for job in self.store.jobs():
                 self.assign_roles(job, old)
                 with job.cond:

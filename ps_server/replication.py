@@ -1,7 +1,7 @@
 """Replication: a block's primary keeps its replicas (and, during a ring change, its learners)
 holding the same block, bitwise, at every step workers can see.
 
-Protocol (ps_server/placement.py says who holds what):
+Protocol (services/placement.py says who holds what):
 
 * **Copies, not gradients.** After applying step ``v`` the primary sends each node that holds
   copies of its blocks an ``OP_REPLICATE`` frame with the blocks it just stepped — value and every
@@ -54,7 +54,7 @@ from typing import Callable
 
 import torch
 
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.ps_server.store import Handover, JobStore, StoreError
 from shardline.services import failpoints, frame
 from shardline.services.dataplane_client import DataPlaneConnection
@@ -228,6 +228,16 @@ class PeerLink(threading.Thread):
                 except Exception:  # a callback bug must not stop the link
                     log.exception("replication callback failed")
 
+    def abandon_if_gone(self) -> None:
+        """From another thread, after a routing change: a peer that left the routing table
+        (declared dead, drained) is not waited for. The frame in flight on its connection fails
+        at once (its ``done`` gets the error: its holder is dropped, the step's visibility goes on)
+        instead of after ``replication_timeout``."""
+        conn = self._conn
+        if conn is not None and self._address_of(self.peer) is None:
+            log.info("node %s left the routing table: its replication link gives up the frame in flight", self.peer)
+            conn.abort()
+
     def _connection(self) -> DataPlaneConnection:
         if self._conn is None:
             address = self._address_of(self.peer)
@@ -255,6 +265,13 @@ class PeerLinks:
             if link is None or not link.is_alive():
                 link = self._links[peer] = PeerLink(peer, self._address_of, self._transport, self._token, self.timeout)
             return link
+
+    def abandon_gone(self) -> None:
+        """After a routing change: links to peers that left it give up the frame in flight."""
+        with self._lock:
+            links = list(self._links.values())
+        for link in links:
+            link.abandon_if_gone()
 
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` s until every frame queued so far went out; False if some did not."""

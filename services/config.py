@@ -342,6 +342,13 @@ OPTIONS: tuple[Option, ...] = (
     Option("heartbeat_interval", "float", "Heartbeat interval the dispatcher tells PS nodes to use; must be "
            "below heartbeat_timeout.", ("dispatcher",), above=0, unit="s",
            default_text="`1`, or heartbeat_timeout / 3 if that is less"),
+    Option("isolation_share", "float", "When more than this share of the PS nodes stop heartbeating together, the "
+           "dispatcher suspects its own isolation and declares none of them dead (nor any worker lost) until "
+           "heartbeats return (docs/architecture.md, \"Failure detection and partitions\").", ("dispatcher",),
+           default=0.5, above=0, maximum=1),
+    Option("isolation_timeout", "float", "Longest the dispatcher suspects its own isolation: after it, the silent "
+           "nodes are declared dead (those that hold blocks no other node holds stay in the ring). 0: no limit.",
+           ("dispatcher",), default=60.0, minimum=0, unit="s"),
     Option("vnodes_per_capacity", "int", "Virtual nodes on the ring per unit of node capacity.",
            ("dispatcher",), default=128, minimum=1),
     Option("state_dir", "path", "Directory of the dispatcher's durable state (jobs, node registrations, "

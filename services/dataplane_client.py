@@ -7,6 +7,7 @@ a reply header back. Callers that expect a reply payload (pulls) read it themsel
 
 from __future__ import annotations
 
+import socket
 import threading
 
 from shardline.services import auth, frame
@@ -65,6 +66,14 @@ class DataPlaneConnection:
         if reply.op == dp.OP_ERROR:
             raise RemoteError(dp.ErrorCode.Name(reply.code), reply.message, epoch=reply.epoch, step=reply.step)
         return reply
+
+    def abort(self) -> None:
+        """From another thread: end the connection at once, so a request waiting on it (a send
+        or a reply from a node that stopped answering) fails now. Its owner closes it."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def close(self) -> None:
         try:

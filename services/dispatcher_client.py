@@ -54,8 +54,10 @@ MIN_ATTEMPT_SECONDS = 0.05
 # intervals up to the maximum.
 REACHABLE_WARNING_SECONDS = 4.0
 MAX_REACHABLE_WARNING_INTERVAL_SECONDS = 60.0
-# A restarted dispatcher is dialled again within this (gRPC's default backoff grows to 120 s).
-_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# A restarted dispatcher is dialled again within this (gRPC's default backoff grows to 120 s); each
+# channel has subchannels of its own, so a channel made by reconnect() opens a new connection.
+_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000),
+                    ("grpc.use_local_subchannel_pool", 1)]
 
 _ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: ShardlineConfigError,
@@ -146,6 +148,16 @@ class DispatcherClient:
         """Close every channel; later calls raise ShardlineConnectionError (no channel is opened again)."""
         with self._lock:
             self._closed = True
+            channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+        for channel in channels:
+            channel.close()
+
+    def reconnect(self) -> None:
+        """Close every channel; the next call dials afresh. After calls that got no answer (a
+        network that was cut): a new connection gets through as soon as the network is back, where
+        the old one's retransmissions wait out TCP's growing backoff (seconds). Calls in flight on
+        the old channels are cancelled."""
+        with self._lock:
             channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
         for channel in channels:
             channel.close()
@@ -300,8 +312,13 @@ class DispatcherClient:
     def heartbeat(self, *, timeout: float | None = None, **fields) -> dispatcher_pb2.HeartbeatResponse:
         return self._call("Heartbeat", dispatcher_pb2.HeartbeatRequest(**fields), timeout=timeout)
 
-    def get_routing(self) -> common_pb2.RoutingTable:
-        return self._call("GetRouting", dispatcher_pb2.GetRoutingRequest())
+    def get_routing(self, *, known_epoch: int = 0, known_pending_epoch: int = 0,
+                    timeout: float | None = None) -> common_pb2.RoutingTable:
+        """The routing table; naming the epochs held (``known_epoch``...), a table that did not
+        change comes back as ``unchanged`` with only its epochs."""
+        return self._call("GetRouting", dispatcher_pb2.GetRoutingRequest(known_epoch=known_epoch,
+                                                                          known_pending_epoch=known_pending_epoch),
+                          timeout=timeout)
 
     def get_job(self, name: str) -> dispatcher_pb2.JobInfo | None:
         return self._call("GetJob", dispatcher_pb2.GetJobRequest(name=name), not_found_none=True)

@@ -22,7 +22,7 @@ class RoutingView:
     epoch: int
     nodes: dict  # node_id -> common_pb2.NodeInfo (the serving ring's nodes)
     ring: HashRing | None
-    # A ring change in progress: the ring the cluster moves to (ps_server/placement.py).
+    # A ring change in progress: the ring the cluster moves to (services/placement.py).
     pending_epoch: int = 0
     pending_nodes: dict = field(default_factory=dict)
     pending_ring: HashRing | None = None

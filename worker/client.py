@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+import weakref
 import math
 import threading
 import time
@@ -43,6 +44,7 @@ from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
 from shardline.services.transport import get_transport, shm
 from shardline.worker.compressor import GradientCompressor
+from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
 log = logging.getLogger("shardline.worker")
@@ -60,8 +62,11 @@ UNKNOWN_JOB_RETRY_SECONDS = 1.2
 # doubling intervals up to this.
 MAX_STRAGGLER_WARNING_INTERVAL_SECONDS = 300.0
 DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
-# No byte from a node for this long (beyond a pull's own wait) means it stopped answering.
+# No byte from a node for this long (beyond a pull's own wait) means it stopped answering (a node
+# that leaves the ring meanwhile is given up at once: worker/node_watch.py).
 IO_TIMEOUT_SECONDS = 30.0
+# While a node is recovered, one connect to it may take this long (then the routing is checked again).
+RECOVERY_CONNECT_TIMEOUT_SECONDS = 2.0
 # close() waits this long for the lease thread to leave its last renewal (the channel it uses is
 # closed first, which cancels a call in flight).
 LEASE_STOP_TIMEOUT_SECONDS = 5.0
@@ -234,6 +239,11 @@ class Client:
         self._conns: dict = {}   # node id (or _cache_key) -> DataPlaneConnection
         self._request_ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
+        # requests waiting on a node are given up once it leaves the ring (worker/node_watch.py); the
+        # watch holds this client weakly (a client nobody closed is still collected)
+        this = weakref.ref(self)
+        self._watch = NodeWatch(lambda known: this()._routing_since(known), lambda: this().routing)
+        self._lacking: dict[tuple[str, str, int], float] = {}  # (node, tensor, index) -> first seen lacking it
         info = self.dispatcher.get_job(job)
         if info is not None and info.ready:
             self._load_spec(info.spec, info.uid)
@@ -935,18 +945,26 @@ class Client:
                                   f"(checkpoint it and export from the checkpoint directories instead)")
 
     # --- scatter/gather over nodes ------------------------------------------------------------
-    def _conn(self, node_id: str, via=None) -> DataPlaneConnection:
+    def _conn(self, node_id: str, via=None, connect_timeout: float | None = None) -> DataPlaneConnection:
         """The connection to ``node_id`` (``via``: to that rack cache, for the pulls routed to
-        ``node_id``: one per node, so groups of a pull go out in parallel as they would to the nodes)."""
+        ``node_id``: one per node, so groups of a pull go out in parallel as they would to the nodes).
+        ``connect_timeout``: for a new connection, instead of the client's."""
         key, address = (node_id, self.routing.data_address(node_id)) if via is None else (_cache_key(via, node_id),
                                                                                            via.data_address)
         conn = self._conns.get(key)
         if conn is None or conn.address != address:
             if conn is not None:
                 conn.close()
-            timeout = self.connect_timeout if via is None else self._reads.cache_timeout
+            timeout = (self.connect_timeout if connect_timeout is None else connect_timeout) if via is None \
+                else self._reads.cache_timeout
             conn = self._conns[key] = DataPlaneConnection(address, self._transport, timeout, self.cluster_token)
         return conn
+
+    def _routing_since(self, known: RoutingView) -> RoutingView:
+        """The routing now (``known`` itself if it did not move): the node watch's question."""
+        table = self.dispatcher.get_routing(known_epoch=known.epoch, known_pending_epoch=known.pending_epoch,
+                                            timeout=max(1.0, 4 * WATCH_INTERVAL_SECONDS))
+        return known if table.unchanged else RoutingView.from_proto(table)
 
     def refresh_routing(self) -> None:
         old = self.routing
@@ -1111,6 +1129,8 @@ class Client:
                     log.info("PS node %r left the ring (epoch %d); its blocks have other owners", node_id,
                              self.routing.epoch)
                     return None
+                # a node that does not answer a connect is asked again after the routing was checked
+                self._conn(node_id, connect_timeout=min(self.connect_timeout, RECOVERY_CONNECT_TIMEOUT_SECONDS))
                 node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
                 return self._resend_inflight(node_id, node_step)
             except RemoteError as exc:
@@ -1174,14 +1194,46 @@ class Client:
     def _exchange_retrying(self, node_id: str, keys: list, op: int, *args, via=None) -> int:
         """One request to ``node_id`` (see _exchange_once); UNKNOWN_JOB for a job this client holds
         is asked once more after a pause: the node may remember a miss of the name from just before
-        the job was created (it is forgotten after UNKNOWN_JOB_RETRY_SECONDS)."""
+        the job was created (it is forgotten after UNKNOWN_JOB_RETRY_SECONDS). UNKNOWN_TENSOR for
+        blocks of this job's own tensors means the node lacks them (a new owner still bringing
+        them in sync): asked again until it has them (see _while_lacking)."""
         try:
             return self._exchange_once(node_id, keys, op, *args, via=via)
         except RemoteError as exc:
+            if exc.code == "UNKNOWN_TENSOR" and via is None and keys and all(k[0] in self._slices for k in keys):
+                return self._while_lacking(node_id, keys, op, args, exc)
             if exc.code != "UNKNOWN_JOB" or self.spec is None:
                 raise
         time.sleep(UNKNOWN_JOB_RETRY_SECONDS)
         return self._exchange_once(node_id, keys, op, *args, via=via)
+
+    def _while_lacking(self, node_id: str, keys: list, op: int, args: tuple, exc: RemoteError) -> int:
+        """``node_id`` answered that it lacks a block of ``keys`` (``exc``): ask again, with pauses,
+        until it answers otherwise (a NOT_OWNER sends the request to the new owner instead), for
+        up to ``recovery_timeout`` from the first such answer; then ShardlineStateError naming
+        the node and the block."""
+        lacking = (node_id, *keys[0])
+        first = self._lacking.setdefault(lacking, time.monotonic())
+        log.warning("PS node %r lacks a block it owns (%s); asking again for up to %g s (recovery_timeout): it may "
+                    "still be bringing it in sync", node_id, exc.remote_message, self.recovery_timeout)
+        delay = 0.1
+        while True:
+            if time.monotonic() - first + delay > self.recovery_timeout:
+                raise ShardlineStateError(
+                    f"PS node {node_id!r} still lacks a block of job {self.job!r} after {self.recovery_timeout:g} s "
+                    f"(recovery_timeout): {exc.remote_message}; no node it could take it from holds it") from exc
+            time.sleep(delay)
+            delay = min(1.0, delay * 2)
+            try:
+                step = self._exchange_once(node_id, keys, op, *args)
+            except RemoteError as again:
+                if again.code != "UNKNOWN_TENSOR":
+                    raise
+                exc = again
+                continue
+            self._lacking.pop(lacking, None)
+            log.info("PS node %r has the blocks it lacked now (after %.1f s)", node_id, time.monotonic() - first)
+            return step
 
     def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
                        timeout: float, carried: dict | None = None, via=None) -> int:
@@ -1265,43 +1317,59 @@ class Client:
     def _exchange_locked(self, conn, key, node_id: str, header, payloads, expected: dict, op: int, timeout: float,
                          via, carried: dict | None = None) -> int:
         with conn.lock:
-            placed: set = set()
-            try:
-                if frame.asks_blocks(header) and via is None:
-                    placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
-                # a node that stops answering (paused, partitioned) is given up on after this
-                io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
-                conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
-                frame.send_frame(conn.sock, header, payloads)
-                reply = frame.recv_header(conn.sock, REPLY_LIMITS)
-            except (OSError, ConnectionError) as exc:
-                if placed:  # the node may be copying into them still (stalled, not dead): see _revoke_regions
-                    self._forget_versions(placed)
-                    with self._cache_writes:
-                        self._revoke_pending = True
-                conn.close()
-                self._conns.pop(key, None)
-                who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
-                raise ShardlineConnectionError(f"{who} at {conn.address}: {exc}") from exc
-            if reply.op == dp.OP_ERROR:
-                code = dp.ErrorCode.Name(reply.code)
-                if reply.code == dp.INTERNAL:
-                    self._forget_versions(placed)
-                if reply.code == dp.NOT_OWNER:
-                    raise NotOwnerError(code, reply.message, epoch=reply.epoch, step=reply.step)
-                if reply.code == dp.NONFINITE and op == dp.OP_PUSH:  # the node's check of a push left to it
-                    raise _NonFiniteGradient(f"{reply.message}; not pushed (refused by node {node_id!r})")
-                if reply.code in (dp.BAD_FRAME, dp.TOO_LARGE):
-                    conn.close()
-                    self._conns.pop(key, None)
-                raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
-            if op == dp.OP_PULL:
+            if via is not None:   # a rack cache: bounded by its own cache_timeout, not by the ring
+                return self._exchange_on(conn, key, node_id, header, payloads, expected, op, timeout, via, carried)
+            what = f"{dp.Op.Name(op)}{f' of step {header.step}' if op != dp.OP_PULL else ''}"
+            with self._watch.waiting(node_id, conn.address, conn, what, self.step or header.step,
+                                     waits=op == dp.OP_PULL and timeout > 0) as wait:
+                return self._exchange_on(conn, key, node_id, header, payloads, expected, op, timeout, via, carried,
+                                         wait)
+
+    def _exchange_on(self, conn, key, node_id: str, header, payloads, expected: dict, op: int, timeout: float,
+                     via, carried: dict | None = None, wait=None) -> int:
+        """One request and its reply on ``conn`` (its lock held). ``wait``: the node watch's entry
+        of this request (it aborts the connection if the node leaves the ring meanwhile)."""
+        placed: set = set()
+        try:
+            if frame.asks_blocks(header) and via is None:
+                placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
+            # a node that stops answering (paused, partitioned) is given up on after this, or as
+            # soon as it leaves the ring (the node watch)
+            io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
+            conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
+            frame.send_frame(conn.sock, header, payloads)
+            reply = frame.recv_header(conn.sock, REPLY_LIMITS)
+            if reply.op != dp.OP_ERROR and op == dp.OP_PULL:
                 self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
-            elif op == dp.OP_COMMIT:  # the blocks of the pull it carried, if the node applied the step
+            elif reply.op != dp.OP_ERROR and op == dp.OP_COMMIT:  # the pull it carried, if the node applied the step
                 self._receive_blocks(conn, key, reply, expected if reply.pull_applied else {}, placed)
                 if header.pull_applied and reply.pull_applied and carried is not None:
                     carried.setdefault(node_id, []).extend((ref.tensor, ref.index) for ref in header.blocks)
+        except ShardlineError:
+            raise   # named already (a bad frame, an unexpected block: the connection is closed)
+        except (OSError, ConnectionError) as exc:
+            if placed:  # the node may be copying into them still (stalled, not dead): see _revoke_regions
+                self._forget_versions(placed)
+                with self._cache_writes:
+                    self._revoke_pending = True
+            conn.close()
+            self._conns.pop(key, None)
+            who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
+            raise ShardlineConnectionError(f"{who} at {conn.address}: "
+                                           f"{wait.abandoned if wait is not None and wait.abandoned else exc}") from exc
+        if reply.op == dp.OP_ERROR:
+            code = dp.ErrorCode.Name(reply.code)
+            if reply.code == dp.INTERNAL:
+                self._forget_versions(placed)
+            if reply.code == dp.NOT_OWNER:
+                raise NotOwnerError(code, reply.message, epoch=reply.epoch, step=reply.step)
+            if reply.code == dp.NONFINITE and op == dp.OP_PUSH:  # the node's check of a push left to it
+                raise _NonFiniteGradient(f"{reply.message}; not pushed (refused by node {node_id!r})")
+            if reply.code in (dp.BAD_FRAME, dp.TOO_LARGE):
+                conn.close()
+                self._conns.pop(key, None)
+            raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
         return reply.step
 
     @staticmethod
@@ -1432,6 +1500,7 @@ class Client:
 
     def close(self) -> None:
         self._closed.set()
+        self._watch.close()
         if self._lease is not None:
             try:  # release the lease: a worker that finished is not lost
                 self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,

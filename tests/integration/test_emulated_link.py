@@ -80,5 +80,54 @@ def test_the_python_wrapper_runs_in_the_namespace_its_environment_names(tmp_path
     with EmulatedLink(["a"], "1gbit", prefix=f"sltestw{id(tmp_path) % 10**6}") as link:
         ns = link.hosts["a"][0]
         inside = subprocess.run([wrapper, "-c", code], capture_output=True, text=True, check=True,
-                                env={"SHARDLINE_BENCH_NETNS": ns, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}).stdout
+                                env={"EMULATED_HOST_NETNS": ns, "PATH": "/usr/sbin:/usr/bin:/sbin:/bin"}).stdout
         assert inside.strip() != here.strip()
+
+
+# Connects to HOST:7401 within 1 s: prints "ok", or the error's class name.
+CONNECT = """
+import socket, sys
+try:
+    socket.create_connection((sys.argv[1], 7401), timeout=1).close(); print("ok")
+except OSError as exc:
+    print(type(exc).__name__)
+"""
+LISTEN = """
+import socket
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(("0.0.0.0", 7401)); s.listen(16)
+print("ready", flush=True)
+while True:
+    s.accept()[0].close()
+"""
+
+
+def test_a_cut_host_and_a_one_way_drop_lose_frames_silently_until_mended(tmp_path):
+    """cut: the host reaches nobody and nobody reaches it, and a connect times out (a silent
+    network, not a refusal); drop(a, b): a cannot reach b, b still reaches c; mend: all back."""
+    with EmulatedLink(["a", "b", "c"], None, prefix=f"sltestp{id(tmp_path) % 10**6}") as link:
+        listeners = [subprocess.Popen(link.command(h, [sys.executable, "-c", LISTEN]), stdout=subprocess.PIPE, text=True)
+                     for h in ("b", "c")]
+        try:
+            for proc in listeners:
+                assert proc.stdout.readline().strip() == "ready"
+
+            def reach(src: str, dst: str) -> str:
+                done = subprocess.run(link.command(src, [sys.executable, "-c", CONNECT, link.address(dst)]),
+                                      capture_output=True, text=True, timeout=30)
+                return done.stdout.strip()
+
+            assert reach("a", "b") == "ok" and reach("a", "c") == "ok"
+            link.cut("b")
+            assert reach("a", "b") == "TimeoutError" and reach("c", "b") == "TimeoutError"
+            assert reach("a", "c") == "ok"
+            link.mend()
+            assert reach("a", "b") == "ok"
+            link.drop("a", "b")
+            assert reach("a", "b") == "TimeoutError"   # a's SYN is lost
+            assert reach("b", "c") == "ok" and reach("a", "c") == "ok"
+            link.mend()
+            assert reach("a", "b") == "ok"
+        finally:
+            for proc in listeners:
+                proc.kill()
+                proc.wait()

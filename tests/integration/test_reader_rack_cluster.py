@@ -8,7 +8,7 @@ block on each rack, and the preference would have nothing to move.
 """
 
 import train_model
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.services.local_cluster import LocalCluster
 from shardline.services.routing import RoutingView
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -91,12 +92,14 @@ def reference(optimizer: str, steps: int, world_size: int, schedule: bool = Fals
 
 
 def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, schedule=False, prefetch=0,
-                  step_sleep=0.0, ranks=None, env=None, transport=None, log_output=False):
+                  step_sleep=0.0, ranks=None, env=None, transport=None, log_output=False, wrap=None):
     """Start ``world`` worker processes of this script (or only ``ranks``); returns [(process, out
     path, progress path)]. ``env``: extra environment (rank -> dict, or one dict for all);
     ``transport``: the workers' data-plane transport (default auto); ``log_output``: append each
     worker's output to ``<job>-rank<r>.log`` beside its out path (kept across its restarts) instead
-    of a pipe."""
+    of a pipe; ``wrap(rank, argv)``: the command line that runs ``argv`` (e.g. in an emulated host).
+    Each worker writes the start and end (``time.monotonic()``) of every step it takes to
+    ``step_times_path(out)``."""
     import subprocess
 
     started = []
@@ -112,14 +115,30 @@ def start_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8
             output.flush()
         else:
             output = subprocess.PIPE
+        argv = [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
+                "schedule" if schedule else "constant", str(prefetch), str(progress), str(step_sleep)]
         started.append((subprocess.Popen(
-            [sys.executable, __file__, cluster_addr, job, str(rank), str(world), optimizer, sync, str(steps), str(out),
-             "schedule" if schedule else "constant", str(prefetch), str(progress), str(step_sleep)],
+            argv if wrap is None else wrap(rank, argv),
             stdout=output, stderr=subprocess.STDOUT, text=True, env={**os.environ, **extra}), out, progress))
         _started_procs.append(started[-1][0])
         if log_output:
             output.close()  # the child holds its own copy
     return started
+
+
+def step_times_path(out):
+    """Where the worker saving to ``out`` writes ``step start end`` for each step it takes."""
+    return out.with_suffix(".steps")
+
+
+def step_times(started_entry) -> list[tuple[int, float, float]]:
+    """``(step, start, end)`` of every step one ``start_workers`` entry took, in order (a
+    restarted worker's steps follow its earlier incarnation's)."""
+    try:
+        lines = step_times_path(started_entry[1]).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [(int(a), float(b), float(c)) for a, b, c in (line.split() for line in lines if line.count(" ") == 2)]
 
 
 def output_log(out):
@@ -248,12 +267,14 @@ def main(argv):
     start_version = opt.version
     # a fault harness paces training: step s starts once this file allows it (tests/fault/chaos.py)
     gate = os.environ.get("SHARDLINE_TEST_STEP_GATE")
+    times = open(step_times_path(Path(out)), "a")
     for step in range(start_version, steps):
         held_since = time.monotonic()
         while gate and step >= _allowed(gate):
             if time.monotonic() - held_since > GATE_TIMEOUT_SECONDS:  # its harness is gone (SIGKILL, a hang)
                 sys.exit(f"rank {rank}: step {step} not allowed by step gate {gate} within {GATE_TIMEOUT_SECONDS:g} s")
             time.sleep(0.02)
+        started = time.monotonic()
         tokens, targets = batch(step, rank)
         if schedule == "schedule":  # before backward: with overlap, backward pushes with the step's lr
             opt.set_lr(scheduled_lr(optimizer, step))
@@ -261,6 +282,8 @@ def main(argv):
         loss = loss_fn(model, tokens, targets)
         loss.backward()
         opt.step()
+        times.write(f"{step} {started:.6f} {time.monotonic():.6f}\n")
+        times.flush()
         losses.append(loss.item())
         if progress_file:
             with open(progress_file + ".tmp", "w") as fh:
@@ -268,6 +291,7 @@ def main(argv):
             os.replace(progress_file + ".tmp", progress_file)
         if step_sleep:
             time.sleep(step_sleep)
+    times.close()
     with torch.no_grad():
         eval_last = loss_fn(model, eval_tokens, eval_targets).item()
     stats = opt.client.stats

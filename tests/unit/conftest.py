@@ -51,11 +51,15 @@ def offline_client():
     test sets ``routing``, ``_scatter`` or ``_exchange`` to what it drives."""
     import threading
     import types
+    import weakref
 
     from shardline.worker.client import Client
+    from shardline.worker.node_watch import NodeWatch
 
     def make(spec):
         client = Client.__new__(Client)
+        this = weakref.ref(client)   # no cycle: a client the test drops is freed at once (its shared regions too)
+        client._watch, client._lacking = NodeWatch(lambda known: known, lambda: this().routing), {}
         client.job, client.rank, client._lost, client._lease, client._replaying = spec.name, 0, None, object(), False
         client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3

@@ -134,8 +134,8 @@ def test_dispatcher_servicer_publishes_membership():
     from shardline.dispatcher.server import DispatcherServicer
 
     now = [1000.0]
-    servicer = DispatcherServicer(Membership(heartbeat_timeout=2.0), JobRegistry(), heartbeat_interval=0.5,
-                                  clock=lambda: now[0])
+    servicer = DispatcherServicer(Membership(heartbeat_timeout=2.0, isolation_share=1.0), JobRegistry(),
+                                  heartbeat_interval=0.5, clock=lambda: now[0])   # its one node dies: no isolation guard
     servicer.membership.register("svc-a", "r1", "127.0.0.1:1", "127.0.0.1:2", 1.0, now[0])
     now[0] += 3.0
     assert servicer.expire() == ["svc-a"]

@@ -13,6 +13,10 @@ from shardline.dispatcher.state_store import StateStoreError
 from shardline.services.errors import ShardlineConfigError
 from shardline.services.ring import HashRing
 
+# Expiry itself, with a clock that jumps: no isolation guard (a share of 1 never suspects isolation;
+# tests/unit/test_isolation.py drives the guard).
+NO_GUARD = {"isolation_share": 1.0}
+
 
 def register(m: Membership, node_id: str, now: float, *, rack="r1", port=9000, capacity=1.0) -> int:
     return m.register(node_id, rack, f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}", capacity, now)
@@ -20,7 +24,7 @@ def register(m: Membership, node_id: str, now: float, *, rack="r1", port=9000, c
 
 @pytest.fixture
 def m() -> Membership:
-    return Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128)
+    return Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, **NO_GUARD)
 
 
 def test_epoch_starts_at_one_with_no_nodes(m):
@@ -199,7 +203,7 @@ def test_wildcard_registrations_take_the_peer_host():
 # --- durable state: restarts over the same store ------------------------------------------------
 
 def restart(store, now: float = 100.0) -> Membership:
-    return Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, store=store, now=now)
+    return Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, store=store, now=now, **NO_GUARD)
 
 
 def test_restart_raises_the_epoch_and_brings_the_nodes_back(recording_store):
@@ -333,7 +337,7 @@ def _members(m):
 
 
 def two_phase(nodes=("ps-0", "ps-1")):
-    m = Membership(5.0, has_data=lambda: True)
+    m = Membership(5.0, has_data=lambda: True, **NO_GUARD)
     for i, node_id in enumerate(nodes):
         m.register(node_id, "r", f"127.0.0.1:{9000 + 2 * i}", f"127.0.0.1:{9001 + 2 * i}", 1.0, now=0.0)
     return m
@@ -430,7 +434,8 @@ def test_a_member_that_restarted_rejoins_through_a_sync():
 
 def _serving_three(store=None) -> Membership:
     data = []   # the nodes serve at once (no job data yet); later joins sync first
-    m = Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, store=store, now=0.0, has_data=lambda: bool(data))
+    m = Membership(heartbeat_timeout=5.0, vnodes_per_capacity=128, store=store, now=0.0, has_data=lambda: bool(data),
+                   **NO_GUARD)
     for i in range(3):
         register(m, f"ps-{i}", 0.0, port=9000 + 10 * i)
     data.append(True)

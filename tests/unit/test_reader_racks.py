@@ -1,4 +1,4 @@
-"""Topology-aware placement: the reader-rack rule of ps_server/placement.py and the dispatcher's
+"""Topology-aware placement: the reader-rack rule of services/placement.py and the dispatcher's
 decision of dispatcher/reader_racks.py (docs/architecture.md, "Reader racks").
 
 The placement properties are checked against their definition (R distinct owners, one per rack
@@ -12,7 +12,7 @@ import pytest
 
 from shardline.dispatcher.reader_racks import ReaderRacks
 from shardline.ps_server.optimizer import OptimizerConfig
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.services.blocks import block_hash
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.pb import common_pb2
@@ -194,7 +194,7 @@ def test_status_shows_a_jobs_reader_rack():
 def membership(store=None):
     from shardline.dispatcher.membership import Membership
 
-    m = Membership(5.0, 16, store=store)
+    m = Membership(5.0, 16, store=store, isolation_share=1.0)   # a death with a clock that jumps: no isolation guard
     for i, rack in enumerate(["a", "a", "b", "b"]):
         m.register(f"ps-{i}", rack, f"127.0.0.1:{7000 + 2 * i}", f"127.0.0.1:{7001 + 2 * i}", 1.0, now=0.0)
     return m

@@ -16,7 +16,7 @@ import torch
 
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.optimizer import OptimizerConfig
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.ps_server.replication import PeerLink, PeerLinks, Replicator
 from shardline.ps_server.store import PushItem, StoreError
 from shardline.services import frame

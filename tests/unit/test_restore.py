@@ -12,7 +12,7 @@ import torch
 from shardline.ps_server import node as node_module
 from shardline.ps_server.checkpoint import CheckpointDir
 from shardline.ps_server.checkpointer import Checkpointer
-from shardline.ps_server.placement import place
+from shardline.services.placement import place
 from shardline.ps_server.restore import restore_job
 from shardline.services.pb import dataplane_pb2 as dp, dispatcher_pb2
 

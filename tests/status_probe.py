@@ -1,0 +1,63 @@
+"""The test harness's eyes inside emulated hosts (tests/emulated_cluster.py): run in a host of its
+own, it answers one JSON request per line on stdin with one JSON line on stdout.
+
+    {"op": "status", "cluster": "A,B", "timeout": 2}  -> {"ok": base64(ClusterStatus)} | {"error": "..."}
+    {"op": "health", "address": "H:P"}                -> {"ok": "SERVING" | "NOT_SERVING" | ""}
+    {"op": "http", "url": "http://H:P/health"}        -> {"ok": body} | {"error": "..."}
+
+The test process itself stays in the machine's own network namespace, where the hosts'
+addresses do not exist; gRPC's threads could not follow a setns of one of its threads.
+Environment: SHARDLINE_CLUSTER_TOKEN_FILE, the cluster's token.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import urllib.request
+
+
+def main() -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shardline.services.auth import load_token
+    from shardline.services.daemon import grpc_channel
+    from shardline.services.dispatcher_client import DispatcherClient
+    from shardline.services.errors import ShardlineError
+
+    token = load_token(os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"))
+    clients: dict[str, DispatcherClient] = {}
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        op = request["op"]
+        try:
+            if op == "status":
+                client = clients.get(request["cluster"])
+                if client is None:
+                    client = clients[request["cluster"]] = DispatcherClient(
+                        request["cluster"], rpc_timeout=float(request.get("timeout", 2.0)), cluster_token=token)
+                reply = {"ok": base64.b64encode(client.cluster_status().SerializeToString()).decode("ascii")}
+            elif op == "health":
+                with grpc_channel(request["address"]) as channel:
+                    try:
+                        got = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                        timeout=0.5)
+                        reply = {"ok": health_pb2.HealthCheckResponse.ServingStatus.Name(got.status)}
+                    except grpc.RpcError:
+                        reply = {"ok": ""}
+            elif op == "http":
+                with urllib.request.urlopen(request["url"], timeout=1) as got:
+                    reply = {"ok": got.read().decode("utf-8", "replace")}
+            else:
+                reply = {"error": f"unknown op {op!r}"}
+        except (ShardlineError, OSError, ValueError) as exc:
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__":
+    main()
