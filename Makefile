@@ -74,11 +74,13 @@ bench: protos
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
 # of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.
+# The last run puts every daemon and worker on an emulated host and cuts the network too.
 CHAOS_SEEDS ?= 1,2,3
 CHAOS_FAULTS ?= 40
 chaos: protos system-deps
 	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
 	$(PY) tests/fault/chaos.py --seeds 4 --faults $(CHAOS_FAULTS) --rebalance --out bench/results/chaos_rebalance.json
+	$(PY) tests/fault/chaos.py --seeds 5,6 --faults $(CHAOS_FAULTS) --partitions --out bench/results/chaos_partitions.json
 
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache

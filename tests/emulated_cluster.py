@@ -18,6 +18,7 @@ fault touches. Shutting down stops the daemons, the probe and deletes every name
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import select
@@ -40,6 +41,7 @@ PROBE = Path(__file__).with_name("status_probe.py")
 # A dispatcher added with add_dispatcher listens on this port of its host (each host is a namespace of its own).
 DISPATCHER_PORT = 7000
 PROBE_TIMEOUT_SECONDS = 10.0
+_CLUSTERS = itertools.count()   # namespace prefixes of this process's clusters
 
 
 class _Probe:
@@ -93,8 +95,9 @@ class EmulatedCluster(LocalCluster):
     def __init__(self, workdir, hosts: list[str], *, prefix: str | None = None, **kwargs):
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
-        self.link = EmulatedLink([*hosts, PROBE_HOST], None, prefix=prefix)
+        self.link = EmulatedLink([*hosts, PROBE_HOST], None, prefix=prefix or f"slc{os.getpid()}x{next(_CLUSTERS)}")
         self.probe = None
+        self._etcds: list = []
         try:
             token = workdir / "cluster.token"
             write_new_token(token)
@@ -144,6 +147,21 @@ class EmulatedCluster(LocalCluster):
                                    + ", ".join(repr(h) for h in self.dispatchers))
             time.sleep(0.05)
 
+    def start_etcd(self, host: str):
+        """A real etcd (tests/etcd_server.py) in ``host``, stopped with the cluster; its ``url``
+        is the dispatchers' ``state_store``."""
+        from etcd_server import EtcdServer
+
+        def healthy(url: str) -> bool:
+            try:
+                return json.loads(self.http_get(url)).get("health") == "true"
+            except (RuntimeError, ValueError):
+                return False
+
+        server = EtcdServer(host=self.address_of(host), wrap=lambda argv: self.on_host(host, argv), healthy=healthy)
+        self._etcds.append(server)
+        return server
+
     def http_get(self, url: str) -> str:
         """GET ``url`` from the probe's host; raises RuntimeError with the error."""
         reply = self.probe.ask({"op": "http", "url": url})
@@ -152,6 +170,9 @@ class EmulatedCluster(LocalCluster):
         return reply["ok"]
 
     def _close_hosts(self) -> None:
+        for server in self._etcds:
+            server.stop()
+        self._etcds = []
         if self.probe is not None:
             self.probe.close()
             self.probe = None

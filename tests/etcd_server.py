@@ -24,6 +24,14 @@ START_ATTEMPTS = 3
 INSTALL_HINT = "etcd is not installed: run scripts/install-system-deps.sh (as root) to install Debian's etcd-server"
 
 
+def _healthy_here(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as reply:
+            return json.loads(reply.read()).get("health") == "true"
+    except (OSError, ValueError):
+        return False
+
+
 class EtcdServer:
     """One single-member etcd cluster; ``url`` is the dispatcher's ``state_store`` value.
 
@@ -31,7 +39,13 @@ class EtcdServer:
     ``setpriv --pdeathsig KILL`` where available, so even a test run killed outright leaves no etcd.
     """
 
-    def __init__(self, binary: str = "etcd"):
+    def __init__(self, binary: str = "etcd", *, host: str = "127.0.0.1", wrap=None, healthy=None):
+        """``host``: the address it serves on; another than 127.0.0.1 is a private network
+        namespace (tests/emulated_cluster.py), where etcd's own ports are free. ``wrap(argv)``: the
+        command line that runs ``argv`` there; ``healthy(url)``: whether ``GET url`` answers that
+        etcd is healthy (default: asked from here)."""
+        self.host, self._wrap = host, wrap or (lambda argv: argv)
+        self._healthy = healthy or _healthy_here
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -56,15 +70,17 @@ class EtcdServer:
                 shutil.rmtree(self.data_dir / "data", ignore_errors=True)
 
     def _start(self, path: str) -> None:
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        private = self.host != "127.0.0.1"
+        self.client_port, self.peer_port = (2379, 2380) if private else (free_port(), free_port())
+        self.endpoint = f"{self.host}:{self.client_port}"
         self.url = f"etcd://{self.endpoint}"
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        argv = [path, "--name", "test", "--data-dir", str(self.data_dir / "data"),
-                "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
-                "--logger", "zap", "--log-level", "warn"]
+        peer = f"http://{self.host}:{self.peer_port}"
+        argv = self._wrap([path, "--name", "test", "--data-dir", str(self.data_dir / "data"),
+                           "--listen-client-urls", f"http://{self.endpoint}",
+                           "--advertise-client-urls", f"http://{self.endpoint}",
+                           "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                           "--initial-cluster", f"test={peer}", "--initial-cluster-state", "new",
+                           "--logger", "zap", "--log-level", "warn"])
         setpriv = shutil.which("setpriv")
         if setpriv is not None:
             argv = [setpriv, "--pdeathsig", "KILL", *argv]
@@ -83,12 +99,8 @@ class EtcdServer:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode} at start:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=1) as reply:
-                    if json.loads(reply.read()).get("health") == "true":
-                        return
-            except (OSError, ValueError):
-                pass
+            if self._healthy(f"http://{self.endpoint}/health"):
+                return
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"etcd not healthy within {START_TIMEOUT:g} s:\n{self.log_tail()}")
             time.sleep(0.05)

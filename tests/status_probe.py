@@ -56,6 +56,8 @@ def main() -> None:
                 reply = {"error": f"unknown op {op!r}"}
         except (ShardlineError, OSError, ValueError) as exc:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
+            for client in clients.values():
+                client.reconnect()   # a partition may have just ended: dial afresh
         print(json.dumps(reply), flush=True)
 
 

@@ -18,6 +18,17 @@ time, chosen by a seeded RNG, each at a random point of the BSP step:
 * ``leader_kill9`` / ``leader_stop`` — SIGKILL or SIGSTOP the leading dispatcher (another takes
   over; the stopped one comes back fenced).
 
+With ``--partitions`` (make chaos) every daemon, etcd and each worker run on an emulated host of
+their own (tests/emulated_cluster.py), and the schedule also cuts the network (docs/architecture.md,
+"Failure detection and partitions"), each for a random 1-8 s, shorter or longer than the failure
+timeout:
+
+* ``ps_cut`` — a PS loses its network;
+* ``leader_cut`` — the leading dispatcher loses its network, etcd included (another takes over);
+* ``worker_cut`` — a worker loses its network;
+* ``ps_dispatcher_loss`` — the frames between a PS and the leading dispatcher are lost, one way
+  or both (the PS goes on serving the workers while the dispatcher moves its blocks away).
+
 With ``cover`` (``--cover``; make test's run) the schedule is every kind once and every failpoint
 once, in a seeded order, with room in the training for each, and a worker whose failpoint has not
 fired yet is let reach it before another fault restarts it. Otherwise (make chaos) each fault's
@@ -39,6 +50,7 @@ running torch.optim (no step lost), and no wait may have hung.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import signal
@@ -55,12 +67,16 @@ sys.path.insert(0, str(HERE.parent))
 
 import train_model  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
+from emulated_cluster import EmulatedCluster  # noqa: E402
 from shardline.services.local_cluster import LocalCluster  # noqa: E402
 
 FAULTS = {  # kind -> weight
     "ps_kill9": 3, "ps_restart": 2, "ps_failpoint": 2, "ps_stop": 2,
     "worker_kill9": 3, "worker_failpoint": 3, "leader_kill9": 2, "leader_stop": 1,
 }
+# --partitions: faults of the network between emulated hosts (kind -> weight)
+PARTITIONS = {"ps_cut": 2, "leader_cut": 1, "worker_cut": 1, "ps_dispatcher_loss": 2}
+PARTITION_SECONDS = (1.0, 8.0)
 WORKER_FAILPOINTS = ("worker.before_push", "worker.after_push", "worker.commit_partial")
 PS_FAILPOINTS = ("ps.after_apply", "ps.checkpoint.values.tmp", "ps.checkpoint.state.renamed",
                  "ps.checkpoint.manifest.tmp")
@@ -96,30 +112,34 @@ class Report:
                 "steps_lost": self.steps_lost, "max_abs_diff_vs_no_fault_run": self.max_abs_diff,
                 "recovery_p50_seconds": pct(0.5), "recovery_p99_seconds": pct(0.99),
                 "recovery_mean_seconds": statistics.mean(rec) if rec else None, "wall_seconds": self.seconds,
-                "by_kind": {k: sum(1 for f in self.faults if f["kind"] == k) for k in FAULTS},
+                "by_kind": {k: sum(1 for f in self.faults if f["kind"] == k) for k in {**FAULTS, **PARTITIONS}},
                 "rebalances_started": self.rebalances, "worker_failpoints_fired": self.worker_failpoints_fired,
                 "faults": self.faults}
 
 
-def cover_schedule(rng: random.Random) -> list[tuple[str, str | None]]:
+def cover_schedule(rng: random.Random, kinds=FAULTS) -> list[tuple[str, str | None]]:
     """(kind, failpoint or None): every kind, each failpoint kind once per failpoint, shuffled."""
-    deck = [(kind, point) for kind in FAULTS for point in POINTS.get(kind, (None,))]
+    deck = [(kind, point) for kind in kinds for point in POINTS.get(kind, (None,))]
     rng.shuffle(deck)
     return deck
 
 
 class Chaos:
-    """``faults`` faults drawn by weight, or with ``cover`` the :func:`cover_schedule` (``faults`` unused)."""
+    """``faults`` faults drawn by weight, or with ``cover`` the :func:`cover_schedule` (``faults`` unused).
+    With ``partitions`` the cluster runs on emulated hosts with an etcd of its own (``etcd`` unused)
+    and the faults include PARTITIONS."""
 
     def __init__(self, workdir: Path, etcd, seed: int, faults: int = 0, log=print, keep_checkpoints: bool = False,
-                 rebalance: bool = False, cover: bool = False):
+                 rebalance: bool = False, cover: bool = False, partitions: bool = False):
         self.keep_checkpoints = keep_checkpoints  # every chain kept: a divergence can be found step by step
         self.rebalance = rebalance
+        self.partitions = partitions
+        self.kinds = {**FAULTS, **PARTITIONS} if partitions else dict(FAULTS)
         self.rng = random.Random(seed)
         self.workdir = workdir
         self.etcd = etcd
         self.cover = cover
-        self.schedule = cover_schedule(self.rng) if cover else None
+        self.schedule = cover_schedule(self.rng, self.kinds) if cover else None
         self.n_faults = len(self.schedule) if cover else faults
         self.log = log
         self.steps = (12 + sum(STEP_ROOM.get(kind, 3) for kind, _ in self.schedule) if cover
@@ -133,8 +153,13 @@ class Chaos:
     # -- cluster ---------------------------------------------------------------------------
     def start(self, cluster: LocalCluster) -> None:
         self.cluster = cluster
-        for _ in range(2):
-            cluster.add_dispatcher(state_store=self.etcd.url, state_prefix=f"/chaos-{self.report.seed}",
+        # on emulated hosts (partitions) each daemon is placed on its own: the first argument
+        placed = (lambda host: (host,)) if self.partitions else (lambda host: ())
+        if self.partitions:
+            self.etcd = cluster.start_etcd("etcd")
+        for i in range(2):
+            cluster.add_dispatcher(*placed(f"disp{i}"), state_store=self.etcd.url,
+                                   state_prefix=f"/chaos-{self.report.seed}",
                                    leader_lease_timeout=LEASE, heartbeat_timeout=HEARTBEAT_TIMEOUT,
                                    heartbeat_interval=0.5, wait=False,
                                    **({"rebalance_interval": REBALANCE_INTERVAL, "heat_half_life": 1.0}
@@ -142,8 +167,8 @@ class Chaos:
         for h in cluster.dispatchers:
             cluster.wait_ready(h)
         cluster.leader()
-        self.nodes = [cluster.add_node(node_id=f"ps{i}", wait=False, checkpoint_dir=str(self.workdir / f"ps{i}-ckpt"),
-                                       checkpoint_every_steps=5,
+        self.nodes = [cluster.add_node(*placed(f"ps{i}"), node_id=f"ps{i}", wait=False,
+                                       checkpoint_dir=str(self.workdir / f"ps{i}-ckpt"), checkpoint_every_steps=5,
                                        **({"checkpoint_keep": 10_000} if self.keep_checkpoints else {}))
                       for i in range(3)]
         for h in self.nodes:
@@ -152,10 +177,15 @@ class Chaos:
         self.allow(3)
         self.workers = {r: w for r, w in enumerate(train_model.start_workers(
             cluster.address, self.job, "adamw", "bsp", self.workdir, steps=self.steps, step_sleep=0.05,
-            env=self.worker_env(), log_output=True))}
+            env=self.worker_env(), log_output=True, wrap=self.wrap))}
+
+    def wrap(self, rank: int, argv: list[str]) -> list[str]:
+        """Where worker ``rank`` runs: its own host with partitions, here otherwise."""
+        return self.cluster.on_host(f"w{rank}", argv) if self.partitions else argv
 
     def worker_env(self, extra: dict | None = None) -> dict:
-        return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), "SHARDLINE_TEST_LOG_LEVEL": "INFO", **(extra or {})}
+        return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), "SHARDLINE_TEST_LOG_LEVEL": "INFO",
+                **(self.cluster.worker_env if self.partitions else {}), **(extra or {})}
 
     def allow(self, steps: int) -> None:
         """Let training run up to ``steps`` (each fault gets a few steps around it)."""
@@ -177,7 +207,7 @@ class Chaos:
         (self.workers[rank],) = train_model.start_workers(self.cluster.address, self.job, "adamw", "bsp",
                                                           self.workdir, steps=self.steps, ranks=[rank],
                                                           env=self.worker_env(env), step_sleep=0.05,
-                                                          log_output=True)
+                                                          log_output=True, wrap=self.wrap)
 
     def let_fire(self, rank: int, timeout: float = 20.0) -> None:
         """Let training reach the step of ``rank``'s armed failpoint; wait up to ``timeout`` s for it."""
@@ -217,7 +247,7 @@ class Chaos:
         if self.schedule:
             kind, point = self.schedule.pop(0)
         else:
-            kind, point = self.rng.choices(list(FAULTS), weights=list(FAULTS.values()))[0], None
+            kind, point = self.rng.choices(list(self.kinds), weights=list(self.kinds.values()))[0], None
         self.not_reached = False
         at = self.progress()
         self.allow(at + 3)  # the fault lands while these steps run
@@ -249,9 +279,10 @@ class Chaos:
         point = point or self.rng.choice(PS_FAILPOINTS)
         at = self.progress() + self.rng.randint(1, 3)
         # ps.after_apply fires at that step; a checkpoint failpoint at the node's next checkpoint
-        node.env = {"SHARDLINE_FAILPOINTS": f"{point}@{at}" if point == "ps.after_apply" else point}
+        placed = node.env   # (an emulated host's namespace: kept)
+        node.env = {**(placed or {}), "SHARDLINE_FAILPOINTS": f"{point}@{at}" if point == "ps.after_apply" else point}
         self.cluster.restart(node, wait=True)
-        node.env = None
+        node.env = placed
         # The point fires only on a node in the ring (it applies, it checkpoints): wait for the
         # rejoin before letting training on, or the steps it names may go by first.
         def rejoined(status) -> bool:
@@ -309,10 +340,48 @@ class Chaos:
         leader = self.cluster.leader()
         return f"{leader.name} {self._pause(leader, 1.5, 3.0):.1f}s"
 
+    def _partition(self, fault, what: str) -> str:
+        """Apply ``fault(link)`` for a random PARTITION_SECONDS, then mend it."""
+        seconds = self.rng.uniform(*PARTITION_SECONDS)
+        fault(self.cluster.link)
+        try:
+            time.sleep(seconds)
+        finally:
+            self.cluster.link.mend()
+        return f"{what} {seconds:.1f}s"
+
+    def _leader_host(self) -> str:
+        return f"disp{self.cluster.dispatchers.index(self.cluster.leader())}"
+
+    def _ps_cut(self) -> str:
+        node = self._pick_node()
+        return self._partition(lambda link: link.cut(node.node_id), node.node_id)
+
+    def _leader_cut(self) -> str:
+        host = self._leader_host()
+        return self._partition(lambda link: link.cut(host), host)
+
+    def _worker_cut(self) -> str:
+        rank = self.rng.randrange(2)
+        return self._partition(lambda link: link.cut(f"w{rank}"), f"rank {rank}")
+
+    def _ps_dispatcher_loss(self) -> str:
+        node, leader = self._pick_node().node_id, self._leader_host()
+        way = self.rng.choice(["ps-to-dispatcher", "dispatcher-to-ps", "both"])
+
+        def fault(link) -> None:
+            if way != "dispatcher-to-ps":
+                link.drop(node, leader)
+            if way != "ps-to-dispatcher":
+                link.drop(leader, node)
+        return self._partition(fault, f"{node} {way} {leader}")
+
     # -- the run ---------------------------------------------------------------------------
     def run(self) -> Report:
         t0 = time.monotonic()
-        with LocalCluster(self.workdir / "cluster", start_timeout=90) as cluster:
+        make = (lambda path, **kw: EmulatedCluster(path, ["etcd", "disp0", "disp1", "ps0", "ps1", "ps2", "w0", "w1"],
+                                                   **kw)) if self.partitions else LocalCluster
+        with make(self.workdir / "cluster", start_timeout=90) as cluster:
             try:   # a worker held at the step gate never exits on its own
                 self.start(cluster)
                 self.wait_step_after(1, time.monotonic())
@@ -356,19 +425,22 @@ def main(argv=None) -> int:
                     help="every kind and every failpoint once (make test's schedule) instead of --faults draws")
     ap.add_argument("--rebalance", action="store_true",
                     help=f"the dispatchers rebalance the ring every {REBALANCE_INTERVAL:g} s meanwhile")
+    ap.add_argument("--partitions", action="store_true",
+                    help="run every daemon and worker on an emulated host and cut the network too (needs root, "
+                         "iproute2 and nftables)")
     args = ap.parse_args(argv)
     reports = []
-    with EtcdServer() as etcd:
+    options = dict(rebalance=args.rebalance, cover=args.cover, partitions=args.partitions)
+    with contextlib.nullcontext() if args.partitions else EtcdServer() as etcd:   # partitions: one per cluster
         for seed in (int(s) for s in args.seeds.split(",")):
             if args.keep:
                 workdir = Path(args.keep) / f"seed-{seed}"
                 workdir.mkdir(parents=True, exist_ok=False)
                 report = Chaos(workdir, etcd, seed, args.faults, keep_checkpoints=not args.prune,
-                               rebalance=args.rebalance, cover=args.cover).run().to_dict()
+                               **options).run().to_dict()
             else:
                 with tempfile.TemporaryDirectory(prefix=f"shardline-chaos-{seed}-") as tmp:
-                    report = Chaos(Path(tmp), etcd, seed, args.faults, rebalance=args.rebalance,
-                                   cover=args.cover).run().to_dict()
+                    report = Chaos(Path(tmp), etcd, seed, args.faults, **options).run().to_dict()
             reports.append(report)
             print(json.dumps({k: v for k, v in report.items() if k != "faults"}, indent=1), flush=True)
     ok = all(r["steps_lost"] == 0 and r["max_abs_diff_vs_no_fault_run"] <= 1e-6 for r in reports)

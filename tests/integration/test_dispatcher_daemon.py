@@ -77,6 +77,9 @@ def daemon(tmp_path_factory):
         tmp_path_factory.mktemp("dispatcher"),
         "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT),
         "--heartbeat-interval", "0.1",
+        # its tests register nodes that never heartbeat, several at a time: without the isolation
+        # guard (tests/unit/test_isolation.py), each is declared dead on its own timeout
+        "--isolation-share", "1",
     )
     try:
         yield d
