@@ -45,7 +45,10 @@ and its blocks stay where they are) until it answers again, or until another hol
 blocks does (then it is declared dead). A kept node that restarted (a new incarnation) serves on,
 from its checkpoint: no other node holds what it holds. So no node ever becomes the serving owner
 of blocks that no live node holds, and every node being declared dead at once cannot happen while
-jobs hold data.
+jobs hold data. A dispatcher that restarted without its state knows no ring: a node that
+registers again with the ring it ``remembered`` (it holds job data) gives it back, every node of
+it serving as before (the others are taken as alive, with one heartbeat timeout to check in),
+instead of the first node to register becoming the only owner of every block.
 
 Rebalancing (dispatcher/rebalance.py decides, ``rebalance`` applies) is a ring change of the same
 kind: serving nodes get **pending virtual-node counts**, the pending ring is built with them, and
@@ -64,6 +67,7 @@ starts only while nothing is pending and any other change calls it off. Both map
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import threading
 from dataclasses import dataclass
@@ -75,6 +79,8 @@ from shardline.services.daemon import parse_host_port
 from shardline.services.config import require_positive_number
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, _check_vnodes, vnode_counts
+
+log = logging.getLogger("shardline.dispatcher")
 
 ALIVE = "alive"
 DEAD = "dead"
@@ -428,12 +434,15 @@ class Membership:
         now: float,
         incarnation: str = "",
         insecure: bool = False,
+        remembered: tuple[int, list] | None = None,
     ) -> int:
         """Add a node, revive a dead one, or refresh/update a known one. Returns the epoch after.
 
         ``incarnation`` identifies the node's process: an alive member registering with a new one
         restarted (kill -9 and back before it was declared dead) and rejoins like a revived node.
         ``insecure``: the node serves a non-loopback address without a cluster token (status shows it).
+        ``remembered``: ``(epoch, NodeInfos)`` of the serving ring the node last routed by, taken
+        back if no node serves (the module docstring).
 
         Re-registering an alive node with the same rack, addresses and capacity only refreshes its
         heartbeat (a node retrying registration must not churn the ring, nor write to the store).
@@ -465,6 +474,14 @@ class Membership:
                     node.rebalanced = before.rebalanced
             node.incarnation = incarnation
             node.insecure = bool(insecure)
+            ring_back = self._ring_back(remembered, node_id, now)
+            if ring_back is not None:
+                node.vnodes, node.member = ring_back.pop(node_id), SERVING
+                node.rebalanced = None if node.vnodes == vnodes else self.vnodes_per_capacity
+                self._bump([node, *ring_back.values()], epoch=max(self._epoch, remembered[0]) + 1)
+                log.warning("no node served: took back the ring of epoch %d that node %s remembers (serving %s) "
+                            "at epoch %d", remembered[0], node_id, ", ".join(sorted([node_id, *ring_back])), self._epoch)
+                return self._epoch
             serving = [n for n in self._nodes.values() if n.state == ALIVE and n.member == SERVING and n.node_id != node_id]
             restarted = before is not None and bool(incarnation) and before.incarnation not in ("", incarnation)
             if before is not None and before.state == ALIVE and before.member in (SERVING, JOINING, DRAINING) \
@@ -485,6 +502,32 @@ class Membership:
             else:
                 self._nodes[node_id] = node
             return self._epoch
+
+    def _ring_back(self, remembered: tuple[int, list] | None, node_id: str, now: float) -> dict | None:
+        """If no node serves and ``node_id`` is in the ring it ``remembered``: the ring's nodes
+        to serve again, id -> vnodes for ``node_id`` and a new record (alive, serving, with a
+        heartbeat timeout of grace) for each other one. None: nothing to take back. Lock held."""
+        if remembered is None or any(n.state == ALIVE and n.member in (SERVING, DRAINING) for n in self._nodes.values()):
+            return None
+        epoch, infos = remembered
+        if node_id not in {info.node_id for info in infos}:
+            return None
+        back: dict = {}
+        for info in infos:
+            _check_vnodes({info.node_id: info.vnodes})
+            if info.node_id == node_id:
+                back[node_id] = info.vnodes
+                continue
+            before = self._nodes.get(info.node_id)
+            derived = vnode_counts({info.node_id: info.capacity}, self.vnodes_per_capacity)[info.node_id]
+            back[info.node_id] = _Node(
+                node_id=validate_name(info.node_id, "node_id"), rack=validate_name(info.rack, "rack"),
+                grpc_address=validate_address(info.grpc_address, "grpc_address"),
+                data_address=validate_address(info.data_address, "data_address"),
+                capacity=float(info.capacity), vnodes=info.vnodes, state=ALIVE, last_heartbeat=now, member=SERVING,
+                blocks=before.blocks if before else 0, bytes=before.bytes if before else 0,
+                rebalanced=None if info.vnodes == derived else self.vnodes_per_capacity)
+        return back
 
     def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0, epoch: int = 0,
                   insecure: bool | None = None) -> bool:

@@ -388,6 +388,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
             request.node_id, request.rack, reachable_address(request.grpc_address, peer),
             reachable_address(request.data_address, peer), request.capacity, self._clock(),
             incarnation=request.incarnation, insecure=request.insecure,
+            remembered=(request.remembered.epoch, list(request.remembered.nodes)) if request.HasField("remembered")
+            else None,
         )
         if epoch != before:
             log.info(

@@ -122,7 +122,8 @@ class HeartbeatLoop(threading.Thread):
                                          load=load, hot=hot, rack_reads=rack_reads_report(self.node.heat))
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
-                self.client.register_node(**self.registration)
+                remembered = self.node.remembered_routing()   # a dispatcher that lost its state takes it back
+                self.client.register_node(**self.registration, **({"remembered": remembered} if remembered else {}))
                 self.node.refresh_routing()
             elif resp.epoch != self.node.routing.epoch:
                 self.node.refresh_routing()

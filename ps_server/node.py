@@ -229,6 +229,14 @@ class PSNode:
             with self._routing_lock:   # only the thread that assigned them: another may still be at it
                 self.roles_epoch = max(self.roles_epoch, view.epoch)
 
+    def remembered_routing(self) -> common_pb2.RoutingTable | None:
+        """The serving ring this node routes by, if it holds job data: what it registers again
+        with (a dispatcher that lost its state takes the ring back from it). None: nothing held."""
+        view = self._routing
+        if view.ring is None or not self.store.jobs():
+            return None
+        return common_pb2.RoutingTable(epoch=view.epoch, nodes=list(view.nodes.values()))
+
     def refresh_routing(self) -> RoutingView:
         self.update_routing(self._fetch_routing())
         return self._routing

@@ -212,8 +212,12 @@ def build() -> dict:
         ("max(shardline_ring_epoch)", "ring epoch (dispatcher)"),
         ("shardline_ps_ring_epoch", "epoch seen by {{instance}}"),
         ("max(shardline_ring_change_waiting_nodes)", "nodes a ring change waits for"),
+        ("max(shardline_dispatcher_isolated)", "dispatcher suspects its isolation"),
+        ("max(shardline_nodes_kept_silent)", "silent nodes kept for their blocks"),
     ], description="Node counts and the routing epoch; PS nodes follow the dispatcher's epoch within a heartbeat. "
-                   "During a join, drain or rebalance: the nodes it still waits for (shardline status names them)."))
+                   "During a join, drain or rebalance: the nodes it still waits for (shardline status names them). "
+                   "1 while most nodes went silent together (the dispatcher declares none dead); silent nodes kept "
+                   "in the ring because no other live node holds their blocks."))
 
     g.row("Throughput")
     g.add(timeseries("Push / pull throughput", [

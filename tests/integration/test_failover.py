@@ -56,6 +56,31 @@ def test_kill_one_of_three_ps_mid_run(tmp_path):
         assert time.monotonic() - killed_at < 60
 
 
+def test_a_dispatcher_restarted_without_its_state_takes_the_ring_back_from_the_nodes(tmp_path):
+    """kill -9 of a dispatcher that keeps its state in memory, restarted on its address mid-run:
+    it knows no node and no job; the first node to register again gives back the ring it routes by
+    (the others are serving too, none syncs), the nodes give the job back, and the run equals
+    torch.optim. Before, the first node to register became the only owner of every block, and
+    the workers met blocks it never had."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        dispatcher = cluster.add_dispatcher(heartbeat_timeout=2, heartbeat_interval=0.5)
+        for h in [cluster.add_node(node_id=f"ps{i}", wait=False) for i in range(3)]:
+            cluster.wait_ready(h)
+        cluster.wait_for_nodes(3, timeout=30)
+        workers = train_model.start_workers(cluster.address, "stateless", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            step_sleep=0.1)
+        train_model.wait_for_steps(workers, 4)
+        epoch = cluster.cluster_status().routing.epoch
+        cluster.kill(dispatcher)
+        cluster.restart(dispatcher)
+        status = cluster.wait_until(lambda s: len(s.routing.nodes) == 3, 30, "the ring back")
+        assert status.routing.epoch > epoch
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
+        log = dispatcher.log_tail(200)
+        assert "took back the ring" in log and "ring change" not in log and "joining" not in log, log
+
+
 def test_replicas_that_replay_gradients_take_over_from_a_killed_primary(tmp_path):
     """replicate_gradients: a primary sends its replicas each step's mean gradient and lr, and they
     step their copies themselves. kill -9 of a PS at step 5: the replicas that take its blocks over

@@ -208,3 +208,26 @@ def test_the_guard_keeps_every_node_alive_in_the_membership():
     beat(m, ("ps0", "ps1", "ps2"), 8.0)
     assert m.expire(8.1) == [] and not m.isolation.isolated
     assert all(s == (ALIVE, SERVING) for s in states(m, 8.1).values())
+
+
+def test_a_dispatcher_without_its_state_takes_the_ring_back_from_the_first_node_that_remembers_it():
+    old = three_nodes()
+    remembered = (old.epoch, [common_pb2.NodeInfo(node_id=n.node_id, rack=n.rack, grpc_address=n.grpc_address,
+                                                  data_address=n.data_address, capacity=n.capacity, vnodes=n.vnodes)
+                              for n in old.snapshot().serving])
+    jobs = JobRegistry(default_replication=2)   # restarted in memory: no node, no job (the nodes restore them)
+    fresh = Membership(TIMEOUT, has_data=lambda: bool(jobs.list()), sole_holders=SoleHolders(jobs),
+                       heartbeat_interval=INTERVAL)
+    fresh.register("ps1", "r", "127.0.0.1:9010", "127.0.0.1:9011", 1.0, 100.0, incarnation="a", remembered=remembered)
+    snap = fresh.snapshot()
+    assert [n.node_id for n in snap.serving] == ["ps0", "ps1", "ps2"] and snap.epoch == old.epoch + 1
+    assert [n.vnodes for n in snap.serving] == [n.vnodes for n in old.snapshot().serving]
+    assert fresh.heartbeat("ps0", 101.0) and fresh.heartbeat("ps2", 101.0)   # they need not register again
+    # a ring is served now: another node's memory changes nothing (a node that was away syncs as usual)
+    before = fresh.epoch
+    fresh.register("ps2", "r", "127.0.0.1:9020", "127.0.0.1:9021", 1.0, 101.5, remembered=(1, remembered[1][:1]))
+    assert fresh.epoch == before and states(fresh, 101.5)["ps2"] == (ALIVE, SERVING)
+    # a node that is not in the ring it names takes nothing back
+    other = Membership(TIMEOUT, heartbeat_interval=INTERVAL)
+    other.register("ps9", "r", "127.0.0.1:9090", "127.0.0.1:9091", 1.0, 0.0, remembered=remembered)
+    assert [n.node_id for n in other.snapshot().serving] == ["ps9"]
