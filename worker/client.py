@@ -1219,6 +1219,7 @@ class Client:
         delay = 0.1
         while True:
             if time.monotonic() - first + delay > self.recovery_timeout:
+                self._lacking.pop(lacking, None)
                 raise ShardlineStateError(
                     f"PS node {node_id!r} still lacks a block of job {self.job!r} after {self.recovery_timeout:g} s "
                     f"(recovery_timeout): {exc.remote_message}; no node it could take it from holds it") from exc
@@ -1330,6 +1331,7 @@ class Client:
         """One request and its reply on ``conn`` (its lock held). ``wait``: the node watch's entry
         of this request (it aborts the connection if the node leaves the ring meanwhile)."""
         placed: set = set()
+        receiving = False   # the reply's payload (a node's connection breaking then is handled alike)
         try:
             if frame.asks_blocks(header) and via is None:
                 placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
@@ -1339,16 +1341,17 @@ class Client:
             conn.sock.settimeout(io_timeout + (timeout if op == dp.OP_PULL else 0.0))
             frame.send_frame(conn.sock, header, payloads)
             reply = frame.recv_header(conn.sock, REPLY_LIMITS)
-            if reply.op != dp.OP_ERROR and op == dp.OP_PULL:
+            receiving = reply.op != dp.OP_ERROR
+            if receiving and op == dp.OP_PULL:
                 self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
-            elif reply.op != dp.OP_ERROR and op == dp.OP_COMMIT:  # the pull it carried, if the node applied the step
+            elif receiving and op == dp.OP_COMMIT:  # the blocks of the pull it carried, if the node applied the step
                 self._receive_blocks(conn, key, reply, expected if reply.pull_applied else {}, placed)
                 if header.pull_applied and reply.pull_applied and carried is not None:
                     carried.setdefault(node_id, []).extend((ref.tensor, ref.index) for ref in header.blocks)
-        except ShardlineError:
-            raise   # named already (a bad frame, an unexpected block: the connection is closed)
         except (OSError, ConnectionError) as exc:
+            if receiving and isinstance(exc, ShardlineError):
+                raise   # an unexpected block: named, and its connection closed already
             if placed:  # the node may be copying into them still (stalled, not dead): see _revoke_regions
                 self._forget_versions(placed)
                 with self._cache_writes:

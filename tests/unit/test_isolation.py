@@ -4,6 +4,8 @@ Membership), and the servicer's leases and metrics while it suspects its own iso
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from shardline.dispatcher.holders import SoleHolders, sole_holders
@@ -231,3 +233,49 @@ def test_a_dispatcher_without_its_state_takes_the_ring_back_from_the_first_node_
     other = Membership(TIMEOUT, heartbeat_interval=INTERVAL)
     other.register("ps9", "r", "127.0.0.1:9090", "127.0.0.1:9091", 1.0, 0.0, remembered=remembered)
     assert [n.node_id for n in other.snapshot().serving] == ["ps9"]
+
+
+# --- the servicer: leases, metrics, the routing watch ----------------------------------------------
+
+def isolated_servicer():
+    from shardline.dispatcher.server import DispatcherServicer
+
+    now = [0.0]
+    jobs = JobRegistry()
+    record, _ = jobs.create(job())
+    m = Membership(TIMEOUT, has_data=lambda: False, heartbeat_interval=INTERVAL)
+    for node in ("ps0", "ps1", "ps2"):
+        register(m, node, 0.0)
+    servicer = DispatcherServicer(m, jobs, heartbeat_interval=INTERVAL, clock=lambda: now[0])
+    servicer._state.leases.heartbeat("j", 0, "inc", 0, now=0.0)
+    return servicer, now
+
+
+def test_an_isolated_dispatcher_loses_no_worker_and_gives_their_leases_a_timeout_when_it_hears_again():
+    from prometheus_client import REGISTRY
+
+    from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS
+
+    servicer, now = isolated_servicer()
+    leases = servicer._state.leases
+    now[0] = 5.5
+    assert servicer.expire() == [] and REGISTRY.get_sample_value("shardline_dispatcher_isolated") == 1
+    now[0] = DEFAULT_LEASE_TIMEOUT_SECONDS + 20       # the worker's renewals cannot arrive either
+    assert servicer.expire() == [] and not [lo for lo in leases.of_job("j") if lo.lost_at is not None]
+    beat(servicer.membership, ("ps0", "ps1", "ps2"), now[0])
+    assert servicer.expire() == [] and REGISTRY.get_sample_value("shardline_dispatcher_isolated") == 0
+    now[0] += DEFAULT_LEASE_TIMEOUT_SECONDS - 1       # a whole lease timeout to check in, from the return
+    beat(servicer.membership, ("ps0", "ps1", "ps2"), now[0])
+    assert servicer.expire() == [] and not [lo for lo in leases.of_job("j") if lo.lost_at is not None]
+
+
+def test_a_routing_watch_asking_with_the_current_epochs_gets_one_flag():
+    from shardline.services.pb import dispatcher_pb2
+
+    servicer, _ = isolated_servicer()
+    epoch = servicer.membership.epoch
+    context = types.SimpleNamespace(abort=None, peer=lambda: "ipv4:127.0.0.1:1")
+    same = servicer.GetRouting(dispatcher_pb2.GetRoutingRequest(known_epoch=epoch, known_pending_epoch=0), context)
+    assert same.unchanged and same.epoch == epoch and not same.nodes
+    moved = servicer.GetRouting(dispatcher_pb2.GetRoutingRequest(known_epoch=epoch - 1), context)
+    assert not moved.unchanged and [n.node_id for n in moved.nodes] == ["ps0", "ps1", "ps2"]
