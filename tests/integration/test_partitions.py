@@ -152,9 +152,12 @@ def test_the_dispatcher_cut_off_stops_no_step_and_declares_no_node_dead(cluster,
 
 
 def test_a_worker_cut_off_resumes_where_it_was(cluster, no_fault_run, tmp_path):
+    """Both ranks wait for the cut one (BSP); its step ends once TCP retransmits after the network
+    returned (its backoff: 5.4-5.5 s after an 8 s cut, measured), and nothing else moves."""
     epoch = cluster.cluster_status().routing.epoch
     outcome = run_with_fault(cluster, tmp_path, "cut-worker", lambda link: link.cut("w1"))
     assert_exact(outcome, no_fault_run)
+    assert outcome["longest"] <= 2 * FAULT_SECONDS
     assert cluster.cluster_status().routing.epoch == epoch
     assert "nodes declared dead" not in outcome["logs"]["dispatcher"]
 
@@ -173,13 +176,15 @@ def test_loss_between_a_ps_and_the_dispatcher_loses_nothing(cluster, no_fault_ru
     assert outcome["longest"] <= HEARTBEAT_TIMEOUT + 1.0
 
 
-def test_the_etcd_leader_cut_off_hands_the_lead_over_and_training_goes_on(tmp_path):
+def test_the_etcd_leader_cut_off_hands_the_lead_over_and_training_goes_on(no_fault_run, tmp_path):
+    """Cut off from the nodes and from etcd, the leader loses its lease (2 s) and the other
+    dispatcher leads; the ranks, which need a dispatcher only to renew their leases, train on."""
     with _etcd_cluster(tmp_path) as cluster:
         leader = cluster.leader()
         host = "disp" if leader.name == "dispatcher" else "disp1"
         outcome = run_with_fault(cluster, tmp_path, "cut-leader", lambda link: link.cut(host))
-        train_model.assert_equals_reference(outcome["results"], STEPS)
-        assert outcome["settle"] <= SETTLE_SECONDS
+        assert_exact(outcome, no_fault_run)
+        assert outcome["longest"] <= HEARTBEAT_TIMEOUT
         assert min(outcome["during"]) > max(outcome["before"]), "training stopped while the leader was cut off"
         assert cluster.leader() is not leader
         for name, log in outcome["logs"].items():
