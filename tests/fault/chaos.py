@@ -252,8 +252,10 @@ class Chaos:
         at = self.progress()
         self.allow(at + 3)  # the fault lands while these steps run
         started = time.monotonic()
+        self.fault_started, self.stepped_during = (at, started), None
         detail = getattr(self, f"_{kind}")(*([point] if point else []))
-        recovery = self.wait_step_after(at, started) if self.progress() < self.steps else None
+        recovery = (self.stepped_during if self.stepped_during is not None
+                    else self.wait_step_after(at, started) if self.progress() < self.steps else None)
         if self.not_reached:  # the armed point never came: no fault, no recovery to time
             recovery = None
         return {"kind": kind, "detail": detail, "at_step": at, "recovery_seconds": recovery,
@@ -341,11 +343,18 @@ class Chaos:
         return f"{leader.name} {self._pause(leader, 1.5, 3.0):.1f}s"
 
     def _partition(self, fault, what: str) -> str:
-        """Apply ``fault(link)`` for a random PARTITION_SECONDS, then mend it."""
+        """Apply ``fault(link)`` for a random PARTITION_SECONDS, then mend it. Meanwhile workers
+        whose failpoint fired are started again, and a step applied during the fault is the
+        fault's recovery time (training that goes on through a partition took no time to recover)."""
         seconds = self.rng.uniform(*PARTITION_SECONDS)
+        at, started = self.fault_started
         fault(self.cluster.link)
         try:
-            time.sleep(seconds)
+            while time.monotonic() < started + seconds:
+                self.revive_workers()
+                if self.stepped_during is None and self.progress() > at:
+                    self.stepped_during = time.monotonic() - started
+                time.sleep(0.02)
         finally:
             self.cluster.link.mend()
         return f"{what} {seconds:.1f}s"

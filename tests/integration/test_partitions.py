@@ -13,7 +13,8 @@ took a few steps and ends 8 s later; then:
   never stops and no node is declared dead (it suspects its own isolation).
 
 The same with two dispatchers on etcd, the leader cut off (from etcd too): the other takes over,
-and training goes on.
+and training goes on. And the cases that passed before partitions were handled (kept passing): a
+PS that loses only the dispatcher (split brain), a worker that loses only the dispatcher.
 """
 
 from __future__ import annotations
@@ -160,6 +161,17 @@ def test_a_worker_cut_off_resumes_where_it_was(cluster, no_fault_run, tmp_path):
     assert outcome["longest"] <= 2 * FAULT_SECONDS
     assert cluster.cluster_status().routing.epoch == epoch
     assert "nodes declared dead" not in outcome["logs"]["dispatcher"]
+
+
+def test_a_worker_that_loses_only_the_dispatcher_trains_on(cluster, no_fault_run, tmp_path):
+    """A rank needs the dispatcher only to renew its lease (30 s) and to refresh the routing."""
+    def fault(link):
+        link.drop("w1", "disp")
+        link.drop("disp", "w1")
+    outcome = run_with_fault(cluster, tmp_path, "worker-without-dispatcher", fault)
+    assert_exact(outcome, no_fault_run)
+    assert outcome["longest"] <= 2.0
+    assert min(outcome["during"]) >= max(outcome["before"]) + 0.5 * FAULT_SECONDS / STEP_SLEEP
 
 
 @pytest.mark.parametrize("direction", ["ps-to-dispatcher", "dispatcher-to-ps", "both"])
