@@ -75,6 +75,16 @@ class DataPlaneConnection:
         except OSError:
             pass
 
+    def retransmitting(self) -> bool:
+        """TCP is resending data the peer has not acknowledged (the network lost it): after a cut
+        its retries come further and further apart, so a connection that waited one out may sit
+        idle for seconds after the network is back. False for other transports."""
+        try:
+            info = self.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)
+        except (OSError, AttributeError):
+            return False
+        return len(info) >= 5 and (info[2] > 0 or info[4] > 0)   # tcpi_retransmits, tcpi_backoff
+
     def close(self) -> None:
         try:
             self.sock.close()

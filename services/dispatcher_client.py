@@ -138,6 +138,7 @@ class DispatcherClient:
         self._stubs: dict[str, dispatcher_pb2_grpc.DispatcherStub] = {}
         self._leader = self.addresses[0]
         self._closed = False
+        self._reconnects = 0   # reconnect() calls: a call its channel's close cancelled is made again
 
     @property
     def leader(self) -> str:
@@ -159,6 +160,7 @@ class DispatcherClient:
         the old channels are cancelled."""
         with self._lock:
             channels, self._channels, self._stubs = list(self._channels.values()), {}, {}
+            self._reconnects += 1
         for channel in channels:
             channel.close()
 
@@ -209,12 +211,16 @@ class DispatcherClient:
             remaining = max(0.0, deadline - time.monotonic())
             several = len(self.addresses) > 1
             attempt = remaining if waits or not several else min(remaining, self.attempt_timeout)
+            reconnects = self._reconnects
             try:
                 return getattr(self._stub(address), name)(request, timeout=attempt)
             except grpc.RpcError as exc:
                 code = exc.code()
                 if not_found_none and code == grpc.StatusCode.NOT_FOUND:
                     return None
+                if code == grpc.StatusCode.CANCELLED and self._reconnects != reconnects and not self._closed \
+                        and deadline - time.monotonic() > MIN_ATTEMPT_SECONDS:
+                    continue   # another thread's reconnect() closed the channel under it: again, on the new one
                 named = leader_hint(exc)
                 cut_short = code == grpc.StatusCode.DEADLINE_EXCEEDED and attempt < remaining
                 if named is None and not ((code == grpc.StatusCode.UNAVAILABLE or cut_short) and several):

@@ -242,7 +242,8 @@ class Client:
         # requests waiting on a node are given up once it leaves the ring (worker/node_watch.py); the
         # watch holds this client weakly (a client nobody closed is still collected)
         this = weakref.ref(self)
-        self._watch = NodeWatch(lambda known: this()._routing_since(known), lambda: this().routing)
+        self._watch = NodeWatch(lambda known: this()._routing_since(known), lambda: this().routing,
+                                on_unreachable=lambda: this().dispatcher.reconnect())
         self._lacking: dict[tuple[str, str, int], float] = {}  # (node, tensor, index) -> first seen lacking it
         info = self.dispatcher.get_job(job)
         if info is not None and info.ready:

@@ -12,7 +12,11 @@ waiting thread fails at once and the client's recovery finds the node gone and r
 (worker/client.py). It also logs, once per step and node, that the step waits for that node.
 
 A node that is still in the ring is waited for: it may be a slow or restarting node, or the
-dispatcher may have kept it because no other node holds its blocks.
+dispatcher may have kept it because no other node holds its blocks. Except after a cut of this
+worker's own network: while the dispatcher does not answer, the watch dials it afresh for each
+check (``on_unreachable``); once it answers again, a request whose TCP connection is still resending
+what the cut lost is aborted too, to go out again on a new connection at once instead of when
+TCP's backoff next tries (seconds after the network is back).
 """
 
 from __future__ import annotations
@@ -57,9 +61,11 @@ class NodeWatch:
     """
 
     def __init__(self, fetch: Callable[[RoutingView], RoutingView], current: Callable[[], RoutingView],
-                 interval: float = WATCH_INTERVAL_SECONDS):
+                 interval: float = WATCH_INTERVAL_SECONDS, on_unreachable: Callable[[], None] = lambda: None):
         self._fetch = fetch
         self._current = current
+        self._on_unreachable = on_unreachable
+        self._unreachable = False   # the last check could not reach the dispatcher
         self.interval = interval
         self._cond = threading.Condition()
         self._waits: set[Wait] = set()
@@ -116,13 +122,20 @@ class NodeWatch:
         known = self._view if self._view is not None and self._view.epoch >= current.epoch else current
         try:
             view = self._fetch(known)
-        except ShardlineError as exc:   # the dispatcher unreachable: keep waiting, ask again
+        except ShardlineError as exc:   # the dispatcher unreachable: keep waiting, ask again on a new connection
             log.debug("routing check failed: %s", exc)
+            self._unreachable = True
+            self._on_unreachable()
             return
-        self._view = view
+        back, self._unreachable, self._view = self._unreachable, False, view
         for w in waits:
             if w.node_id not in view.nodes:
                 w.abandoned = f"it left the ring at epoch {view.epoch} (declared dead or drained)"
                 log.warning("PS node %r (%s) left the ring at epoch %d; giving up its %s after %.1f s and resending "
                             "to the new owners", w.node_id, w.address, view.epoch, w.what, now - w.since)
+                w.conn.abort()
+            elif back and getattr(w.conn, "retransmitting", lambda: False)():
+                w.abandoned = "the network is back, and its connection still waits to resend what it lost"
+                log.warning("the dispatcher answers again: sending the %s of PS node %r (%s) again on a new "
+                            "connection", w.what, w.node_id, w.address)
                 w.conn.abort()

@@ -153,12 +153,14 @@ def test_the_dispatcher_cut_off_stops_no_step_and_declares_no_node_dead(cluster,
 
 
 def test_a_worker_cut_off_resumes_where_it_was(cluster, no_fault_run, tmp_path):
-    """Both ranks wait for the cut one (BSP); its step ends once TCP retransmits after the network
-    returned (its backoff: 5.4-5.5 s after an 8 s cut, measured), and nothing else moves."""
+    """Both ranks wait for the cut one (BSP) and nothing else moves. Once the network returns, the
+    cut rank's node watch hears the dispatcher again and sends its stuck request again on a new
+    connection, within a second, instead of when TCP's backoff next retransmits it (5.4-5.5 s after
+    an 8 s cut, measured before)."""
     epoch = cluster.cluster_status().routing.epoch
     outcome = run_with_fault(cluster, tmp_path, "cut-worker", lambda link: link.cut("w1"))
     assert_exact(outcome, no_fault_run)
-    assert outcome["longest"] <= 2 * FAULT_SECONDS
+    assert outcome["longest"] <= FAULT_SECONDS + 2.0
     assert cluster.cluster_status().routing.epoch == epoch
     assert "nodes declared dead" not in outcome["logs"]["dispatcher"]
 

@@ -218,3 +218,21 @@ def test_wait_until_reachable_times_out_naming_the_addresses(servers):
         assert time.monotonic() - started < 4
     finally:
         client.close()
+
+
+def test_a_call_whose_channel_another_thread_reconnects_is_made_again_on_the_new_one(servers):
+    """A PS heartbeat that failed dials afresh (reconnect); a routing call another thread has in
+    flight on the old channel is cancelled by it, and made again instead of failing."""
+    fake = FakeDispatcher("paused", epoch=9)   # answers once released
+    client = DispatcherClient(servers(fake), rpc_timeout=10)
+    got: list = []
+    caller = threading.Thread(target=lambda: got.append(client.get_routing()))
+    caller.start()
+    deadline = time.monotonic() + 5
+    while fake.calls == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    client.reconnect()
+    fake.release.set()
+    caller.join(10)
+    assert [t.epoch for t in got] == [9] and fake.calls == 2
+    client.close()

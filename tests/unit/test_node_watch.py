@@ -210,3 +210,52 @@ def test_an_unknown_tensor_the_job_does_not_have_is_not_asked_again(offline_clie
     with pytest.raises(RemoteError, match="ghost"):
         client._exchange_retrying("ps1", [("ghost", 0)], dp.OP_PULL, 0, 1.0, None, 0, 0.0)
     assert calls == ["ps1"]
+
+
+def test_once_the_dispatcher_answers_again_a_connection_still_resending_what_a_cut_lost_is_aborted():
+    """This worker's own network was cut: its checks fail (each dials afresh), and once one gets
+    through, a request whose TCP connection still waits to retransmit is sent again on a new one;
+    one whose connection is not retransmitting goes on waiting."""
+    from shardline.services.errors import ShardlineConnectionError
+
+    answers = {"up": False}
+    redials = []
+
+    def fetch(known):
+        if not answers["up"]:
+            raise ShardlineConnectionError("no route")
+        return known
+
+    class Resending(Conn):
+        def __init__(self, resending: bool):
+            super().__init__()
+            self.resending = resending
+
+        def retransmitting(self) -> bool:
+            return self.resending
+
+    watch = NodeWatch(fetch, lambda: view(3, "a", "b"), interval=0.05, on_unreachable=lambda: redials.append(1))
+    stuck, idle = Resending(True), Resending(False)
+    with watch.waiting("a", "x:1", stuck, "OP_PUSH of step 4", 4) as wait, \
+            watch.waiting("b", "y:1", idle, "OP_PULL", 4, waits=True):
+        time.sleep(0.3)
+        assert redials and not stuck.aborted.is_set()
+        answers["up"] = True
+        assert stuck.aborted.wait(2.0) and "the network is back" in wait.abandoned
+        time.sleep(0.2)
+        assert not idle.aborted.is_set()
+    watch.close()
+
+
+def test_a_tcp_connection_tells_whether_it_is_retransmitting():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    conn = DataPlaneConnection.__new__(DataPlaneConnection)
+    conn.sock = tcp.connect(f"127.0.0.1:{server.getsockname()[1]}", 5.0)
+    peer, _ = server.accept()
+    assert conn.retransmitting() is False   # nothing unacknowledged on loopback
+    sock, conn.sock = conn.sock, types.SimpleNamespace()   # another transport: no TCP_INFO
+    assert conn.retransmitting() is False
+    for s in (sock, peer, server):
+        s.close()
