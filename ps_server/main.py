@@ -91,14 +91,20 @@ def open_checkpoint_dir(path: str | None, node_id: str) -> CheckpointDir | None:
 class HeartbeatLoop(threading.Thread):
     """Heartbeats carry the node's storage and its held jobs (steps, durable checkpoints); replies
     tell it which jobs to drop and which checkpoint steps the cluster still needs. ``wake()`` sends
-    one at once (a checkpoint just became durable)."""
+    one at once (a checkpoint just became durable).
+
+    ``client`` is the loop's own: after a failed heartbeat it dials afresh for the next (the old
+    connection's retransmissions wait out TCP's growing backoff), without cancelling the node's
+    other calls; once heartbeats get through again, ``shared`` (the client the node's other
+    threads call the dispatcher with) dials afresh too, once. ``deadline``: of each heartbeat in
+    the loop (None: the client's rpc_timeout)."""
 
     def __init__(self, client: DispatcherClient, node: PSNode, registration: dict, interval: float, stop: threading.Event,
-                 deadline: float | None = None):
+                 deadline: float | None = None, shared: DispatcherClient | None = None):
         super().__init__(name="heartbeat", daemon=True)
         self.client, self.node, self.registration = client, node, registration
         self.interval, self.stop = interval, stop
-        self.deadline = deadline   # of each heartbeat in the loop (None: the client's rpc_timeout)
+        self.deadline, self.shared = deadline, shared
         self._wake = threading.Event()
         self._lock = threading.Lock()  # one heartbeat at a time (loop, wake-ups, the final report)
         M.watch_node(node, registration.get("node_id"), registration.get("rack"))
@@ -168,6 +174,8 @@ class HeartbeatLoop(threading.Thread):
                 if failing:
                     log.info("heartbeats reach the dispatcher again")
                     failing = False
+                    if self.shared is not None:
+                        self.shared.reconnect()
             except ShardlineError as exc:
                 M.heartbeat(ok=False)
                 (log.debug if failing else log.warning)("heartbeat failed: %s", exc)
@@ -430,8 +438,11 @@ def main(argv=None) -> int:
     serving_done = threading.Event()
     node.serving.set()
     interval = resp.heartbeat_interval_seconds or 1.0
-    heartbeats = HeartbeatLoop(client, node, registration, interval, serving_done,
-                               heartbeat_deadline(interval, resp.heartbeat_timeout_seconds, args.rpc_timeout))
+    heartbeat_client = DispatcherClient(args.cluster, rpc_timeout=args.rpc_timeout, cluster_token=cluster_token,
+                                        tls_ca=security.tls_ca)
+    heartbeats = HeartbeatLoop(heartbeat_client, node, registration, interval, serving_done,
+                               heartbeat_deadline(interval, resp.heartbeat_timeout_seconds, args.rpc_timeout),
+                               shared=client)
     heartbeats.start()
     relay = CommitRelay(node.store.jobs, peer_commits(node, cluster_token, security.tls_ca), serving_done)
     node.settle_commits = relay.settle
@@ -452,6 +463,7 @@ def main(argv=None) -> int:
     node.grad_norms.close()
     server.stop(grace=2).wait(5)
     client.close()
+    heartbeat_client.close()
     log.info("stopped in %.2f s", time.monotonic() - started)
     exit_after_stop(0)
 

@@ -342,28 +342,29 @@ class LocalCluster:
                 self.dispatcher = handle
         return self._start(handle, wait)
 
-    def leader(self, timeout: float = 30.0) -> DaemonHandle:
-        """The dispatcher that leads now: the one whose health service says SERVING (a single
-        dispatcher always does). Waits up to ``timeout`` s for one; raises TimeoutError."""
+    def serving(self, address: str) -> bool:
+        """Whether the dispatcher at ``address`` says SERVING on its health service (it leads)."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         from shardline.services.daemon import grpc_channel
 
-        tls_ca = self._credentials()[1]
+        with grpc_channel(address, tls_ca=self._credentials()[1]) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
+                                                                  timeout=0.5)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def leader(self, timeout: float = 30.0) -> DaemonHandle:
+        """The dispatcher that leads now: the one whose health service says SERVING (a single
+        dispatcher always does). Waits up to ``timeout`` s for one; raises TimeoutError."""
         deadline = time.monotonic() + timeout
         while True:
             for handle in self.dispatchers:
                 address = self._fixed_addresses.get(handle.name) or handle.grpc
-                if not handle.alive() or not address:
-                    continue
-                with grpc_channel(address, tls_ca=tls_ca) as channel:
-                    try:
-                        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                          timeout=0.5)
-                    except grpc.RpcError:
-                        continue
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                if handle.alive() and address and self.serving(address):
                     return handle
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no dispatcher leads after {timeout:g} s: "

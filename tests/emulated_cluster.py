@@ -10,9 +10,10 @@ drop (``cluster.link.cut(host)``, ``drop(src, dst)``, ``mend()``).
 
 Daemons bind their host's address, so they need the cluster token the harness writes (workers get
 it from ``SHARDLINE_CLUSTER_TOKEN_FILE``, which :attr:`worker_env` holds). The test process
-stays in the machine's own namespace: its status queries (``cluster_status``, ``wait_until``,
-``leader``) go through a probe process in a host of its own (tests/status_probe.py) that no
-fault touches. Shutting down stops the daemons, the probe and deletes every namespace.
+stays in the machine's own namespace: its status queries (``cluster_status``, ``wait_until`` and
+``leader``, through ``client`` and ``serving``) go through a probe process in a host of its own
+(tests/status_probe.py) that no fault touches. Shutting down stops the daemons, the probe and
+deletes every namespace.
 """
 
 from __future__ import annotations
@@ -132,20 +133,9 @@ class EmulatedCluster(LocalCluster):
     def client(self, rpc_timeout: float = 2.0):
         return _ProbeClient(self.probe, self.address, rpc_timeout)
 
-    def leader(self, timeout: float = 30.0):
-        """The dispatcher whose health service says SERVING, asked from the probe's host."""
-        import time
-
-        deadline = time.monotonic() + timeout
-        while True:
-            for handle in self.dispatchers:
-                address = self._fixed_addresses.get(handle.name) or handle.grpc
-                if handle.alive() and address and self.probe.ask({"op": "health", "address": address})["ok"] == "SERVING":
-                    return handle
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"no dispatcher leads after {timeout:g} s: "
-                                   + ", ".join(repr(h) for h in self.dispatchers))
-            time.sleep(0.05)
+    def serving(self, address: str) -> bool:
+        """Whether the dispatcher at ``address`` says SERVING, asked from the probe's host."""
+        return self.probe.ask({"op": "health", "address": address})["ok"] == "SERVING"
 
     def start_etcd(self, host: str):
         """A real etcd (tests/etcd_server.py) in ``host``, stopped with the cluster; its ``url``

@@ -240,10 +240,15 @@ class Client:
         self._request_ids = itertools.count(1)
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="shardline-io")
         # requests waiting on a node are given up once it leaves the ring (worker/node_watch.py); the
-        # watch holds this client weakly (a client nobody closed is still collected)
+        # watch asks the dispatcher on a client of its own (it dials afresh while it fails, which
+        # must not cancel this client's calls), and holds this client weakly (a client nobody
+        # closed is still collected)
         this = weakref.ref(self)
+        self._watch_dispatcher = DispatcherClient(cluster, rpc_timeout=rpc_timeout, cluster_token=self.cluster_token,
+                                                  tls_ca=self.tls_ca)
         self._watch = NodeWatch(lambda known: this()._routing_since(known), lambda: this().routing,
-                                on_unreachable=lambda: this().dispatcher.reconnect())
+                                on_unreachable=self._watch_dispatcher.reconnect,
+                                on_reachable_again=lambda: this().dispatcher.reconnect())
         self._lacking: dict[tuple[str, str, int], float] = {}  # (node, tensor, index) -> first seen lacking it
         info = self.dispatcher.get_job(job)
         if info is not None and info.ready:
@@ -963,8 +968,8 @@ class Client:
 
     def _routing_since(self, known: RoutingView) -> RoutingView:
         """The routing now (``known`` itself if it did not move): the node watch's question."""
-        table = self.dispatcher.get_routing(known_epoch=known.epoch, known_pending_epoch=known.pending_epoch,
-                                            timeout=max(1.0, 4 * WATCH_INTERVAL_SECONDS))
+        table = self._watch_dispatcher.get_routing(known_epoch=known.epoch, known_pending_epoch=known.pending_epoch,
+                                                   timeout=max(1.0, 4 * WATCH_INTERVAL_SECONDS))
         return known if table.unchanged else RoutingView.from_proto(table)
 
     def refresh_routing(self) -> None:
@@ -1518,6 +1523,7 @@ class Client:
         for region in [*self._regions, *self._grad_regions]:
             region.close()
         self.dispatcher.close()
+        self._watch_dispatcher.close()
         # A lease thread still inside a gRPC call when the interpreter exits aborts the process
         # ("terminate called without an active exception"): it ends once its call is cancelled.
         if self._lease is not None and self._lease is not threading.current_thread():

@@ -14,9 +14,10 @@ waiting thread fails at once and the client's recovery finds the node gone and r
 A node that is still in the ring is waited for: it may be a slow or restarting node, or the
 dispatcher may have kept it because no other node holds its blocks. Except after a cut of this
 worker's own network: while the dispatcher does not answer, the watch dials it afresh for each
-check (``on_unreachable``); once it answers again, a request whose TCP connection is still resending
-what the cut lost is aborted too, to go out again on a new connection at once instead of when
-TCP's backoff next tries (seconds after the network is back).
+check (``on_unreachable``: the watch's own dispatcher client); once it answers again
+(``on_reachable_again``: the client's other calls dial afresh too), a request whose TCP
+connection is still resending what the cut lost is aborted too, to go out again on a new
+connection at once instead of when TCP's backoff next tries (seconds after the network is back).
 """
 
 from __future__ import annotations
@@ -61,10 +62,12 @@ class NodeWatch:
     """
 
     def __init__(self, fetch: Callable[[RoutingView], RoutingView], current: Callable[[], RoutingView],
-                 interval: float = WATCH_INTERVAL_SECONDS, on_unreachable: Callable[[], None] = lambda: None):
+                 interval: float = WATCH_INTERVAL_SECONDS, on_unreachable: Callable[[], None] = lambda: None,
+                 on_reachable_again: Callable[[], None] = lambda: None):
         self._fetch = fetch
         self._current = current
         self._on_unreachable = on_unreachable
+        self._on_reachable_again = on_reachable_again
         self._unreachable = False   # the last check could not reach the dispatcher
         self.interval = interval
         self._cond = threading.Condition()
@@ -128,6 +131,8 @@ class NodeWatch:
             self._on_unreachable()
             return
         back, self._unreachable, self._view = self._unreachable, False, view
+        if back:
+            self._on_reachable_again()
         for w in waits:
             if w.node_id not in view.nodes:
                 w.abandoned = f"it left the ring at epoch {view.epoch} (declared dead or drained)"
