@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 from shardline.services.daemon import PARENT_PID_ENV
 
-__all__ = ["DaemonHandle", "DaemonStartError", "LocalCluster", "flags_to_argv", "log_tail"]
+__all__ = ["DaemonHandle", "DaemonStartError", "LocalCluster", "dispatcher_serving", "flags_to_argv", "log_tail"]
 
 STOP_TIMEOUT = 10.0
 
@@ -344,18 +344,7 @@ class LocalCluster:
 
     def serving(self, address: str) -> bool:
         """Whether the dispatcher at ``address`` says SERVING on its health service (it leads)."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        from shardline.services.daemon import grpc_channel
-
-        with grpc_channel(address, tls_ca=self._credentials()[1]) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                  timeout=0.5)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return dispatcher_serving(address, self._credentials()[1])
 
     def leader(self, timeout: float = 30.0) -> DaemonHandle:
         """The dispatcher that leads now: the one whose health service says SERVING (a single
@@ -584,6 +573,22 @@ class LocalCluster:
 
         status = self.wait_until(check, timeout, f"node {node_id!r} to be {state}")
         return next(node for node in status.all_nodes if node.node_id == node_id)
+
+
+def dispatcher_serving(address: str, tls_ca: bytes | None = None, timeout: float = 0.5) -> bool:
+    """Whether the dispatcher at ``address`` answers SERVING on its health service within
+    ``timeout`` (it leads; a follower says NOT_SERVING)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from shardline.services.daemon import grpc_channel
+
+    with grpc_channel(address, tls_ca=tls_ca) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def _free_port(host: str) -> int:

@@ -135,28 +135,22 @@ class EmulatedCluster(LocalCluster):
 
     def serving(self, address: str) -> bool:
         """Whether the dispatcher at ``address`` says SERVING, asked from the probe's host."""
-        return self.probe.ask({"op": "health", "address": address})["ok"] == "SERVING"
+        return self.probe.ask({"op": "health", "address": address})["ok"] is True
 
     def start_etcd(self, host: str):
         """A real etcd (tests/etcd_server.py) in ``host``, stopped with the cluster; its ``url``
         is the dispatchers' ``state_store``."""
         from etcd_server import EtcdServer
 
-        def healthy(url: str) -> bool:
-            try:
-                return json.loads(self.http_get(url)).get("health") == "true"
-            except (RuntimeError, ValueError):
-                return False
-
-        server = EtcdServer(host=self.address_of(host), wrap=lambda argv: self.on_host(host, argv), healthy=healthy)
+        server = EtcdServer(host=self.address_of(host), wrap=lambda argv: self.on_host(host, argv), get=self.http_get)
         self._etcds.append(server)
         return server
 
     def http_get(self, url: str) -> str:
-        """GET ``url`` from the probe's host; raises RuntimeError with the error."""
+        """GET ``url`` from the probe's host; raises OSError with the error."""
         reply = self.probe.ask({"op": "http", "url": url})
         if "error" in reply:
-            raise RuntimeError(reply["error"])
+            raise OSError(reply["error"])
         return reply["ok"]
 
     def _close_hosts(self) -> None:

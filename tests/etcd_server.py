@@ -24,12 +24,9 @@ START_ATTEMPTS = 3
 INSTALL_HINT = "etcd is not installed: run scripts/install-system-deps.sh (as root) to install Debian's etcd-server"
 
 
-def _healthy_here(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as reply:
-            return json.loads(reply.read()).get("health") == "true"
-    except (OSError, ValueError):
-        return False
+def _get_here(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=1) as reply:
+        return reply.read().decode("utf-8", "replace")
 
 
 class EtcdServer:
@@ -39,13 +36,13 @@ class EtcdServer:
     ``setpriv --pdeathsig KILL`` where available, so even a test run killed outright leaves no etcd.
     """
 
-    def __init__(self, binary: str = "etcd", *, host: str = "127.0.0.1", wrap=None, healthy=None):
+    def __init__(self, binary: str = "etcd", *, host: str = "127.0.0.1", wrap=None, get=None):
         """``host``: the address it serves on; another than 127.0.0.1 is a private network
         namespace (tests/emulated_cluster.py), where etcd's own ports are free. ``wrap(argv)``: the
-        command line that runs ``argv`` there; ``healthy(url)``: whether ``GET url`` answers that
-        etcd is healthy (default: asked from here)."""
+        command line that runs ``argv`` there; ``get(url)``: the body of ``GET url``, OSError if it
+        fails (default: asked from here)."""
         self.host, self._wrap = host, wrap or (lambda argv: argv)
-        self._healthy = healthy or _healthy_here
+        self._get = get or _get_here
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(INSTALL_HINT)
@@ -99,8 +96,11 @@ class EtcdServer:
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited with {self.proc.returncode} at start:\n{self.log_tail()}")
-            if self._healthy(f"http://{self.endpoint}/health"):
-                return
+            try:
+                if json.loads(self._get(f"http://{self.endpoint}/health")).get("health") == "true":
+                    return
+            except (OSError, ValueError):
+                pass
             if time.monotonic() >= deadline:
                 raise RuntimeError(f"etcd not healthy within {START_TIMEOUT:g} s:\n{self.log_tail()}")
             time.sleep(0.05)

@@ -2,7 +2,7 @@
 own, it answers one JSON request per line on stdin with one JSON line on stdout.
 
     {"op": "status", "cluster": "A,B", "timeout": 2}  -> {"ok": base64(ClusterStatus)} | {"error": "..."}
-    {"op": "health", "address": "H:P"}                -> {"ok": "SERVING" | "NOT_SERVING" | ""}
+    {"op": "health", "address": "H:P"}                -> {"ok": true | false}: it says SERVING (leads)
     {"op": "http", "url": "http://H:P/health"}        -> {"ok": body} | {"error": "..."}
 
 The test process itself stays in the machine's own network namespace, where the hosts'
@@ -20,12 +20,9 @@ import urllib.request
 
 
 def main() -> None:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     from shardline.services.auth import load_token
-    from shardline.services.daemon import grpc_channel
     from shardline.services.dispatcher_client import DispatcherClient
+    from shardline.services.local_cluster import dispatcher_serving
     from shardline.services.errors import ShardlineError
 
     token = load_token(os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"))
@@ -42,13 +39,7 @@ def main() -> None:
                         request["cluster"], rpc_timeout=float(request.get("timeout", 2.0)), cluster_token=token)
                 reply = {"ok": base64.b64encode(client.cluster_status().SerializeToString()).decode("ascii")}
             elif op == "health":
-                with grpc_channel(request["address"]) as channel:
-                    try:
-                        got = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""),
-                                                                        timeout=0.5)
-                        reply = {"ok": health_pb2.HealthCheckResponse.ServingStatus.Name(got.status)}
-                    except grpc.RpcError:
-                        reply = {"ok": ""}
+                reply = {"ok": dispatcher_serving(request["address"])}
             elif op == "http":
                 with urllib.request.urlopen(request["url"], timeout=1) as got:
                     reply = {"ok": got.read().decode("utf-8", "replace")}

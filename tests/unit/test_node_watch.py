@@ -96,13 +96,20 @@ def test_the_dispatcher_unreachable_keeps_the_request_waiting():
     watch.close()
 
 
-def test_abort_ends_a_receive_blocked_in_another_thread():
+def loopback_connection():
+    """A DataPlaneConnection over loopback TCP (no handshake), the peer's socket and the
+    listener; the caller closes all three."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
     conn = DataPlaneConnection.__new__(DataPlaneConnection)
     conn.address, conn.sock, conn.lock = "x", tcp.connect(f"127.0.0.1:{server.getsockname()[1]}", 5.0), threading.Lock()
-    peer, _ = server.accept()   # it never answers
+    peer, _ = server.accept()
+    return conn, peer, server
+
+
+def test_abort_ends_a_receive_blocked_in_another_thread():
+    conn, peer, server = loopback_connection()   # the peer never answers
     got: list = []
 
     def receive():
@@ -248,12 +255,7 @@ def test_once_the_dispatcher_answers_again_a_connection_still_resending_what_a_c
 
 
 def test_a_tcp_connection_tells_whether_it_is_retransmitting():
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(1)
-    conn = DataPlaneConnection.__new__(DataPlaneConnection)
-    conn.sock = tcp.connect(f"127.0.0.1:{server.getsockname()[1]}", 5.0)
-    peer, _ = server.accept()
+    conn, peer, server = loopback_connection()
     assert conn.retransmitting() is False   # nothing unacknowledged on loopback
     sock, conn.sock = conn.sock, types.SimpleNamespace()   # another transport: no TCP_INFO
     assert conn.retransmitting() is False
