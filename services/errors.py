@@ -6,6 +6,32 @@ catch ``ShardlineTimeoutError`` without caring which component timed out.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    """The data plane's error codes: the names of ``ErrorCode`` in ``protos/dataplane.proto``.
+
+    A ``StrEnum``, so a member equals its name and goes onto the wire as ``dp.ErrorCode.Value(code)``;
+    tests/unit/test_errors.py holds it equal to the proto's enum.
+    """
+
+    OK = "OK"
+    BAD_FRAME = "BAD_FRAME"                  # malformed prefix/header/lengths: the connection closes
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"    # a well-formed frame with wrong content
+    UNKNOWN_JOB = "UNKNOWN_JOB"
+    UNKNOWN_TENSOR = "UNKNOWN_TENSOR"
+    NOT_OWNER = "NOT_OWNER"                  # not owned at the client's epoch: refresh routing, retry
+    STALE_STEP = "STALE_STEP"                # a push/commit for a step the node is not at
+    NONFINITE = "NONFINITE"                  # a NaN/Inf gradient, refused
+    TIMEOUT = "TIMEOUT"                      # a waiting pull gave up
+    TOO_LARGE = "TOO_LARGE"                  # a payload over the node's frame limit
+    INTERNAL = "INTERNAL"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    UNAVAILABLE = "UNAVAILABLE"              # stopping or restoring: refresh routing and retry
+    WORKER_LOST = "WORKER_LOST"              # a worker was lost and the job fails
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # a node bound is reached: retry later
+
 
 class ShardlineError(Exception):
     """Base class of every error Shardline raises on purpose."""
