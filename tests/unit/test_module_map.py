@@ -1,4 +1,5 @@
-"""docs/architecture.md's module map lists every Python module of the packages, and only those.
+"""docs/architecture.md's module map lists every Python module of the packages, and only those;
+the tests its failure tables name exist.
 
 The map is the table under the heading ``## Module map``: one row per module, its path in
 backticks in the first column (``| `ps_server/store.py` | role |``). Generated code
@@ -79,3 +80,19 @@ def test_every_row_names_a_role():
             if len(cells) < 2 or not cells[1]:
                 empty.append(match.group(1))
     assert not empty, "rows of the module map without a role: " + ", ".join(empty)
+
+
+def test_every_test_the_doc_names_exists():
+    """The failure tables name the tests that cover each case: a test renamed or removed must take
+    its mention in docs/architecture.md along."""
+    doc = DOC.read_text(encoding="utf-8")
+    tests = REPO / "tests"
+    files = {path.name for path in tests.rglob("test_*.py")}
+    missing_paths = sorted(p for p in set(re.findall(r"tests/[\w/]+\.py", doc)) if not (REPO / p).exists())
+    missing_files = sorted(set(re.findall(r"(?<![/\w])(test_\w+\.py)", doc)) - files)
+    source = "\n".join(path.read_text(encoding="utf-8") for path in tests.rglob("*.py"))
+    defined = set(re.findall(r"def (test_\w+)", source))
+    missing_tests = sorted(set(re.findall(r"`(test_\w+)`", doc)) - defined)
+    assert not (missing_paths or missing_files or missing_tests), (
+        f"{DOC.relative_to(REPO)} names tests that do not exist: files {missing_paths + missing_files}, "
+        f"test functions {missing_tests}")
