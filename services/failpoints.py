@@ -32,11 +32,11 @@ The code marks a point with ``hit(name, step)``; a test arms points through the 
     ``worker.before_push@3=raise(ShardlineConnectionError),train.before_step=pause(60)``.
 
 ``SHARDLINE_FAILPOINTS_DIR``
-    Where a ``pause`` meets its test (required when one is armed). A paused process writes
-    ``<dir>/<name>.<pid>.paused`` (holding the step) and logs ``failpoint <name> paused``; it goes
-    on once ``<dir>/<name>.release`` exists — empty: released for good; holding a step N: hits at
-    steps below N pass, N and later pause again (a test paces training so) — then removes its
-    ``.paused`` file and logs ``failpoint <name> released``. ``release``, ``paused`` and
+    Where a ``pause`` meets its test (required when one is armed). A paused thread logs
+    ``failpoint <name> paused`` and its process keeps ``<dir>/<name>.<pid>.paused`` (holding the
+    step of its thread paused longest); it goes on once ``<dir>/<name>.release`` exists — empty:
+    released for good; holding a step N: hits at steps below N pass, N and later pause again (a
+    test paces training so) — and logs ``failpoint <name> released``. ``release``, ``paused`` and
     ``wait_paused`` below are the test's side.
 
 A bad entry is a ShardlineConfigError quoting it, raised when this module is imported (process
@@ -89,11 +89,12 @@ class Failpoint:
     """One armed point: where it matches (``step``), how many more times it fires (``count``,
     None: always) and what it does (``action`` with its ``argument``)."""
 
-    __slots__ = ("name", "step", "count", "action", "argument", "_lock")
+    __slots__ = ("name", "step", "count", "action", "argument", "_lock", "_paused")
 
     def __init__(self, name: str, step: int | None, count: int | None, action: str, argument=None):
         self.name, self.step, self.count, self.action, self.argument = name, step, count, action, argument
         self._lock = threading.Lock()
+        self._paused: list[int | None] = []  # the steps of this process's threads paused here, oldest first
 
     def matches(self, step: int | None) -> bool:
         """Whether a hit at ``step`` would fire it now."""
@@ -220,10 +221,25 @@ def _released(name: str, step: int | None) -> bool:
     return step is None or step < until_step
 
 
-def _pause(point: Failpoint, step: int | None) -> None:
+def _mark_paused(point: Failpoint, step: int | None, paused: bool) -> None:
+    """Keep ``<dir>/<name>.<pid>.paused`` while a thread of this process is paused at ``point``,
+    holding the step of the one paused longest."""
     marker = _DIRECTORY / f"{point.name}.{os.getpid()}.paused"
-    _DIRECTORY.mkdir(parents=True, exist_ok=True)
-    marker.write_text("" if step is None else str(step))
+    with point._lock:
+        if paused:
+            point._paused.append(step)
+        else:
+            point._paused.remove(step)
+        if point._paused:
+            _DIRECTORY.mkdir(parents=True, exist_ok=True)
+            oldest = point._paused[0]
+            marker.write_text("" if oldest is None else str(oldest))
+        else:
+            marker.unlink(missing_ok=True)
+
+
+def _pause(point: Failpoint, step: int | None) -> None:
+    _mark_paused(point, step, True)
     log.warning("failpoint %s paused at step %s: waiting for %s", point.name, step, _release_path(point.name))
     _flush_logs()
     started = time.monotonic()
@@ -234,7 +250,7 @@ def _pause(point: Failpoint, step: int | None) -> None:
             _flush_logs()
             os._exit(PAUSE_TIMEOUT_EXIT_CODE)
         time.sleep(POLL_INTERVAL)
-    marker.unlink(missing_ok=True)
+    _mark_paused(point, step, False)
     log.warning("failpoint %s released at step %s after %.2f s", point.name, step, time.monotonic() - started)
 
 

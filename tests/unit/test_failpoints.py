@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -160,7 +161,9 @@ def run_script(code: str, env: dict, wait: bool = True):
     one pipe. ``wait``: the finished run, else the running Popen."""
     argv, environ = [sys.executable, "-c", textwrap.dedent(code)], {**os.environ, **env}
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return subprocess.run(argv, env=environ, timeout=60, **pipes) if wait else subprocess.Popen(argv, env=environ, **pipes)
+    if wait:
+        return subprocess.run(argv, env=environ, timeout=60, **pipes)
+    return subprocess.Popen(argv, env=environ, **pipes)
 
 
 def test_exit_ends_the_process_as_a_kill_9_would():
@@ -206,3 +209,24 @@ def test_wait_paused_times_out_naming_the_point(tmp_path):
         failpoints.wait_paused(tmp_path, "x", timeout=0.1)
     with pytest.raises(ShardlineTimeoutError, match="not paused at failpoint x at step 3 within 0.1 s"):
         failpoints.wait_paused(tmp_path, "x", step=3, timeout=0.1)
+
+
+def test_threads_paused_at_one_point_share_their_process_marker(arm, tmp_path):
+    arm("a=pause(30)")
+    failpoints.release(tmp_path, "a", until_step=5)
+    threads = [threading.Thread(target=failpoints.hit, args=("a", step)) for step in (5, 7)]
+    try:
+        threads[0].start()
+        assert failpoints.wait_paused(tmp_path, "a", step=5, timeout=10) == {os.getpid(): 5}
+        threads[1].start()
+        time.sleep(0.2)   # both paused: the marker names the older pause
+        assert failpoints.paused(tmp_path, "a") == {os.getpid(): 5}
+        failpoints.release(tmp_path, "a", until_step=6)
+        threads[0].join(10)
+        assert not threads[0].is_alive() and threads[1].is_alive()
+        assert failpoints.wait_paused(tmp_path, "a", step=7, timeout=10) == {os.getpid(): 7}
+    finally:
+        failpoints.release(tmp_path, "a")
+        for thread in threads:
+            thread.join(10)
+    assert failpoints.paused(tmp_path, "a") == {}
