@@ -115,42 +115,57 @@ class Failpoint:
 
 
 def _parse_entry(entry: str, directory: str | None) -> Failpoint:
-    def bad(why: str) -> ShardlineConfigError:
-        return ShardlineConfigError(f"{ENV}: bad failpoint entry {entry!r}: {why}")
-
     m = _ENTRY.fullmatch(entry)
-    if m is None:
-        raise bad("expected name[@step][=[count*]action], e.g. worker.after_push@6=pause")
-    name, action, arg = m["name"], m["action"] or "exit", m["arg"]
-    step = int(m["step"]) if m["step"] is not None else None
-    count = int(m["count"]) if m["count"] is not None else None
-    if count == 0:
-        raise bad("a count must be at least 1 (use 'off' to disarm a point)")
-    if action not in ACTIONS:
-        raise bad(f"unknown action {action!r} (one of {', '.join(ACTIONS)})")
-    if action in ("exit", "off") and arg is not None:
-        raise bad(f"{action} takes no argument")
-    argument = None
-    if action in ("sleep", "pause"):
-        if arg is None and action == "sleep":
-            raise bad("sleep needs its seconds, e.g. sleep(0.5)")
-        try:
-            argument = float(arg) if arg is not None else PAUSE_TIMEOUT
-        except ValueError:
-            raise bad(f"{action}'s argument must be seconds, got {arg!r}") from None
-        if not argument >= 0 or argument == float("inf"):
-            raise bad(f"{action}'s seconds must be finite and at least 0, got {arg!r}")
+    try:
+        if m is None:
+            raise ValueError("expected name[@step][=[count*]action], e.g. worker.after_push@6=pause")
+        action, arg = m["action"] or "exit", m["arg"]
+        count = int(m["count"]) if m["count"] is not None else None
+        if count == 0:
+            raise ValueError("a count must be at least 1 (use 'off' to disarm a point)")
+        if action not in ACTIONS:
+            raise ValueError(f"unknown action {action!r} (one of {', '.join(ACTIONS)})")
         if action == "pause" and not directory:
-            raise bad(f"a pause needs {DIR_ENV}, the directory of its release file")
-    elif action == "raise":
-        argument = getattr(errors, arg, None) if arg else FailpointError
-        if not (isinstance(argument, type) and issubclass(argument, Exception)):
-            raise bad(f"{arg!r} is not an error class of shardline.services.errors")
-        try:
-            argument(f"failpoint {name}")
-        except TypeError:
-            raise bad(f"{arg} cannot be raised with a message alone") from None
-    return Failpoint(name, step, count, action, argument)
+            raise ValueError(f"a pause needs {DIR_ENV}, the directory of its release file")
+        argument = _ARGUMENT[action](action, arg)
+    except ValueError as exc:
+        raise ShardlineConfigError(f"{ENV}: bad failpoint entry {entry!r}: {exc}") from None
+    return Failpoint(m["name"], int(m["step"]) if m["step"] is not None else None, count, action, argument)
+
+
+def _no_argument(action: str, arg: str | None) -> None:
+    if arg is not None:
+        raise ValueError(f"{action} takes no argument")
+
+
+def _seconds(action: str, arg: str | None) -> float:
+    """``sleep``'s seconds (required), ``pause``'s timeout (default PAUSE_TIMEOUT)."""
+    if arg is None:
+        if action == "sleep":
+            raise ValueError("sleep needs its seconds, e.g. sleep(0.5)")
+        return PAUSE_TIMEOUT
+    try:
+        seconds = float(arg)
+    except ValueError:
+        raise ValueError(f"{action}'s argument must be seconds, got {arg!r}") from None
+    if not 0 <= seconds < float("inf"):  # NaN fails too
+        raise ValueError(f"{action}'s seconds must be finite and at least 0, got {arg!r}")
+    return seconds
+
+
+def _error_class(action: str, arg: str | None) -> type[Exception]:
+    """``raise``'s error: FailpointError, or a class of services/errors.py taking a message alone."""
+    error = getattr(errors, arg, None) if arg else FailpointError
+    if not (isinstance(error, type) and issubclass(error, Exception)):
+        raise ValueError(f"{arg!r} is not an error class of shardline.services.errors")
+    try:
+        error("failpoint")
+    except TypeError:
+        raise ValueError(f"{arg} cannot be raised with a message alone") from None
+    return error
+
+
+_ARGUMENT = {"exit": _no_argument, "off": _no_argument, "pause": _seconds, "sleep": _seconds, "raise": _error_class}
 
 
 def parse(spec: str, directory: str | None = None) -> dict[str, Failpoint]:
