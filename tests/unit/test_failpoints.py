@@ -230,3 +230,12 @@ def test_threads_paused_at_one_point_share_their_process_marker(arm, tmp_path):
         for thread in threads:
             thread.join(10)
     assert failpoints.paused(tmp_path, "a") == {}
+
+
+def test_the_daemons_take_the_failpoint_variables_as_known(tmp_path):
+    from shardline.ps_server.main import build_parser
+    from shardline.services.config import parse_daemon_args
+
+    env = {failpoints.ENV: "ps.after_apply@3=pause", failpoints.DIR_ENV: str(tmp_path), "SHARDLINE_FAILPOINT": "x"}
+    args = parse_daemon_args(build_parser(), ["--cluster", "127.0.0.1:7000"], environ=env)
+    assert len(args.config_warnings) == 1 and "SHARDLINE_FAILPOINT:" in args.config_warnings[0], args.config_warnings
