@@ -597,10 +597,10 @@ def parse_daemon_args(parser: argparse.ArgumentParser, argv: Sequence[str] | Non
 
 
 def _unknown_env_warnings(environ: Mapping[str, str], env_prefix: str) -> list[str]:
-    # PARENT_PID: set by supervisors for services.daemon.arm_parent_death_signal; FAILPOINTS: fault
-    # tests (services/failpoints.py). Not options.
+    # PARENT_PID: set by supervisors for services.daemon.arm_parent_death_signal; FAILPOINTS(_DIR):
+    # fault tests (services/failpoints.py). Not options.
     known = {env_prefix + o.name.upper() for o in OPTIONS} | {env_prefix + "CONFIG", env_prefix + "PARENT_PID",
-                                                             env_prefix + "FAILPOINTS"}
+                                                             env_prefix + "FAILPOINTS", env_prefix + "FAILPOINTS_DIR"}
     warnings = []
     for name in sorted(environ):
         if name.startswith(env_prefix) and name not in known:

@@ -146,7 +146,7 @@ class Chaos:
                       else 3 * faults + 12)
         self.report = Report(seed, steps=self.steps)
         self.job = f"chaos-{seed}"
-        self.gate = workdir / "step-gate"
+        self.held = workdir / "failpoints"   # the workers pause before each step they are not allowed yet
         self.allowed = 0
         self.armed: dict[int, tuple[str, int]] = {}   # rank -> (worker failpoint, step) its process has
 
@@ -183,19 +183,21 @@ class Chaos:
         """Where worker ``rank`` runs: its own host with partitions, here otherwise."""
         return self.cluster.on_host(f"w{rank}", argv) if self.partitions else argv
 
-    def worker_env(self, extra: dict | None = None) -> dict:
-        return {"SHARDLINE_TEST_STEP_GATE": str(self.gate), "SHARDLINE_TEST_LOG_LEVEL": "INFO",
-                **(self.cluster.worker_env if self.partitions else {}), **(extra or {})}
+    def worker_env(self, failpoint: str = "") -> dict:
+        """A worker's environment: held before each step not allowed yet; ``failpoint``: one more
+        SHARDLINE_FAILPOINTS entry."""
+        return {**train_model.held_env(self.held, also=failpoint), "SHARDLINE_TEST_LOG_LEVEL": "INFO",
+                **(self.cluster.worker_env if self.partitions else {})}
 
     def allow(self, steps: int) -> None:
         """Let training run up to ``steps`` (each fault gets a few steps around it)."""
         self.allowed = min(steps, self.steps)
-        self.gate.write_text(str(self.allowed))
+        train_model.allow(self.held, self.allowed)
 
     def progress(self) -> int:
         return min(train_model.steps_done(p) for _, _, p in self.workers.values())
 
-    def restart_worker(self, rank: int, env: dict | None = None) -> None:
+    def restart_worker(self, rank: int, failpoint: str = "") -> None:
         if self.cover and rank in self.armed:
             self.let_fire(rank)  # cover: every failpoint fires; killing its worker first would disarm it
         proc = self.workers[rank][0]
@@ -206,7 +208,7 @@ class Chaos:
         self.armed.pop(rank, None)
         (self.workers[rank],) = train_model.start_workers(self.cluster.address, self.job, "adamw", "bsp",
                                                           self.workdir, steps=self.steps, ranks=[rank],
-                                                          env=self.worker_env(env), step_sleep=0.05,
+                                                          env=self.worker_env(failpoint), step_sleep=0.05,
                                                           log_output=True, wrap=self.wrap)
 
     def let_fire(self, rank: int, timeout: float = 20.0) -> None:
@@ -328,7 +330,7 @@ class Chaos:
         rank = self.rng.randrange(2)
         point = point or self.rng.choice(WORKER_FAILPOINTS)
         at = self.progress() + self.rng.randint(2, 4)
-        self.restart_worker(rank, env={"SHARDLINE_FAILPOINTS": f"{point}@{at}"})
+        self.restart_worker(rank, failpoint=f"{point}@{at}")
         self.armed[rank] = (point, at)  # it fires when training gets there, maybe during the next faults
         return f"rank {rank} {point}@{at}"
 
@@ -391,7 +393,7 @@ class Chaos:
         make = (lambda path, **kw: EmulatedCluster(path, ["etcd", "disp0", "disp1", "ps0", "ps1", "ps2", "w0", "w1"],
                                                    **kw)) if self.partitions else LocalCluster
         with make(self.workdir / "cluster", start_timeout=90) as cluster:
-            try:   # a worker held at the step gate never exits on its own
+            try:   # a worker paused before a step it is not allowed exits only at its pause timeout
                 self.start(cluster)
                 self.wait_step_after(1, time.monotonic())
                 for _ in range(self.n_faults):

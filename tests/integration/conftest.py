@@ -12,7 +12,7 @@ sys.path.insert(0, str(HERE))
 @pytest.fixture(autouse=True)
 def no_worker_left_behind():
     """Worker processes a test started (train_model.start_workers) do not outlive it: one that
-    failed midway may have left them running, e.g. held at a step gate, which they never leave."""
+    failed midway may have left them running, e.g. paused at a failpoint it never released."""
     yield
     train_model = sys.modules.get("train_model")
     if train_model is not None:

@@ -270,19 +270,18 @@ def test_a_commit_that_reached_only_a_draining_node(tmp_path, flat):
     check those deterministically). Its first version redid the step, and failed on a handover
     refused for naming a block three times (its value, copy and previous value)."""
     steps, at = 12, 6
-    gate = tmp_path / "gate"
-    gate.write_text(str(at))
+    held = tmp_path / "failpoints"
     with LocalCluster(tmp_path / "c") as cluster:
         nodes = start(cluster, 3)
-        common = {"SHARDLINE_TEST_STEP_GATE": str(gate), "SHARDLINE_TEST_LOG_LEVEL": "INFO",
-                  **({"SHARDLINE_TEST_FLATTEN": "1"} if flat else {})}
-        env = {0: {**common, "SHARDLINE_FAILPOINTS": f"worker.commit_partial@{at}"}, 1: common}
+        common = {"SHARDLINE_TEST_LOG_LEVEL": "INFO", **({"SHARDLINE_TEST_FLATTEN": "1"} if flat else {})}
+        env = {0: {**common, **train_model.held_env(held, at, also=f"worker.commit_partial@{at}")},
+               1: {**common, **train_model.held_env(held, at)}}
         workers = train_model.start_workers(cluster.address, "commit-to-a-draining-node", "adamw", "bsp", tmp_path,
                                             steps=steps, env=env, log_output=True)
-        train_model.wait_for_steps(workers, at)
+        train_model.wait_for_steps(workers, at)   # both held before step 6
         nodes[0].proc.send_signal(signal.SIGTERM)
         cluster.wait_until(lambda s: s.routing.pending_epoch, 10, "ps0 draining")
-        gate.write_text(str(steps))   # step 6 runs while ps0 leaves the ring
+        train_model.allow(held)   # step 6 runs while ps0 leaves the ring
         crashed = workers[0][0]
         crashed.wait(60)
         assert crashed.returncode == 137, train_model.worker_output(workers[0])

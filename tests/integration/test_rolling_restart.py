@@ -1,8 +1,9 @@
 """A rolling restart of every daemon while workers train, as an upgrade runs it: each PS node in
 turn stopped (SIGTERM: it drains) and started again, then each dispatcher (the leader last: it
-resigns). Real daemons on a real etcd. The workers take a step every STEP_SLEEP s, and a gate file
-lets them take STEPS_PER_RESTART more as each daemon stops, so they train while it drains, is
-down and comes back. Nothing may be lost: the run equals torch.optim."""
+resigns). Real daemons on a real etcd. The workers take a step every STEP_SLEEP s and are held
+before each step (failpoint train.before_step) but for STEPS_PER_RESTART more as each daemon
+stops, so they train while it drains, is down and comes back. Nothing may be lost: the run equals
+torch.optim."""
 
 from __future__ import annotations
 
@@ -21,10 +22,6 @@ DAEMONS = 5              # 3 PS nodes, 2 dispatchers
 STEPS = STEPS_PER_RESTART * (DAEMONS + 1)
 
 
-def allow(gate, steps: int) -> None:
-    gate.write_text(str(steps))
-
-
 def done(workers) -> int:
     return min(train_model.steps_done(progress) for _, _, progress in workers)
 
@@ -40,11 +37,11 @@ def test_a_rolling_restart_of_every_daemon_while_workers_train(tmp_path, etcd):
         for h in nodes:
             cluster.wait_ready(h)
         cluster.wait_for_nodes(3, timeout=30)
-        gate = tmp_path / "gate"
+        held = tmp_path / "failpoints"
         allowed = STEPS_PER_RESTART
-        allow(gate, allowed)
+        train_model.allow(held, allowed)
         workers = train_model.start_workers(cluster.address, "rolling", "adamw", "bsp", tmp_path, steps=STEPS,
-                                            step_sleep=STEP_SLEEP, env={"SHARDLINE_TEST_STEP_GATE": str(gate)})
+                                            step_sleep=STEP_SLEEP, env=train_model.held_env(held))
         train_model.wait_for_steps(workers, allowed)
 
         def settled(s) -> bool:   # every node back in the ring, no ring change pending, one leader
@@ -58,7 +55,7 @@ def test_a_rolling_restart_of_every_daemon_while_workers_train(tmp_path, etcd):
         for daemon in order:
             before = done(workers)
             allowed += STEPS_PER_RESTART
-            allow(gate, allowed)   # the workers train on while it stops, drains or hands the lead over
+            train_model.allow(held, allowed)   # the workers train on while it stops, drains or hands the lead over
             started = time.monotonic()
             code = cluster.stop(daemon)
             assert code == 0, f"{daemon.name} exited {code} on SIGTERM:\n{daemon.log_tail()}"
@@ -72,7 +69,7 @@ def test_a_rolling_restart_of_every_daemon_while_workers_train(tmp_path, etcd):
             train_model.wait_for_steps(workers, allowed, timeout=60)
         assert cluster.leader() is not leader   # the lead moved when the leader stopped
 
-        allow(gate, STEPS)
+        train_model.allow(held)
         train_model.assert_equals_reference(train_model.finish_workers(workers), STEPS)
         status = cluster.cluster_status()
         assert all(n.blocks > 0 for n in status.all_nodes), [(n.node_id, n.blocks) for n in status.all_nodes]

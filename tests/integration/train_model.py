@@ -6,6 +6,8 @@ the single-process reference. Run as a script it is one worker process:
 
 It resumes a job the cluster already holds (``range(opt.version, steps)``); with PROGRESS_FILE it
 writes the number of steps done there after each step (fault tests kill it at a chosen step).
+Before each step it hits failpoint ``train.before_step``: a test that arms it with ``pause``
+(``held_env``) lets the workers on step by step (``allow``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from shardline.services import failpoints
+
 VOCAB, DIM, OUT, BATCH = 40, 8, 3, 6
 HYPER = {
     "adamw": dict(lr=0.05, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
@@ -25,11 +29,11 @@ HYPER = {
     "adam": dict(lr=0.05),
 }
 # Every worker process start_workers started in this process: kill_started reaps those left
-# running when a test ends (tests/integration/conftest.py), e.g. held at a step gate by a test
+# running when a test ends (tests/integration/conftest.py), e.g. paused before a step by a test
 # that failed before it let them finish.
 _started_procs: list = []
-# Longest a worker waits at a step gate for its next step: no harness holds one that long.
-GATE_TIMEOUT_SECONDS = 900.0
+# The failpoint a worker hits before each step (its step number), where a test holds it.
+BEFORE_STEP = "train.before_step"
 
 
 class SmallModel(nn.Module):
@@ -219,12 +223,16 @@ def run_workers(cluster_addr, job, optimizer, sync, tmp_path, world=2, steps=8, 
                                         transport=transport))
 
 
-def _allowed(gate: str) -> int:
-    try:
-        with open(gate) as fh:
-            return int(fh.read() or 0)
-    except (OSError, ValueError):
-        return 0
+def held_env(directory, at_step: int | None = None, also: str = "") -> dict[str, str]:
+    """The environment of workers held before step ``at_step`` (before every step if None) until
+    ``allow(directory, ...)`` lets them on; ``also``: more SHARDLINE_FAILPOINTS entries."""
+    held = BEFORE_STEP if at_step is None else f"{BEFORE_STEP}@{at_step}"
+    return {failpoints.ENV: ",".join(filter(None, [f"{held}=pause", also])), failpoints.DIR_ENV: str(directory)}
+
+
+def allow(directory, steps: int | None = None) -> None:
+    """Let the workers of ``held_env(directory)`` run the steps below ``steps`` (all of them if None)."""
+    failpoints.release(directory, BEFORE_STEP, until_step=steps)
 
 
 def main(argv):
@@ -265,15 +273,9 @@ def main(argv):
         eval_first = loss_fn(model, eval_tokens, eval_targets).item()
     losses = []
     start_version = opt.version
-    # a fault harness paces training: step s starts once this file allows it (tests/fault/chaos.py)
-    gate = os.environ.get("SHARDLINE_TEST_STEP_GATE")
     times = open(step_times_path(Path(out)), "a")
     for step in range(start_version, steps):
-        held_since = time.monotonic()
-        while gate and step >= _allowed(gate):
-            if time.monotonic() - held_since > GATE_TIMEOUT_SECONDS:  # its harness is gone (SIGKILL, a hang)
-                sys.exit(f"rank {rank}: step {step} not allowed by step gate {gate} within {GATE_TIMEOUT_SECONDS:g} s")
-            time.sleep(0.02)
+        failpoints.hit(BEFORE_STEP, step)   # a fault test paces training here (held_env, allow)
         started = time.monotonic()
         tokens, targets = batch(step, rank)
         if schedule == "schedule":  # before backward: with overlap, backward pushes with the step's lr
