@@ -23,7 +23,8 @@ from shardline.ps_server.heat import HeatCounter
 from shardline.services.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
-from shardline.services.errors import ShardlineError
+from shardline.services.request_checks import check_want_dtypes, refuse_duplicates
+from shardline.services.errors import ErrorCode, NotOwnerError, ShardlineError
 from shardline.services.names import JOB_NAME_RE
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
@@ -106,33 +107,6 @@ def _check_in_region(regions, sizes: dict, region_id: int, offset: int, nbytes: 
                                              f"{offset} of region {region_id} ({size} bytes, aligned to {itemsize})")
 
 
-def _refuse_duplicates(header: frame.FrameHeader) -> None:
-    """A frame names each block once: a repeated reference could only make the node reserve (and
-    read) the same block's bytes again. (A handover's copy of a block and its value from before
-    its last step are its second and third parts, flagged.)"""
-    seen, handover = set(), header.handover
-    for ref in header.blocks:
-        key = (ref.tensor, ref.index, handover and ref.copy, handover and ref.previous)
-        if key in seen:
-            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
-                                                 f"more than once")
-        seen.add(key)
-
-
-def _check_want_dtypes(header: frame.FrameHeader) -> None:
-    """Only a pull names the dtype it wants a block in, and only one of frame.PULL_DTYPES."""
-    for ref in header.blocks:
-        if not ref.want_dtype:
-            continue
-        if not frame.asks_blocks(header):
-            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names want_dtype for block "
-                                                 f"{ref.tensor[:200]}[{ref.index}]: only pulls do")
-        if ref.want_dtype not in frame.PULL_DTYPES:
-            name = dp.DType.Name(ref.want_dtype) if ref.want_dtype in dp.DType.values() else str(ref.want_dtype)
-            raise StoreError("INVALID_ARGUMENT", f"pull asks block {ref.tensor[:200]}[{ref.index}] in dtype {name}; "
-                                                 f"nodes send FLOAT32 or BFLOAT16")
-
-
 def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
     """``items`` in order, in runs of about COPY_PIECE_BYTES (``nbytes(item)`` each; a larger item is
     a piece of its own): the pieces PSNode._share hands out; and whether the copy is large (two
@@ -149,12 +123,6 @@ def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
     if piece:
         pieces.append(piece)
     return pieces, len(pieces) > 1 and total >= PARALLEL_PLACE_BYTES
-
-
-class NotOwner(StoreError):
-    def __init__(self, message: str, epoch: int):
-        super().__init__("NOT_OWNER", message)
-        self.epoch = epoch
 
 
 class PSNode:
@@ -458,8 +426,8 @@ class PSNode:
             raise StoreError("INVALID_ARGUMENT", f"node {self.node_id!r} does not replicate")
         if not self.serving.is_set() and not peer_op:
             raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
-        _refuse_duplicates(header)
-        _check_want_dtypes(header)
+        refuse_duplicates(header)
+        check_want_dtypes(header)
         job = self.job(header.job, trust_misses=not (peer_op or header.op == dp.OP_INIT))
         if header.revision > job.revision:
             self.catch_up(job, header.revision)
@@ -474,8 +442,8 @@ class PSNode:
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
         if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE and header.sync_reply):
-            raise NotOwner(f"{'node ' + repr(header.node) if peer_op else 'client'} routes with epoch {header.epoch}, "
-                           f"node is at epoch {routing.epoch}", routing.epoch)
+            raise NotOwnerError(ErrorCode.NOT_OWNER, f"{'node ' + repr(header.node) if peer_op else 'client'} routes "
+                                f"with epoch {header.epoch}, node is at epoch {routing.epoch}", epoch=routing.epoch)
         if peer_op:
             # Copies are checked block by block as they are installed (replication.py); here only
             # that the payload is no larger than copies of these blocks can be.
@@ -492,8 +460,8 @@ class PSNode:
             tensor, index = ref.tensor, ref.index
             numel = job.expected_numel(tensor, index)
             if owner(job.name, tensor, index) != node_id:
-                raise NotOwner(f"block {tensor}[{index}] is not owned by node {node_id!r} at epoch {routing.epoch}",
-                               routing.epoch)
+                raise NotOwnerError(ErrorCode.NOT_OWNER, f"block {tensor}[{index}] is not owned by node {node_id!r} "
+                                    f"at epoch {routing.epoch}", epoch=routing.epoch)
             if fetching and (tensor, index) not in job.blocks:
                 raise StoreError("UNAVAILABLE", f"node {node_id!r} is still receiving block {tensor}[{index}] "
                                                 f"(it took it over at epoch {routing.epoch}); retry shortly")

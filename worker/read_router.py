@@ -3,7 +3,7 @@ the PS node that owns the blocks.
 
 Pushes and commits always go to the PS primaries; only OP_PULL is routed here. A pull through the
 cache names the node it would have gone to (``FrameHeader.via_node``) and gets the reply that node
-would give (dispatcher/cache.py). When the cache cannot be used — it does not answer within
+would give (rack_cache/cache.py). When the cache cannot be used — it does not answer within
 ``cache_timeout`` beyond the pull's wait (killed, paused), drops the connection, or refuses
 with an error of its own — the pull goes to the node at once, the router logs it once and leaves
 the cache alone for ``retry_seconds``, then tries it again. A refusal the node itself would give

@@ -6,7 +6,7 @@ is the TCP round trip either way) or ``BULK`` (only the length; the bytes follow
 most one slot, sent on the QP from registered send slots into the peer's posted receive ring).
 So the TCP socket turns readable exactly when a new record starts: ``fileno()`` is its
 descriptor, and the server's poll for the next frame and the hang-up watcher
-(ps_server/disconnects.py) work unchanged. Records and chunks keep the sender's order (one TCP
+(services/disconnects.py) work unchanged. Records and chunks keep the sender's order (one TCP
 stream, one RC QP), a chunk never spans two records, and credits (rdma_pool.Credits) come back
 as send-with-immediate messages on the QP, never on TCP, so an idle peer is not woken by them.
 

@@ -11,8 +11,8 @@ import torch
 
 from shardline.dispatcher.jobs import normalize_spec, spec_difference
 from shardline.jobs.spec import parse_job
-from shardline.ps_server.admission import PayloadBudget
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.services.payload_budget import PayloadBudget
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.ps_server.store import JobStore, PushItem, PushRef, StoreError
