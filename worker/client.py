@@ -377,7 +377,7 @@ class Client:
         the initial values). A job that exists must have the same tensors (names, shapes, groups),
         or ShardlineStateError is raised.
         """
-        from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+        from shardline.services.optimizer_config import OptimizerConfig  # validation shared with the PS
 
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ShardlineConfigError(f"staleness must be an integer >= 0 (>= 1 with sync 'ssp'), got {staleness!r}")
@@ -460,7 +460,7 @@ class Client:
         ready; the others wait for that, up to ``ready_timeout`` (default ``pull_timeout``), and
         then pull them like any tensor. Returns True if this call made the revision.
         """
-        from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+        from shardline.services.optimizer_config import OptimizerConfig  # validation shared with the PS
 
         spec = self._require_spec()
         if spec.sync != "bsp":
