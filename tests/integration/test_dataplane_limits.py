@@ -14,7 +14,7 @@ import torch
 from shardline import connect
 from shardline.services import frame
 from shardline.services.daemon import parse_host_port
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.pb import dataplane_pb2 as dp
 
 PAYLOAD_TIMEOUT = 2.0

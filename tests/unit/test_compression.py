@@ -400,7 +400,7 @@ def test_a_request_without_compression_takes_the_jobs():
 
 
 def test_status_lists_each_jobs_compression():
-    from shardline.services.cli import render_status
+    from shardline.cli import render_status
 
     job = {"name": "sft", "sync": "bsp", "optimizer": "adamw", "compression": "sign", "world_size": 2, "step": 3,
            "checkpoint_step": None, "tensors": 4, "parameters": 1000, "ready": True, "workers": [],

@@ -588,7 +588,7 @@ def test_a_pending_ring_change_names_the_nodes_it_waits_for_and_why(grpc_context
     from shardline.dispatcher import server as dispatcher_server
     from shardline.dispatcher.jobs import JobRegistry
     from shardline.dispatcher.server import DispatcherServicer
-    from shardline.services.cli import render_status, status_dict
+    from shardline.cli import render_status, status_dict
     from shardline.services.pb import common_pb2, dispatcher_pb2
 
     # What this servicer publishes: the registry's gauges are the process's, and a dispatcher
