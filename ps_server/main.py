@@ -36,7 +36,7 @@ from shardline.services.daemon import (add_common_args, format_host_port, exit_a
                              setup_logging, start_metrics_server, announce_ready)
 from shardline.services.disconnects import DisconnectWatcher
 from shardline.services.dispatcher_client import DispatcherClient
-from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineError,
+from shardline.services.errors import (ErrorCode, ShardlineConfigError, ShardlineConnectionError, ShardlineError,
                                        ShardlineTimeoutError)
 from shardline.services.payload_budget import PayloadBudget
 from shardline.services.pb import dataplane_pb2 as dp
@@ -144,7 +144,7 @@ class HeartbeatLoop(threading.Thread):
             job = self.node.store.get(name)
             if job is not None and job.failed is None:
                 log.warning("job %s failed: %s", name, why)
-                job.fail("WORKER_LOST", why)
+                job.fail(ErrorCode.WORKER_LOST, why)
         if self.node.replicator is not None:
             self.node.replicator.retry_failed()
             self.node.replicator.sweep()

@@ -72,7 +72,7 @@ def _placements(job: JobStore, header: frame.FrameHeader, regions) -> dict:
         if not ref.dest_region:
             continue
         if header.subscriber:
-            raise StoreError("INVALID_ARGUMENT", "a subscriber's pull cannot place blocks in a region")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, "a subscriber's pull cannot place blocks in a region")
         itemsize = frame.ITEMSIZE[ref.want_dtype or dp.FLOAT32]
         _check_in_region(regions, sizes, ref.dest_region, ref.dest_offset,
                          job.expected_numel(ref.tensor, ref.index) * itemsize, itemsize, "pull places", ref)
@@ -100,11 +100,13 @@ def _check_in_region(regions, sizes: dict, region_id: int, offset: int, nbytes: 
     if size is None:
         size = sizes[region_id] = 0 if regions is None else regions.region_size(region_id)
     if not size:
-        raise StoreError("INVALID_ARGUMENT", f"{what} {ref.tensor}[{ref.index}] from/into region {region_id}, which "
-                                             f"this connection did not share (regions exist over shm only)")
+        raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                         f"{what} {ref.tensor}[{ref.index}] from/into region {region_id}, which "
+                         f"this connection did not share (regions exist over shm only)")
     if offset % itemsize or offset + nbytes > size:
-        raise StoreError("INVALID_ARGUMENT", f"{what} {ref.tensor}[{ref.index}]: {nbytes} bytes do not fit at offset "
-                                             f"{offset} of region {region_id} ({size} bytes, aligned to {itemsize})")
+        raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                         f"{what} {ref.tensor}[{ref.index}]: {nbytes} bytes do not fit at offset "
+                         f"{offset} of region {region_id} ({size} bytes, aligned to {itemsize})")
 
 
 def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
@@ -265,19 +267,21 @@ class PSNode:
         if job is not None:
             return job
         if not name:
-            raise StoreError("UNKNOWN_JOB", "frame names no job")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, "frame names no job")
         if not JOB_NAME_RE.fullmatch(name):
-            raise StoreError("UNKNOWN_JOB", f"no job is named {name[:200]!r}: a job name is 1..128 characters of "
-                                            f"[A-Za-z0-9._-]")
+            raise StoreError(ErrorCode.UNKNOWN_JOB,
+                             f"no job is named {name[:200]!r}: a job name is 1..128 characters of "
+                             f"[A-Za-z0-9._-]")
         if trust_misses and name in self.name_misses:
-            raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, f"job {name!r} does not exist on this cluster")
         try:
             info = self._fetch_job(name)
         except ShardlineError as exc:
-            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} cannot look job {name!r} up: {exc}") from None
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"node {self.node_id!r} cannot look job {name!r} up: {exc}") from None
         if info is None:
             self.name_misses.add(name)
-            raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, f"job {name!r} does not exist on this cluster")
         self.name_misses.discard(name)
         return self.add_job(info.spec, info.uid)
 
@@ -314,8 +318,9 @@ class PSNode:
                 try:
                     info = self._fetch_job(job.name)
                 except ShardlineError as exc:
-                    raise StoreError("UNAVAILABLE", f"node {self.node_id!r} cannot look revision {revision} of job "
-                                                    f"{job.name!r} up: {exc}") from None
+                    raise StoreError(ErrorCode.UNAVAILABLE,
+                                     f"node {self.node_id!r} cannot look revision {revision} of job "
+                                     f"{job.name!r} up: {exc}") from None
                 if info is not None and (not job.uid or not info.uid or info.uid == job.uid) \
                         and job.extend(info.spec):
                     log.info("job %s extended to revision %d (%d tensors, %d parameter groups)", job.name,
@@ -325,8 +330,9 @@ class PSNode:
                 else:
                     self._revision_misses[job.name] = (time.monotonic(), job.revision)
             if job.revision < revision:
-                raise StoreError("INVALID_ARGUMENT", f"the frame names revision {revision} of job {job.name!r}; the "
-                                                     f"dispatcher has revision {job.revision}")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                 f"the frame names revision {revision} of job {job.name!r}; the "
+                                 f"dispatcher has revision {job.revision}")
         return job
 
     def on_synced(self, job: JobStore, primary: str) -> None:
@@ -375,7 +381,7 @@ class PSNode:
                 else:   # extended since: its new tensors' blocks are to sync too
                     self.catch_up(job, revisions[name])
             except StoreError as exc:
-                complete = complete and exc.code == "UNKNOWN_JOB"   # deleted meanwhile: nothing to sync
+                complete = complete and exc.code == ErrorCode.UNKNOWN_JOB   # deleted meanwhile: nothing to sync
                 log.debug("job %s: %s", name, exc)
         if not (pending and complete) or self._jobs_listed_epoch == pending:
             return False
@@ -417,15 +423,17 @@ class PSNode:
         if header.op == dp.OP_PING:
             return
         if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL, dp.OP_REPLICATE, dp.OP_SYNC):
-            raise StoreError("INVALID_ARGUMENT", f"op {dp.Op.Name(header.op)} is not a request")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"op {dp.Op.Name(header.op)} is not a request")
         if header.payload_bytes and header.op not in _PAYLOAD_OPS:
-            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} carries no payload, the frame claims "
-                                                 f"{header.payload_bytes} bytes")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"{dp.Op.Name(header.op)} carries no payload, the frame claims "
+                             f"{header.payload_bytes} bytes")
         peer_op = header.op in (dp.OP_REPLICATE, dp.OP_SYNC)
         if peer_op and self.replicator is None:
-            raise StoreError("INVALID_ARGUMENT", f"node {self.node_id!r} does not replicate")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"node {self.node_id!r} does not replicate")
         if not self.serving.is_set() and not peer_op:
-            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
         refuse_duplicates(header)
         check_want_dtypes(header)
         job = self.job(header.job, trust_misses=not (peer_op or header.op == dp.OP_INIT))
@@ -435,9 +443,10 @@ class PSNode:
             job.check_revision(header.rank, header.step, header.revision, "push" if header.op == dp.OP_PUSH else "commit")
         if header.pull_applied and (header.op != dp.OP_COMMIT or job.sync != "bsp" or header.subscriber
                                     or header.at_step):
-            raise StoreError("INVALID_ARGUMENT", f"pull_applied is for a worker's commits of BSP jobs; this is a "
-                                                 f"{dp.Op.Name(header.op)} of a {job.sync} job"
-                                                 f"{' (subscriber/at_step set)' if header.subscriber or header.at_step else ''}")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"pull_applied is for a worker's commits of BSP jobs; this is a "
+                             f"{dp.Op.Name(header.op)} of a {job.sync} job"
+                             f"{' (subscriber/at_step set)' if header.subscriber or header.at_step else ''}")
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
@@ -450,8 +459,9 @@ class PSNode:
             for ref in header.blocks:
                 numel = job.expected_numel(ref.tensor, ref.index)
                 if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover and not ref.copy):
-                    raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
-                                                         f"elements, more than a copy of this block holds")
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                     f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
+                                     f"elements, more than a copy of this block holds")
             return
         op, owner, node_id = header.op, routing.owner, self.node_id
         sized = op in (dp.OP_INIT, dp.OP_PUSH)
@@ -463,22 +473,24 @@ class PSNode:
                 raise NotOwnerError(ErrorCode.NOT_OWNER, f"block {tensor}[{index}] is not owned by node {node_id!r} "
                                     f"at epoch {routing.epoch}", epoch=routing.epoch)
             if fetching and (tensor, index) not in job.blocks:
-                raise StoreError("UNAVAILABLE", f"node {node_id!r} is still receiving block {tensor}[{index}] "
-                                                f"(it took it over at epoch {routing.epoch}); retry shortly")
+                raise StoreError(ErrorCode.UNAVAILABLE, f"node {node_id!r} is still receiving block {tensor}[{index}] "
+                                                        f"(it took it over at epoch {routing.epoch}); retry shortly")
             if sized and not ref.zero and ref.numel != numel:
-                raise StoreError("INVALID_ARGUMENT",
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, 
                                  f"block {tensor}[{index}] has {numel} elements, frame sends {ref.numel}")
             if op == dp.OP_INIT and ref.dtype != dp.FLOAT32:
-                raise StoreError("INVALID_ARGUMENT", f"initial values of {tensor!r} must be float32")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"initial values of {tensor!r} must be float32")
         if header.op == dp.OP_PULL and not (math.isfinite(header.wait_timeout_seconds)
                                             and header.wait_timeout_seconds >= 0):
-            raise StoreError("INVALID_ARGUMENT", f"wait_timeout_seconds must be a finite number >= 0 (0: the default "
-                                                 f"wait), got {header.wait_timeout_seconds!r}")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"wait_timeout_seconds must be a finite number >= 0 (0: the default "
+                             f"wait), got {header.wait_timeout_seconds!r}")
         if header.op == dp.OP_PULL and not header.blocks and self.replicator is not None \
                 and self.replicator.fetching(job.name):
             # the job step it would report describes none of the blocks it is taking over yet
-            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is still receiving blocks of job {job.name!r} "
-                                            f"(it took them over at epoch {routing.epoch}); retry shortly")
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"node {self.node_id!r} is still receiving blocks of job {job.name!r} "
+                             f"(it took them over at epoch {routing.epoch}); retry shortly")
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
@@ -605,7 +617,7 @@ class PSNode:
         if header.op == dp.OP_INIT:
             items = [(ref.tensor, ref.index, t) for ref, t in frame.payload_views(payload, header.blocks)]
             if any(t is None for _, _, t in items):
-                raise StoreError("INVALID_ARGUMENT", "initial values cannot be zero flags")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, "initial values cannot be zero flags")
             job.init_blocks(items)
             if self.replicator is not None:  # acknowledged once the copy holders have them too
                 self.replicator.replicate_init(job, [(t, i) for t, i, _v in items])

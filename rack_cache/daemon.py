@@ -13,13 +13,16 @@ import logging
 import os
 import socket
 import threading
+from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from shardline.rack_cache.server import CacheFrontend, NodeLinks
 from shardline.services.errors import ShardlineConfigError, ShardlineError
 from shardline.services.pb import common_pb2
+
+if TYPE_CHECKING:  # the dispatcher imports this module; it must not import torch (the frame codec)
+    from shardline.rack_cache.server import CacheFrontend
 
 log = logging.getLogger("shardline.cache")
 
@@ -107,7 +110,7 @@ def validate_cache_args(args) -> None:
 
 def run_cache(args, security, stop: threading.Event, *, prog: str) -> int:
     """Run the cache role until ``stop``; the exit code."""
-    from shardline.services.payload_budget import PayloadBudget
+    from shardline.rack_cache.server import CacheFrontend, NodeLinks
     from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
     from shardline.services import frame
     from shardline.services.daemon import (announce_ready, create_grpc_server, format_host_port, parse_host_port,
