@@ -35,6 +35,7 @@ from shardline.services.errors import ErrorCode, FrameError, FrameTooLargeError,
 from shardline.services.log_limits import RateLimitedLog
 from shardline.services.payload_budget import PayloadBudget
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.transport.base import capabilities_of
 
 log = logging.getLogger("shardline.ps.dataplane")
 
@@ -121,7 +122,8 @@ def _peer_host(peer: str) -> str:
 class _Connection:
     def __init__(self, sock, peer: str, node: RequestHandler, policy: ConnectionPolicy, metrics):
         self.sock, self.peer, self.node, self.policy, self.metrics = sock, peer, node, policy, metrics
-        self.regions = sock if hasattr(sock, "take_many") else None  # a shm connection: its peer's regions
+        self.capabilities = capabilities_of(sock)
+        self.regions = sock if self.capabilities.shares_memory else None  # a shm connection: its peer's regions
         self.buffer = bytearray(0)   # payload buffer, reused between frames (reserved from the budget)
 
     # --- the payload buffer -----------------------------------------------------------------
@@ -255,7 +257,7 @@ class _Connection:
         push is dropped, as if the connection had ended mid-payload."""
         node, sock = self.node, self.sock
         # over shm a float32 block is checked as it is copied out of the ring: one pass, not two
-        check_on_copy = hasattr(sock, "recv_checked_into") and not job.allow_nonfinite
+        check_on_copy = self.capabilities.checks_on_copy and not job.allow_nonfinite
         try:
             sourced = []
             for i, (ref, dest) in enumerate(zip(header.blocks, ticket.dests)):
@@ -293,9 +295,8 @@ class _Connection:
 
 def _readable(sock, timeout: float | None) -> bool:
     """True once ``sock`` has bytes (or an end of stream) to read; False after ``timeout``."""
-    wait = getattr(sock, "wait_readable", None)
-    if wait is not None:  # a shm connection: control messages between frames are not a frame
-        return wait(timeout)
+    if capabilities_of(sock).signals_between_frames:  # shm: control messages between frames are not a frame
+        return sock.wait_readable(timeout)
     try:
         poller = select.poll()
         poller.register(sock, select.POLLIN | select.POLLPRI)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shardline.services.errors import ShardlineConnectionError
+from shardline.services.transport.base import Capabilities
 from shardline.services.transport.rdma_pool import Credits, SlotRegion
 
 RECORD = struct.Struct(">BQ")
@@ -107,6 +108,8 @@ class RdmaConnection:
     """Socket-like stream (``recv_into``, ``sendall``, ``settimeout``, ``fileno``, ``close``) over
     ``sock`` (the exchange's TCP connection) and ``verbs`` (its connected QP). Used by one thread
     at a time, like a socket under the callers' locks; ``close`` may come from another thread."""
+
+    CAPABILITIES = Capabilities(registers_memory=True)
 
     def __init__(self, sock, verbs: Verbs, credits: Credits, *, peer: str, peer_spare_slots: int,
                  inline_max: int = 65536, chunk_bytes: int | None = None):
