@@ -16,7 +16,6 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import torch
 

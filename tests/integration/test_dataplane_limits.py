@@ -3,7 +3,6 @@ every frame, quiet logs (issue: "Safe by default, bounded under attack")."""
 
 import os
 import re
-import signal
 import socket
 import time
 import urllib.request

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 import skewed_model
-import train_model
 from shardline import connect
 from shardline.dispatcher.rebalance import imbalance
 from shardline.local_cluster import LocalCluster

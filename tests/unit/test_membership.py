@@ -485,7 +485,7 @@ def test_a_restarted_dispatcher_serves_the_rebalanced_ring_and_resumes_the_chang
     snap = again.snapshot()
     assert [n.vnodes for n in snap.serving] == [64, 128, 192]
     assert snap.pending_epoch == snap.epoch and [n.vnodes for n in snap.pending] == [96, 128, 192]
-    register(again, "ps-0", 100.0, port=9000)  # noqa: same fields                               # a retry keeps the counts
+    register(again, "ps-0", 100.0, port=9000)  # same fields                                    # a retry keeps the counts
     assert [n.vnodes for n in again.snapshot().serving] == [64, 128, 192]
 
 

@@ -30,7 +30,7 @@ from shardline.services.dataplane_client import DataPlaneConnection
 from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError)
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
-from shardline.services.transport import get_transport, rdma, rdma_verbs, tcp
+from shardline.services.transport import get_transport, rdma, rdma_verbs
 from shardline.services.transport import rdma_exchange as rx
 from shardline.services.transport.rdma_pool import Credits, SlotRegion, spare_slots
 from shardline.services.transport.rdma_stream import (BULK, CREDIT, CREDIT_SENT, DATA, RECORD, SEND_DONE, Completion,
