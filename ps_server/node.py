@@ -2,7 +2,8 @@
 
 ``precheck`` runs on a header before its payload is read (so nothing is allocated for a frame
 that will be refused); ``handle`` runs the operation on the received payload. Both raise
-``StoreError`` with a dataplane ``ErrorCode`` name, which the transport turns into an error reply.
+``StoreError`` (services/errors.RequestError) with an ``ErrorCode``, NotOwnerError with the node's
+epoch, which the connection loop (services/dataplane_server.py) turns into an error reply.
 """
 
 from __future__ import annotations
