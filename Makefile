@@ -14,7 +14,7 @@ XDIST      := $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 PROTOS     := $(wildcard protos/*.proto)
 PB_STAMP   := services/pb/.generated
 
-.PHONY: all venv protos system-deps test test-unit test-integration fuzz demo bench chaos clean distclean
+.PHONY: all venv protos system-deps lint test test-unit test-integration fuzz demo bench chaos clean distclean
 
 all: protos
 
@@ -39,7 +39,12 @@ protos: $(PB_STAMP)
 system-deps:
 	scripts/install-system-deps.sh
 
-test: protos system-deps
+# ruff with the rule set in pyproject.toml ([tool.ruff]); the layering rules are a test
+# (tests/unit/test_layering.py).
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+
+test: protos system-deps lint
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-unit: protos

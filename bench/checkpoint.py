@@ -457,7 +457,7 @@ def write_job_file(path: Path, name: str) -> None:
 
 
 def train_run(workdir: Path, index: int, checkpoints: bool, steps: int, timeout: float) -> dict:
-    from shardline.services.local_cluster import LocalCluster
+    from shardline.local_cluster import LocalCluster
 
     mode = "on" if checkpoints else "off"
     wd = workdir / f"train-{index:02d}-{mode}"

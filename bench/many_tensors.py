@@ -44,7 +44,7 @@ def cpu_seconds(pid: int) -> float:
 def run(args) -> dict:
     import torch
 
-    from shardline.services.local_cluster import LocalCluster
+    from shardline.local_cluster import LocalCluster
     from shardline.worker.client import connect
 
     torch.set_num_threads(1)

@@ -130,7 +130,7 @@ def main(argv=None) -> int:
         if args.out:
             Path(args.out).write_text(json.dumps({"apply_median_ms": times}, indent=1))
         return 0
-    from shardline.services.local_cluster import LocalCluster
+    from shardline.local_cluster import LocalCluster
 
     modes = args.modes.split(",")
     results: dict[str, list[dict]] = {m: [] for m in modes}

@@ -120,7 +120,7 @@ def measure_egress(cluster_address: str, ps_metrics: list[str], job: str, *, job
 
 
 def run(args) -> dict:
-    from shardline.services.local_cluster import LocalCluster
+    from shardline.local_cluster import LocalCluster
 
     job_bytes = (4 if args.quick else args.job_mib) << 20
     results = {"with_cache": [], "without_cache": []}

@@ -52,7 +52,7 @@ def run(args) -> dict:
 
     from shardline import PSOptimizer
     from shardline.jobs.models.tinygpt import TinyGPT
-    from shardline.services.local_cluster import LocalCluster
+    from shardline.local_cluster import LocalCluster
 
     torch.set_num_threads(1)
     workdir = Path(tempfile.mkdtemp(prefix="shardline-stepoverhead-"))

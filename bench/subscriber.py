@@ -34,7 +34,7 @@ from report import run_and_report  # bench/report.py (the script's folder is on 
 import torch
 
 from shardline import PSOptimizer, WeightSubscriber, connect
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 
 def build_model(hidden: int, layers: int, vocab: int, lora_r: int = 0):

@@ -567,7 +567,7 @@ def machine_info() -> dict:
 
 
 def run(args) -> dict:
-    from shardline.services.local_cluster import LocalCluster
+    from shardline.local_cluster import LocalCluster
     from shardline.services.security import write_new_token
 
     t_start = time.monotonic()

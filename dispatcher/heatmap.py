@@ -24,7 +24,8 @@ import math
 import threading
 from dataclasses import dataclass
 
-from shardline.services.config import require_positive_number
+from shardline.dispatcher.decay import DecayedSums
+from shardline.services.config import require_nonnegative_number, require_positive_number
 from shardline.services.errors import ShardlineConfigError
 
 DEFAULT_HALF_LIFE_SECONDS = 30.0
@@ -67,31 +68,11 @@ class ShardHeat:
     share: float                  # of all reads + writes in the cluster
 
 
-class _Decayed:
-    """Decayed sums of several quantities, all at one timestamp."""
-
-    __slots__ = ("values", "at")
-
-    def __init__(self, n: int, now: float):
-        self.values = [0.0] * n
-        self.at = now
-
-    def advance(self, now: float, half_life: float) -> None:
-        if now > self.at:
-            factor = math.exp2(-(now - self.at) / half_life)
-            self.values = [v * factor for v in self.values]
-            self.at = now
-
-    def add(self, now: float, half_life: float, amounts) -> None:
-        self.advance(now, half_life)
-        self.values = [v + a for v, a in zip(self.values, amounts)]
-
-
 class _NodeRecord:
     __slots__ = ("rack", "first", "active", "sums")
 
     def __init__(self, rack: str, now: float):
-        self.rack, self.first, self.sums = rack, now, _Decayed(len(LOAD_FIELDS), now)
+        self.rack, self.first, self.sums = rack, now, DecayedSums(len(LOAD_FIELDS), now)
         self.active: float | None = None   # since when it reported any load (for covered())
 
 
@@ -99,13 +80,7 @@ class _ShardRecord:
     __slots__ = ("node", "sums", "first")
 
     def __init__(self, node: str, now: float):
-        self.node, self.sums, self.first = node, _Decayed(3, now), now   # reads, writes, bytes
-
-
-def _count(value: object, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ShardlineConfigError(f"{what} must be a finite number >= 0, got {value!r}")
-    return float(value)
+        self.node, self.sums, self.first = node, DecayedSums(3, now), now   # reads, writes, bytes
 
 
 class Heatmap:
@@ -128,18 +103,18 @@ class Heatmap:
     def report(self, node_id: str, rack: str, load, hot, now: float) -> None:
         """A heartbeat's ``load`` (a NodeLoad: rates over ``interval_seconds``) and ``hot`` (HeatEntry
         counts). A load without an interval (a node that does not measure) adds nothing."""
-        interval = _count(load.interval_seconds, "load interval_seconds") if load is not None else 0.0
+        interval = require_nonnegative_number(load.interval_seconds, "load interval_seconds") if load is not None else 0.0
         amounts = None
         if interval > 0:
-            amounts = [_count(getattr(load, f"{name}_per_second"), f"load {name}_per_second") * interval
+            amounts = [require_nonnegative_number(getattr(load, f"{name}_per_second"), f"load {name}_per_second") * interval
                        for name in LOAD_FIELDS]
         # What arrived over the interval has decayed over it too (as if spread evenly across it).
         spread = self._tau * -math.expm1(-interval / self._tau) / interval if interval > 0 else 1.0
         if amounts is not None:
             amounts = [a * spread for a in amounts]
-        entries = [(e.job, e.tensor, int(e.block), _count(e.reads, "reads") * spread,
-                    _count(e.writes, "writes") * spread,
-                    (_count(e.read_bytes, "read_bytes") + _count(e.write_bytes, "write_bytes")) * spread) for e in hot]
+        entries = [(e.job, e.tensor, int(e.block), require_nonnegative_number(e.reads, "reads") * spread,
+                    require_nonnegative_number(e.writes, "writes") * spread,
+                    (require_nonnegative_number(e.read_bytes, "read_bytes") + require_nonnegative_number(e.write_bytes, "write_bytes")) * spread) for e in hot]
         with self._lock:
             record = self._nodes.get(node_id)
             if record is None:

@@ -8,7 +8,9 @@ SIGINT stop it within the grace period and it exits 0. Configuration errors (``s
 held by another dispatcher) exit 2; an etcd ``--state-store`` that does not answer within
 ``--connect-timeout`` exits 1. With a state store the daemon is ready (ready file) as a follower;
 it leads once elected (dispatcher/leader.py). With ``--cache-bytes N`` (and ``--cluster``,
-``--rack``) it runs as a rack cache instead (dispatcher/cache_server.py; the ready file adds ``data``).
+``--rack``) it runs as a rack cache instead (rack_cache/daemon.py; the ready file adds ``data``): the
+entry point (shardline/dispatcher_daemon.py) hands ``main`` that role, since the dispatcher's package
+does not import the rack cache's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
+from typing import Protocol
 
 from shardline.dispatcher.server import create_server
 from shardline.dispatcher.state_store import StateStoreError
@@ -39,14 +43,23 @@ STOP_GRACE_SECONDS = 5.0
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 
 
+class CacheRole(Protocol):
+    """The rack-cache role (the module rack_cache/daemon.py)."""
+
+    def validate_cache_args(self, args: argparse.Namespace) -> None: ...
+
+    def run_cache(self, args: argparse.Namespace, security, stop: threading.Event, *, prog: str) -> int: ...
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Shardline dispatcher: membership, routing and jobs")
     add_common_args(parser, "dispatcher")
     return parser
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Flags over SHARDLINE_* environment over config file over defaults. Raises ShardlineConfigError."""
+def parse_args(argv: list[str] | None, cache_role: CacheRole | None = None) -> argparse.Namespace:
+    """Flags over SHARDLINE_* environment over config file over defaults. Raises ShardlineConfigError,
+    also for cache_bytes without ``cache_role``."""
     args = parse_daemon_args(build_parser(), argv)
     if args.heartbeat_interval is None:
         # Leave room for two missed heartbeats before a node counts as dead.
@@ -56,9 +69,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             f"heartbeat_interval must be below heartbeat_timeout, got interval {args.heartbeat_interval!r} "
             f"and timeout {args.heartbeat_timeout!r}")
     if args.cache_bytes:
-        from shardline.dispatcher.cache_server import validate_cache_args
-
-        validate_cache_args(args)
+        if cache_role is None:
+            raise ShardlineConfigError(f"cache_bytes={args.cache_bytes!r}: the rack-cache role runs from "
+                                       f"{PROG} (shardline.dispatcher_daemon), not from the dispatcher's module")
+        cache_role.validate_cache_args(args)
     else:  # a shared environment or config file may carry them for other daemons: only flags count
         for key in ("rack", "data_listen"):
             if getattr(args, key) and args.config_sources.get(key) == "flag":
@@ -67,9 +81,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, cache_role: CacheRole | None = None) -> int:
     try:
-        args = parse_args(argv)
+        args = parse_args(argv, cache_role)
         setup_logging(args.log_level, "dispatcher", args.log_format)
         log_configuration(log, args)
         host, _ = parse_host_port(args.listen, what="listen")
@@ -83,9 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stop = install_stop_handlers()
     if args.cache_bytes:
-        from shardline.dispatcher.cache_server import run_cache
-
-        return run_cache(args, security, stop, prog=PROG)
+        return cache_role.run_cache(args, security, stop, prog=PROG)
     try:
         server, port, _servicer = create_server(
             args.listen,

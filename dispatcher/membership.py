@@ -78,7 +78,7 @@ from shardline.dispatcher.state_store import EPOCH_KEY, NODE_PREFIX, StateStore,
 from shardline.services.daemon import parse_host_port
 from shardline.services.config import require_positive_number
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
-from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, _check_vnodes, vnode_counts
+from shardline.services.ring import DEFAULT_VNODES_PER_CAPACITY, check_vnodes, vnode_counts
 
 log = logging.getLogger("shardline.dispatcher")
 
@@ -287,9 +287,9 @@ class Membership:
             rebalanced = value.get("vnodes_per_capacity") == self.vnodes_per_capacity
             vnodes = value["vnodes"] if rebalanced else vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id]
             pending_vnodes = value.get("pending_vnodes", 0) if rebalanced else 0
-            _check_vnodes({node_id: vnodes})
+            check_vnodes({node_id: vnodes})
             if pending_vnodes:
-                _check_vnodes({node_id: pending_vnodes})
+                check_vnodes({node_id: pending_vnodes})
             return _Node(
                 node_id=node_id,
                 rack=validate_name(value["rack"], "rack"),
@@ -368,7 +368,7 @@ class Membership:
 
         Raises ShardlineStateError if another change is pending or ``vnodes`` does not name exactly
         the serving nodes, ShardlineConfigError for a bad count, StateStoreError if not persisted."""
-        _check_vnodes(vnodes)
+        check_vnodes(vnodes)
         with self._lock:
             if self._changing():
                 raise ShardlineStateError("a ring change is in progress: no rebalance until it completes")
@@ -514,7 +514,7 @@ class Membership:
             return None
         back: dict = {}
         for info in infos:
-            _check_vnodes({info.node_id: info.vnodes})
+            check_vnodes({info.node_id: info.vnodes})
             if info.node_id == node_id:
                 back[node_id] = info.vnodes
                 continue

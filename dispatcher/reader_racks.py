@@ -21,8 +21,9 @@ from __future__ import annotations
 import threading
 from typing import Iterable, Mapping
 
-from shardline.dispatcher.heatmap import DEFAULT_HALF_LIFE_SECONDS, _count, _Decayed
-from shardline.services.config import require_positive_number
+from shardline.dispatcher.decay import DecayedSums
+from shardline.dispatcher.heatmap import DEFAULT_HALF_LIFE_SECONDS
+from shardline.services.config import require_nonnegative_number, require_positive_number
 from shardline.services.errors import ShardlineConfigError
 
 DEFAULT_MAX_RACKS = 4
@@ -56,7 +57,7 @@ class ReaderRacks:
         self.warm_seconds = self.half_life if warm_seconds is None else require_positive_number(
             warm_seconds, "reader rack warm_seconds")
         self._lock = threading.Lock()
-        self._jobs: dict[str, dict[str, _Decayed]] = {}
+        self._jobs: dict[str, dict[str, DecayedSums]] = {}
         self._first: float | None = None
 
     def report(self, rack: str, fetched: Mapping[str, float], now: float) -> None:
@@ -67,13 +68,13 @@ class ReaderRacks:
             if self._first is None:
                 self._first = now
             for job, nbytes in fetched.items():
-                amount = _count(nbytes, f"bytes fetched for job {job!r}")
+                amount = require_nonnegative_number(nbytes, f"bytes fetched for job {job!r}")
                 if amount == 0:
                     continue
                 racks = self._jobs.setdefault(job, {})
                 record = racks.get(rack)
                 if record is None:
-                    record = racks[rack] = _Decayed(1, now)
+                    record = racks[rack] = DecayedSums(1, now)
                 record.add(now, self.half_life, (amount,))
                 if len(racks) > self.max_racks:
                     for r in racks.values():

@@ -1,4 +1,4 @@
-"""Jobs: what a worker daemon trains.
+"""Jobs: what a worker daemon trains, and the worker daemon (``worker_daemon``, ``shardline-worker``).
 
 ``spec`` is the job-file schema, ``runner`` the per-rank training loop, ``models`` the models a job
 may name (the built-in TinyGPT, a local Hugging Face directory) and ``data`` what they train on (the

@@ -42,6 +42,7 @@ from google.protobuf import json_format
 
 from shardline.ps_server.checkpoint import BlockSnapshot, CheckpointDir, CheckpointError, JobSnapshot
 from shardline.ps_server.store import JobStore, StoreError
+from shardline.services.errors import ErrorCode
 
 log = logging.getLogger("shardline.ps.checkpoint")
 
@@ -128,7 +129,7 @@ class Checkpointer:
                 st.dropped = True
                 for requests in st.waiters.values():
                     for r in requests:
-                        r.error = StoreError("UNKNOWN_JOB", f"job {name!r} was dropped from this node")
+                        r.error = StoreError(ErrorCode.UNKNOWN_JOB, f"job {name!r} was dropped from this node")
                         r.done.set()
                 st.waiters.clear()
                 self._idle.wait_for(lambda: st.pending == 0, timeout=30)
@@ -189,7 +190,7 @@ class Checkpointer:
         with self._lock:
             st = self._jobs.get(name)
         if st is None:
-            raise StoreError("UNKNOWN_JOB", f"job {name!r} is not held by this node")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, f"job {name!r} is not held by this node")
         job = st.job
         req = _Request(step)
         with job.cond:
@@ -210,10 +211,11 @@ class Checkpointer:
                 waiting = st.waiters.get(step, [])
                 if req in waiting:
                     waiting.remove(req)
-            raise StoreError("TIMEOUT", f"job {name!r} did not reach a durable checkpoint of step {step} within "
-                                        f"{timeout:g} s (the node is at step {job.step})")
+            raise StoreError(ErrorCode.TIMEOUT,
+                             f"job {name!r} did not reach a durable checkpoint of step {step} within "
+                             f"{timeout:g} s (the node is at step {job.step})")
         if req.error is not None:
-            raise req.error if isinstance(req.error, StoreError) else StoreError("INTERNAL", str(req.error))
+            raise req.error if isinstance(req.error, StoreError) else StoreError(ErrorCode.INTERNAL, str(req.error))
         return CheckpointResult(step=step, bytes_written=req.bytes_written)
 
     def checkpoint_now(self, name: str, timeout: float) -> int | None:
@@ -233,7 +235,8 @@ class Checkpointer:
             else:
                 req.done.set()
         if not req.done.wait(timeout):
-            raise StoreError("TIMEOUT", f"checkpoint of job {name!r} at step {req.step} not durable within {timeout:g} s")
+            raise StoreError(ErrorCode.TIMEOUT,
+                             f"checkpoint of job {name!r} at step {req.step} not durable within {timeout:g} s")
         if req.error is not None:
             raise req.error
         return self.durable_step(name)
@@ -279,9 +282,10 @@ class Checkpointer:
             with self._lock:
                 base_failed = not snap.full and snap.base_step != st.durable_step
             if st.dropped:
-                error = StoreError("UNKNOWN_JOB", f"job {snap.job!r} was dropped from this node")
+                error = StoreError(ErrorCode.UNKNOWN_JOB, f"job {snap.job!r} was dropped from this node")
             elif base_failed:
-                error = StoreError("INTERNAL", f"its base, the checkpoint of step {snap.base_step}, was not written")
+                error = StoreError(ErrorCode.INTERNAL,
+                                   f"its base, the checkpoint of step {snap.base_step}, was not written")
             else:
                 try:
                     info = self.ckdir.write(snap)
@@ -317,7 +321,8 @@ class Checkpointer:
                 if self._metrics is not None:
                     self._metrics.checkpoint_failed(snap.job)
             for r in requests:
-                r.error = error if error is None or isinstance(error, StoreError) else StoreError("INTERNAL", f"checkpoint failed: {error}")
+                r.error = error if error is None or isinstance(error, StoreError) else StoreError(
+                    ErrorCode.INTERNAL, f"checkpoint failed: {error}")
                 r.bytes_written = info.bytes_written if info is not None else 0
                 r.done.set()
             with self._lock:

@@ -20,12 +20,9 @@ from typing import Callable
 
 from shardline.ps_server import metrics as M
 from shardline.ps_server.checkpoint import CheckpointDir, CheckpointError
-from shardline.ps_server.admission import PayloadBudget
 from shardline.ps_server.checkpointer import Checkpointer
 from shardline.ps_server.commit_relay import CommitRelay
 from shardline.ps_server.delta_history import DeltaHistory
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
-from shardline.ps_server.disconnects import DisconnectWatcher
 from shardline.ps_server.grad_norm import GradNormExchange
 from shardline.ps_server.heat import heat_report, rack_reads_report
 from shardline.ps_server.node import HANDOVER_TIMEOUT_SECONDS, PSNode
@@ -34,11 +31,14 @@ from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
 from shardline.services import failpoints, frame, sdnotify
 from shardline.services.config import log_configuration, parse_daemon_args
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.services.daemon import (add_common_args, format_host_port, exit_after_stop, install_stop_handlers, parse_host_port,
                              setup_logging, start_metrics_server, announce_ready)
+from shardline.services.disconnects import DisconnectWatcher
 from shardline.services.dispatcher_client import DispatcherClient
-from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineError,
+from shardline.services.errors import (ErrorCode, ShardlineConfigError, ShardlineConnectionError, ShardlineError,
                                        ShardlineTimeoutError)
+from shardline.services.payload_budget import PayloadBudget
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.security import daemon_security
 from shardline.services.transport import get_transport
@@ -144,7 +144,7 @@ class HeartbeatLoop(threading.Thread):
             job = self.node.store.get(name)
             if job is not None and job.failed is None:
                 log.warning("job %s failed: %s", name, why)
-                job.fail("WORKER_LOST", why)
+                job.fail(ErrorCode.WORKER_LOST, why)
         if self.node.replicator is not None:
             self.node.replicator.retry_failed()
             self.node.replicator.sweep()

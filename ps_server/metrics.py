@@ -23,6 +23,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shardline.services.errors import ErrorCode
+
 # Data-plane requests: ~150 µs ping-pong on loopback up to pulls that wait for a BSP barrier.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Optimizer application of one step over a node's blocks: sub-millisecond to seconds.
@@ -99,7 +101,7 @@ class PSMetrics:
             PAYLOAD_BYTES.labels(op, "received").inc(bytes_in)
         if bytes_out:
             PAYLOAD_BYTES.labels(op, "sent").inc(bytes_out)
-        if code == "OK":
+        if code == ErrorCode.OK:
             REQUEST_PAYLOAD_BYTES.labels(op).observe(bytes_in + bytes_out)
 
     def apply(self, job: str, seconds: float) -> None:

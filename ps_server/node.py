@@ -2,7 +2,8 @@
 
 ``precheck`` runs on a header before its payload is read (so nothing is allocated for a frame
 that will be refused); ``handle`` runs the operation on the received payload. Both raise
-``StoreError`` with a dataplane ``ErrorCode`` name, which the transport turns into an error reply.
+``StoreError`` (services/errors.RequestError) with an ``ErrorCode``, NotOwnerError with the node's
+epoch, which the connection loop (services/dataplane_server.py) turns into an error reply.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from shardline.ps_server.heat import HeatCounter
 from shardline.services.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
-from shardline.services.errors import ShardlineError
+from shardline.services.request_checks import check_want_dtypes, refuse_duplicates
+from shardline.services.errors import ErrorCode, NotOwnerError, ShardlineError
 from shardline.services.names import JOB_NAME_RE
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
@@ -71,7 +73,7 @@ def _placements(job: JobStore, header: frame.FrameHeader, regions) -> dict:
         if not ref.dest_region:
             continue
         if header.subscriber:
-            raise StoreError("INVALID_ARGUMENT", "a subscriber's pull cannot place blocks in a region")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, "a subscriber's pull cannot place blocks in a region")
         itemsize = frame.ITEMSIZE[ref.want_dtype or dp.FLOAT32]
         _check_in_region(regions, sizes, ref.dest_region, ref.dest_offset,
                          job.expected_numel(ref.tensor, ref.index) * itemsize, itemsize, "pull places", ref)
@@ -99,38 +101,13 @@ def _check_in_region(regions, sizes: dict, region_id: int, offset: int, nbytes: 
     if size is None:
         size = sizes[region_id] = 0 if regions is None else regions.region_size(region_id)
     if not size:
-        raise StoreError("INVALID_ARGUMENT", f"{what} {ref.tensor}[{ref.index}] from/into region {region_id}, which "
-                                             f"this connection did not share (regions exist over shm only)")
+        raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                         f"{what} {ref.tensor}[{ref.index}] from/into region {region_id}, which "
+                         f"this connection did not share (regions exist over shm only)")
     if offset % itemsize or offset + nbytes > size:
-        raise StoreError("INVALID_ARGUMENT", f"{what} {ref.tensor}[{ref.index}]: {nbytes} bytes do not fit at offset "
-                                             f"{offset} of region {region_id} ({size} bytes, aligned to {itemsize})")
-
-
-def _refuse_duplicates(header: frame.FrameHeader) -> None:
-    """A frame names each block once: a repeated reference could only make the node reserve (and
-    read) the same block's bytes again. (A handover's copy of a block and its value from before
-    its last step are its second and third parts, flagged.)"""
-    seen, handover = set(), header.handover
-    for ref in header.blocks:
-        key = (ref.tensor, ref.index, handover and ref.copy, handover and ref.previous)
-        if key in seen:
-            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names block {ref.tensor[:200]}[{ref.index}] "
-                                                 f"more than once")
-        seen.add(key)
-
-
-def _check_want_dtypes(header: frame.FrameHeader) -> None:
-    """Only a pull names the dtype it wants a block in, and only one of frame.PULL_DTYPES."""
-    for ref in header.blocks:
-        if not ref.want_dtype:
-            continue
-        if not frame.asks_blocks(header):
-            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} names want_dtype for block "
-                                                 f"{ref.tensor[:200]}[{ref.index}]: only pulls do")
-        if ref.want_dtype not in frame.PULL_DTYPES:
-            name = dp.DType.Name(ref.want_dtype) if ref.want_dtype in dp.DType.values() else str(ref.want_dtype)
-            raise StoreError("INVALID_ARGUMENT", f"pull asks block {ref.tensor[:200]}[{ref.index}] in dtype {name}; "
-                                                 f"nodes send FLOAT32 or BFLOAT16")
+        raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                         f"{what} {ref.tensor}[{ref.index}]: {nbytes} bytes do not fit at offset "
+                         f"{offset} of region {region_id} ({size} bytes, aligned to {itemsize})")
 
 
 def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
@@ -149,12 +126,6 @@ def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
     if piece:
         pieces.append(piece)
     return pieces, len(pieces) > 1 and total >= PARALLEL_PLACE_BYTES
-
-
-class NotOwner(StoreError):
-    def __init__(self, message: str, epoch: int):
-        super().__init__("NOT_OWNER", message)
-        self.epoch = epoch
 
 
 class PSNode:
@@ -297,19 +268,21 @@ class PSNode:
         if job is not None:
             return job
         if not name:
-            raise StoreError("UNKNOWN_JOB", "frame names no job")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, "frame names no job")
         if not JOB_NAME_RE.fullmatch(name):
-            raise StoreError("UNKNOWN_JOB", f"no job is named {name[:200]!r}: a job name is 1..128 characters of "
-                                            f"[A-Za-z0-9._-]")
+            raise StoreError(ErrorCode.UNKNOWN_JOB,
+                             f"no job is named {name[:200]!r}: a job name is 1..128 characters of "
+                             f"[A-Za-z0-9._-]")
         if trust_misses and name in self.name_misses:
-            raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, f"job {name!r} does not exist on this cluster")
         try:
             info = self._fetch_job(name)
         except ShardlineError as exc:
-            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} cannot look job {name!r} up: {exc}") from None
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"node {self.node_id!r} cannot look job {name!r} up: {exc}") from None
         if info is None:
             self.name_misses.add(name)
-            raise StoreError("UNKNOWN_JOB", f"job {name!r} does not exist on this cluster")
+            raise StoreError(ErrorCode.UNKNOWN_JOB, f"job {name!r} does not exist on this cluster")
         self.name_misses.discard(name)
         return self.add_job(info.spec, info.uid)
 
@@ -346,8 +319,9 @@ class PSNode:
                 try:
                     info = self._fetch_job(job.name)
                 except ShardlineError as exc:
-                    raise StoreError("UNAVAILABLE", f"node {self.node_id!r} cannot look revision {revision} of job "
-                                                    f"{job.name!r} up: {exc}") from None
+                    raise StoreError(ErrorCode.UNAVAILABLE,
+                                     f"node {self.node_id!r} cannot look revision {revision} of job "
+                                     f"{job.name!r} up: {exc}") from None
                 if info is not None and (not job.uid or not info.uid or info.uid == job.uid) \
                         and job.extend(info.spec):
                     log.info("job %s extended to revision %d (%d tensors, %d parameter groups)", job.name,
@@ -357,8 +331,9 @@ class PSNode:
                 else:
                     self._revision_misses[job.name] = (time.monotonic(), job.revision)
             if job.revision < revision:
-                raise StoreError("INVALID_ARGUMENT", f"the frame names revision {revision} of job {job.name!r}; the "
-                                                     f"dispatcher has revision {job.revision}")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                 f"the frame names revision {revision} of job {job.name!r}; the "
+                                 f"dispatcher has revision {job.revision}")
         return job
 
     def on_synced(self, job: JobStore, primary: str) -> None:
@@ -407,7 +382,7 @@ class PSNode:
                 else:   # extended since: its new tensors' blocks are to sync too
                     self.catch_up(job, revisions[name])
             except StoreError as exc:
-                complete = complete and exc.code == "UNKNOWN_JOB"   # deleted meanwhile: nothing to sync
+                complete = complete and exc.code == ErrorCode.UNKNOWN_JOB   # deleted meanwhile: nothing to sync
                 log.debug("job %s: %s", name, exc)
         if not (pending and complete) or self._jobs_listed_epoch == pending:
             return False
@@ -449,17 +424,19 @@ class PSNode:
         if header.op == dp.OP_PING:
             return
         if header.op not in (dp.OP_INIT, dp.OP_PUSH, dp.OP_COMMIT, dp.OP_PULL, dp.OP_REPLICATE, dp.OP_SYNC):
-            raise StoreError("INVALID_ARGUMENT", f"op {dp.Op.Name(header.op)} is not a request")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"op {dp.Op.Name(header.op)} is not a request")
         if header.payload_bytes and header.op not in _PAYLOAD_OPS:
-            raise StoreError("INVALID_ARGUMENT", f"{dp.Op.Name(header.op)} carries no payload, the frame claims "
-                                                 f"{header.payload_bytes} bytes")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"{dp.Op.Name(header.op)} carries no payload, the frame claims "
+                             f"{header.payload_bytes} bytes")
         peer_op = header.op in (dp.OP_REPLICATE, dp.OP_SYNC)
         if peer_op and self.replicator is None:
-            raise StoreError("INVALID_ARGUMENT", f"node {self.node_id!r} does not replicate")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"node {self.node_id!r} does not replicate")
         if not self.serving.is_set() and not peer_op:
-            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
-        _refuse_duplicates(header)
-        _check_want_dtypes(header)
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"node {self.node_id!r} is restoring its checkpoints; retry shortly")
+        refuse_duplicates(header)
+        check_want_dtypes(header)
         job = self.job(header.job, trust_misses=not (peer_op or header.op == dp.OP_INIT))
         if header.revision > job.revision:
             self.catch_up(job, header.revision)
@@ -467,23 +444,25 @@ class PSNode:
             job.check_revision(header.rank, header.step, header.revision, "push" if header.op == dp.OP_PUSH else "commit")
         if header.pull_applied and (header.op != dp.OP_COMMIT or job.sync != "bsp" or header.subscriber
                                     or header.at_step):
-            raise StoreError("INVALID_ARGUMENT", f"pull_applied is for a worker's commits of BSP jobs; this is a "
-                                                 f"{dp.Op.Name(header.op)} of a {job.sync} job"
-                                                 f"{' (subscriber/at_step set)' if header.subscriber or header.at_step else ''}")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"pull_applied is for a worker's commits of BSP jobs; this is a "
+                             f"{dp.Op.Name(header.op)} of a {job.sync} job"
+                             f"{' (subscriber/at_step set)' if header.subscriber or header.at_step else ''}")
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
         if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE and header.sync_reply):
-            raise NotOwner(f"{'node ' + repr(header.node) if peer_op else 'client'} routes with epoch {header.epoch}, "
-                           f"node is at epoch {routing.epoch}", routing.epoch)
+            raise NotOwnerError(ErrorCode.NOT_OWNER, f"{'node ' + repr(header.node) if peer_op else 'client'} routes "
+                                f"with epoch {header.epoch}, node is at epoch {routing.epoch}", epoch=routing.epoch)
         if peer_op:
             # Copies are checked block by block as they are installed (replication.py); here only
             # that the payload is no larger than copies of these blocks can be.
             for ref in header.blocks:
                 numel = job.expected_numel(ref.tensor, ref.index)
                 if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover and not ref.copy):
-                    raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
-                                                         f"elements, more than a copy of this block holds")
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                     f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
+                                     f"elements, more than a copy of this block holds")
             return
         op, owner, node_id = header.op, routing.owner, self.node_id
         sized = op in (dp.OP_INIT, dp.OP_PUSH)
@@ -492,25 +471,27 @@ class PSNode:
             tensor, index = ref.tensor, ref.index
             numel = job.expected_numel(tensor, index)
             if owner(job.name, tensor, index) != node_id:
-                raise NotOwner(f"block {tensor}[{index}] is not owned by node {node_id!r} at epoch {routing.epoch}",
-                               routing.epoch)
+                raise NotOwnerError(ErrorCode.NOT_OWNER, f"block {tensor}[{index}] is not owned by node {node_id!r} "
+                                    f"at epoch {routing.epoch}", epoch=routing.epoch)
             if fetching and (tensor, index) not in job.blocks:
-                raise StoreError("UNAVAILABLE", f"node {node_id!r} is still receiving block {tensor}[{index}] "
-                                                f"(it took it over at epoch {routing.epoch}); retry shortly")
+                raise StoreError(ErrorCode.UNAVAILABLE, f"node {node_id!r} is still receiving block {tensor}[{index}] "
+                                                        f"(it took it over at epoch {routing.epoch}); retry shortly")
             if sized and not ref.zero and ref.numel != numel:
-                raise StoreError("INVALID_ARGUMENT",
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, 
                                  f"block {tensor}[{index}] has {numel} elements, frame sends {ref.numel}")
             if op == dp.OP_INIT and ref.dtype != dp.FLOAT32:
-                raise StoreError("INVALID_ARGUMENT", f"initial values of {tensor!r} must be float32")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"initial values of {tensor!r} must be float32")
         if header.op == dp.OP_PULL and not (math.isfinite(header.wait_timeout_seconds)
                                             and header.wait_timeout_seconds >= 0):
-            raise StoreError("INVALID_ARGUMENT", f"wait_timeout_seconds must be a finite number >= 0 (0: the default "
-                                                 f"wait), got {header.wait_timeout_seconds!r}")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"wait_timeout_seconds must be a finite number >= 0 (0: the default "
+                             f"wait), got {header.wait_timeout_seconds!r}")
         if header.op == dp.OP_PULL and not header.blocks and self.replicator is not None \
                 and self.replicator.fetching(job.name):
             # the job step it would report describes none of the blocks it is taking over yet
-            raise StoreError("UNAVAILABLE", f"node {self.node_id!r} is still receiving blocks of job {job.name!r} "
-                                            f"(it took them over at epoch {routing.epoch}); retry shortly")
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"node {self.node_id!r} is still receiving blocks of job {job.name!r} "
+                             f"(it took them over at epoch {routing.epoch}); retry shortly")
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
@@ -637,7 +618,7 @@ class PSNode:
         if header.op == dp.OP_INIT:
             items = [(ref.tensor, ref.index, t) for ref, t in frame.payload_views(payload, header.blocks)]
             if any(t is None for _, _, t in items):
-                raise StoreError("INVALID_ARGUMENT", "initial values cannot be zero flags")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, "initial values cannot be zero flags")
             job.init_blocks(items)
             if self.replicator is not None:  # acknowledged once the copy holders have them too
                 self.replicator.replicate_init(job, [(t, i) for t, i, _v in items])

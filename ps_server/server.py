@@ -9,14 +9,15 @@ import grpc
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.store import StoreError
 from shardline.services.daemon import create_grpc_server
+from shardline.services.errors import ErrorCode
 from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
 # StoreError codes -> gRPC status codes (anything else is INTERNAL)
 _STATUS = {
-    "UNKNOWN_JOB": grpc.StatusCode.NOT_FOUND,
-    "TIMEOUT": grpc.StatusCode.DEADLINE_EXCEEDED,
-    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
-    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.UNKNOWN_JOB: grpc.StatusCode.NOT_FOUND,
+    ErrorCode.TIMEOUT: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
 MAX_CHECKPOINT_WAIT_SECONDS = 3600.0
 

@@ -57,7 +57,7 @@ import torch
 from shardline.ps_server.optimizer import OptimizerConfig, group_configs, make_optimizer
 from shardline.services.blocks import num_blocks
 from shardline.services.compression import compression_of, decode_signs, padding_problem, sign_nbytes
-from shardline.services.errors import ShardlineConfigError, ShardlineError
+from shardline.services.errors import RequestError as StoreError, ShardlineConfigError
 from shardline.services.extension import replay, revision_of
 from shardline.services.tensor_checks import CONCAT_BELOW_BYTES, all_finite, first_nonfinite
 from shardline.services.pb import common_pb2
@@ -83,14 +83,6 @@ def _total_weight(weights) -> float:
     """The sum of a step's weights, exactly rounded (math.fsum): the same whatever order the
     pushes or commits that carry them arrived in."""
     return math.fsum(weights)
-
-
-class StoreError(ShardlineError):
-    """A request the store refuses; ``code`` is a dataplane ErrorCode name."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass

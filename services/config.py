@@ -86,6 +86,13 @@ def require_positive_number(value, what: str) -> float:
     return float(value)
 
 
+def require_nonnegative_number(value, what: str) -> float:
+    """Return ``value`` as a float if it is a finite real number >= 0 (bools are not numbers)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ShardlineConfigError(f"{what} must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
 # -- sizes -----------------------------------------------------------------------------------------
 
 _SIZE_UNITS = {

@@ -93,6 +93,24 @@ class FrameTooLargeError(FrameError):
     """A frame's header or payload exceeds the configured limit."""
 
 
+class RequestError(ShardlineError):
+    """A data-plane request refused where it is handled (a PS node, a rack cache).
+
+    The connection loop (services/dataplane_server.py) answers it with an error reply carrying
+    ``code`` (an :class:`ErrorCode`), the message and the server's routing epoch. The PS's store
+    raises it under the name ``StoreError``.
+    """
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def reply_message(self) -> str:
+        """The text the error reply carries."""
+        return str(self)
+
+
 class RemoteError(ShardlineError):
     """A data-plane peer answered with an error reply.
 
@@ -100,12 +118,25 @@ class RemoteError(ShardlineError):
     """
 
     def __init__(self, code: str, message: str, *, epoch: int = 0, step: int = 0):
-        super().__init__(f"{code}: {message}")
+        # not super(): NotOwnerError puts RequestError next in the MRO, whose signature differs
+        ShardlineError.__init__(self, f"{code}: {message}")
         self.code = code
         self.remote_message = message
         self.epoch = epoch
         self.step = step
 
 
-class NotOwnerError(RemoteError):
-    """The node does not own a requested block at the client's epoch; ``epoch`` is the node's."""
+class NotOwnerError(RemoteError, RequestError):
+    """The node does not own a requested block at the client's epoch; ``epoch`` is the node's.
+
+    One type on both sides: the node raises it (a :class:`RequestError`: the error reply names
+    NOT_OWNER and this ``epoch``), the client raises it again from that reply (a
+    :class:`RemoteError`), and a rack cache passes a node's on as its own refusal.
+    """
+
+    def __init__(self, code: str = ErrorCode.NOT_OWNER, message: str = "", *, epoch: int = 0, step: int = 0):
+        super().__init__(code, message, epoch=epoch, step=step)
+
+    @property
+    def reply_message(self) -> str:
+        return self.remote_message

@@ -26,6 +26,7 @@ import torch
 from shardline.services import compression, delta
 from shardline.services.errors import FrameError, FrameTooLargeError
 from shardline.services.tensor_checks import value_finite_at
+from shardline.services.transport.base import capabilities_of
 from shardline.services.pb import dataplane_pb2 as dp
 
 PREFIX = struct.Struct(">2sBBI")
@@ -290,8 +291,8 @@ def send_frame(sock, header: FrameHeader, payloads: Sequence[memoryview | bytes]
         sock.sendall(b"".join([head, *[bytes(p) for p in payloads]]))
         return
     sock.sendall(head)
-    send_many = getattr(sock, "sendall_many", None)
-    if send_many is not None:  # a shm connection: several blocks per doorbell
+    if capabilities_of(sock).gathers_sends:  # a shm connection: several blocks per doorbell
+        send_many = sock.sendall_many
         group, size = [], 0
         for p in payloads:
             group.append(p)

@@ -64,7 +64,9 @@ def vnode_counts(
     return counts
 
 
-def _check_vnodes(vnodes: Mapping[str, int]) -> None:
+def check_vnodes(vnodes: Mapping[str, int]) -> None:
+    """ShardlineConfigError unless every node id is a non-empty string with 1..MAX_VNODES_PER_NODE
+    virtual nodes."""
     for node_id, count in vnodes.items():
         if not isinstance(node_id, str) or not node_id:
             raise ShardlineConfigError(f"ring node id must be a non-empty string, got {node_id!r}")
@@ -87,7 +89,7 @@ class HashRing:
     """
 
     def __init__(self, vnodes: Mapping[str, int]):
-        _check_vnodes(vnodes)
+        check_vnodes(vnodes)
         self._vnodes = dict(sorted(vnodes.items()))
         points = sorted(
             (vnode_position(node_id, i), node_id)
@@ -214,7 +216,7 @@ def load_adjusted_vnodes(
     function again with the same load changes nothing. Nodes absent from ``load`` keep their current
     count; nodes absent from ``current`` start from ``base``; if the total load is 0 nothing moves.
     """
-    _check_vnodes(base)
+    check_vnodes(base)
     for node_id, count in current.items():
         if not isinstance(count, int) or isinstance(count, bool) or count < 1:
             raise ShardlineConfigError(f"current virtual-node count of node {node_id!r} must be an integer >= 1, got {count!r}")

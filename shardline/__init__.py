@@ -8,7 +8,10 @@ For training scripts::
 
 The wheel installs this one top-level package; the source folders of the tree map under it
 (``services/`` is ``shardline.services``, ``ps_server/`` is ``shardline.ps_server``,
-``dispatcher/`` is ``shardline.dispatcher``, ``worker/`` is ``shardline.worker``).
+``dispatcher/`` is ``shardline.dispatcher``, ``rack_cache/`` is ``shardline.rack_cache``,
+``worker/`` is ``shardline.worker``, ``jobs/`` is ``shardline.jobs``). Its own modules sit above
+them all: the CLI (``cli.py``), ``LocalCluster`` (``local_cluster.py``) and the dispatcher's entry
+point (``dispatcher_daemon.py``); docs/architecture.md, "Layers".
 The training API is imported on first use, so the dispatcher daemon never imports torch.
 """
 

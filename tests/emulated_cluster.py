@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from emulated_link import EmulatedLink, python_wrapper  # noqa: E402
 
 from shardline.services.errors import ShardlineConnectionError  # noqa: E402
-from shardline.services.local_cluster import LocalCluster  # noqa: E402
+from shardline.local_cluster import LocalCluster  # noqa: E402
 from shardline.services.pb import dispatcher_pb2  # noqa: E402
 from shardline.services.security import write_new_token  # noqa: E402
 

@@ -22,7 +22,7 @@ import urllib.request
 def main() -> None:
     from shardline.services.auth import load_token
     from shardline.services.dispatcher_client import DispatcherClient
-    from shardline.services.local_cluster import dispatcher_serving
+    from shardline.local_cluster import dispatcher_serving
     from shardline.services.errors import ShardlineError
 
     token = load_token(os.environ.get("SHARDLINE_CLUSTER_TOKEN_FILE"))

@@ -42,7 +42,7 @@ from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
-from shardline.services.transport import get_transport, shm
+from shardline.services.transport import capabilities_of, get_transport, shm
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
@@ -291,7 +291,7 @@ class Client:
         cache lines, and each one's byte offset in it; (None, {}) unless the transport can reach
         a node over shm (or memfds are refused here: a sandbox)."""
         total = sum(_aligned(numel * 4) for _name, numel in tensors)
-        if not total or not getattr(self._transport, "shares_memory", False):
+        if not total or not self._transport.capabilities.shares_memory:
             return None, {}
         try:
             region = shm.SharedRegion(total)
@@ -377,7 +377,7 @@ class Client:
         the initial values). A job that exists must have the same tensors (names, shapes, groups),
         or ShardlineStateError is raised.
         """
-        from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+        from shardline.services.optimizer_config import OptimizerConfig  # validation shared with the PS
 
         if isinstance(staleness, bool) or not isinstance(staleness, int) or staleness < 0:
             raise ShardlineConfigError(f"staleness must be an integer >= 0 (>= 1 with sync 'ssp'), got {staleness!r}")
@@ -460,7 +460,7 @@ class Client:
         ready; the others wait for that, up to ``ready_timeout`` (default ``pull_timeout``), and
         then pull them like any tensor. Returns True if this call made the revision.
         """
-        from shardline.ps_server.optimizer import OptimizerConfig  # validation shared with the PS
+        from shardline.services.optimizer_config import OptimizerConfig  # validation shared with the PS
 
         spec = self._require_spec()
         if spec.sync != "bsp":
@@ -1267,7 +1267,7 @@ class Client:
         taken = taken_bytes = 0   # a push's blocks the node takes from a shared region: how many, their bytes
         shared: set = set()  # the ids of the regions shared on this connection for this frame
         conn = self._conn(node_id, via)
-        sources = self._grad_regions if op == dp.OP_PUSH and hasattr(conn.sock, "share_region") else ()
+        sources = self._grad_regions if op == dp.OP_PUSH and capabilities_of(conn.sock).shares_memory else ()
         for name, index in keys:
             s = self._slices[name][index]
             if op == dp.OP_PUSH:
@@ -1394,7 +1394,7 @@ class Client:
     def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
         """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region
         straight into it (sharing the region on this connection first). Returns their keys."""
-        if header.subscriber or not hasattr(conn.sock, "share_region"):
+        if header.subscriber or not capabilities_of(conn.sock).shares_memory:
             return set()
         placed, shared = set(), set()
         for ref in header.blocks:
@@ -1437,7 +1437,7 @@ class Client:
         for region in self._regions:
             old = region.revoke()
             for conn in list(self._conns.values()):
-                unshare = getattr(conn.sock, "unshare_region", None)
+                unshare = conn.sock.unshare_region if capabilities_of(conn.sock).shares_memory else None
                 if unshare is None:
                     continue
                 with conn.lock:

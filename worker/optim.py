@@ -16,11 +16,10 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Iterable
 
 import torch
 
-from shardline.ps_server.optimizer import OptimizerConfig, group_configs
+from shardline.services.optimizer_config import OptimizerConfig, group_configs
 from shardline.services.config import parse_address_list
 from shardline.services.compression import compression_of
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError

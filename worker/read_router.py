@@ -3,7 +3,7 @@ the PS node that owns the blocks.
 
 Pushes and commits always go to the PS primaries; only OP_PULL is routed here. A pull through the
 cache names the node it would have gone to (``FrameHeader.via_node``) and gets the reply that node
-would give (dispatcher/cache.py). When the cache cannot be used — it does not answer within
+would give (rack_cache/cache.py). When the cache cannot be used — it does not answer within
 ``cache_timeout`` beyond the pull's wait (killed, paused), drops the connection, or refuses
 with an error of its own — the pull goes to the node at once, the router logs it once and leaves
 the cache alone for ``retry_seconds``, then tries it again. A refusal the node itself would give
@@ -16,6 +16,8 @@ import logging
 import os
 import time
 
+from shardline.services.errors import ErrorCode
+
 log = logging.getLogger("shardline.worker")
 
 # How long past a pull's own wait a rack cache may take to answer before the pull goes to the PS.
@@ -26,7 +28,8 @@ CACHE_RETRY_SECONDS = 10.0
 # a pull), so a cache registered after it started (or again after a failure) is found.
 CACHE_DISCOVERY_SECONDS = 10.0
 # Error codes a cache passes on from the node: they are the pull's answer, not a failure of the cache.
-NODE_ANSWERS = frozenset({"NOT_OWNER", "TIMEOUT", "UNKNOWN_JOB", "UNKNOWN_TENSOR", "WORKER_LOST", "STALE_STEP"})
+NODE_ANSWERS = frozenset({ErrorCode.NOT_OWNER, ErrorCode.TIMEOUT, ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_TENSOR,
+                          ErrorCode.WORKER_LOST, ErrorCode.STALE_STEP})
 
 
 def default_rack(rack: str | None) -> str | None:

@@ -29,6 +29,8 @@ from shardline.services import frame
 from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError
 from shardline.services.transport import rdma_exchange as rx
 from shardline.services.transport import tcp
+from shardline.services.transport.base import Capabilities
+from shardline.services.transport.rdma_stream import RdmaConnection
 from shardline.services.transport.rdma_pool import Credits, spare_slots
 
 log = logging.getLogger("shardline.transport.rdma")
@@ -177,6 +179,8 @@ class RdmaTransport:
     connection whose peer declines RDMA fails instead of going on over TCP."""
 
     NAME = NAME
+    # an RDMA connection's (a peer that declines RDMA gets a TCP socket: ask the connection)
+    capabilities: Capabilities = RdmaConnection.CAPABILITIES
 
     def __init__(self, device: str = "", *, required: bool = False, options: RdmaOptions | None = None,
                  make_endpoint=_endpoint):

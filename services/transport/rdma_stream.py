@@ -6,7 +6,7 @@ is the TCP round trip either way) or ``BULK`` (only the length; the bytes follow
 most one slot, sent on the QP from registered send slots into the peer's posted receive ring).
 So the TCP socket turns readable exactly when a new record starts: ``fileno()`` is its
 descriptor, and the server's poll for the next frame and the hang-up watcher
-(ps_server/disconnects.py) work unchanged. Records and chunks keep the sender's order (one TCP
+(services/disconnects.py) work unchanged. Records and chunks keep the sender's order (one TCP
 stream, one RC QP), a chunk never spans two records, and credits (rdma_pool.Credits) come back
 as send-with-immediate messages on the QP, never on TCP, so an idle peer is not woken by them.
 
@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from shardline.services.errors import ShardlineConnectionError
+from shardline.services.transport.base import Capabilities
 from shardline.services.transport.rdma_pool import Credits, SlotRegion
 
 RECORD = struct.Struct(">BQ")
@@ -107,6 +108,8 @@ class RdmaConnection:
     """Socket-like stream (``recv_into``, ``sendall``, ``settimeout``, ``fileno``, ``close``) over
     ``sock`` (the exchange's TCP connection) and ``verbs`` (its connected QP). Used by one thread
     at a time, like a socket under the callers' locks; ``close`` may come from another thread."""
+
+    CAPABILITIES = Capabilities(registers_memory=True)
 
     def __init__(self, sock, verbs: Verbs, credits: Credits, *, peer: str, peer_spare_slots: int,
                  inline_max: int = 65536, chunk_bytes: int | None = None):

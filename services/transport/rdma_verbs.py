@@ -158,7 +158,6 @@ class VerbsEndpoint:
 
     def connect(self, peer: ConnParams, mtu: int) -> None:
         """INIT -> RTR (toward ``peer``'s QP) -> RTS."""
-        e = self._e
         from pyverbs.addr import GID, AHAttr, GlobalRoute  # noqa: PLC0415
         from pyverbs.qp import QPAttr  # noqa: PLC0415
 

@@ -65,6 +65,7 @@ import time
 from shardline.services.daemon import parse_host_port
 from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError
 from shardline.services.transport import tcp
+from shardline.services.transport.base import PLAIN, Capabilities
 
 try:  # services/_copycheck.c, built by the install; without it a pull's placement is a cached copy
     from shardline.services import _copycheck
@@ -166,6 +167,9 @@ def is_local_host(host: str) -> bool:
 class ShmConnection:
     """One end of a shm connection over the connected Unix stream socket ``sock`` (see the module
     docstring). Used by one thread at a time, like a socket; ``close`` may come from another."""
+
+    CAPABILITIES = Capabilities(shares_memory=True, checks_on_copy=True, signals_between_frames=True,
+                                gathers_sends=True)
 
     def __init__(self, sock: socket.socket, *, ring_bytes: int = DEFAULT_RING_BYTES):
         self._sock = sock
@@ -897,9 +901,10 @@ class Transport:
         self.ring_bytes = check_ring_bytes(ring_bytes)
 
     @property
-    def shares_memory(self) -> bool:
-        """True if connections may share regions (``SharedRegion``) with local peers here."""
-        return shm_supported()[0]
+    def capabilities(self) -> Capabilities:
+        """A shm connection's (regions shared with local peers) where memfds work here; else PLAIN
+        (auto: TCP to every peer). ``auto`` reaches remote peers over TCP: ask the connection."""
+        return ShmConnection.CAPABILITIES if shm_supported()[0] else PLAIN
 
     def listen(self, host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
         return Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse,

@@ -13,6 +13,7 @@ from typing import Callable
 
 from shardline.services.daemon import format_host_port, parse_host_port
 from shardline.services.errors import ShardlineConnectionError
+from shardline.services.transport.base import PLAIN, Capabilities
 
 log = logging.getLogger("shardline.transport.tcp")
 
@@ -148,3 +149,21 @@ class Listener:
 
 def listen(host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
     return Listener(host, port, serve_connection, max_connections=max_connections, refuse=refuse)
+
+
+class TcpTransport:
+    """The Transport (services/transport/base.py) over TCP: plain sockets, no capabilities beyond them."""
+
+    NAME = NAME
+    capabilities: Capabilities = PLAIN
+
+    @staticmethod
+    def connect(address: str, connect_timeout: float = 10.0) -> socket.socket:
+        return connect(address, connect_timeout)
+
+    @staticmethod
+    def listen(host: str, port: int, serve_connection, *, max_connections: int = 0, refuse=None) -> Listener:
+        return listen(host, port, serve_connection, max_connections=max_connections, refuse=refuse)
+
+
+TRANSPORT = TcpTransport()

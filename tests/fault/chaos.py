@@ -68,7 +68,7 @@ sys.path.insert(0, str(HERE.parent))
 import train_model  # noqa: E402
 from etcd_server import EtcdServer  # noqa: E402
 from emulated_cluster import EmulatedCluster  # noqa: E402
-from shardline.services.local_cluster import LocalCluster  # noqa: E402
+from shardline.local_cluster import LocalCluster  # noqa: E402
 
 FAULTS = {  # kind -> weight
     "ps_kill9": 3, "ps_restart": 2, "ps_failpoint": 2, "ps_stop": 2,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 # The bad-input and data-plane-limits tests' helpers (raw sockets, /proc readings) are reused here.
 sys.path.insert(0, str(Path(__file__).parent.parent / "integration"))

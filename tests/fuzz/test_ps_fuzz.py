@@ -1,4 +1,4 @@
-"""Property-based fuzzing of a live PS connection loop (ps_server/dataplane.py).
+"""Property-based fuzzing of a live PS connection loop (services/dataplane_server.py).
 
 A real dispatcher and PS (subprocesses on 127.0.0.1) hold a BSP job with known values whose
 world_size (64) the fuzzer cannot complete: it only ever speaks as ranks 0-3 (or out of range), so
@@ -37,7 +37,7 @@ from shardline.services.pb import dataplane_pb2 as dp
 from test_bad_input import open_socket
 from test_dataplane_limits import rss_bytes, threads
 
-# The PS answers every frame, in order (ps_server/dataplane.py); set SHARDLINE_FUZZ_LENIENT_REPLIES=1
+# The PS answers every frame, in order (services/dataplane_server.py); set SHARDLINE_FUZZ_LENIENT_REPLIES=1
 # to check only what held before that (an error reply *or* a close).
 STRICT_REPLIES = os.environ.get("SHARDLINE_FUZZ_LENIENT_REPLIES") != "1"
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -15,7 +15,7 @@ from torch import nn
 from shardline import PSOptimizer
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import ShardlineConfigError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 

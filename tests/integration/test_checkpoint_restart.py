@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_model
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from ports import free_port
 
 pytestmark = pytest.mark.timeout(240)
@@ -137,7 +137,7 @@ def test_export_from_cluster_and_offline_equals_the_model(shared, tmp_path):
     cluster, root = shared
     (result,) = train_model.finish_workers(
         train_model.start_workers(cluster.address, "export", "adamw", "bsp", tmp_path, world=1, steps=5))
-    cli = [sys.executable, "-m", "shardline.services.cli"]
+    cli = [sys.executable, "-m", "shardline.cli"]
     online = tmp_path / "online.safetensors"
     out = subprocess.run([*cli, "export", "--cluster", cluster.address, "--job", "export", "--out", str(online)],
                          capture_output=True, text=True, timeout=60)
@@ -179,12 +179,12 @@ def test_job_delete_removes_blocks_and_checkpoints(shared):
     cluster.wait_until(lambda s: any(j.spec.name == "doomed" and j.has_checkpoint for j in s.jobs), 10,
                        "a checkpoint of job doomed")
     assert any((root / f"ps{i}-ckpt" / "doomed").exists() for i in range(2))
-    out = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
+    out = subprocess.run([sys.executable, "-m", "shardline.cli", "job", "delete", "--cluster",
                           cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "deleted" in out.stdout, out.stdout + out.stderr
     assert not any((root / f"ps{i}-ckpt" / "doomed").exists() for i in range(2))
     assert all(j.spec.name != "doomed" for j in cluster.cluster_status().jobs)
-    again = subprocess.run([sys.executable, "-m", "shardline.services.cli", "job", "delete", "--cluster",
+    again = subprocess.run([sys.executable, "-m", "shardline.cli", "job", "delete", "--cluster",
                             cluster.address, "doomed"], capture_output=True, text=True, timeout=60)
     assert again.returncode == 1 and "no job named 'doomed'" in again.stderr
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardline.services.daemon import grpc_channel
 from shardline.services.dispatcher_client import DispatcherClient
 from shardline.services.errors import RemoteError, ShardlineConfigError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.pb import ps_pb2, ps_pb2_grpc
 from shardline import connect
 

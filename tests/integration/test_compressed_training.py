@@ -17,7 +17,7 @@ from shardline.jobs.data.synthetic import make_batch, masked_lm_loss
 from shardline.jobs.runner import run_local, run_training
 from shardline.jobs.spec import parse_job
 from shardline.jobs.workloads import EVAL_SEED_OFFSET, build_model
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -3,7 +3,6 @@ every frame, quiet logs (issue: "Safe by default, bounded under attack")."""
 
 import os
 import re
-import signal
 import socket
 import time
 import urllib.request
@@ -14,7 +13,7 @@ import torch
 from shardline import connect
 from shardline.services import frame
 from shardline.services.daemon import parse_host_port
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.pb import dataplane_pb2 as dp
 
 PAYLOAD_TIMEOUT = 2.0

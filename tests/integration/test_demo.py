@@ -20,7 +20,7 @@ DEMO_SHORT = DATA / "demo_short.yaml"
 
 def shardline_cmd() -> list[str]:
     script = Path(sys.executable).parent / "shardline"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shardline.services.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shardline.cli"]
 
 
 def processes_mentioning(text: str) -> list[int]:

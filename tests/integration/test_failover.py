@@ -12,14 +12,14 @@ import time
 import pytest
 
 import train_model
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.worker.client import connect
 from shardline.worker.flat_params import is_flat_name
 
 pytestmark = pytest.mark.timeout(240)
 
 STEPS = 16
-CLI = [sys.executable, "-m", "shardline.services.cli"]
+CLI = [sys.executable, "-m", "shardline.cli"]
 
 
 def start(cluster: LocalCluster, nodes: int, node_flags: dict | None = None, **dispatcher_flags):

@@ -15,11 +15,11 @@ import torch
 
 from shardline import PSOptimizer
 from shardline.services.errors import StepTimeoutError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(120)
 
-CLI = [sys.executable, "-m", "shardline.services.cli"]
+CLI = [sys.executable, "-m", "shardline.cli"]
 
 
 def _read_lines(stream, into: list, started: list) -> None:

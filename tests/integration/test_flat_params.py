@@ -12,7 +12,7 @@ from torch import nn
 
 from shardline import PSOptimizer, connect
 from shardline.services.errors import ShardlineConfigError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.worker.flat_params import is_flat_name
 from test_torch_optimizer import STEPS, Net, assert_equal, batch, reference, run_ranks
 

@@ -18,10 +18,9 @@ import pytest
 import torch
 
 import skewed_model
-import train_model
 from shardline import connect
 from shardline.dispatcher.rebalance import imbalance
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 HOT_STEPS = 10
 
@@ -89,7 +88,7 @@ def test_a_known_access_pattern_shows_up_in_the_heatmap_and_status_hot(heat_clus
     assert heat.half_life_seconds == 3600 and heat.rebalance_interval_seconds == 0
 
     env = {**os.environ, "SHARDLINE_CLUSTER_TOKEN_FILE": str(heat_cluster.cluster_token_file or "")}
-    out = subprocess.run([sys.executable, "-m", "shardline.services.cli", "status", "--cluster", heat_cluster.address,
+    out = subprocess.run([sys.executable, "-m", "shardline.cli", "status", "--cluster", heat_cluster.address,
                           "--hot", "--job", "heat", "--json"], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
@@ -97,7 +96,7 @@ def test_a_known_access_pattern_shows_up_in_the_heatmap_and_status_hot(heat_clus
     assert sorted((s["tensor"], s["block"]) for s in data["shards"]) == sorted((s.tensor, s.block) for s in heat.shards)
     assert [s["tensor"] for s in data["shards"]] == ["hot"] * 4 + ["cold"] * 4
     assert data["rebalance_interval_seconds"] is None
-    text = subprocess.run([sys.executable, "-m", "shardline.services.cli", "status", "--cluster", heat_cluster.address,
+    text = subprocess.run([sys.executable, "-m", "shardline.cli", "status", "--cluster", heat_cluster.address,
                            "--hot"], capture_output=True, text=True, timeout=60, env=env)
     assert text.returncode == 0, text.stderr
     assert "hottest shards:" in text.stdout and "node load:" in text.stdout and "rebalancing off" in text.stdout

@@ -20,8 +20,8 @@ from hf_fixtures import build_tiny_llama, prompt_completion_records, write_jsonl
 from shardline import PSOptimizer, connect
 from shardline.jobs.models.hf import load_model, load_tokenizer
 from shardline.jobs.spec import LoraSpec
-from shardline.services.cli import main as cli
-from shardline.services.local_cluster import LocalCluster
+from shardline.cli import main as cli
+from shardline.local_cluster import LocalCluster
 from test_demo import processes_mentioning
 
 pytestmark = pytest.mark.timeout(120)
@@ -162,7 +162,7 @@ def test_a_full_fine_tune_exports_to_a_transformers_directory(env, full_job, cap
     assert (logits(transformers.AutoModelForCausalLM.from_pretrained(src), ids) - want).abs().max() > 1e-2
 
     # bf16 through the console script, offline
-    res = subprocess.run([sys.executable, "-m", "shardline.services.cli", "export", *env["ckpt"], "--job", "hf-full",
+    res = subprocess.run([sys.executable, "-m", "shardline.cli", "export", *env["ckpt"], "--job", "hf-full",
                           "--hf-dir", str(root / "full-bf16"), "--from-model", src, "--dtype", "bf16"],
                          capture_output=True, text=True, timeout=90)
     assert res.returncode == 0, res.stderr

@@ -21,7 +21,7 @@ from train_model import assert_equals_reference, wait_for_steps
 from shardline.dispatcher.state_etcd import EtcdStateStore
 from shardline.services.daemon import grpc_channel
 from shardline.services.dispatcher_client import LEADER_METADATA_KEY
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.pb import common_pb2, dispatcher_pb2, dispatcher_pb2_grpc
 
 pytestmark = pytest.mark.timeout(180)
@@ -168,7 +168,7 @@ def test_a_paused_leader_wakes_up_fenced_and_follows(tmp_path, etcd):
         assert (LEADER_METADATA_KEY, other.grpc) in tuple(err.value.trailing_metadata())
 
         # the operator's view through the list, old leader first
-        out = subprocess.run([sys.executable, "-m", "shardline.services.cli", "status", "--cluster",
+        out = subprocess.run([sys.executable, "-m", "shardline.cli", "status", "--cluster",
                               f"{old.grpc},{other.grpc}"], capture_output=True, text=True, timeout=60, cwd=REPO)
         assert out.returncode == 0, out.stderr
         assert f"leader {other.grpc}" in out.stdout and f"{old.grpc} (follower)" in out.stdout

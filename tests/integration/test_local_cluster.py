@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardline.services.local_cluster import DaemonStartError, LocalCluster
+from shardline.local_cluster import DaemonStartError, LocalCluster
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -23,7 +23,7 @@ HEARTBEAT = {"heartbeat_timeout": 1, "heartbeat_interval": 0.2}
 
 def shardline_cmd() -> list[str]:
     script = Path(sys.executable).parent / "shardline"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shardline.services.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shardline.cli"]
 
 
 def _state(pid: int) -> str | None:
@@ -225,7 +225,7 @@ def test_safety_nets_when_the_owner_dies(tmp_path, how):
     end = 'raise SystemExit("boom")' if how == "exception" else "os.kill(os.getpid(), signal.SIGKILL)"
     script = textwrap.dedent(f"""
         import json, os, signal
-        from shardline.services.local_cluster import LocalCluster
+        from shardline.local_cluster import LocalCluster
         c = LocalCluster({str(workdir)!r})
         c.start_dispatcher()
         json.dump(c.pids(), open({str(pid_file)!r}, "w"))

@@ -27,7 +27,7 @@ import torch
 
 from shardline.services import frame
 from shardline.services.daemon import grpc_channel, parse_host_port
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.pb import dispatcher_pb2, dispatcher_pb2_grpc
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline import connect

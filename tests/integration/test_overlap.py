@@ -14,7 +14,7 @@ from torch import nn
 
 from shardline import PSOptimizer, connect
 from shardline.services.errors import ShardlineConfigError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from test_torch_optimizer import HYPER, Net, batch, groups_of, schedule
 
 pytestmark = pytest.mark.timeout(180)

@@ -150,7 +150,7 @@ def test_installed_cluster_trains(installed):
     code = textwrap.dedent("""
         import torch
         from shardline import connect
-        from shardline.services.local_cluster import LocalCluster
+        from shardline.local_cluster import LocalCluster
         with LocalCluster("cluster") as cluster:
             cluster.start_dispatcher()
             cluster.add_node()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardline.services.errors import ShardlineConfigError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.worker.client import connect
 
 pytestmark = pytest.mark.timeout(120)

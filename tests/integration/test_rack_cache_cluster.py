@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import train_model
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_BYTES = 64 << 20
@@ -93,7 +93,7 @@ def test_eight_readers_of_a_rack_make_the_ps_nodes_send_each_version_once(racks)
     # without the cache each of the 8 readers would pull every changed block from the nodes: 8x
     assert result["ratio_max"] <= 1.2, result["ratio_per_version"]
     # `shardline status` lists each cache on a line of its own, with what its heartbeats report
-    from shardline.services.cli import render_status, status_dict
+    from shardline.cli import render_status, status_dict
 
     status = cluster.wait_until(lambda s: any(c.rack == "r1" and c.misses for c in s.routing.caches), 10,
                                 "the cache's heartbeat with its counts")

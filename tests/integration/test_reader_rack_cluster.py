@@ -9,7 +9,7 @@ block on each rack, and the preference would have nothing to move.
 
 import train_model
 from shardline.services.placement import place
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.routing import RoutingView
 
 JOB = "reader-rack"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import train_model
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(180)
 DATA = Path(__file__).parent / "data"
 JOB = DATA / "demo_short.yaml"
 MODULES = {"dispatcher": "shardline.dispatcher.main", "ps": "shardline.ps_server.main",
-           "worker": "shardline.worker.main"}
+           "worker": "shardline.jobs.worker_daemon"}
 # Daemons must not see a token or config the developer's shell may export.
 CLEAN_ENV = {k: v for k, v in os.environ.items() if not k.startswith("SHARDLINE_")}
 
@@ -147,7 +147,7 @@ def test_allow_insecure_starts_warns_and_status_shows_it(netns, tmp_path):
             lines = [line for line in log.read_text().splitlines() if "WARNING" in line and "INSECURE" in line]
             assert lines and "0.0.0.0:0" in lines[0], log.read_text()
         assert any(host == "0.0.0.0" for host, _ in netns.listening())
-        cli = [sys.executable, "-m", "shardline.services.cli", "status", "--cluster", cluster]
+        cli = [sys.executable, "-m", "shardline.cli", "status", "--cluster", cluster]
         res = netns.run(cli, timeout=60, env=CLEAN_ENV)
         assert res.returncode == 0, res.stderr
         first = res.stdout.splitlines()[:2]
@@ -166,7 +166,7 @@ def test_loopback_cluster_without_token_is_not_flagged(netns, tmp_path):
     disp, disp_ready, disp_log = start(netns, "dispatcher", tmp_path, "dispatcher", "--listen", "127.0.0.1:0")
     d = wait_ready(disp, disp_ready, disp_log)
     try:
-        res = netns.run([sys.executable, "-m", "shardline.services.cli", "status", "--cluster", d["grpc"]],
+        res = netns.run([sys.executable, "-m", "shardline.cli", "status", "--cluster", d["grpc"]],
                         timeout=60, env=CLEAN_ENV)
         assert res.returncode == 0, res.stderr
         assert "INSECURE" not in res.stdout and "security: authentication none (loopback only), gRPC plaintext" in res.stdout

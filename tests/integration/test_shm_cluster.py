@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardline import PSOptimizer
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from shardline.services.transport.shm import INLINE_MAX_BYTES, ShmConnection
 
 from test_failover import start

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shardline import PSOptimizer
-from shardline.services.cli import render_status, status_dict
+from shardline.cli import render_status, status_dict
 
 STEPS = 8
 WORLD = 2

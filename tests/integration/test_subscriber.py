@@ -19,7 +19,7 @@ import torch
 import train_model
 from shardline import PSOptimizer, WeightSubscriber, connect
 from shardline.services.errors import ShardlineTimeoutError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -34,7 +34,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardline.services.daemon import grpc_channel
-from shardline.services.local_cluster import read_json_object
+from shardline.local_cluster import read_json_object
 from shardline.services.pb import dispatcher_pb2, dispatcher_pb2_grpc
 from ports import free_port
 
@@ -128,7 +128,7 @@ def test_units_match_daemons_and_example_environment_files():
     has an example under deploy/env/ for the instances the docs use."""
     from shardline.dispatcher.main import build_parser as dispatcher_parser
     from shardline.ps_server.main import build_parser as ps_parser
-    from shardline.worker.main import build_parser as worker_parser
+    from shardline.jobs.worker_daemon import build_parser as worker_parser
 
     parsers = {"shardline-dispatcher": dispatcher_parser(), "shardline-ps": ps_parser(),
                "shardline-worker": worker_parser()}

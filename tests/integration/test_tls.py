@@ -13,7 +13,7 @@ import torch
 
 from shardline import connect
 from shardline.services.errors import ShardlineTimeoutError
-from shardline.services.local_cluster import LocalCluster
+from shardline.local_cluster import LocalCluster
 from test_demo import DEMO_SHORT, shardline_cmd
 from tls_helpers import make_tls_files
 

@@ -53,6 +53,7 @@ def offline_client():
     import types
     import weakref
 
+    from shardline.services.transport import get_transport
     from shardline.worker.client import Client
     from shardline.worker.node_watch import NodeWatch
 
@@ -63,7 +64,7 @@ def offline_client():
         client.job, client.rank, client._lost, client._lease, client._replaying = spec.name, 0, None, object(), False
         client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
-        client._transport, client._placement, client._regions, client._versions = None, {}, [], {}
+        client._transport, client._placement, client._regions, client._versions = get_transport("tcp"), {}, [], {}
         client._grad_buffers, client._grad_regions = {}, []
         client._cache_writes, client._pulls_writing, client._revoke_pending = threading.Condition(), 0, False
         client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")

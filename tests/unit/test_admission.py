@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from shardline.ps_server.admission import NameMisses, PayloadBudget
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
-from shardline.ps_server.disconnects import DisconnectWatcher
+from shardline.ps_server.admission import NameMisses
+from shardline.services.payload_budget import PayloadBudget
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
+from shardline.services.disconnects import DisconnectWatcher
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.store import StoreError
 from shardline.services import frame

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.services import auth, frame
 from shardline.services.errors import RemoteError, ShardlineConfigError

@@ -11,8 +11,8 @@ import torch
 
 from shardline.dispatcher.jobs import normalize_spec, spec_difference
 from shardline.jobs.spec import parse_job
-from shardline.ps_server.admission import PayloadBudget
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.services.payload_budget import PayloadBudget
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.ps_server.store import JobStore, PushItem, PushRef, StoreError
@@ -400,7 +400,7 @@ def test_a_request_without_compression_takes_the_jobs():
 
 
 def test_status_lists_each_jobs_compression():
-    from shardline.services.cli import render_status
+    from shardline.cli import render_status
 
     job = {"name": "sft", "sync": "bsp", "optimizer": "adamw", "compression": "sign", "world_size": 2, "step": 3,
            "checkpoint_step": None, "tensors": 4, "parameters": 1000, "ready": True, "workers": [],

@@ -28,7 +28,7 @@ def daemon_parser(daemon: str) -> argparse.ArgumentParser:
     elif daemon == "ps":
         from shardline.ps_server.main import build_parser
     else:
-        from shardline.worker.main import build_parser
+        from shardline.jobs.worker_daemon import build_parser
     return build_parser()
 
 
@@ -359,7 +359,7 @@ def _params(numel: int):
 
 
 def test_worker_passes_its_knobs_to_the_client():
-    from shardline.worker.main import _make_ps_optimizer
+    from shardline.jobs.worker_daemon import _make_ps_optimizer
 
     args = parse("worker", ["--block-elements", "1024", "--transport", "tcp", "--pull-timeout", "30",
                             "--connect-timeout", "5", "--rpc-timeout", "2.5", "--cache-bytes", "1MiB"])
@@ -370,7 +370,7 @@ def test_worker_passes_its_knobs_to_the_client():
 
 
 def test_worker_cache_bound_refuses_a_job_that_does_not_fit():
-    from shardline.worker.main import _make_ps_optimizer
+    from shardline.jobs.worker_daemon import _make_ps_optimizer
 
     args = parse("worker", ["--cache-bytes", "4KiB"])
     _make_ps_optimizer(FakePSOptimizer, args, _params(1024), cluster=args.cluster, job="j")  # exactly 4 KiB

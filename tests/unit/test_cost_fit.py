@@ -8,7 +8,7 @@ import yaml
 
 from shardline.jobs.cost_fit import measured_lengths
 from shardline.jobs.spec import load_job
-from shardline.services import cli
+from shardline import cli
 
 DEMO = Path(__file__).resolve().parents[2] / "examples" / "demo_job.yaml"
 

@@ -10,7 +10,7 @@ import time
 import grpc
 import pytest
 
-from shardline.services.cli import render_workers
+from shardline.cli import render_workers
 from shardline.services.config import parse_address_list
 from shardline.services.daemon import parse_host_port
 from shardline.services.dispatcher_client import DispatcherClient, unreachable_reason

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from hf_fixtures import FACTS, build_tiny_llama, messages_records, prompt_completion_records, write_jsonl
+from hf_fixtures import build_tiny_llama, messages_records, prompt_completion_records, write_jsonl
 from shardline.jobs.data.batch import IGNORE
 from shardline.jobs.data.jsonl import JsonlSFT, tokenize_messages, tokenize_prompt_completion
 from shardline.jobs.models.hf import load_tokenizer, require_hf

@@ -71,6 +71,6 @@ def test_hugging_face_is_imported_lazily():
     import sys
 
     code = ("import sys, shardline.jobs.runner, shardline.jobs.spec, shardline.jobs.models.hf, shardline.jobs.data.jsonl, "
-            "shardline.worker.main; print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))")
+            "shardline.jobs.worker_daemon; print(sorted(m for m in ('transformers', 'peft') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -485,7 +485,7 @@ def test_a_restarted_dispatcher_serves_the_rebalanced_ring_and_resumes_the_chang
     snap = again.snapshot()
     assert [n.vnodes for n in snap.serving] == [64, 128, 192]
     assert snap.pending_epoch == snap.epoch and [n.vnodes for n in snap.pending] == [96, 128, 192]
-    register(again, "ps-0", 100.0, port=9000)  # noqa: same fields                               # a retry keeps the counts
+    register(again, "ps-0", 100.0, port=9000)  # same fields                                    # a retry keeps the counts
     assert [n.vnodes for n in again.snapshot().serving] == [64, 128, 192]
 
 
@@ -588,7 +588,7 @@ def test_a_pending_ring_change_names_the_nodes_it_waits_for_and_why(grpc_context
     from shardline.dispatcher import server as dispatcher_server
     from shardline.dispatcher.jobs import JobRegistry
     from shardline.dispatcher.server import DispatcherServicer
-    from shardline.services.cli import render_status, status_dict
+    from shardline.cli import render_status, status_dict
     from shardline.services.pb import common_pb2, dispatcher_pb2
 
     # What this servicer publishes: the registry's gauges are the process's, and a dispatcher

@@ -10,7 +10,7 @@ import pytest
 import torch
 from job_specs import one_tensor_spec
 
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.ps_server.node import PSNode
 from shardline.services import frame
 from shardline.services.errors import FrameError

@@ -3,7 +3,6 @@
 its copy. A PSNode served over real ShmConnection pairs; SGD with lr 1 on one rank, so every
 result is checked against init - grad."""
 
-import socket
 import threading
 
 import pytest
@@ -188,7 +187,7 @@ def test_a_push_over_tcp_cannot_name_a_source_region():
 
 
 # --- the client's gradient buffers ---------------------------------------------------------------------
-def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client):
+def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client):  # noqa: F811 - the fixture
     import types
 
     from shardline.services.errors import ShardlineConfigError

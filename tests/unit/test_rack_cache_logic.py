@@ -1,4 +1,4 @@
-"""The rack cache's logic (dispatcher/cache.py) against a fake PS node whose job keeps stepping:
+"""The rack cache's logic (rack_cache/cache.py) against a fake PS node whose job keeps stepping:
 version correctness under concurrent writes, miss coalescing, the byte bound; subscriber pulls:
 the node's checksums forwarded, deltas applied and checked, a corrupted entry caught by the reader."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from shardline.dispatcher.cache import BlockCache, Fetched, Want
+from shardline.rack_cache.cache import BlockCache, Fetched, Want
 from shardline.services.errors import ShardlineConfigError, ShardlineTimeoutError
 
 F32 = 1  # dataplane FLOAT32
@@ -306,10 +306,10 @@ def test_a_pull_never_waits_in_a_fetch_for_a_later_step():
     ahead.join(5)
 
 
-# --- the cache role's glue (dispatcher/cache_server.py), without a network ---------------------
+# --- the cache role's glue (rack_cache/server.py, rack_cache/daemon.py), without a network ---------------------
 
 def _frontend(fetch):
-    from shardline.dispatcher.cache_server import CacheFrontend
+    from shardline.rack_cache.server import CacheFrontend
 
     frontend = CacheFrontend("cache-r1", 1 << 20, links=None, fetch_routing=lambda: None)
     frontend.cache = BlockCache(1 << 20, fetch)
@@ -317,7 +317,7 @@ def _frontend(fetch):
 
 
 def test_the_cache_answers_pulls_only_and_checks_them_before_anything_is_fetched():
-    from shardline.ps_server.store import StoreError
+    from shardline.services.errors import RequestError
     from shardline.services.pb import dataplane_pb2 as dp
 
     frontend = _frontend(lambda *a: pytest.fail("nothing may be fetched for a refused frame"))
@@ -328,14 +328,12 @@ def test_the_cache_answers_pulls_only_and_checks_them_before_anything_is_fetched
                              (dict(blocks=[dp.BlockRef(tensor="w"), dp.BlockRef(tensor="w")]), "more than once"),
                              (dict(blocks=[dp.BlockRef(tensor="w", want_dtype=dp.FLOAT16)]), "FLOAT32 or BFLOAT16"),
                              (dict(blocks=[dp.BlockRef(tensor="w", dest_region=1)]), "places no blocks")):
-        with pytest.raises(StoreError, match=fragment):
+        with pytest.raises(RequestError, match=fragment):
             frontend.precheck(dp.FrameHeader(**{**good, **change}))
 
 
 def test_the_cache_passes_the_nodes_refusals_on_and_replies_as_the_node_would():
-    from shardline.ps_server.node import NotOwner
-    from shardline.ps_server.store import StoreError
-    from shardline.services.errors import RemoteError
+    from shardline.services.errors import NotOwnerError, RemoteError, RequestError
     from shardline.services.pb import dataplane_pb2 as dp
 
     answers = [RemoteError("NOT_OWNER", "moved", epoch=7), RemoteError("TIMEOUT", "step 3 not reached"),
@@ -350,10 +348,10 @@ def test_the_cache_passes_the_nodes_refusals_on_and_replies_as_the_node_would():
     frontend = _frontend(fetch)
     header = dp.FrameHeader(op=dp.OP_PULL, request_id=9, job="j", epoch=5, via_node="ps1", min_step=0,
                             blocks=[dp.BlockRef(tensor="w", index=0, want_dtype=dp.BFLOAT16)])
-    with pytest.raises(NotOwner) as refused:
+    with pytest.raises(NotOwnerError) as refused:
         frontend.handle(header, memoryview(b""))
     assert refused.value.epoch == 7
-    with pytest.raises(StoreError, match="step 3") as timed_out:
+    with pytest.raises(RequestError, match="step 3") as timed_out:
         frontend.handle(header, memoryview(b""))
     assert timed_out.value.code == "TIMEOUT"
     reply, payloads = frontend.handle(header, memoryview(b""))
@@ -365,7 +363,7 @@ def test_the_cache_passes_the_nodes_refusals_on_and_replies_as_the_node_would():
 def test_a_cache_unknown_to_the_dispatcher_registers_again():
     from types import SimpleNamespace
 
-    from shardline.dispatcher.cache_server import CacheHeartbeats
+    from shardline.rack_cache.daemon import CacheHeartbeats
 
     calls = []
 

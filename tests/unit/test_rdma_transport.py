@@ -22,15 +22,15 @@ from collections import deque
 import pytest
 import torch
 
-from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
-from shardline.ps_server.disconnects import DisconnectWatcher
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
+from shardline.services.disconnects import DisconnectWatcher
 from shardline.ps_server.node import PSNode
 from shardline.services import frame
 from shardline.services.dataplane_client import DataPlaneConnection
 from shardline.services.errors import (ShardlineConfigError, ShardlineConnectionError, ShardlineTimeoutError)
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
-from shardline.services.transport import get_transport, rdma, rdma_verbs, tcp
+from shardline.services.transport import get_transport, rdma, rdma_verbs
 from shardline.services.transport import rdma_exchange as rx
 from shardline.services.transport.rdma_pool import Credits, SlotRegion, spare_slots
 from shardline.services.transport.rdma_stream import (BULK, CREDIT, CREDIT_SENT, DATA, RECORD, SEND_DONE, Completion,
@@ -761,7 +761,7 @@ def _pull(conn, numel, block, **fields):
 
 def test_ps_connection_loop_and_client_work_unchanged_over_rdma():
     """Authentication, init, push, commit, pull and a waiting pull's hang-up notice, through
-    ps_server.dataplane.serve_connection and services.dataplane_client as they are, each frame's
+    services.dataplane_server.serve_connection and services.dataplane_client as they are, each frame's
     payload through 4 KiB registered buffers; the step equals SGD computed here."""
     numel, block, token = 1 << 16, 1 << 14, b"t" * 16
     node = served_node(numel, block)

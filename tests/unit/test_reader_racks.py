@@ -172,7 +172,7 @@ def test_bad_options_quote_the_value(kw):
 
 
 def test_status_shows_a_jobs_reader_rack():
-    from shardline.services.cli import render_status, status_dict
+    from shardline.cli import render_status, status_dict
     from shardline.services.pb import dispatcher_pb2
 
     status = dispatcher_pb2.ClusterStatus()

@@ -151,7 +151,7 @@ def test_new_token_file_is_private_random_and_loadable(tmp_path):
 
 
 def test_status_security_lines():
-    from shardline.services.cli import security_lines
+    from shardline.cli import security_lines
 
     warnings, summary = security_lines({"insecure": True, "cluster_token": False, "tls": False,
                                         "insecure_nodes": ["ps-a"]})

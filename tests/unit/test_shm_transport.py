@@ -383,7 +383,7 @@ def test_auto_picks_shm_for_a_local_listener_and_tcp_otherwise(monkeypatch):
 
 
 def test_the_hello_challenge_runs_over_shm_and_the_node_maps_nothing_of_its_own_before_it():
-    from shardline.ps_server.dataplane import ConnectionPolicy, serve_connection
+    from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
     from shardline.services.dataplane_client import DataPlaneConnection
     from shardline.services.pb import dataplane_pb2 as dp
 

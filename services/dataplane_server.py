@@ -1,4 +1,5 @@
-"""The PS data-plane connection loop: read a frame, check it, read its payload, reply.
+"""The data-plane connection loop of a PS node and of a rack cache: read a frame, check it, read its
+payload, hand it to the server's :class:`RequestHandler`, reply.
 
 Every frame gets an answer. Malformed frames (bad magic, unparsable header, inconsistent lengths,
 over the limits) get a ``BAD_FRAME``/``TOO_LARGE`` error reply and the connection is closed: the
@@ -24,17 +25,17 @@ import select
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from shardline.ps_server.admission import PayloadBudget
-from shardline.ps_server.disconnects import DisconnectWatcher
-from shardline.ps_server.node import NotOwner, PSNode
-from shardline.ps_server.store import StoreError
 from shardline.services import auth, frame
-from shardline.services.errors import FrameError, FrameTooLargeError
+from shardline.services.disconnects import DisconnectWatcher
+from shardline.services.errors import ErrorCode, FrameError, FrameTooLargeError, NotOwnerError, RequestError
 from shardline.services.log_limits import RateLimitedLog
+from shardline.services.payload_budget import PayloadBudget
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.transport.base import capabilities_of
 
 log = logging.getLogger("shardline.ps.dataplane")
 
@@ -51,6 +52,28 @@ MAX_HANDSHAKES = 64
 IDLE_BUFFER_SECONDS = 30.0
 
 
+class RequestHandler(Protocol):
+    """What the loop calls for each frame: a PS node (ps_server/node.py PSNode) or a rack cache
+    (rack_cache/server.py CacheFrontend). Each raises RequestError to refuse a request.
+
+    ``precheck(header)`` before the payload is read; ``handle(header, view, cancelled=, regions=)``
+    after it, returning ``(reply, payloads)``; ``after_reply(header, reply)`` once the reply went
+    out. Pushes (a PS node only): ``begin_push``, ``take_push``, ``finish_push``, ``after_push``.
+    ``store.get(job)`` finds a job (to wake a pull's waiters, to name its step in an error reply),
+    ``routing.epoch`` is the epoch an error reply names.
+    """
+
+    node_id: str
+    store: Any
+    routing: Any
+
+    def precheck(self, header) -> None: ...
+
+    def handle(self, header, view, cancelled=None, regions=None) -> tuple: ...
+
+    def after_reply(self, header, reply) -> None: ...
+
+
 @dataclass
 class ConnectionPolicy:
     """What every data-plane connection of a node is held to (see the module docstring)."""
@@ -64,7 +87,7 @@ class ConnectionPolicy:
     handshakes: threading.BoundedSemaphore = field(default_factory=lambda: threading.BoundedSemaphore(MAX_HANDSHAKES))
 
 
-def serve_connection(sock, peer: str, node: PSNode, policy: ConnectionPolicy, metrics=None) -> None:
+def serve_connection(sock, peer: str, node: RequestHandler, policy: ConnectionPolicy, metrics=None) -> None:
     """Serve one connection until the peer closes it, stalls mid-frame or sends a malformed frame.
 
     With ``policy.cluster_token`` the peer must first authenticate (services/auth.py); before that,
@@ -97,9 +120,10 @@ def _peer_host(peer: str) -> str:
 
 
 class _Connection:
-    def __init__(self, sock, peer: str, node: PSNode, policy: ConnectionPolicy, metrics):
+    def __init__(self, sock, peer: str, node: RequestHandler, policy: ConnectionPolicy, metrics):
         self.sock, self.peer, self.node, self.policy, self.metrics = sock, peer, node, policy, metrics
-        self.regions = sock if hasattr(sock, "take_many") else None  # a shm connection: its peer's regions
+        self.capabilities = capabilities_of(sock)
+        self.regions = sock if self.capabilities.shares_memory else None  # a shm connection: its peer's regions
         self.buffer = bytearray(0)   # payload buffer, reused between frames (reserved from the budget)
 
     # --- the payload buffer -----------------------------------------------------------------
@@ -154,17 +178,17 @@ class _Connection:
                 # a push's blocks taken from the client's regions need room in the buffer too
                 received = header.payload_bytes + (frame.sourced_bytes(header) if header.op == dp.OP_PUSH else 0)
                 if not self.ensure_buffer(received):
-                    raise StoreError("RESOURCE_EXHAUSTED",
-                                     f"node {node.node_id!r} holds its limit of payload bytes in flight "
+                    raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                                       f"node {node.node_id!r} holds its limit of payload bytes in flight "
                                      f"({policy.budget.limit_bytes} bytes, max_inflight_bytes); retry shortly")
-            except StoreError as exc:
+            except RequestError as exc:
                 self.refuse(header, exc, op, deadline)
                 continue
             try:
                 if header.op == dp.OP_PUSH:
                     try:
                         job, ticket = node.begin_push(header, self.buffer, self.regions)
-                    except StoreError as exc:
+                    except RequestError as exc:
                         self.refuse(header, exc, op, deadline)
                         continue
                     reply, payloads, pushed = self.receive_push(header, job, ticket, deadline), [], (header, job, ticket)
@@ -173,14 +197,14 @@ class _Connection:
                     view = memoryview(self.buffer)[: header.payload_bytes]
                     frame.recv_exactly_into(sock, view, deadline)
                     reply, payloads = self.run(header, view)
-            except StoreError as exc:
+            except RequestError as exc:
                 self.reply_error(header, exc, op)
                 continue
             except (ConnectionError, TimeoutError, OSError):
                 raise  # the peer vanished or stalled mid-frame: nothing of the frame was kept
             except Exception as exc:  # a bug must not kill the node; report it and keep serving
                 log.exception("internal error handling %s from %s", op, self.peer)
-                self.reply_error(header, StoreError("INTERNAL", f"internal error: {type(exc).__name__}: {exc}"), op)
+                self.reply_error(header, RequestError(ErrorCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}"), op)
                 continue
             sock.settimeout(policy.payload_timeout)  # a client that stops reading its reply is dropped
             try:
@@ -192,7 +216,7 @@ class _Connection:
                     node.after_reply(header, reply)
             if metrics:  # a pull's blocks copied into the client's shared cache are sent bytes too
                 placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)
-                metrics.request(op, "OK", seconds=time.perf_counter() - started,
+                metrics.request(op, ErrorCode.OK, seconds=time.perf_counter() - started,
                                 bytes_in=received, bytes_out=reply.payload_bytes + placed)
 
     def run(self, header, view):
@@ -217,7 +241,7 @@ class _Connection:
         finally:
             hangups.unwatch(handle)
 
-    def refuse(self, header, exc: StoreError, op: str, deadline: float) -> None:
+    def refuse(self, header, exc: RequestError, op: str, deadline: float) -> None:
         """Answer a frame refused before its payload was read, then read past the payload (the
         client may still be sending it): the connection stays on a frame boundary."""
         self.reply_error(header, exc, op)
@@ -233,7 +257,7 @@ class _Connection:
         push is dropped, as if the connection had ended mid-payload."""
         node, sock = self.node, self.sock
         # over shm a float32 block is checked as it is copied out of the ring: one pass, not two
-        check_on_copy = hasattr(sock, "recv_checked_into") and not job.allow_nonfinite
+        check_on_copy = self.capabilities.checks_on_copy and not job.allow_nonfinite
         try:
             sourced = []
             for i, (ref, dest) in enumerate(zip(header.blocks, ticket.dests)):
@@ -256,24 +280,23 @@ class _Connection:
             if not ticket.done:
                 job.abort_push(ticket)
 
-    def reply_error(self, header, exc: StoreError, op: str) -> None:
+    def reply_error(self, header, exc: RequestError, op: str) -> None:
         node = self.node
-        epoch = exc.epoch if isinstance(exc, NotOwner) else node.routing.epoch
+        epoch = exc.epoch if isinstance(exc, NotOwnerError) else node.routing.epoch
         job = node.store.get(header.job)
         step = job.step if job is not None else 0
         if self.metrics:
             self.metrics.request(op, exc.code)
         log.debug("%s from rank %d failed: %s %s", op, header.rank, exc.code, exc)
         self.sock.settimeout(self.policy.payload_timeout)
-        frame.send_frame(self.sock, frame.error_header(header.request_id, dp.ErrorCode.Value(exc.code), str(exc),
+        frame.send_frame(self.sock, frame.error_header(header.request_id, dp.ErrorCode.Value(exc.code), exc.reply_message,
                                                        epoch=epoch, step=step))
 
 
 def _readable(sock, timeout: float | None) -> bool:
     """True once ``sock`` has bytes (or an end of stream) to read; False after ``timeout``."""
-    wait = getattr(sock, "wait_readable", None)
-    if wait is not None:  # a shm connection: control messages between frames are not a frame
-        return wait(timeout)
+    if capabilities_of(sock).signals_between_frames:  # shm: control messages between frames are not a frame
+        return sock.wait_readable(timeout)
     try:
         poller = select.poll()
         poller.register(sock, select.POLLIN | select.POLLPRI)
@@ -314,7 +337,7 @@ def _authenticate(sock, peer: str, policy: ConnectionPolicy, metrics) -> bool:
             pass
     policy.complaints.log(logging.WARNING, _peer_host(peer), "refused data-plane connection from %s: %s", peer, message)
     if metrics:
-        metrics.request("OP_HELLO", "UNAUTHENTICATED")
+        metrics.request("OP_HELLO", ErrorCode.UNAUTHENTICATED)
     _send_quietly(sock, frame.error_header(0, dp.UNAUTHENTICATED, message))
     return False
 

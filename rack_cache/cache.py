@@ -1,7 +1,7 @@
 """The rack cache's logic (L2): entries, versions, coalesced fetches, eviction. No sockets here.
 
 A rack cache answers OP_PULL for the readers of its rack exactly as the PS node a reader routes a
-group of blocks to would, from memory where it can (dispatcher/cache_server.py is the glue).
+group of blocks to would, from memory where it can (rack_cache/server.py is the glue).
 
 **Entries.** One per (job, tensor, block index, dtype): the block's ``version`` (the step that last
 changed it), its bytes in that dtype, and ``seen``: the node's job step at which the cache last

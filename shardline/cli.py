@@ -805,7 +805,7 @@ def _up_token_file(given: str | None, workdir: Path) -> Path:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from shardline.services.local_cluster import DaemonStartError, LocalCluster, read_json_object
+    from shardline.local_cluster import DaemonStartError, LocalCluster, read_json_object
 
     out = sys.stdout
     try:

@@ -17,8 +17,8 @@ Several dispatchers share an etcd state store and elect a leader::
     cluster.address                               # "127.0.0.1:P0,127.0.0.1:P1": what PS nodes and workers get
     cluster.kill(cluster.leader())                # the other one takes over
 
-Every daemon is a real subprocess (``python -m shardline.dispatcher.main`` / ``shardline.ps_server.main`` /
-``shardline.worker.main`` of the installed package) started with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file
+Every daemon is a real subprocess (``python -m shardline.dispatcher_daemon`` / ``shardline.ps_server.main`` /
+``shardline.jobs.worker_daemon`` of the installed package) started with ``--listen 127.0.0.1:0 --metrics-port 0 --ready-file
 <workdir>/<name>.json``, in its own session and process group, with stdout and stderr appended to
 ``<workdir>/<name>.log``. Starting waits for the ready file; if the process dies first (or the
 timeout passes) a :class:`DaemonStartError` carries the exit code and the tail of the log.
@@ -54,7 +54,7 @@ __all__ = ["DaemonHandle", "DaemonStartError", "LocalCluster", "dispatcher_servi
 
 STOP_TIMEOUT = 10.0
 
-_MODULES = {"dispatcher": "shardline.dispatcher.main", "ps": "shardline.ps_server.main", "worker": "shardline.worker.main"}
+_MODULES = {"dispatcher": "shardline.dispatcher_daemon", "ps": "shardline.ps_server.main", "worker": "shardline.jobs.worker_daemon"}
 
 
 class DaemonStartError(RuntimeError):
