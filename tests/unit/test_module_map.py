@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "architecture.md"
-PACKAGES = ("shardline", "services", "ps_server", "dispatcher", "worker", "jobs")
+PACKAGES = ("shardline", "services", "ps_server", "dispatcher", "rack_cache", "worker", "jobs")
 NOT_LISTED = ("services/pb/",)
 HEADING = "## Module map"
 ROW = re.compile(r"^\|\s*`([^`]+\.py)`\s*\|")
