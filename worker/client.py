@@ -34,7 +34,7 @@ from shardline.services.compression import SignBlock, check_compression, compres
 from shardline.services.tensor_checks import all_finite, zero_parts
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
-from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
+from shardline.services.errors import (ErrorCode, NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
                              ShardlineError, ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError,
                              StepTimeoutError)
 from shardline.services.pb import common_pb2
@@ -55,7 +55,7 @@ STRAGGLER_QUERY_TIMEOUT_SECONDS = 2.0
 PULL_SLICE_SECONDS = 5.0
 # Replies that mean "this node is there but cannot take the request now": wait and try again
 # (stopping or restoring, a bound on connections or bytes in flight reached).
-_BUSY_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+_BUSY_CODES = (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED)
 # A PS node remembers that a job name does not exist for ps_server.admission.DEFAULT_MISS_TTL_SECONDS.
 UNKNOWN_JOB_RETRY_SECONDS = 1.2
 # A BSP step still waiting after straggler_warning_seconds logs who it waits for, then again at
@@ -883,7 +883,7 @@ class Client:
                     self.held_step = min(node_steps.values())
                 return node_steps
             except RemoteError as exc:
-                if exc.code != "TIMEOUT":
+                if exc.code != ErrorCode.TIMEOUT:
                     raise
                 now = time.monotonic()
                 if now >= deadline:
@@ -1056,7 +1056,7 @@ class Client:
                     refused = True
                     retry.extend(groups[node_id])
                 except RemoteError as exc:
-                    if exc.code == "WORKER_LOST":
+                    if exc.code == ErrorCode.WORKER_LOST:
                         self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
                                                               _ranks_in(exc.remote_message))
                         raise self._lost from None
@@ -1140,7 +1140,7 @@ class Client:
                 node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
                 return self._resend_inflight(node_id, node_step)
             except RemoteError as exc:
-                if exc.code not in _BUSY_CODES and exc.code != "NOT_OWNER":
+                if exc.code not in _BUSY_CODES and exc.code != ErrorCode.NOT_OWNER:
                     raise
                 last = exc
             except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
@@ -1206,9 +1206,9 @@ class Client:
         try:
             return self._exchange_once(node_id, keys, op, *args, via=via)
         except RemoteError as exc:
-            if exc.code == "UNKNOWN_TENSOR" and via is None and keys and all(k[0] in self._slices for k in keys):
+            if exc.code == ErrorCode.UNKNOWN_TENSOR and via is None and keys and all(k[0] in self._slices for k in keys):
                 return self._while_lacking(node_id, keys, op, args, exc)
-            if exc.code != "UNKNOWN_JOB" or self.spec is None:
+            if exc.code != ErrorCode.UNKNOWN_JOB or self.spec is None:
                 raise
         time.sleep(UNKNOWN_JOB_RETRY_SECONDS)
         return self._exchange_once(node_id, keys, op, *args, via=via)
@@ -1234,7 +1234,7 @@ class Client:
             try:
                 step = self._exchange_once(node_id, keys, op, *args)
             except RemoteError as again:
-                if again.code != "UNKNOWN_TENSOR":
+                if again.code != ErrorCode.UNKNOWN_TENSOR:
                     raise
                 exc = again
                 continue
@@ -1368,7 +1368,7 @@ class Client:
             raise ShardlineConnectionError(f"{who} at {conn.address}: "
                                            f"{wait.abandoned if wait is not None and wait.abandoned else exc}") from exc
         if reply.op == dp.OP_ERROR:
-            code = dp.ErrorCode.Name(reply.code)
+            code = ErrorCode(dp.ErrorCode.Name(reply.code))
             if reply.code == dp.INTERNAL:
                 self._forget_versions(placed)
             if reply.code == dp.NOT_OWNER:

@@ -16,6 +16,8 @@ import logging
 import os
 import time
 
+from shardline.services.errors import ErrorCode
+
 log = logging.getLogger("shardline.worker")
 
 # How long past a pull's own wait a rack cache may take to answer before the pull goes to the PS.
@@ -26,7 +28,8 @@ CACHE_RETRY_SECONDS = 10.0
 # a pull), so a cache registered after it started (or again after a failure) is found.
 CACHE_DISCOVERY_SECONDS = 10.0
 # Error codes a cache passes on from the node: they are the pull's answer, not a failure of the cache.
-NODE_ANSWERS = frozenset({"NOT_OWNER", "TIMEOUT", "UNKNOWN_JOB", "UNKNOWN_TENSOR", "WORKER_LOST", "STALE_STEP"})
+NODE_ANSWERS = frozenset({ErrorCode.NOT_OWNER, ErrorCode.TIMEOUT, ErrorCode.UNKNOWN_JOB, ErrorCode.UNKNOWN_TENSOR,
+                          ErrorCode.WORKER_LOST, ErrorCode.STALE_STEP})
 
 
 def default_rack(rack: str | None) -> str | None:
