@@ -45,6 +45,8 @@ from shardline.services.stragglers import StragglerReport, ask_commits, lease_te
 from shardline.services.transport import get_transport, shm
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
+from shardline.worker.recovery import (BUSY_CODES, RECOVERY_CONNECT_TIMEOUT_SECONDS, Replay, StepsInFlight,
+                                       recover_node, resend_to_node)
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
 log = logging.getLogger("shardline.worker")
@@ -53,9 +55,6 @@ log = logging.getLogger("shardline.worker")
 STRAGGLER_QUERY_TIMEOUT_SECONDS = 2.0
 # A waiting pull is asked for in slices of this many seconds (the routing is checked in between).
 PULL_SLICE_SECONDS = 5.0
-# Replies that mean "this node is there but cannot take the request now": wait and try again
-# (stopping or restoring, a bound on connections or bytes in flight reached).
-_BUSY_CODES = (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED)
 # A PS node remembers that a job name does not exist for ps_server.admission.DEFAULT_MISS_TTL_SECONDS.
 UNKNOWN_JOB_RETRY_SECONDS = 1.2
 # A BSP step still waiting after straggler_warning_seconds logs who it waits for, then again at
@@ -65,8 +64,6 @@ DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering (a node
 # that leaves the ring meanwhile is given up at once: worker/node_watch.py).
 IO_TIMEOUT_SECONDS = 30.0
-# While a node is recovered, one connect to it may take this long (then the routing is checked again).
-RECOVERY_CONNECT_TIMEOUT_SECONDS = 2.0
 # close() waits this long for the lease thread to leave its last renewal (the channel it uses is
 # closed first, which cancels a call in flight).
 LEASE_STOP_TIMEOUT_SECONDS = 5.0
@@ -185,11 +182,10 @@ class Client:
         self.straggler_warning_seconds = float(straggler_warning_seconds)
         self.job = job
         self.recovery_timeout = recovery_timeout
-        # The BSP/SSP steps in flight: step -> what this worker sent for it, kept until every node
-        # applied it (BSP: one step, SSP: up to staleness + 1).
-        self._inflight: dict[int, dict] = {}
-        self._replay_from: RoutingView | None = None   # routing before an epoch change mid-step
-        self._replaying = False
+        # The BSP/SSP steps in flight, kept until every node applied them, and their replay after
+        # the routing moved under them (worker/recovery.py)
+        self._inflight = StepsInFlight()
+        self._replay = Replay(self._inflight)
         self.incarnation = uuid.uuid4().hex[:16]       # this process's identity as its rank
         self._lost: ShardlineWorkerLostError | None = None
         self._lease: threading.Thread | None = None
@@ -623,8 +619,7 @@ class Client:
             self._pull(names, min_step=None, timeout=None)
         if self._inflight and self.step is not None:
             # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
-            for step in [s for s in self._inflight if s < self.step - self.staleness]:
-                del self._inflight[step]
+            self._inflight.forget_before(self.step - self.staleness)
 
     def _took_carried_pull(self) -> bool:
         """Whether this worker's last commit brought the step it made: every block of the job came
@@ -632,7 +627,7 @@ class Client:
         whose blocks others own now, answered for none), and every node of the routing reported
         the step. Then the caches hold it as a pull would leave them."""
         carried, self._carried = self._carried, None
-        if carried is None or self._replay_from is not None:
+        if carried is None or self._replay.state.due:
             return False
         step, answered, node_steps = carried
         if step != self.step or any(node_steps.get(node, -1) < step for node in self.routing.nodes):
@@ -783,7 +778,7 @@ class Client:
         failpoints.hit("worker.before_push", step)
         if self._compressor is not None:
             payload = self._compressor.encode(payload, None if spec.sync == "asp" else step)
-        record = self._inflight_record(step, weight)["grads"] if self._collects else {}
+        record = self._inflight.record(step, weight, self.staleness).grads if self._collects else {}
         replaced = {key: record[key] for key in payload if key in record}
         record.update(payload)
         if node_checks:
@@ -831,7 +826,7 @@ class Client:
             except (RemoteError, ShardlineConnectionError) as exc:  # the routing moved on: die all the same
                 log.info("worker.commit_partial: the commit to %s failed (%s)", first, exc)
             failpoints.hit("worker.commit_partial", step)
-        self._inflight_record(step, weight)["committed"] = True
+        self._inflight.record(step, weight, self.staleness).committed = True
         keys = self._carried_pull_keys()
         self._carried = None
         answered: dict[str, list] = {}
@@ -839,16 +834,6 @@ class Client:
         self.step = step + 1
         if keys:
             self._carried = (self.step, answered, node_steps)
-
-    def _inflight_record(self, step: int, weight: float) -> dict:
-        """What this worker sent for ``step`` (kept for resending until every node applied it). A
-        step more than ``staleness`` before it was applied (the nodes take no push of ``step``
-        before that), so it is forgotten here at the latest, as BSP forgets the last step."""
-        if step not in self._inflight:
-            for old in [s for s in self._inflight if s < step - self.staleness]:
-                del self._inflight[old]
-            self._inflight[step] = {"step": step, "grads": {}, "weight": weight, "committed": False}
-        return self._inflight[step]
 
     def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> dict[str, int]:
         if self._reads.wants_routing(self.routing):  # to find the rack's cache (a pull does not need it)
@@ -975,43 +960,18 @@ class Client:
     def refresh_routing(self) -> None:
         old = self.routing
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
-        if self.routing.epoch != old.epoch and self._inflight and self._replay_from is None:
-            self._replay_from = old
+        if self.routing.epoch != old.epoch:
+            self._replay.epoch_moved()
 
     def _replay_after_epoch_change(self) -> bool:
         """The epoch changed while a BSP step (SSP: steps) was in flight: push each step's blocks
         again, and commit again on every node if this worker had committed, oldest step first.
-        True if it did."""
-        if self._replaying:
-            return False  # the replay running notices the change and starts over (below)
-        if self._replay_from is None or not self._inflight or self.spec is None or not self._collects:
-            self._replay_from = None
-            return False
-        self._replaying = True
-        try:
-            # A commit at epoch E counts, on a node that took a block over at E, as "this rank
-            # pushed the block to me": so the replay that commits at E must have pushed every block
-            # at E. The routing moving again during the replay (its pushes or commits refused)
-            # starts it over at the newer epoch.
-            while self._replay_from is not None:
-                self._replay_from = None
-                for step, inflight in sorted(self._inflight.items()):
-                    # Every block, not only those whose owner differs between the two tables this
-                    # worker saw: a node may have lost a block and got it back in epochs in between
-                    # (forgetting the pushes); a node that still holds a push ignores the resend.
-                    moved = list(inflight["grads"])
-                    weight = inflight["weight"]
-                    if moved:
-                        self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
-                    if self._replay_from is not None:
-                        break  # moved again: pushes at the newer epoch first
-                    if inflight["committed"]:
-                        self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
-                    log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch,
-                             step, len(moved), " and the commit" if inflight["committed"] else "")
-            return True
-        finally:
-            self._replaying = False
+        True if it did (worker/recovery.py)."""
+        return self._replay.run(
+            self.spec is not None and self._collects,
+            push=lambda r: self._scatter(dp.OP_PUSH, list(r.grads), step=r.step, weight=r.weight, grads=r.grads),
+            commit=lambda r: self._scatter(dp.OP_COMMIT, [], step=r.step, weight=r.weight, all_nodes=True),
+            epoch=lambda: self.routing.epoch)
 
     def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
                  min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False,
@@ -1026,7 +986,7 @@ class Client:
         node_steps: dict[str, int] = {}
         refreshes = 0
         while True:
-            if self._replay_from is not None and self._replay_after_epoch_change():
+            if self._replay_after_epoch_change():
                 if op == dp.OP_COMMIT:
                     return node_steps  # the replay committed on every node at the new epoch
                 done_nodes.clear()
@@ -1060,7 +1020,7 @@ class Client:
                         self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
                                                               _ranks_in(exc.remote_message))
                         raise self._lost from None
-                    if exc.code not in _BUSY_CODES:
+                    if exc.code not in BUSY_CODES:
                         raise
                     lost.append((node_id, exc))
                 except (ShardlineConnectionError, ConnectionError, OSError) as exc:
@@ -1121,57 +1081,30 @@ class Client:
 
     def _recover(self, node_id: str, cause: Exception) -> int | None:
         """A node dropped out (``cause``): wait until it answers again, then replay this worker's
-        part of the BSP step in flight on it, and return the node's job step. None if the node
-        left the routing table instead (declared dead: its replicas own its blocks now)."""
-        deadline = time.monotonic() + self.recovery_timeout
-        busy = isinstance(cause, RemoteError)  # it answered: busy (restoring, a block handed over), not gone
-        (log.info if busy else log.warning)("PS node %r %s (%s); waiting up to %g s", node_id,
-                                            "asks to retry" if busy else "failed", cause, self.recovery_timeout)
-        delay, last = 0.1, cause
-        while True:
-            try:
-                self.refresh_routing()
-                if node_id not in self.routing.nodes:
-                    log.info("PS node %r left the ring (epoch %d); its blocks have other owners", node_id,
-                             self.routing.epoch)
-                    return None
-                # a node that does not answer a connect is asked again after the routing was checked
-                self._conn(node_id, connect_timeout=min(self.connect_timeout, RECOVERY_CONNECT_TIMEOUT_SECONDS))
-                node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
-                return self._resend_inflight(node_id, node_step)
-            except RemoteError as exc:
-                if exc.code not in _BUSY_CODES and exc.code != ErrorCode.NOT_OWNER:
-                    raise
-                last = exc
-            except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
-                last = exc
-            if time.monotonic() + delay > deadline:
-                raise ShardlineConnectionError(f"PS node {node_id!r} did not come back within {self.recovery_timeout:g} s "
-                                               f"(recovery_timeout); last error: {last}") from cause
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        part of the steps in flight on it, and return the node's job step. None if the node left
+        the routing table instead (declared dead: its replicas own its blocks now)."""
+        def in_ring() -> bool:
+            self.refresh_routing()
+            if node_id in self.routing.nodes:
+                return True
+            log.info("PS node %r left the ring (epoch %d); its blocks have other owners", node_id, self.routing.epoch)
+            return False
+
+        def probe() -> int:   # a node that does not answer a connect is asked again after the routing was checked
+            self._conn(node_id, connect_timeout=min(self.connect_timeout, RECOVERY_CONNECT_TIMEOUT_SECONDS))
+            return self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)   # its job step
+
+        return recover_node(node_id, cause, recovery_timeout=self.recovery_timeout, in_ring=in_ring, probe=probe,
+                            resend=lambda node_step: self._resend_inflight(node_id, node_step))
 
     def _resend_inflight(self, node_id: str, node_step: int) -> int:
         """``node_id`` answers again at ``node_step``: resend it this worker's pushes (and commit)
-        of the BSP step (SSP: each step) in flight that it does not hold. Returns the node's job step."""
-        steps = sorted(self._inflight) if self.spec is not None and self._collects else []
-        if not steps or node_step > steps[-1]:
+        of the steps in flight that it does not hold. Returns the node's job step."""
+        if self.spec is None or not self._collects:
             log.info("PS node %r is back at step %d", node_id, node_step)
             return node_step
-        if node_step < steps[0]:
-            raise ShardlineStateError(
-                f"PS node {node_id!r} came back at step {node_step}, behind the job's step {steps[0]}: its updates of "
-                f"steps {node_step}..{steps[0] - 1} are lost (it restored an older checkpoint and no replica holds them)")
-        for step in [s for s in steps if s >= node_step]:
-            inflight = self._inflight[step]
-            keys = [key for key in inflight["grads"] if self.routing.owner(self.job, *key) == node_id]
-            if keys:
-                node_step = self._exchange(node_id, keys, dp.OP_PUSH, step, inflight["weight"], inflight["grads"], 0, 0.0)
-            if inflight["committed"]:
-                node_step = self._exchange(node_id, [], dp.OP_COMMIT, step, inflight["weight"], None, 0, 0.0)
-            log.info("PS node %r is back at step %d; resent %d block(s)%s of step %d", node_id, node_step, len(keys),
-                     " and the commit" if inflight["committed"] else "", step)
-        return node_step
+        return resend_to_node(self._inflight, node_id, node_step, lambda key: self.routing.owner(self.job, *key),
+                              lambda *request: self._exchange(*request, 0, 0.0))
 
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and

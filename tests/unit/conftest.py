@@ -55,13 +55,15 @@ def offline_client():
 
     from shardline.worker.client import Client
     from shardline.worker.node_watch import NodeWatch
+    from shardline.worker.recovery import Replay, StepsInFlight
 
     def make(spec):
         client = Client.__new__(Client)
         this = weakref.ref(client)   # no cycle: a client the test drops is freed at once (its shared regions too)
         client._watch, client._lacking = NodeWatch(lambda known: known, lambda: this().routing), {}
-        client.job, client.rank, client._lost, client._lease, client._replaying = spec.name, 0, None, object(), False
-        client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
+        client.job, client.rank, client._lost, client._lease = spec.name, 0, None, object()
+        client._inflight = StepsInFlight()
+        client._replay, client._compressor, client._values = Replay(client._inflight), None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
         client._transport, client._placement, client._regions, client._versions = None, {}, [], {}
         client._grad_buffers, client._grad_regions = {}, []
