@@ -42,11 +42,12 @@ from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
-from shardline.services.transport import get_transport, shm
+from shardline.services.transport import get_transport
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
 from shardline.worker.recovery import (BUSY_CODES, RECOVERY_CONNECT_TIMEOUT_SECONDS, Replay, StepsInFlight,
                                        recover_node, resend_to_node)
+from shardline.worker.shm_exchange import SharedMemory, region_holding, share_region
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
 log = logging.getLogger("shardline.worker")
@@ -69,11 +70,6 @@ IO_TIMEOUT_SECONDS = 30.0
 LEASE_STOP_TIMEOUT_SECONDS = 5.0
 # What a tensor's cache (and so a bound parameter) may be: pulls ask the nodes for this dtype.
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a cache line: each tensor of a shared cache region starts on one."""
-    return (nbytes + 63) // 64 * 64
 
 
 @dataclass
@@ -214,19 +210,10 @@ class Client:
         self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, left to the node's NaN/Inf check
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
-        # Caches in shared memory a local node copies pulled blocks into (shm transport): name ->
-        # (region, byte offset of the tensor); an entry exists exactly while _values[name] is it
-        self._placement: dict[str, tuple] = {}
-        self._regions: list = []
-        # gradient_buffer's tensors, and the shared regions they are in (a local node takes pushed
-        # blocks that lie in one straight out of it)
-        self._grad_buffers: dict[str, torch.Tensor] = {}
-        self._grad_regions: list = []
-        # Pulls writing into the caches now, and whether a node this client gave up on mid-pull
-        # may still write into its shared ones (they move to fresh memory once no pull runs)
-        self._cache_writes = threading.Condition()
-        self._pulls_writing = 0
-        self._revoke_pending = False
+        # The caches and gradient buffers in shared memory a local node copies blocks into and
+        # out of (shm transport: worker/shm_exchange.py)
+        self._shm = SharedMemory()
+        self._grad_buffers: dict[str, torch.Tensor] = {}   # gradient_buffer's tensors
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
@@ -272,33 +259,7 @@ class Client:
         """Zeroed float32 caches of ``tensors`` (name, numel): in one shared region when the
         transport can reach a node over shm (the node then copies pulled blocks straight into
         them, one copy instead of two through the ring), else ordinary tensors."""
-        region, offsets = self._shared_float32(tensors, "cache", "pulls go through the ring")
-        if region is not None:
-            self._regions.append(region)
-        for name, numel in tensors:
-            if region is None:
-                self._values[name] = torch.zeros(numel, dtype=torch.float32)
-                continue
-            self._values[name] = region.tensor(torch.float32, offsets[name], numel)
-            self._placement[name] = (region, offsets[name])
-
-    def _shared_float32(self, tensors: list[tuple[str, int]], what: str, otherwise: str):
-        """One shared region laid out for zeroed float32 ``tensors`` (name, numel), each on its own
-        cache lines, and each one's byte offset in it; (None, {}) unless the transport can reach
-        a node over shm (or memfds are refused here: a sandbox)."""
-        total = sum(_aligned(numel * 4) for _name, numel in tensors)
-        if not total or not getattr(self._transport, "shares_memory", False):
-            return None, {}
-        try:
-            region = shm.SharedRegion(total)
-        except OSError as exc:
-            log.info("no shared-memory %s (%s): %s", what, exc, otherwise)
-            return None, {}
-        offsets, offset = {}, 0
-        for name, numel in tensors:
-            offsets[name] = offset
-            offset += _aligned(numel * 4)
-        return region, offsets
+        self._values.update(self._shm.allocate(self._transport, tensors, "cache"))
 
     def gradient_buffer(self, name: str) -> torch.Tensor:
         """A float32 tensor shaped like trainable tensor ``name`` (zeroed at first), the same one
@@ -316,12 +277,7 @@ class Client:
                 raise ShardlineConfigError(f"job {self.job!r} has no trainable tensor {name!r}")
             missing = [(n, math.prod(self._shapes[n])) for n, yes in trainable.items()
                        if yes and n not in self._grad_buffers]
-            region, offsets = self._shared_float32(missing, "gradient buffer", "pushes go through the ring")
-            if region is not None:
-                self._grad_regions.append(region)
-            for n, numel in missing:
-                flat = (torch.zeros(numel, dtype=torch.float32) if region is None
-                        else region.tensor(torch.float32, offsets[n], numel))
+            for n, flat in self._shm.allocate(self._transport, missing, "gradient buffer").items():
                 self._grad_buffers[n] = flat.view(self._shapes[n])
         return self._grad_buffers[name]
 
@@ -492,7 +448,7 @@ class Client:
     def shared_cache(self, name: str) -> torch.Tensor | None:
         """The cache of ``name``, shaped like the job's tensor, if it is in shared memory (a local
         node copies pulled blocks straight into it); None otherwise."""
-        if name not in self._placement:
+        if name not in self._shm.placement:
             return None
         return self._values[name].view(self._shapes[name])
 
@@ -506,7 +462,7 @@ class Client:
                     cache.copy_(t.detach().reshape(-1))
                 else:
                     self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
-                    self._placement.pop(name, None)
+                    self._shm.placement.pop(name, None)
 
     @staticmethod
     def bindable(tensor: torch.Tensor) -> bool:
@@ -530,10 +486,10 @@ class Client:
                                        f"{tensor.dtype} on {tensor.device}")
         if tuple(tensor.shape) != self._shapes[name]:
             raise ShardlineConfigError(f"bind({name!r}): shape {tuple(tensor.shape)} != job shape {self._shapes[name]}")
-        if name not in self._placement or tensor.dtype != torch.float32 \
+        if name not in self._shm.placement or tensor.dtype != torch.float32 \
                 or tensor.data_ptr() != self._values[name].data_ptr():
             self._values[name] = tensor.view(-1)
-            self._placement.pop(name, None)  # the caller's tensor is not in a shared region
+            self._shm.placement.pop(name, None)  # the caller's tensor is not in a shared region
         if same_contents:
             return
         for s in self._slices[name]:
@@ -1200,7 +1156,7 @@ class Client:
         taken = taken_bytes = 0   # a push's blocks the node takes from a shared region: how many, their bytes
         shared: set = set()  # the ids of the regions shared on this connection for this frame
         conn = self._conn(node_id, via)
-        sources = self._grad_regions if op == dp.OP_PUSH and hasattr(conn.sock, "share_region") else ()
+        sources = self._shm.push_sources(conn) if op == dp.OP_PUSH else ()
         for name, index in keys:
             s = self._slices[name][index]
             if op == dp.OP_PUSH:
@@ -1216,14 +1172,14 @@ class Client:
                     # and an append, which copies the message, cost twice as much per block)
                     numel = g.numel()
                     dtype, nbytes = frame.WIRE_DTYPE[g.dtype], numel * g.element_size()
-                    source = _region_holding(sources, g.data_ptr(), nbytes) if sources else None
+                    source = region_holding(sources, g.data_ptr(), nbytes) if sources else None
                     if source is None:
                         payloads.append(frame.tensor_bytes(g))
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes)
                     else:
                         region, offset = source
                         if region.id not in shared:
-                            self._share_region(conn, region, shared)
+                            share_region(conn, region, shared)
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes,
                                           src_region=region.id, src_offset=offset)
                         taken += 1
@@ -1243,12 +1199,12 @@ class Client:
             self._push_checks(keys)
         pulls = frame.asks_blocks(header)
         if pulls:
-            self._begin_cache_write()
+            self._shm.begin_cache_write()
         try:
             step = self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via, carried)
         finally:
             if pulls:
-                self._end_cache_write()
+                self._shm.end_cache_write(self._conns.values(), self.job)
         if op == dp.OP_PUSH:  # blocks the node took from a shared region count too
             self.stats.pushed_bytes += header.payload_bytes + taken_bytes
             self.stats.taken_blocks += taken
@@ -1273,7 +1229,7 @@ class Client:
         receiving = False   # the reply's payload (a node's connection breaking then is handled alike)
         try:
             if frame.asks_blocks(header) and via is None:
-                placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
+                placed = self._shm.ask_placement(conn, header, self._slices)   # may meet a broken socket
             # a node that stops answering (paused, partitioned) is given up on after this, or as
             # soon as it leaves the ring (the node watch)
             io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
@@ -1291,10 +1247,9 @@ class Client:
         except (OSError, ConnectionError) as exc:
             if receiving and isinstance(exc, ShardlineError):
                 raise   # an unexpected block: named, and its connection closed already
-            if placed:  # the node may be copying into them still (stalled, not dead): see _revoke_regions
+            if placed:  # the node may be copying into them still (stalled, not dead): worker/shm_exchange.py
                 self._forget_versions(placed)
-                with self._cache_writes:
-                    self._revoke_pending = True
+                self._shm.given_up_mid_pull()
             conn.close()
             self._conns.pop(key, None)
             who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
@@ -1313,73 +1268,6 @@ class Client:
                 self._conns.pop(key, None)
             raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
         return reply.step
-
-    @staticmethod
-    def _share_region(conn: DataPlaneConnection, region, shared: set) -> None:
-        """Share ``region`` on this connection and note its id in ``shared`` (the regions shared
-        for one frame): a gradient buffer a push names blocks in (the node copies them out itself),
-        or a cache a pull asks blocks placed in. Should a push then be given up on, the connection
-        is closed before the caller can change the buffer again: the node drops a push whose client
-        hung up during its copy."""
-        conn.sock.share_region(region)
-        shared.add(region.id)
-
-    def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
-        """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region
-        straight into it (sharing the region on this connection first). Returns their keys."""
-        if header.subscriber or not hasattr(conn.sock, "share_region"):
-            return set()
-        placed, shared = set(), set()
-        for ref in header.blocks:
-            tensor = ref.tensor
-            place = self._placement.get(tensor)
-            if place is None or ref.want_dtype:
-                continue
-            region, base = place
-            if region.id not in shared:
-                self._share_region(conn, region, shared)
-            index = ref.index
-            ref.dest_region, ref.dest_offset = region.id, base + self._slices[tensor][index].start * 4
-            placed.add((tensor, index))
-        return placed
-
-    def _begin_cache_write(self) -> None:
-        """A pull is about to write into the caches: wait while they move to fresh memory."""
-        with self._cache_writes:
-            while self._revoke_pending:   # the pulls in flight end, then the last one revokes
-                self._cache_writes.wait()
-            self._pulls_writing += 1
-
-    def _end_cache_write(self) -> None:
-        with self._cache_writes:
-            self._pulls_writing -= 1
-            if not (self._revoke_pending and self._pulls_writing == 0):
-                return
-        try:
-            self._revoke_regions()
-        finally:
-            with self._cache_writes:
-                self._revoke_pending = False
-                self._cache_writes.notify_all()
-
-    def _revoke_regions(self) -> None:
-        """A pull was given up on while its node (stalled, not known dead) may still be copying
-        into the shared caches: move them to fresh memory at the same addresses (the caches and
-        the parameters viewing them keep their values), so whatever it writes later lands where
-        nobody reads; the live nodes are told to unmap the old memory. No pull runs meanwhile."""
-        for region in self._regions:
-            old = region.revoke()
-            for conn in list(self._conns.values()):
-                unshare = getattr(conn.sock, "unshare_region", None)
-                if unshare is None:
-                    continue
-                with conn.lock:
-                    try:
-                        unshare(old)
-                    except OSError as exc:  # that connection is broken: its next use finds out
-                        log.debug("unsharing region %d failed: %s", old, exc)
-        log.warning("job %s: a pull into the shared caches was given up on (its node may still write); the caches "
-                    "moved to fresh shared memory", self.job)
 
     def _forget_versions(self, keys) -> None:
         """The cached bytes of ``keys`` are unknown now (a node's copy into them broke off): the
@@ -1453,8 +1341,7 @@ class Client:
             conn.close()
         self._conns.clear()
         self._pool.shutdown(wait=False)
-        for region in [*self._regions, *self._grad_regions]:
-            region.close()
+        self._shm.close()
         self.dispatcher.close()
         self._watch_dispatcher.close()
         # A lease thread still inside a gRPC call when the interpreter exits aborts the process
@@ -1467,17 +1354,6 @@ class Client:
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _region_holding(regions, address: int, nbytes: int) -> tuple | None:
-    """``(region, offset)`` of the one of ``regions`` (SharedRegion) holding all ``nbytes`` from
-    ``address`` (a contiguous CPU block's ``data_ptr()``: what _push makes every block); None if
-    none does."""
-    for region in regions:
-        offset = address - region.address
-        if 0 <= offset <= region.size - nbytes:
-            return region, offset
-    return None
 
 
 def _cache_key(info, node_id: str) -> tuple:

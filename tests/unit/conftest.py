@@ -49,13 +49,13 @@ def offline_client():
     """A factory: ``offline_client(spec)`` is a worker Client of rank 0 with job ``spec`` loaded
     and no cluster (no dispatcher, connections or lease thread; caches in ordinary memory). A
     test sets ``routing``, ``_scatter`` or ``_exchange`` to what it drives."""
-    import threading
     import types
     import weakref
 
     from shardline.worker.client import Client
     from shardline.worker.node_watch import NodeWatch
     from shardline.worker.recovery import Replay, StepsInFlight
+    from shardline.worker.shm_exchange import SharedMemory
 
     def make(spec):
         client = Client.__new__(Client)
@@ -65,9 +65,8 @@ def offline_client():
         client._inflight = StepsInFlight()
         client._replay, client._compressor, client._values = Replay(client._inflight), None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
-        client._transport, client._placement, client._regions, client._versions = None, {}, [], {}
-        client._grad_buffers, client._grad_regions = {}, []
-        client._cache_writes, client._pulls_writing, client._revoke_pending = threading.Condition(), 0, False
+        client._transport, client._shm, client._versions = None, SharedMemory(), {}
+        client._grad_buffers = {}
         client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")
         client._load_spec(spec)
         return client
