@@ -21,7 +21,6 @@ import logging
 import uuid
 import weakref
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
 from shardline.worker.recovery import (BUSY_CODES, RECOVERY_CONNECT_TIMEOUT_SECONDS, Replay, StepsInFlight,
                                        recover_node, resend_to_node)
+from shardline.worker.lease import WorkerLease
 from shardline.worker.shm_exchange import SharedMemory, region_holding, share_region
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
@@ -65,9 +65,6 @@ DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering (a node
 # that leaves the ring meanwhile is given up at once: worker/node_watch.py).
 IO_TIMEOUT_SECONDS = 30.0
-# close() waits this long for the lease thread to leave its last renewal (the channel it uses is
-# closed first, which cancels a call in flight).
-LEASE_STOP_TIMEOUT_SECONDS = 5.0
 # What a tensor's cache (and so a bound parameter) may be: pulls ask the nodes for this dtype.
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -183,9 +180,6 @@ class Client:
         self._inflight = StepsInFlight()
         self._replay = Replay(self._inflight)
         self.incarnation = uuid.uuid4().hex[:16]       # this process's identity as its rank
-        self._lost: ShardlineWorkerLostError | None = None
-        self._lease: threading.Thread | None = None
-        self._closed = threading.Event()
         self.cluster_token, self.tls_ca = client_credentials(cluster_token, tls_ca)
         self.rank = rank
         self.pull_timeout = pull_timeout
@@ -196,6 +190,8 @@ class Client:
                                            tls_ca=self.tls_ca)
         self._transport = get_transport(transport)
         self._reads = ReadRouter(default_rack(rack), cache_timeout=cache_timeout)
+        self._lease = WorkerLease(job, rank, self.incarnation, lambda **kw: self.dispatcher.worker_heartbeat(**kw),
+                                  lambda: self.step or 0)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
@@ -935,8 +931,8 @@ class Client:
         """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those.
         Returns the job step each node that answered reported. A COMMIT's ``keys`` are the pull it
         carries; ``carried`` gets, for each node whose reply brought their blocks, the keys it answered for."""
-        if self._lost is not None:
-            raise self._lost
+        if self._lease.lost is not None:
+            raise self._lease.lost
         pending = list(keys)
         done_nodes: set[str] = set()
         node_steps: dict[str, int] = {}
@@ -973,9 +969,9 @@ class Client:
                     retry.extend(groups[node_id])
                 except RemoteError as exc:
                     if exc.code == ErrorCode.WORKER_LOST:
-                        self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
-                                                              _ranks_in(exc.remote_message))
-                        raise self._lost from None
+                        self._lease.lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
+                                                                    _ranks_in(exc.remote_message))
+                        raise self._lease.lost from None
                     if exc.code not in BUSY_CODES:
                         raise
                     lost.append((node_id, exc))
@@ -1307,36 +1303,14 @@ class Client:
 
     # --- lease ------------------------------------------------------------------------------
     def start_lease(self) -> None:
-        """Renew this worker's lease of (job, rank) in the background (idempotent)."""
-        if self._lease is None and self.spec is not None:
-            self._lease = threading.Thread(target=self._renew_lease, name="shardline-lease", daemon=True)
+        """Renew this worker's lease of (job, rank) in the background (idempotent; worker/lease.py)."""
+        if self.spec is not None:
             self._lease.start()
 
-    def _renew_lease(self) -> None:
-        interval = 0.0  # the first renewal at once: a worker that dies early is still known
-        while not self._closed.wait(interval):
-            interval = 1.0
-            try:
-                resp = self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
-                                                        step=self.step or 0)
-            except Exception as exc:  # noqa: BLE001 - the dispatcher may be failing over: try again
-                log.debug("lease renewal failed: %s", exc)
-                continue
-            interval = max(0.2, resp.interval_seconds or interval)
-            if resp.failed and self._lost is None:
-                ranks = tuple(sorted(lease.rank for lease in resp.lost))
-                self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {resp.failed}", ranks)
-                log.error("%s", self._lost)
-
     def close(self) -> None:
-        self._closed.set()
+        self._lease.stop_renewing()
         self._watch.close()
-        if self._lease is not None:
-            try:  # release the lease: a worker that finished is not lost
-                self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
-                                                 step=self.step or 0, leaving=True)
-            except Exception as exc:  # noqa: BLE001 - it expires anyway
-                log.debug("lease release failed: %s", exc)
+        self._lease.release()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
@@ -1344,10 +1318,7 @@ class Client:
         self._shm.close()
         self.dispatcher.close()
         self._watch_dispatcher.close()
-        # A lease thread still inside a gRPC call when the interpreter exits aborts the process
-        # ("terminate called without an active exception"): it ends once its call is cancelled.
-        if self._lease is not None and self._lease is not threading.current_thread():
-            self._lease.join(LEASE_STOP_TIMEOUT_SECONDS)
+        self._lease.join()   # its call in flight was cancelled by the close above
 
     def __enter__(self):
         return self

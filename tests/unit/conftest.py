@@ -53,6 +53,7 @@ def offline_client():
     import weakref
 
     from shardline.worker.client import Client
+    from shardline.worker.lease import WorkerLease
     from shardline.worker.node_watch import NodeWatch
     from shardline.worker.recovery import Replay, StepsInFlight
     from shardline.worker.shm_exchange import SharedMemory
@@ -61,7 +62,9 @@ def offline_client():
         client = Client.__new__(Client)
         this = weakref.ref(client)   # no cycle: a client the test drops is freed at once (its shared regions too)
         client._watch, client._lacking = NodeWatch(lambda known: known, lambda: this().routing), {}
-        client.job, client.rank, client._lost, client._lease = spec.name, 0, None, object()
+        client.job, client.rank = spec.name, 0
+        client._lease = WorkerLease(spec.name, 0, "offline", heartbeat=None, step=lambda: 0)
+        client._lease.release()   # never renews: there is no dispatcher
         client._inflight = StepsInFlight()
         client._replay, client._compressor, client._values = Replay(client._inflight), None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
