@@ -24,6 +24,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,7 +46,7 @@ from shardline.services.transport import get_transport
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
 from shardline.worker.recovery import (BUSY_CODES, RECOVERY_CONNECT_TIMEOUT_SECONDS, Replay, StepsInFlight,
-                                       recover_node, resend_to_node)
+                                       ask_while_lacking, recover_node, resend_to_node, wait_for_ring)
 from shardline.worker.lease import WorkerLease
 from shardline.worker.shm_exchange import SharedMemory, region_holding, share_region
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
@@ -78,6 +79,14 @@ class TransferStats:
     placed_blocks: int = 0   # of pulled_blocks: copied by the node straight into this client's cache (shm)
     taken_blocks: int = 0    # pushed blocks the node copied straight out of a gradient_buffer (shm)
     carried_steps: int = 0   # steps whose blocks came with this worker's commit (pull_on_commit): no pull sent
+
+
+class CarriedPull(NamedTuple):
+    """What a BSP commit that carried the step's pull (``pull_on_commit``) brought."""
+
+    step: int                          # the step the commit made
+    answered: dict[str, list]          # node -> the keys its reply brought
+    node_steps: dict[str, int]         # node -> the step its commit reply reported
 
 
 class _NonFiniteGradient(ShardlineConfigError):
@@ -158,9 +167,7 @@ class Client:
     # rank whose commit applies the step has the new values in the commit's replies, and
     # pull_changed() then asks nothing. PSOptimizer turns it on where it pulls whole steps.
     pull_on_commit = False
-    # the last commit's carried pull: (the step it made, node -> the keys its reply brought,
-    # node -> the step its commit reply reported)
-    _carried: "tuple[int, dict[str, list], dict[str, int]] | None" = None
+    _carried: CarriedPull | None = None   # the last commit's carried pull, until pull_changed() looks at it
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -785,7 +792,7 @@ class Client:
         node_steps = self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=answered)
         self.step = step + 1
         if keys:
-            self._carried = (self.step, answered, node_steps)
+            self._carried = CarriedPull(self.step, answered, node_steps)
 
     def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> dict[str, int]:
         if self._reads.wants_routing(self.routing):  # to find the rack's cache (a pull does not need it)
@@ -1008,28 +1015,10 @@ class Client:
             pending = retry
 
     def _wait_for_ring(self) -> None:
-        """Every PS node was declared dead (the ring this client holds is empty): wait, refreshing
-        the routing, until one serves again (a restarted node restores its checkpoint), up to
-        ``recovery_timeout``; then ShardlineStateError."""
-        if self.routing.ring is not None:
-            return
-        deadline = time.monotonic() + self.recovery_timeout
-        log.warning("no PS node serves job %r's ring (epoch %d); waiting up to %g s (recovery_timeout)",
-                    self.job, self.routing.epoch, self.recovery_timeout)
-        delay = 0.1
-        while True:
-            try:
-                self.refresh_routing()
-            except (ShardlineConnectionError, ShardlineTimeoutError) as exc:
-                log.debug("routing refresh failed: %s", exc)
-            if self.routing.ring is not None:
-                log.info("PS nodes serve again at epoch %d", self.routing.epoch)
-                return
-            if time.monotonic() + delay > deadline:
-                raise ShardlineStateError(f"no PS node served job {self.job!r} within {self.recovery_timeout:g} s "
-                                          f"(recovery_timeout); routing epoch {self.routing.epoch}")
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        """Every PS node was declared dead (the ring this client holds is empty): wait until one
+        serves again, up to ``recovery_timeout`` (worker/recovery.py)."""
+        if self.routing.ring is None:
+            wait_for_ring(self.job, lambda: self.routing, self.refresh_routing, recovery_timeout=self.recovery_timeout)
 
     def _recover(self, node_id: str, cause: Exception) -> int | None:
         """A node dropped out (``cause``): wait until it answers again, then replay this worker's
@@ -1099,33 +1088,12 @@ class Client:
         return self._exchange_once(node_id, keys, op, *args, via=via)
 
     def _while_lacking(self, node_id: str, keys: list, op: int, args: tuple, exc: RemoteError) -> int:
-        """``node_id`` answered that it lacks a block of ``keys`` (``exc``): ask again, with pauses,
-        until it answers otherwise (a NOT_OWNER sends the request to the new owner instead), for
-        up to ``recovery_timeout`` from the first such answer; then ShardlineStateError naming
-        the node and the block."""
+        """``node_id`` answered that it lacks a block of ``keys`` (``exc``): ask again until it has
+        it, up to ``recovery_timeout`` from the first such answer (worker/recovery.py)."""
         lacking = (node_id, *keys[0])
         first = self._lacking.setdefault(lacking, time.monotonic())
-        log.warning("PS node %r lacks a block it owns (%s); asking again for up to %g s (recovery_timeout): it may "
-                    "still be bringing it in sync", node_id, exc.remote_message, self.recovery_timeout)
-        delay = 0.1
-        while True:
-            if time.monotonic() - first + delay > self.recovery_timeout:
-                self._lacking.pop(lacking, None)
-                raise ShardlineStateError(
-                    f"PS node {node_id!r} still lacks a block of job {self.job!r} after {self.recovery_timeout:g} s "
-                    f"(recovery_timeout): {exc.remote_message}; no node it could take it from holds it") from exc
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
-            try:
-                step = self._exchange_once(node_id, keys, op, *args)
-            except RemoteError as again:
-                if again.code != ErrorCode.UNKNOWN_TENSOR:
-                    raise
-                exc = again
-                continue
-            self._lacking.pop(lacking, None)
-            log.info("PS node %r has the blocks it lacked now (after %.1f s)", node_id, time.monotonic() - first)
-            return step
+        return ask_while_lacking(node_id, self.job, exc, first, lambda: self._exchange_once(node_id, keys, op, *args),
+                                 lambda: self._lacking.pop(lacking, None), recovery_timeout=self.recovery_timeout)
 
     def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
                        timeout: float, carried: dict | None = None, via=None) -> int:

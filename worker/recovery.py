@@ -14,7 +14,7 @@
                                                       MOVED_WHILE_REPLAYING <--------+---+
                                                                   (epoch moved again)
 
-    recovery of one node that dropped out (recover_node)
+    recovery of one node that dropped out (recover_node; ask_while_lacking and wait_for_ring wait likewise)
 
     WAITING --(node left the ring)--> LEFT: its blocks have other owners; the request re-routes
        |  ^
@@ -256,3 +256,58 @@ def recover_node(node_id: str, cause: Exception, *, recovery_timeout: float, in_
                                            f"(recovery_timeout); last error: {last}") from cause
         sleep(delay)
         delay = min(1.0, delay * 2)
+
+
+def wait_for_ring(job: str, routing: Callable, refresh: Callable[[], None], *, recovery_timeout: float,
+                  sleep=time.sleep, clock=time.monotonic) -> None:
+    """Every PS node was declared dead (``routing()`` has an empty ring): wait, refreshing the
+    routing, until one serves again (a restarted node restores its checkpoint), up to
+    ``recovery_timeout``; then ShardlineStateError."""
+    deadline = clock() + recovery_timeout
+    log.warning("no PS node serves job %r's ring (epoch %d); waiting up to %g s (recovery_timeout)",
+                job, routing().epoch, recovery_timeout)
+    delay = 0.1
+    while True:
+        try:
+            refresh()
+        except (ShardlineConnectionError, ShardlineTimeoutError) as exc:
+            log.debug("routing refresh failed: %s", exc)
+        if routing().ring is not None:
+            log.info("PS nodes serve again at epoch %d", routing().epoch)
+            return
+        if clock() + delay > deadline:
+            raise ShardlineStateError(f"no PS node served job {job!r} within {recovery_timeout:g} s "
+                                      f"(recovery_timeout); routing epoch {routing().epoch}")
+        sleep(delay)
+        delay = min(1.0, delay * 2)
+
+
+def ask_while_lacking(node_id: str, job: str, exc: RemoteError, first: float, ask: Callable[[], int],
+                      forget: Callable[[], None], *, recovery_timeout: float, sleep=time.sleep,
+                      clock=time.monotonic) -> int:
+    """``node_id`` answered that it lacks a block it owns (``exc``, UNKNOWN_TENSOR: a new owner still
+    bringing it in sync): ``ask()`` again, with pauses, until it answers otherwise (a NOT_OWNER sends
+    the request to the new owner instead), for up to ``recovery_timeout`` from ``first`` (when it
+    was first seen lacking it); then ShardlineStateError naming the node and the block. ``forget()``
+    once it has the block or is given up on. Returns the node's job step."""
+    log.warning("PS node %r lacks a block it owns (%s); asking again for up to %g s (recovery_timeout): it may "
+                "still be bringing it in sync", node_id, exc.remote_message, recovery_timeout)
+    delay = 0.1
+    while True:
+        if clock() - first + delay > recovery_timeout:
+            forget()
+            raise ShardlineStateError(
+                f"PS node {node_id!r} still lacks a block of job {job!r} after {recovery_timeout:g} s "
+                f"(recovery_timeout): {exc.remote_message}; no node it could take it from holds it") from exc
+        sleep(delay)
+        delay = min(1.0, delay * 2)
+        try:
+            step = ask()
+        except RemoteError as again:
+            if again.code != ErrorCode.UNKNOWN_TENSOR:
+                raise
+            exc = again
+            continue
+        forget()
+        log.info("PS node %r has the blocks it lacked now (after %.1f s)", node_id, clock() - first)
+        return step
