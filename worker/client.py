@@ -676,10 +676,10 @@ class Client:
             self._resume_at([])  # learn the step from the nodes
         return self.step or 0
 
-    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None) -> None:
-        spec = self._require_spec()
-        if not (math.isfinite(weight) and weight > 0):
-            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+    def _push_payload(self, spec, grads: dict[str, torch.Tensor | None], blocks: dict | None) -> tuple[dict, list]:
+        """The blocks a push of ``grads`` sends (``blocks``: only those of each named tensor), checked
+        against the job: (key -> a contiguous CPU block of a wire dtype, None for an all-zero one;
+        [(name, the part of its flat gradient the push covers)] for the NaN/Inf check)."""
         trainable = {t.name: t.trainable for t in spec.tensors}
         if blocks is not None and not set(blocks) <= set(grads):
             raise ShardlineConfigError(f"blocks= names tensors the push has no gradient for: {sorted(set(blocks) - set(grads))}")
@@ -719,6 +719,13 @@ class Client:
                 flats.append((name, flat))
             for s, part, zero in zip(slices, parts, zero_parts(flat, [(s.start, s.stop) for s in slices])):
                 payload[(name, s.index)] = None if zero else part
+        return payload, flats
+
+    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None) -> None:
+        spec = self._require_spec()
+        if not (math.isfinite(weight) and weight > 0):
+            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        payload, flats = self._push_payload(spec, grads, blocks)
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
         # checks each block as its bytes arrive (cache-hot, on the side of the stream with slack)
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
@@ -1001,18 +1008,24 @@ class Client:
             if not refused and not gone and not (lost and op == dp.OP_PULL):
                 return node_steps
             if refused:
-                sent_at = (self.routing.epoch, self.routing.pending_epoch)
-                log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", len(retry))
-                self.refresh_routing()
-                if (self.routing.epoch, self.routing.pending_epoch) != sent_at:
-                    refreshes = 0  # the ring moved on (a waiting pull is interrupted by every change): not stuck
-                else:
-                    refreshes += 1
-                    if refreshes > self.max_retries:
-                        raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
-                                                  f"routing refreshes (epoch {self.routing.epoch})")
-                    time.sleep(min(1.0, 0.05 * 2 ** refreshes))  # the node's routing lags the dispatcher's
+                refreshes = self._refresh_after_refusal(op, len(retry), refreshes)
             pending = retry
+
+    def _refresh_after_refusal(self, op: int, resending: int, refreshes: int) -> int:
+        """A node refused blocks as NOT_OWNER: take the routing again before ``resending`` them.
+        Returns the refreshes in a row that found the ring where it was (``refreshes`` before);
+        past ``max_retries`` of them, ShardlineStateError."""
+        sent_at = (self.routing.epoch, self.routing.pending_epoch)
+        log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", resending)
+        self.refresh_routing()
+        if (self.routing.epoch, self.routing.pending_epoch) != sent_at:
+            return 0  # the ring moved on (a waiting pull is interrupted by every change): not stuck
+        refreshes += 1
+        if refreshes > self.max_retries:
+            raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
+                                      f"routing refreshes (epoch {self.routing.epoch})")
+        time.sleep(min(1.0, 0.05 * 2 ** refreshes))  # the node's routing lags the dispatcher's
+        return refreshes
 
     def _wait_for_ring(self) -> None:
         """Every PS node was declared dead (the ring this client holds is empty): wait until one
@@ -1095,8 +1108,9 @@ class Client:
         return ask_while_lacking(node_id, self.job, exc, first, lambda: self._exchange_once(node_id, keys, op, *args),
                                  lambda: self._lacking.pop(lacking, None), recovery_timeout=self.recovery_timeout)
 
-    def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
-                       timeout: float, carried: dict | None = None, via=None) -> int:
+    def _request_header(self, node_id: str, keys: list, op: int, step: int, weight: float, min_step: int,
+                        timeout: float, via) -> frame.FrameHeader:
+        """The header of one request to ``node_id`` (``via``: through that rack cache), without its blocks."""
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
@@ -1115,6 +1129,11 @@ class Client:
                 header.group_lrs.extend(self.lr)
             else:
                 header.has_lr, header.lr = True, self.lr
+        return header
+
+    def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
+                       timeout: float, carried: dict | None = None, via=None) -> int:
+        header = self._request_header(node_id, keys, op, step, weight, min_step, timeout, via)
         payloads = []
         expected: dict[tuple[str, int], object] = {}
         taken = taken_bytes = 0   # a push's blocks the node takes from a shared region: how many, their bytes
