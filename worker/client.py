@@ -12,6 +12,11 @@ to a bf16 parameter: its pulls ask for bf16 (the node converts its fp32 master, 
 even), so the parameter holds exactly ``master.to(torch.bfloat16)`` and half the bytes travel.
 Gradients are pushed in their own dtype (bf16 gradients as bf16; the nodes accumulate in fp32),
 or as the job's ``compression`` encodes them (worker/compressor.py).
+
+``Client`` is the facade of the worker's step protocol; its parts live beside it: the steps in
+flight and their replay and recovery (worker/recovery.py, with the state diagrams), the shm
+exchange (worker/shm_exchange.py), the lease (worker/lease.py). Design: docs/architecture.md,
+"The worker's step protocol".
 """
 
 from __future__ import annotations
@@ -124,9 +129,9 @@ class Client:
     connections and for waiting on the job creator, ``recovery_timeout`` for a PS node that went
     away (restart, graceful stop) to come back.
 
-    Node restarts: until a BSP step is applied the client keeps what it sent for it (its gradient
-    blocks, weight, whether it committed); SSP keeps this for each of the up to ``staleness + 1``
-    steps in flight, and every mechanism below resends each of them, oldest first. When a node
+    Node restarts (worker/recovery.py): until a BSP step is applied the client keeps what it sent
+    for it (its gradient blocks, weight, whether it committed); SSP keeps this for each of the up to
+    ``staleness + 1`` steps in flight, and every mechanism below resends each of them, oldest first. When a node
     drops the connection or answers
     ``UNAVAILABLE``, the client waits for the node to be back (refreshing routing: a restarted node
     registers new addresses), asks it its job step and, if the node is still collecting the step in
@@ -952,7 +957,7 @@ class Client:
         node_steps: dict[str, int] = {}
         refreshes = 0
         while True:
-            if self._replay_after_epoch_change():
+            if self._replay.state.due and self._replay_after_epoch_change():
                 if op == dp.OP_COMMIT:
                     return node_steps  # the replay committed on every node at the new epoch
                 done_nodes.clear()
