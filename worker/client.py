@@ -39,11 +39,12 @@ from shardline.services.compression import SignBlock, check_compression, compres
 from shardline.services.tensor_checks import all_finite, zero_parts
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
-from shardline.services.errors import (ErrorCode, NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
-                             ShardlineError, ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError,
-                             StepTimeoutError)
+from shardline.services.errors import (ErrorCode, NotOwnerError, RemoteError, ShardlineConfigError,
+                                       ShardlineConnectionError, ShardlineError, ShardlineStateError,
+                                       ShardlineTimeoutError, ShardlineWorkerLostError, StepTimeoutError)
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.pb import dispatcher_pb2
 from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
@@ -364,13 +365,7 @@ class Client:
                         "the gradient's own magnitudes, so training may stall well above the uncompressed loss "
                         "(docs/architecture.md, \"Gradient compression\")", self.job, opt.kind)
         if resp.created:
-            self._load_spec(resp.job.spec, resp.job.uid)
-            self._fill_caches(tensors)
-            self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=0)
-            for name in tensors:
-                for s in self._slices[name]:
-                    self._versions[(name, s.index)] = 0
-            self.dispatcher.mark_job_ready(self.job)
+            self._initialize(resp.job, tensors, 0)
             self.step = 0
             return True
         self.wait_ready(ready_timeout)
@@ -440,18 +435,24 @@ class Client:
         if not tensors:
             self._load_spec(resp.job.spec, resp.job.uid)
         elif initialize:
-            self._load_spec(resp.job.spec, resp.job.uid)
-            self._fill_caches(tensors)
-            self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=step)
-            for name in tensors:
-                for s in self._slices[name]:
-                    self._versions[(name, s.index)] = 0
-            self.dispatcher.mark_job_ready(self.job, ext.revision)
+            self._initialize(resp.job, tensors, step, ext.revision)
         else:
             timeout = self.pull_timeout if ready_timeout is None else ready_timeout
             info = self.dispatcher.wait_job_ready(self.job, timeout, revision=ext.revision)
             self._load_spec(info.spec, info.uid)
         return resp.applied
+
+    def _initialize(self, job: dispatcher_pb2.JobInfo, tensors: dict[str, torch.Tensor], step: int,
+                    *revision: int) -> None:
+        """This client made the job (or its ``revision``): send ``tensors``' initial values at
+        ``step`` to their owners and mark it ready for the other ranks."""
+        self._load_spec(job.spec, job.uid)
+        self._fill_caches(tensors)
+        self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=step)
+        for name in tensors:
+            for s in self._slices[name]:
+                self._versions[(name, s.index)] = 0
+        self.dispatcher.mark_job_ready(self.job, *revision)
 
     def shared_cache(self, name: str) -> torch.Tensor | None:
         """The cache of ``name``, shaped like the job's tensor, if it is in shared memory (a local
@@ -1098,7 +1099,8 @@ class Client:
         try:
             return self._exchange_once(node_id, keys, op, *args, via=via)
         except RemoteError as exc:
-            if exc.code == ErrorCode.UNKNOWN_TENSOR and via is None and keys and all(k[0] in self._slices for k in keys):
+            if exc.code == ErrorCode.UNKNOWN_TENSOR and via is None and keys \
+                    and all(k[0] in self._slices for k in keys):
                 return self._while_lacking(node_id, keys, op, args, exc)
             if exc.code != ErrorCode.UNKNOWN_JOB or self.spec is None:
                 raise
