@@ -2,19 +2,19 @@
 
 ::
 
-    replay of the steps in flight (Replay.state)
+    replay of the steps in flight (Replay.state; the transitions: _REPLAY_TRANSITIONS)
 
-              epoch moved, steps in flight                 a request begins
-    CURRENT ----------------------------------> MOVED -------------------------> REPLAYING
-       ^  ^                                       |  ^        (BEGIN)            |   |   ^
-       |  +---- nothing to replay (NOTHING) ------+  |                           |   |   |
-       |                                             +-- failed (FAILED) ---+    |   |   | restart at the
-       +------------- every step resent (DONE), or failed (FAILED) ---------|----+   |   | newer epoch
-                                                                            |        |   | (RESTART)
-                                                      MOVED_WHILE_REPLAYING <--------+---+
-                                                                  (epoch moved again)
+                EPOCH_MOVED                  BEGIN                    DONE, FAILED
+    CURRENT -----------------> MOVED ------------------> REPLAYING -------------------> CURRENT
+       ^                        | ^                       |     ^
+       +------- NOTHING --------+ |           EPOCH_MOVED |     | RESTART (at the newer epoch)
+                                  |                       v     |
+                                  +------- FAILED --- MOVED_WHILE_REPLAYING
 
-    recovery of one node that dropped out (recover_node; ask_while_lacking and wait_for_ring wait likewise)
+    EPOCH_MOVED: the routing epoch changed while steps were in flight (MOVED, MOVED_WHILE_REPLAYING
+    absorb it); BEGIN: a request found the replay due; NOTHING: due, but nothing to collect.
+
+    recovery of one node that dropped out (recover_node; wait_for_ring, ask_while_lacking wait alike)
 
     WAITING --(node left the ring)--> LEFT: its blocks have other owners; the request re-routes
        |  ^
