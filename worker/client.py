@@ -12,6 +12,11 @@ to a bf16 parameter: its pulls ask for bf16 (the node converts its fp32 master, 
 even), so the parameter holds exactly ``master.to(torch.bfloat16)`` and half the bytes travel.
 Gradients are pushed in their own dtype (bf16 gradients as bf16; the nodes accumulate in fp32),
 or as the job's ``compression`` encodes them (worker/compressor.py).
+
+``Client`` is the facade of the worker's step protocol; its parts live beside it: the steps in
+flight and their replay and recovery (worker/recovery.py, with the state diagrams), the shm
+exchange (worker/shm_exchange.py), the lease (worker/lease.py). Design: docs/architecture.md,
+"The worker's step protocol".
 """
 
 from __future__ import annotations
@@ -21,10 +26,10 @@ import logging
 import uuid
 import weakref
 import math
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,17 +39,22 @@ from shardline.services.compression import SignBlock, check_compression, compres
 from shardline.services.tensor_checks import all_finite, zero_parts
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
-from shardline.services.errors import (NotOwnerError, RemoteError, ShardlineConfigError, ShardlineConnectionError,
-                             ShardlineError, ShardlineStateError, ShardlineTimeoutError, ShardlineWorkerLostError,
-                             StepTimeoutError)
+from shardline.services.errors import (ErrorCode, NotOwnerError, RemoteError, ShardlineConfigError,
+                                       ShardlineConnectionError, ShardlineError, ShardlineStateError,
+                                       ShardlineTimeoutError, ShardlineWorkerLostError, StepTimeoutError)
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.pb import dispatcher_pb2
 from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
-from shardline.services.transport import capabilities_of, get_transport, shm
+from shardline.services.transport import get_transport
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
+from shardline.worker.recovery import (BUSY_CODES, RECOVERY_CONNECT_TIMEOUT_SECONDS, Replay, StepsInFlight,
+                                       ask_while_lacking, recover_node, resend_to_node, wait_for_ring)
+from shardline.worker.lease import WorkerLease
+from shardline.worker.shm_exchange import SharedMemory, region_holding, share_region
 from shardline.worker.read_router import CACHE_TIMEOUT_SECONDS, NODE_ANSWERS, ReadRouter, default_rack
 
 log = logging.getLogger("shardline.worker")
@@ -53,9 +63,6 @@ log = logging.getLogger("shardline.worker")
 STRAGGLER_QUERY_TIMEOUT_SECONDS = 2.0
 # A waiting pull is asked for in slices of this many seconds (the routing is checked in between).
 PULL_SLICE_SECONDS = 5.0
-# Replies that mean "this node is there but cannot take the request now": wait and try again
-# (stopping or restoring, a bound on connections or bytes in flight reached).
-_BUSY_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 # A PS node remembers that a job name does not exist for ps_server.admission.DEFAULT_MISS_TTL_SECONDS.
 UNKNOWN_JOB_RETRY_SECONDS = 1.2
 # A BSP step still waiting after straggler_warning_seconds logs who it waits for, then again at
@@ -65,18 +72,8 @@ DEFAULT_STRAGGLER_WARNING_SECONDS = 30.0
 # No byte from a node for this long (beyond a pull's own wait) means it stopped answering (a node
 # that leaves the ring meanwhile is given up at once: worker/node_watch.py).
 IO_TIMEOUT_SECONDS = 30.0
-# While a node is recovered, one connect to it may take this long (then the routing is checked again).
-RECOVERY_CONNECT_TIMEOUT_SECONDS = 2.0
-# close() waits this long for the lease thread to leave its last renewal (the channel it uses is
-# closed first, which cancels a call in flight).
-LEASE_STOP_TIMEOUT_SECONDS = 5.0
 # What a tensor's cache (and so a bound parameter) may be: pulls ask the nodes for this dtype.
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a cache line: each tensor of a shared cache region starts on one."""
-    return (nbytes + 63) // 64 * 64
 
 
 @dataclass
@@ -88,6 +85,14 @@ class TransferStats:
     placed_blocks: int = 0   # of pulled_blocks: copied by the node straight into this client's cache (shm)
     taken_blocks: int = 0    # pushed blocks the node copied straight out of a gradient_buffer (shm)
     carried_steps: int = 0   # steps whose blocks came with this worker's commit (pull_on_commit): no pull sent
+
+
+class CarriedPull(NamedTuple):
+    """What a BSP commit that carried the step's pull (``pull_on_commit``) brought."""
+
+    step: int                          # the step the commit made
+    answered: dict[str, list]          # node -> the keys its reply brought
+    node_steps: dict[str, int]         # node -> the step its commit reply reported
 
 
 class _NonFiniteGradient(ShardlineConfigError):
@@ -125,9 +130,9 @@ class Client:
     connections and for waiting on the job creator, ``recovery_timeout`` for a PS node that went
     away (restart, graceful stop) to come back.
 
-    Node restarts: until a BSP step is applied the client keeps what it sent for it (its gradient
-    blocks, weight, whether it committed); SSP keeps this for each of the up to ``staleness + 1``
-    steps in flight, and every mechanism below resends each of them, oldest first. When a node
+    Node restarts (worker/recovery.py): until a BSP step is applied the client keeps what it sent
+    for it (its gradient blocks, weight, whether it committed); SSP keeps this for each of the up to
+    ``staleness + 1`` steps in flight, and every mechanism below resends each of them, oldest first. When a node
     drops the connection or answers
     ``UNAVAILABLE``, the client waits for the node to be back (refreshing routing: a restarted node
     registers new addresses), asks it its job step and, if the node is still collecting the step in
@@ -168,9 +173,7 @@ class Client:
     # rank whose commit applies the step has the new values in the commit's replies, and
     # pull_changed() then asks nothing. PSOptimizer turns it on where it pulls whole steps.
     pull_on_commit = False
-    # the last commit's carried pull: (the step it made, node -> the keys its reply brought,
-    # node -> the step its commit reply reported)
-    _carried: "tuple[int, dict[str, list], dict[str, int]] | None" = None
+    _carried: CarriedPull | None = None   # the last commit's carried pull, until pull_changed() looks at it
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -185,15 +188,11 @@ class Client:
         self.straggler_warning_seconds = float(straggler_warning_seconds)
         self.job = job
         self.recovery_timeout = recovery_timeout
-        # The BSP/SSP steps in flight: step -> what this worker sent for it, kept until every node
-        # applied it (BSP: one step, SSP: up to staleness + 1).
-        self._inflight: dict[int, dict] = {}
-        self._replay_from: RoutingView | None = None   # routing before an epoch change mid-step
-        self._replaying = False
+        # The BSP/SSP steps in flight, kept until every node applied them, and their replay after
+        # the routing moved under them (worker/recovery.py)
+        self._inflight = StepsInFlight()
+        self._replay = Replay(self._inflight)
         self.incarnation = uuid.uuid4().hex[:16]       # this process's identity as its rank
-        self._lost: ShardlineWorkerLostError | None = None
-        self._lease: threading.Thread | None = None
-        self._closed = threading.Event()
         self.cluster_token, self.tls_ca = client_credentials(cluster_token, tls_ca)
         self.rank = rank
         self.pull_timeout = pull_timeout
@@ -204,6 +203,8 @@ class Client:
                                            tls_ca=self.tls_ca)
         self._transport = get_transport(transport)
         self._reads = ReadRouter(default_rack(rack), cache_timeout=cache_timeout)
+        self._lease = WorkerLease(job, rank, self.incarnation, lambda **kw: self.dispatcher.worker_heartbeat(**kw),
+                                  lambda: self.step or 0)
         self.dispatcher.wait_until_reachable(connect_timeout)
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         self.spec: common_pb2.JobSpec | None = None
@@ -218,19 +219,10 @@ class Client:
         self._unchecked: dict = {}     # (tensor, index) -> block of the push being sent, left to the node's NaN/Inf check
         self.stats = TransferStats()
         self._values: dict[str, torch.Tensor] = {}
-        # Caches in shared memory a local node copies pulled blocks into (shm transport): name ->
-        # (region, byte offset of the tensor); an entry exists exactly while _values[name] is it
-        self._placement: dict[str, tuple] = {}
-        self._regions: list = []
-        # gradient_buffer's tensors, and the shared regions they are in (a local node takes pushed
-        # blocks that lie in one straight out of it)
-        self._grad_buffers: dict[str, torch.Tensor] = {}
-        self._grad_regions: list = []
-        # Pulls writing into the caches now, and whether a node this client gave up on mid-pull
-        # may still write into its shared ones (they move to fresh memory once no pull runs)
-        self._cache_writes = threading.Condition()
-        self._pulls_writing = 0
-        self._revoke_pending = False
+        # The caches and gradient buffers in shared memory a local node copies blocks into and
+        # out of (shm transport: worker/shm_exchange.py)
+        self._shm = SharedMemory()
+        self._grad_buffers: dict[str, torch.Tensor] = {}   # gradient_buffer's tensors
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
@@ -276,33 +268,7 @@ class Client:
         """Zeroed float32 caches of ``tensors`` (name, numel): in one shared region when the
         transport can reach a node over shm (the node then copies pulled blocks straight into
         them, one copy instead of two through the ring), else ordinary tensors."""
-        region, offsets = self._shared_float32(tensors, "cache", "pulls go through the ring")
-        if region is not None:
-            self._regions.append(region)
-        for name, numel in tensors:
-            if region is None:
-                self._values[name] = torch.zeros(numel, dtype=torch.float32)
-                continue
-            self._values[name] = region.tensor(torch.float32, offsets[name], numel)
-            self._placement[name] = (region, offsets[name])
-
-    def _shared_float32(self, tensors: list[tuple[str, int]], what: str, otherwise: str):
-        """One shared region laid out for zeroed float32 ``tensors`` (name, numel), each on its own
-        cache lines, and each one's byte offset in it; (None, {}) unless the transport can reach
-        a node over shm (or memfds are refused here: a sandbox)."""
-        total = sum(_aligned(numel * 4) for _name, numel in tensors)
-        if not total or not self._transport.capabilities.shares_memory:
-            return None, {}
-        try:
-            region = shm.SharedRegion(total)
-        except OSError as exc:
-            log.info("no shared-memory %s (%s): %s", what, exc, otherwise)
-            return None, {}
-        offsets, offset = {}, 0
-        for name, numel in tensors:
-            offsets[name] = offset
-            offset += _aligned(numel * 4)
-        return region, offsets
+        self._values.update(self._shm.allocate(self._transport, tensors, "cache"))
 
     def gradient_buffer(self, name: str) -> torch.Tensor:
         """A float32 tensor shaped like trainable tensor ``name`` (zeroed at first), the same one
@@ -320,12 +286,7 @@ class Client:
                 raise ShardlineConfigError(f"job {self.job!r} has no trainable tensor {name!r}")
             missing = [(n, math.prod(self._shapes[n])) for n, yes in trainable.items()
                        if yes and n not in self._grad_buffers]
-            region, offsets = self._shared_float32(missing, "gradient buffer", "pushes go through the ring")
-            if region is not None:
-                self._grad_regions.append(region)
-            for n, numel in missing:
-                flat = (torch.zeros(numel, dtype=torch.float32) if region is None
-                        else region.tensor(torch.float32, offsets[n], numel))
+            for n, flat in self._shm.allocate(self._transport, missing, "gradient buffer").items():
                 self._grad_buffers[n] = flat.view(self._shapes[n])
         return self._grad_buffers[name]
 
@@ -404,13 +365,7 @@ class Client:
                         "the gradient's own magnitudes, so training may stall well above the uncompressed loss "
                         "(docs/architecture.md, \"Gradient compression\")", self.job, opt.kind)
         if resp.created:
-            self._load_spec(resp.job.spec, resp.job.uid)
-            self._fill_caches(tensors)
-            self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=0)
-            for name in tensors:
-                for s in self._slices[name]:
-                    self._versions[(name, s.index)] = 0
-            self.dispatcher.mark_job_ready(self.job)
+            self._initialize(resp.job, tensors, 0)
             self.step = 0
             return True
         self.wait_ready(ready_timeout)
@@ -480,23 +435,29 @@ class Client:
         if not tensors:
             self._load_spec(resp.job.spec, resp.job.uid)
         elif initialize:
-            self._load_spec(resp.job.spec, resp.job.uid)
-            self._fill_caches(tensors)
-            self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=step)
-            for name in tensors:
-                for s in self._slices[name]:
-                    self._versions[(name, s.index)] = 0
-            self.dispatcher.mark_job_ready(self.job, ext.revision)
+            self._initialize(resp.job, tensors, step, ext.revision)
         else:
             timeout = self.pull_timeout if ready_timeout is None else ready_timeout
             info = self.dispatcher.wait_job_ready(self.job, timeout, revision=ext.revision)
             self._load_spec(info.spec, info.uid)
         return resp.applied
 
+    def _initialize(self, job: dispatcher_pb2.JobInfo, tensors: dict[str, torch.Tensor], step: int,
+                    *revision: int) -> None:
+        """This client made the job (or its ``revision``): send ``tensors``' initial values at
+        ``step`` to their owners and mark it ready for the other ranks."""
+        self._load_spec(job.spec, job.uid)
+        self._fill_caches(tensors)
+        self._scatter(dp.OP_INIT, [(n, s.index) for n in tensors for s in self._slices[n]], step=step)
+        for name in tensors:
+            for s in self._slices[name]:
+                self._versions[(name, s.index)] = 0
+        self.dispatcher.mark_job_ready(self.job, *revision)
+
     def shared_cache(self, name: str) -> torch.Tensor | None:
         """The cache of ``name``, shaped like the job's tensor, if it is in shared memory (a local
         node copies pulled blocks straight into it); None otherwise."""
-        if name not in self._placement:
+        if name not in self._shm.placement:
             return None
         return self._values[name].view(self._shapes[name])
 
@@ -510,7 +471,7 @@ class Client:
                     cache.copy_(t.detach().reshape(-1))
                 else:
                     self._values[name] = t.detach().to(torch.float32).reshape(-1).clone()
-                    self._placement.pop(name, None)
+                    self._shm.placement.pop(name, None)
 
     @staticmethod
     def bindable(tensor: torch.Tensor) -> bool:
@@ -534,10 +495,10 @@ class Client:
                                        f"{tensor.dtype} on {tensor.device}")
         if tuple(tensor.shape) != self._shapes[name]:
             raise ShardlineConfigError(f"bind({name!r}): shape {tuple(tensor.shape)} != job shape {self._shapes[name]}")
-        if name not in self._placement or tensor.dtype != torch.float32 \
+        if name not in self._shm.placement or tensor.dtype != torch.float32 \
                 or tensor.data_ptr() != self._values[name].data_ptr():
             self._values[name] = tensor.view(-1)
-            self._placement.pop(name, None)  # the caller's tensor is not in a shared region
+            self._shm.placement.pop(name, None)  # the caller's tensor is not in a shared region
         if same_contents:
             return
         for s in self._slices[name]:
@@ -623,8 +584,7 @@ class Client:
             self._pull(names, min_step=None, timeout=None)
         if self._inflight and self.step is not None:
             # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
-            for step in [s for s in self._inflight if s < self.step - self.staleness]:
-                del self._inflight[step]
+            self._inflight.forget_before(self.step - self.staleness)
 
     def _took_carried_pull(self) -> bool:
         """Whether this worker's last commit brought the step it made: every block of the job came
@@ -632,7 +592,7 @@ class Client:
         whose blocks others own now, answered for none), and every node of the routing reported
         the step. Then the caches hold it as a pull would leave them."""
         carried, self._carried = self._carried, None
-        if carried is None or self._replay_from is not None:
+        if carried is None or self._replay.state.due:
             return False
         step, answered, node_steps = carried
         if step != self.step or any(node_steps.get(node, -1) < step for node in self.routing.nodes):
@@ -722,10 +682,10 @@ class Client:
             self._resume_at([])  # learn the step from the nodes
         return self.step or 0
 
-    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None) -> None:
-        spec = self._require_spec()
-        if not (math.isfinite(weight) and weight > 0):
-            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+    def _push_payload(self, spec, grads: dict[str, torch.Tensor | None], blocks: dict | None) -> tuple[dict, list]:
+        """The blocks a push of ``grads`` sends (``blocks``: only those of each named tensor), checked
+        against the job: (key -> a contiguous CPU block of a wire dtype, None for an all-zero one;
+        [(name, the part of its flat gradient the push covers)] for the NaN/Inf check)."""
         trainable = {t.name: t.trainable for t in spec.tensors}
         if blocks is not None and not set(blocks) <= set(grads):
             raise ShardlineConfigError(f"blocks= names tensors the push has no gradient for: {sorted(set(blocks) - set(grads))}")
@@ -765,6 +725,13 @@ class Client:
                 flats.append((name, flat))
             for s, part, zero in zip(slices, parts, zero_parts(flat, [(s.start, s.stop) for s in slices])):
                 payload[(name, s.index)] = None if zero else part
+        return payload, flats
+
+    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None) -> None:
+        spec = self._require_spec()
+        if not (math.isfinite(weight) and weight > 0):
+            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        payload, flats = self._push_payload(spec, grads, blocks)
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
         # checks each block as its bytes arrive (cache-hot, on the side of the stream with slack)
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
@@ -783,7 +750,7 @@ class Client:
         failpoints.hit("worker.before_push", step)
         if self._compressor is not None:
             payload = self._compressor.encode(payload, None if spec.sync == "asp" else step)
-        record = self._inflight_record(step, weight)["grads"] if self._collects else {}
+        record = self._inflight.record(step, weight, self.staleness).grads if self._collects else {}
         replaced = {key: record[key] for key in payload if key in record}
         record.update(payload)
         if node_checks:
@@ -831,24 +798,14 @@ class Client:
             except (RemoteError, ShardlineConnectionError) as exc:  # the routing moved on: die all the same
                 log.info("worker.commit_partial: the commit to %s failed (%s)", first, exc)
             failpoints.hit("worker.commit_partial", step)
-        self._inflight_record(step, weight)["committed"] = True
+        self._inflight.record(step, weight, self.staleness).committed = True
         keys = self._carried_pull_keys()
         self._carried = None
         answered: dict[str, list] = {}
         node_steps = self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=answered)
         self.step = step + 1
         if keys:
-            self._carried = (self.step, answered, node_steps)
-
-    def _inflight_record(self, step: int, weight: float) -> dict:
-        """What this worker sent for ``step`` (kept for resending until every node applied it). A
-        step more than ``staleness`` before it was applied (the nodes take no push of ``step``
-        before that), so it is forgotten here at the latest, as BSP forgets the last step."""
-        if step not in self._inflight:
-            for old in [s for s in self._inflight if s < step - self.staleness]:
-                del self._inflight[old]
-            self._inflight[step] = {"step": step, "grads": {}, "weight": weight, "committed": False}
-        return self._inflight[step]
+            self._carried = CarriedPull(self.step, answered, node_steps)
 
     def _pull(self, names: list[str], *, min_step: int | None, timeout: float | None) -> dict[str, int]:
         if self._reads.wants_routing(self.routing):  # to find the rack's cache (a pull does not need it)
@@ -883,7 +840,7 @@ class Client:
                     self.held_step = min(node_steps.values())
                 return node_steps
             except RemoteError as exc:
-                if exc.code != "TIMEOUT":
+                if exc.code != ErrorCode.TIMEOUT:
                     raise
                 now = time.monotonic()
                 if now >= deadline:
@@ -975,43 +932,18 @@ class Client:
     def refresh_routing(self) -> None:
         old = self.routing
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
-        if self.routing.epoch != old.epoch and self._inflight and self._replay_from is None:
-            self._replay_from = old
+        if self.routing.epoch != old.epoch:
+            self._replay.epoch_moved()
 
     def _replay_after_epoch_change(self) -> bool:
         """The epoch changed while a BSP step (SSP: steps) was in flight: push each step's blocks
         again, and commit again on every node if this worker had committed, oldest step first.
-        True if it did."""
-        if self._replaying:
-            return False  # the replay running notices the change and starts over (below)
-        if self._replay_from is None or not self._inflight or self.spec is None or not self._collects:
-            self._replay_from = None
-            return False
-        self._replaying = True
-        try:
-            # A commit at epoch E counts, on a node that took a block over at E, as "this rank
-            # pushed the block to me": so the replay that commits at E must have pushed every block
-            # at E. The routing moving again during the replay (its pushes or commits refused)
-            # starts it over at the newer epoch.
-            while self._replay_from is not None:
-                self._replay_from = None
-                for step, inflight in sorted(self._inflight.items()):
-                    # Every block, not only those whose owner differs between the two tables this
-                    # worker saw: a node may have lost a block and got it back in epochs in between
-                    # (forgetting the pushes); a node that still holds a push ignores the resend.
-                    moved = list(inflight["grads"])
-                    weight = inflight["weight"]
-                    if moved:
-                        self._scatter(dp.OP_PUSH, moved, step=step, weight=weight, grads=inflight["grads"])
-                    if self._replay_from is not None:
-                        break  # moved again: pushes at the newer epoch first
-                    if inflight["committed"]:
-                        self._scatter(dp.OP_COMMIT, [], step=step, weight=weight, all_nodes=True)
-                    log.info("routing moved to epoch %d during step %d: resent %d block(s)%s", self.routing.epoch,
-                             step, len(moved), " and the commit" if inflight["committed"] else "")
-            return True
-        finally:
-            self._replaying = False
+        True if it did (worker/recovery.py)."""
+        return self._replay.run(
+            self.spec is not None and self._collects,
+            push=lambda r: self._scatter(dp.OP_PUSH, list(r.grads), step=r.step, weight=r.weight, grads=r.grads),
+            commit=lambda r: self._scatter(dp.OP_COMMIT, [], step=r.step, weight=r.weight, all_nodes=True),
+            epoch=lambda: self.routing.epoch)
 
     def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
                  min_step: int = 0, timeout: float = 0.0, all_nodes: bool = False,
@@ -1019,14 +951,14 @@ class Client:
         """Send ``op`` for ``keys`` to their owners in parallel; on NOT_OWNER refresh and resend those.
         Returns the job step each node that answered reported. A COMMIT's ``keys`` are the pull it
         carries; ``carried`` gets, for each node whose reply brought their blocks, the keys it answered for."""
-        if self._lost is not None:
-            raise self._lost
+        if self._lease.lost is not None:
+            raise self._lease.lost
         pending = list(keys)
         done_nodes: set[str] = set()
         node_steps: dict[str, int] = {}
         refreshes = 0
         while True:
-            if self._replay_from is not None and self._replay_after_epoch_change():
+            if self._replay.state.due and self._replay_after_epoch_change():
                 if op == dp.OP_COMMIT:
                     return node_steps  # the replay committed on every node at the new epoch
                 done_nodes.clear()
@@ -1056,11 +988,11 @@ class Client:
                     refused = True
                     retry.extend(groups[node_id])
                 except RemoteError as exc:
-                    if exc.code == "WORKER_LOST":
-                        self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
-                                                              _ranks_in(exc.remote_message))
-                        raise self._lost from None
-                    if exc.code not in _BUSY_CODES:
+                    if exc.code == ErrorCode.WORKER_LOST:
+                        self._lease.lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
+                                                                    _ranks_in(exc.remote_message))
+                        raise self._lease.lost from None
+                    if exc.code not in BUSY_CODES:
                         raise
                     lost.append((node_id, exc))
                 except (ShardlineConnectionError, ConnectionError, OSError) as exc:
@@ -1082,96 +1014,57 @@ class Client:
             if not refused and not gone and not (lost and op == dp.OP_PULL):
                 return node_steps
             if refused:
-                sent_at = (self.routing.epoch, self.routing.pending_epoch)
-                log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", len(retry))
-                self.refresh_routing()
-                if (self.routing.epoch, self.routing.pending_epoch) != sent_at:
-                    refreshes = 0  # the ring moved on (a waiting pull is interrupted by every change): not stuck
-                else:
-                    refreshes += 1
-                    if refreshes > self.max_retries:
-                        raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
-                                                  f"routing refreshes (epoch {self.routing.epoch})")
-                    time.sleep(min(1.0, 0.05 * 2 ** refreshes))  # the node's routing lags the dispatcher's
+                refreshes = self._refresh_after_refusal(op, len(retry), refreshes)
             pending = retry
 
+    def _refresh_after_refusal(self, op: int, resending: int, refreshes: int) -> int:
+        """A node refused blocks as NOT_OWNER: take the routing again before ``resending`` them.
+        Returns the refreshes in a row that found the ring where it was (``refreshes`` before);
+        past ``max_retries`` of them, ShardlineStateError."""
+        sent_at = (self.routing.epoch, self.routing.pending_epoch)
+        log.info("routing changed (NOT_OWNER); refreshing and resending %d blocks", resending)
+        self.refresh_routing()
+        if (self.routing.epoch, self.routing.pending_epoch) != sent_at:
+            return 0  # the ring moved on (a waiting pull is interrupted by every change): not stuck
+        refreshes += 1
+        if refreshes > self.max_retries:
+            raise ShardlineStateError(f"{dp.Op.Name(op)} still refused as NOT_OWNER after {self.max_retries} "
+                                      f"routing refreshes (epoch {self.routing.epoch})")
+        time.sleep(min(1.0, 0.05 * 2 ** refreshes))  # the node's routing lags the dispatcher's
+        return refreshes
+
     def _wait_for_ring(self) -> None:
-        """Every PS node was declared dead (the ring this client holds is empty): wait, refreshing
-        the routing, until one serves again (a restarted node restores its checkpoint), up to
-        ``recovery_timeout``; then ShardlineStateError."""
-        if self.routing.ring is not None:
-            return
-        deadline = time.monotonic() + self.recovery_timeout
-        log.warning("no PS node serves job %r's ring (epoch %d); waiting up to %g s (recovery_timeout)",
-                    self.job, self.routing.epoch, self.recovery_timeout)
-        delay = 0.1
-        while True:
-            try:
-                self.refresh_routing()
-            except (ShardlineConnectionError, ShardlineTimeoutError) as exc:
-                log.debug("routing refresh failed: %s", exc)
-            if self.routing.ring is not None:
-                log.info("PS nodes serve again at epoch %d", self.routing.epoch)
-                return
-            if time.monotonic() + delay > deadline:
-                raise ShardlineStateError(f"no PS node served job {self.job!r} within {self.recovery_timeout:g} s "
-                                          f"(recovery_timeout); routing epoch {self.routing.epoch}")
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        """Every PS node was declared dead (the ring this client holds is empty): wait until one
+        serves again, up to ``recovery_timeout`` (worker/recovery.py)."""
+        if self.routing.ring is None:
+            wait_for_ring(self.job, lambda: self.routing, self.refresh_routing, recovery_timeout=self.recovery_timeout)
 
     def _recover(self, node_id: str, cause: Exception) -> int | None:
         """A node dropped out (``cause``): wait until it answers again, then replay this worker's
-        part of the BSP step in flight on it, and return the node's job step. None if the node
-        left the routing table instead (declared dead: its replicas own its blocks now)."""
-        deadline = time.monotonic() + self.recovery_timeout
-        busy = isinstance(cause, RemoteError)  # it answered: busy (restoring, a block handed over), not gone
-        (log.info if busy else log.warning)("PS node %r %s (%s); waiting up to %g s", node_id,
-                                            "asks to retry" if busy else "failed", cause, self.recovery_timeout)
-        delay, last = 0.1, cause
-        while True:
-            try:
-                self.refresh_routing()
-                if node_id not in self.routing.nodes:
-                    log.info("PS node %r left the ring (epoch %d); its blocks have other owners", node_id,
-                             self.routing.epoch)
-                    return None
-                # a node that does not answer a connect is asked again after the routing was checked
-                self._conn(node_id, connect_timeout=min(self.connect_timeout, RECOVERY_CONNECT_TIMEOUT_SECONDS))
-                node_step = self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)  # probe: its job step
-                return self._resend_inflight(node_id, node_step)
-            except RemoteError as exc:
-                if exc.code not in _BUSY_CODES and exc.code != "NOT_OWNER":
-                    raise
-                last = exc
-            except (ShardlineConnectionError, ShardlineTimeoutError, ConnectionError, OSError) as exc:
-                last = exc
-            if time.monotonic() + delay > deadline:
-                raise ShardlineConnectionError(f"PS node {node_id!r} did not come back within {self.recovery_timeout:g} s "
-                                               f"(recovery_timeout); last error: {last}") from cause
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
+        part of the steps in flight on it, and return the node's job step. None if the node left
+        the routing table instead (declared dead: its replicas own its blocks now)."""
+        def in_ring() -> bool:
+            self.refresh_routing()
+            if node_id in self.routing.nodes:
+                return True
+            log.info("PS node %r left the ring (epoch %d); its blocks have other owners", node_id, self.routing.epoch)
+            return False
+
+        def probe() -> int:   # a node that does not answer a connect is asked again after the routing was checked
+            self._conn(node_id, connect_timeout=min(self.connect_timeout, RECOVERY_CONNECT_TIMEOUT_SECONDS))
+            return self._exchange(node_id, [], dp.OP_PULL, 0, 1.0, None, 0, 0.0)   # its job step
+
+        return recover_node(node_id, cause, recovery_timeout=self.recovery_timeout, in_ring=in_ring, probe=probe,
+                            resend=lambda node_step: self._resend_inflight(node_id, node_step))
 
     def _resend_inflight(self, node_id: str, node_step: int) -> int:
         """``node_id`` answers again at ``node_step``: resend it this worker's pushes (and commit)
-        of the BSP step (SSP: each step) in flight that it does not hold. Returns the node's job step."""
-        steps = sorted(self._inflight) if self.spec is not None and self._collects else []
-        if not steps or node_step > steps[-1]:
+        of the steps in flight that it does not hold. Returns the node's job step."""
+        if self.spec is None or not self._collects:
             log.info("PS node %r is back at step %d", node_id, node_step)
             return node_step
-        if node_step < steps[0]:
-            raise ShardlineStateError(
-                f"PS node {node_id!r} came back at step {node_step}, behind the job's step {steps[0]}: its updates of "
-                f"steps {node_step}..{steps[0] - 1} are lost (it restored an older checkpoint and no replica holds them)")
-        for step in [s for s in steps if s >= node_step]:
-            inflight = self._inflight[step]
-            keys = [key for key in inflight["grads"] if self.routing.owner(self.job, *key) == node_id]
-            if keys:
-                node_step = self._exchange(node_id, keys, dp.OP_PUSH, step, inflight["weight"], inflight["grads"], 0, 0.0)
-            if inflight["committed"]:
-                node_step = self._exchange(node_id, [], dp.OP_COMMIT, step, inflight["weight"], None, 0, 0.0)
-            log.info("PS node %r is back at step %d; resent %d block(s)%s of step %d", node_id, node_step, len(keys),
-                     " and the commit" if inflight["committed"] else "", step)
-        return node_step
+        return resend_to_node(self._inflight, node_id, node_step, lambda key: self.routing.owner(self.job, *key),
+                              lambda *request: self._exchange(*request, 0, 0.0))
 
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and
@@ -1206,44 +1099,25 @@ class Client:
         try:
             return self._exchange_once(node_id, keys, op, *args, via=via)
         except RemoteError as exc:
-            if exc.code == "UNKNOWN_TENSOR" and via is None and keys and all(k[0] in self._slices for k in keys):
+            if exc.code == ErrorCode.UNKNOWN_TENSOR and via is None and keys \
+                    and all(k[0] in self._slices for k in keys):
                 return self._while_lacking(node_id, keys, op, args, exc)
-            if exc.code != "UNKNOWN_JOB" or self.spec is None:
+            if exc.code != ErrorCode.UNKNOWN_JOB or self.spec is None:
                 raise
         time.sleep(UNKNOWN_JOB_RETRY_SECONDS)
         return self._exchange_once(node_id, keys, op, *args, via=via)
 
     def _while_lacking(self, node_id: str, keys: list, op: int, args: tuple, exc: RemoteError) -> int:
-        """``node_id`` answered that it lacks a block of ``keys`` (``exc``): ask again, with pauses,
-        until it answers otherwise (a NOT_OWNER sends the request to the new owner instead), for
-        up to ``recovery_timeout`` from the first such answer; then ShardlineStateError naming
-        the node and the block."""
+        """``node_id`` answered that it lacks a block of ``keys`` (``exc``): ask again until it has
+        it, up to ``recovery_timeout`` from the first such answer (worker/recovery.py)."""
         lacking = (node_id, *keys[0])
         first = self._lacking.setdefault(lacking, time.monotonic())
-        log.warning("PS node %r lacks a block it owns (%s); asking again for up to %g s (recovery_timeout): it may "
-                    "still be bringing it in sync", node_id, exc.remote_message, self.recovery_timeout)
-        delay = 0.1
-        while True:
-            if time.monotonic() - first + delay > self.recovery_timeout:
-                self._lacking.pop(lacking, None)
-                raise ShardlineStateError(
-                    f"PS node {node_id!r} still lacks a block of job {self.job!r} after {self.recovery_timeout:g} s "
-                    f"(recovery_timeout): {exc.remote_message}; no node it could take it from holds it") from exc
-            time.sleep(delay)
-            delay = min(1.0, delay * 2)
-            try:
-                step = self._exchange_once(node_id, keys, op, *args)
-            except RemoteError as again:
-                if again.code != "UNKNOWN_TENSOR":
-                    raise
-                exc = again
-                continue
-            self._lacking.pop(lacking, None)
-            log.info("PS node %r has the blocks it lacked now (after %.1f s)", node_id, time.monotonic() - first)
-            return step
+        return ask_while_lacking(node_id, self.job, exc, first, lambda: self._exchange_once(node_id, keys, op, *args),
+                                 lambda: self._lacking.pop(lacking, None), recovery_timeout=self.recovery_timeout)
 
-    def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
-                       timeout: float, carried: dict | None = None, via=None) -> int:
+    def _request_header(self, node_id: str, keys: list, op: int, step: int, weight: float, min_step: int,
+                        timeout: float, via) -> frame.FrameHeader:
+        """The header of one request to ``node_id`` (``via``: through that rack cache), without its blocks."""
         header = frame.FrameHeader(op=op, request_id=next(self._request_ids), job=self.job, epoch=self.routing.epoch,
                                    step=step, rank=self.rank, weight=weight, min_step=min_step, wait_timeout_seconds=timeout,
                                    incarnation=self.incarnation, revision=self.revision)
@@ -1262,12 +1136,17 @@ class Client:
                 header.group_lrs.extend(self.lr)
             else:
                 header.has_lr, header.lr = True, self.lr
+        return header
+
+    def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
+                       timeout: float, carried: dict | None = None, via=None) -> int:
+        header = self._request_header(node_id, keys, op, step, weight, min_step, timeout, via)
         payloads = []
         expected: dict[tuple[str, int], object] = {}
         taken = taken_bytes = 0   # a push's blocks the node takes from a shared region: how many, their bytes
         shared: set = set()  # the ids of the regions shared on this connection for this frame
         conn = self._conn(node_id, via)
-        sources = self._grad_regions if op == dp.OP_PUSH and capabilities_of(conn.sock).shares_memory else ()
+        sources = self._shm.push_sources(conn) if op == dp.OP_PUSH else ()
         for name, index in keys:
             s = self._slices[name][index]
             if op == dp.OP_PUSH:
@@ -1283,14 +1162,14 @@ class Client:
                     # and an append, which copies the message, cost twice as much per block)
                     numel = g.numel()
                     dtype, nbytes = frame.WIRE_DTYPE[g.dtype], numel * g.element_size()
-                    source = _region_holding(sources, g.data_ptr(), nbytes) if sources else None
+                    source = region_holding(sources, g.data_ptr(), nbytes) if sources else None
                     if source is None:
                         payloads.append(frame.tensor_bytes(g))
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes)
                     else:
                         region, offset = source
                         if region.id not in shared:
-                            self._share_region(conn, region, shared)
+                            share_region(conn, region, shared)
                         header.blocks.add(tensor=name, index=index, dtype=dtype, numel=numel, nbytes=nbytes,
                                           src_region=region.id, src_offset=offset)
                         taken += 1
@@ -1310,12 +1189,12 @@ class Client:
             self._push_checks(keys)
         pulls = frame.asks_blocks(header)
         if pulls:
-            self._begin_cache_write()
+            self._shm.begin_cache_write()
         try:
             step = self._exchange_locked(conn, key, node_id, header, payloads, expected, op, timeout, via, carried)
         finally:
             if pulls:
-                self._end_cache_write()
+                self._shm.end_cache_write(self._conns.values(), self.job)
         if op == dp.OP_PUSH:  # blocks the node took from a shared region count too
             self.stats.pushed_bytes += header.payload_bytes + taken_bytes
             self.stats.taken_blocks += taken
@@ -1340,7 +1219,7 @@ class Client:
         receiving = False   # the reply's payload (a node's connection breaking then is handled alike)
         try:
             if frame.asks_blocks(header) and via is None:
-                placed = self._ask_placement(conn, header)   # shares regions: may meet a broken socket
+                placed = self._shm.ask_placement(conn, header, self._slices)   # may meet a broken socket
             # a node that stops answering (paused, partitioned) is given up on after this, or as
             # soon as it leaves the ring (the node watch)
             io_timeout = IO_TIMEOUT_SECONDS if via is None else self._reads.cache_timeout
@@ -1358,17 +1237,16 @@ class Client:
         except (OSError, ConnectionError) as exc:
             if receiving and isinstance(exc, ShardlineError):
                 raise   # an unexpected block: named, and its connection closed already
-            if placed:  # the node may be copying into them still (stalled, not dead): see _revoke_regions
+            if placed:  # the node may be copying into them still (stalled, not dead): worker/shm_exchange.py
                 self._forget_versions(placed)
-                with self._cache_writes:
-                    self._revoke_pending = True
+                self._shm.given_up_mid_pull()
             conn.close()
             self._conns.pop(key, None)
             who = f"node {node_id!r}" if via is None else f"rack cache {via.cache_id} (pulling for node {node_id!r})"
             raise ShardlineConnectionError(f"{who} at {conn.address}: "
                                            f"{wait.abandoned if wait is not None and wait.abandoned else exc}") from exc
         if reply.op == dp.OP_ERROR:
-            code = dp.ErrorCode.Name(reply.code)
+            code = ErrorCode(dp.ErrorCode.Name(reply.code))
             if reply.code == dp.INTERNAL:
                 self._forget_versions(placed)
             if reply.code == dp.NOT_OWNER:
@@ -1380,73 +1258,6 @@ class Client:
                 self._conns.pop(key, None)
             raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
         return reply.step
-
-    @staticmethod
-    def _share_region(conn: DataPlaneConnection, region, shared: set) -> None:
-        """Share ``region`` on this connection and note its id in ``shared`` (the regions shared
-        for one frame): a gradient buffer a push names blocks in (the node copies them out itself),
-        or a cache a pull asks blocks placed in. Should a push then be given up on, the connection
-        is closed before the caller can change the buffer again: the node drops a push whose client
-        hung up during its copy."""
-        conn.sock.share_region(region)
-        shared.add(region.id)
-
-    def _ask_placement(self, conn: DataPlaneConnection, header) -> set:
-        """Over shm, ask the node to copy the pull's blocks whose cache is in a shared region
-        straight into it (sharing the region on this connection first). Returns their keys."""
-        if header.subscriber or not capabilities_of(conn.sock).shares_memory:
-            return set()
-        placed, shared = set(), set()
-        for ref in header.blocks:
-            tensor = ref.tensor
-            place = self._placement.get(tensor)
-            if place is None or ref.want_dtype:
-                continue
-            region, base = place
-            if region.id not in shared:
-                self._share_region(conn, region, shared)
-            index = ref.index
-            ref.dest_region, ref.dest_offset = region.id, base + self._slices[tensor][index].start * 4
-            placed.add((tensor, index))
-        return placed
-
-    def _begin_cache_write(self) -> None:
-        """A pull is about to write into the caches: wait while they move to fresh memory."""
-        with self._cache_writes:
-            while self._revoke_pending:   # the pulls in flight end, then the last one revokes
-                self._cache_writes.wait()
-            self._pulls_writing += 1
-
-    def _end_cache_write(self) -> None:
-        with self._cache_writes:
-            self._pulls_writing -= 1
-            if not (self._revoke_pending and self._pulls_writing == 0):
-                return
-        try:
-            self._revoke_regions()
-        finally:
-            with self._cache_writes:
-                self._revoke_pending = False
-                self._cache_writes.notify_all()
-
-    def _revoke_regions(self) -> None:
-        """A pull was given up on while its node (stalled, not known dead) may still be copying
-        into the shared caches: move them to fresh memory at the same addresses (the caches and
-        the parameters viewing them keep their values), so whatever it writes later lands where
-        nobody reads; the live nodes are told to unmap the old memory. No pull runs meanwhile."""
-        for region in self._regions:
-            old = region.revoke()
-            for conn in list(self._conns.values()):
-                unshare = conn.sock.unshare_region if capabilities_of(conn.sock).shares_memory else None
-                if unshare is None:
-                    continue
-                with conn.lock:
-                    try:
-                        unshare(old)
-                    except OSError as exc:  # that connection is broken: its next use finds out
-                        log.debug("unsharing region %d failed: %s", old, exc)
-        log.warning("job %s: a pull into the shared caches was given up on (its node may still write); the caches "
-                    "moved to fresh shared memory", self.job)
 
     def _forget_versions(self, keys) -> None:
         """The cached bytes of ``keys`` are unknown now (a node's copy into them broke off): the
@@ -1486,65 +1297,28 @@ class Client:
 
     # --- lease ------------------------------------------------------------------------------
     def start_lease(self) -> None:
-        """Renew this worker's lease of (job, rank) in the background (idempotent)."""
-        if self._lease is None and self.spec is not None:
-            self._lease = threading.Thread(target=self._renew_lease, name="shardline-lease", daemon=True)
+        """Renew this worker's lease of (job, rank) in the background (idempotent; worker/lease.py)."""
+        if self.spec is not None:
             self._lease.start()
 
-    def _renew_lease(self) -> None:
-        interval = 0.0  # the first renewal at once: a worker that dies early is still known
-        while not self._closed.wait(interval):
-            interval = 1.0
-            try:
-                resp = self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
-                                                        step=self.step or 0)
-            except Exception as exc:  # noqa: BLE001 - the dispatcher may be failing over: try again
-                log.debug("lease renewal failed: %s", exc)
-                continue
-            interval = max(0.2, resp.interval_seconds or interval)
-            if resp.failed and self._lost is None:
-                ranks = tuple(sorted(lease.rank for lease in resp.lost))
-                self._lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {resp.failed}", ranks)
-                log.error("%s", self._lost)
-
     def close(self) -> None:
-        self._closed.set()
+        self._lease.stop_renewing()
         self._watch.close()
-        if self._lease is not None:
-            try:  # release the lease: a worker that finished is not lost
-                self.dispatcher.worker_heartbeat(job=self.job, rank=self.rank, incarnation=self.incarnation,
-                                                 step=self.step or 0, leaving=True)
-            except Exception as exc:  # noqa: BLE001 - it expires anyway
-                log.debug("lease release failed: %s", exc)
+        self._lease.release()
         for conn in self._conns.values():
             conn.close()
         self._conns.clear()
         self._pool.shutdown(wait=False)
-        for region in [*self._regions, *self._grad_regions]:
-            region.close()
+        self._shm.close()
         self.dispatcher.close()
         self._watch_dispatcher.close()
-        # A lease thread still inside a gRPC call when the interpreter exits aborts the process
-        # ("terminate called without an active exception"): it ends once its call is cancelled.
-        if self._lease is not None and self._lease is not threading.current_thread():
-            self._lease.join(LEASE_STOP_TIMEOUT_SECONDS)
+        self._lease.join()   # its call in flight was cancelled by the close above
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-
-def _region_holding(regions, address: int, nbytes: int) -> tuple | None:
-    """``(region, offset)`` of the one of ``regions`` (SharedRegion) holding all ``nbytes`` from
-    ``address`` (a contiguous CPU block's ``data_ptr()``: what _push makes every block); None if
-    none does."""
-    for region in regions:
-        offset = address - region.address
-        if 0 <= offset <= region.size - nbytes:
-            return region, offset
-    return None
 
 
 def _cache_key(info, node_id: str) -> tuple:

@@ -21,11 +21,12 @@ import torch
 
 from shardline.services.optimizer_config import OptimizerConfig, group_configs
 from shardline.services.config import parse_address_list
-from shardline.services.compression import compression_of
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
 from shardline.services.security import client_credentials
 from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 from shardline.worker import metrics
+from shardline.worker.options import (ConnectionOptions, JobOptions, PerformanceOptions, check_job_matches,
+                                      check_options)
 from shardline.worker.flat_params import FlatGroup, flat_layout, is_flat_name
 from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, FlatBackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
@@ -220,15 +221,9 @@ class PSOptimizer(torch.optim.Optimizer):
                  overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
                  compression: str | None = None, rack: str | None = None, exact_restarts: bool | None = None,
                  replicate_gradients: bool | None = None, flatten: bool = False, **optimizer_kwargs):
-        if prefetch_window not in (0, 1) or isinstance(prefetch_window, bool):
-            raise ShardlineConfigError(
-                f"prefetch_window must be 0 (step() returns with fresh parameters) or 1 (the pull runs until "
-                f"the parameters are next used); a BSP worker cannot run further ahead, got {prefetch_window!r}")
-        for key, value in (("overlap", overlap), ("priority_pull", priority_pull), ("flatten", flatten),
-                           ("exact_restarts", True if exact_restarts is None else exact_restarts),
-                           ("replicate_gradients", False if replicate_gradients is None else replicate_gradients)):
-            if not isinstance(value, bool):
-                raise ShardlineConfigError(f"{key} must be True or False, got {value!r}")
+        check_options({"prefetch_window": prefetch_window, "overlap": overlap, "priority_pull": priority_pull,
+                       "flatten": flatten, "exact_restarts": exact_restarts,
+                       "replicate_gradients": replicate_gradients})
         # Checked here, not first by the client: the first torch.optim.Optimizer built in a process
         # imports torch._dynamo (about 1 s), and a typo in the address should fail at once.
         parse_address_list(cluster, what="cluster")
@@ -237,6 +232,12 @@ class PSOptimizer(torch.optim.Optimizer):
         cluster_token, tls_ca = client_credentials(cluster_token, tls_ca)
         if metrics_port is not None:  # refuse a bad metrics address before joining the job
             metrics.check_bind(metrics_host, metrics_port, has_token=cluster_token is not None)
+        connection = ConnectionOptions(transport=transport, pull_timeout=pull_timeout, connect_timeout=connect_timeout,
+                                       rpc_timeout=rpc_timeout, recovery_timeout=recovery_timeout,
+                                       cluster_token=cluster_token, tls_ca=tls_ca,
+                                       straggler_warning_seconds=straggler_warning_seconds, rack=rack)
+        performance = PerformanceOptions(prefetch_window=prefetch_window, overlap=overlap, bucket_cap_mb=bucket_cap_mb,
+                                         priority_pull=priority_pull)
         self._metrics_server, self.metrics_address = None, None
         self.kind = defaults_config.kind
         self._hyper_keys = tuple(defaults_config.torch_kwargs())  # what the servers step with
@@ -257,88 +258,29 @@ class PSOptimizer(torch.optim.Optimizer):
         self._priority: PriorityPull | None = None
         self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
         self._forward_wait_observed = 0.0  # ... of which the pull-wait metric has seen
-        self._index_params()
-        names = [n for n, _ in self.params]
-        if len(set(names)) != len(names):
-            raise ShardlineConfigError("parameter names must be unique")
-        groups_of = {name: i for i, g in enumerate(self.param_groups) for name in g["param_names"]}
-        # flatten: the job stores each group's trainable parameters as one tensor (worker/flat_params.py)
-        self.flatten = flatten
-        self._flat: list[FlatGroup] = flat_layout(self.param_groups) if flatten else []
-        self._flat_grads: dict[str, torch.Tensor] = {}   # each flat group's gradient buffer (BSP)
-        self._flat_members = flat_members = {name for f in self._flat for name, _ in f.members}
-        job_tensors = {**{f.name: f.values() for f in self._flat},
-                       **{n: p.detach() for n, p in self.params if n not in flat_members}}
-        trainable = {**{f.name: True for f in self._flat},
-                     **{n: p.requires_grad for n, p in self.params if n not in flat_members}}
-        groups_of = {**{f.name: f.group for f in self._flat},
-                     **{n: i for n, i in groups_of.items() if n not in flat_members}}
+        job_tensors, trainable, groups_of = self._job_layout(flatten)
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else int(world_size)
         self.rank = _env_int("RANK", 0) if rank is None else int(rank)
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
             raise ShardlineConfigError(f"rank {self.rank!r} must be in [0, world_size={self.world_size!r})")
-        self.client = Client(cluster, job, rank=self.rank, transport=transport, pull_timeout=pull_timeout,
-                             connect_timeout=connect_timeout, rpc_timeout=rpc_timeout, cluster_token=cluster_token,
-                             recovery_timeout=recovery_timeout, tls_ca=tls_ca,
-                             straggler_warning_seconds=straggler_warning_seconds, rack=rack)
-        created = False
-        several = len(self.param_groups) > 1
-        if self.rank == 0:
-            created = self.client.init(
-                job_tensors, optimizer=self.kind, sync=sync, staleness=staleness or 0,
-                world_size=self.world_size, block_elements=block_elements, trainable=trainable,
-                allow_nonfinite=allow_nonfinite, replication=replication,
-                worker_lease_timeout=worker_lease_timeout, on_worker_failure=on_worker_failure,
-                param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
-                tensor_groups=groups_of if several else None, max_grad_norm=max_grad_norm, compression=compression,
-                exact_restarts=exact_restarts is not False, replicate_gradients=bool(replicate_gradients),
-                **({} if several else self._group_configs[0].torch_kwargs()))
-        else:
-            self.client.wait_ready(connect_timeout)
-        spec = self.client.spec
-        if spec.world_size != self.world_size:
-            raise ShardlineConfigError(f"job {job!r} has world_size {spec.world_size}, this worker says {self.world_size}")
-        if staleness is not None and (spec.sync, spec.staleness) != (sync, staleness):
-            raise ShardlineConfigError(f"job {job!r} is sync {spec.sync!r} with staleness {spec.staleness}, this worker "
-                                       f"says {sync!r} with staleness {staleness!r}")
-        self._check_job_tensors(spec, job_tensors)
-        self._check_job_groups(spec, groups_of)
-        if max_grad_norm is not None and float(max_grad_norm) != spec.max_grad_norm:
-            raise ShardlineConfigError(f"job {job!r} clips gradients at max_grad_norm {spec.max_grad_norm:g} (0: not at "
-                                       f"all), this worker asks for {max_grad_norm!r}")
-        if exact_restarts is not None and exact_restarts == spec.inexact_restarts:
-            raise ShardlineConfigError(f"job {job!r} has exact_restarts {not spec.inexact_restarts}, this worker asks for "
-                                       f"{exact_restarts!r}")
-        if replicate_gradients is not None and replicate_gradients != spec.replicate_gradients:
-            raise ShardlineConfigError(f"job {job!r} has replicate_gradients {spec.replicate_gradients}, this worker asks "
-                                       f"for {replicate_gradients!r}")
-        if compression is not None and compression != compression_of(spec):
-            raise ShardlineConfigError(f"job {job!r} pushes gradients with compression {compression_of(spec)!r}, this "
-                                       f"worker asks for {compression!r}")
+        self.job_options = JobOptions(
+            world_size=self.world_size, rank=self.rank, sync=sync, staleness=staleness, block_elements=block_elements,
+            allow_nonfinite=allow_nonfinite, replication=replication, worker_lease_timeout=worker_lease_timeout,
+            on_worker_failure=on_worker_failure, max_grad_norm=max_grad_norm, compression=compression,
+            exact_restarts=exact_restarts, replicate_gradients=replicate_gradients, flatten=flatten)
+        self.client = Client(cluster, job, rank=self.rank, **connection.client_kwargs())
+        created = self._create_or_join(job_tensors, trainable, groups_of)
         # Pulls land directly in parameters that are contiguous CPU fp32 or bf16 (bf16 ones are pulled
         # as bf16: half the bytes); others go through the fp32 cache.
         self._copy_back = []
         for f in self._flat:
             self._attach_flat(f, job_tensors[f.name], same_contents=created)
         for name, p in self.params:
-            if name not in flat_members:
+            if name not in self._flat_members:
                 self._attach_cache(name, p, same_contents=created)  # the creator initialized the job with them
         self.client.join(list(job_tensors))
         self._sync_copies()
-        if overlap and flatten:
-            self._pusher = FlatBackwardPusher(self._flat, {f.name: self.client._slices[f.name] for f in self._flat},
-                                              buffer=self._flat_grad_buffer, send=self._send_flat,
-                                              submit=self._executor.submit, round_info=self._round_info)
-        elif overlap:
-            self._pusher = BackwardPusher(self.params, send=self._send, submit=self._executor.submit,
-                                          round_info=self._round_info, cap_bytes=cap_bytes)
-        if prefetch_window == 1 and priority_pull and not flatten:  # a flat group arrives whole
-            self._priority = PriorityPull(self.params, cap_bytes)
-            self._install_forward_hook()  # the first forward teaches the order
-        # A whole-step pull rides on the commit: the rank that completes a step (the one every
-        # other waits for) gets it in the commit's replies, a round trip sooner. Not where overlap
-        # commits when backward ends: the parameters must not change before step().
-        self.client.pull_on_commit = self._priority is None and (self._pusher is None or not self._pusher.commits)
+        self._start_overlap(performance, cap_bytes)
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
         if metrics_port is not None:
@@ -348,6 +290,63 @@ class PSOptimizer(torch.optim.Optimizer):
             except BaseException:
                 self.close()
                 raise
+
+    def _job_layout(self, flatten: bool) -> tuple[dict, dict, dict]:
+        """The job's tensors as this worker lays them out: (name -> initial values, name -> whether
+        it trains, name -> its param group): a flat group (``flatten``) under its flat name, each
+        other parameter under its own."""
+        self._index_params()
+        names = [n for n, _ in self.params]
+        if len(set(names)) != len(names):
+            raise ShardlineConfigError("parameter names must be unique")
+        # flatten: the job stores each group's trainable parameters as one tensor (worker/flat_params.py)
+        self.flatten = flatten
+        self._flat: list[FlatGroup] = flat_layout(self.param_groups) if flatten else []
+        self._flat_grads: dict[str, torch.Tensor] = {}   # each flat group's gradient buffer (BSP)
+        self._flat_members = flat_members = {name for f in self._flat for name, _ in f.members}
+        plain = [(n, p) for n, p in self.params if n not in flat_members]
+        groups_of = {name: i for i, g in enumerate(self.param_groups) for name in g["param_names"]}
+        job_tensors = {**{f.name: f.values() for f in self._flat}, **{n: p.detach() for n, p in plain}}
+        trainable = {**{f.name: True for f in self._flat}, **{n: p.requires_grad for n, p in plain}}
+        groups_of = {**{f.name: f.group for f in self._flat},
+                     **{n: i for n, i in groups_of.items() if n not in flat_members}}
+        return job_tensors, trainable, groups_of
+
+    def _create_or_join(self, job_tensors: dict, trainable: dict, groups_of: dict) -> bool:
+        """Rank 0 creates the job from ``job_tensors`` if the cluster lacks it; every rank then
+        checks the job is what its options and parameters say. True if this call created it."""
+        created = False
+        several = len(self.param_groups) > 1
+        if self.rank == 0:
+            created = self.client.init(
+                job_tensors, optimizer=self.kind, trainable=trainable,
+                param_groups=[c.torch_kwargs() for c in self._group_configs] if several else None,
+                tensor_groups=groups_of if several else None, **self.job_options.create_kwargs(),
+                **({} if several else self._group_configs[0].torch_kwargs()))
+        else:
+            self.client.wait_ready(self.client.connect_timeout)
+        spec = self.client.spec
+        check_job_matches(spec, self.job_options)
+        self._check_job_tensors(spec, job_tensors)
+        self._check_job_groups(spec, groups_of)
+        return created
+
+    def _start_overlap(self, performance: PerformanceOptions, cap_bytes: int) -> None:
+        """Push during backward (``overlap``) and pull in forward order (``priority_pull``) as asked."""
+        if performance.overlap and self.flatten:
+            self._pusher = FlatBackwardPusher(self._flat, {f.name: self.client._slices[f.name] for f in self._flat},
+                                              buffer=self._flat_grad_buffer, send=self._send_flat,
+                                              submit=self._executor.submit, round_info=self._round_info)
+        elif performance.overlap:
+            self._pusher = BackwardPusher(self.params, send=self._send, submit=self._executor.submit,
+                                          round_info=self._round_info, cap_bytes=cap_bytes)
+        if performance.prefetch_window == 1 and performance.priority_pull and not self.flatten:
+            self._priority = PriorityPull(self.params, cap_bytes)   # a flat group arrives whole
+            self._install_forward_hook()  # the first forward teaches the order
+        # A whole-step pull rides on the commit: the rank that completes a step (the one every
+        # other waits for) gets it in the commit's replies, a round trip sooner. Not where overlap
+        # commits when backward ends: the parameters must not change before step().
+        self.client.pull_on_commit = self._priority is None and (self._pusher is None or not self._pusher.commits)
 
     def _attach_cache(self, name: str, p: torch.Tensor, *, same_contents: bool) -> None:
         """Make pulls of ``name`` land in parameter ``p``. An fp32 parameter takes the client's

@@ -116,7 +116,7 @@ def train(cluster: str, job: str, steps: int, world: int = 2, step_sleep: float 
                 results[rank] = {"state": {k: v.detach().clone() for k, v in model.state_dict().items()},
                                  "kinds": kinds, "pulled": opt.client.stats.pulled_bytes, "version": opt.version,
                                  "placed": opt.client.stats.placed_blocks, "taken": opt.client.stats.taken_blocks,
-                                 "grads_shared": all(opt.client._grad_regions[0].offset_of(p.grad) is not None
+                                 "grads_shared": all(opt.client._shm.grad_regions[0].offset_of(p.grad) is not None
                                                      for p in model.parameters()) if grads_in_buffers else None}
             finally:
                 opt.close()

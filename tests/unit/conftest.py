@@ -49,24 +49,28 @@ def offline_client():
     """A factory: ``offline_client(spec)`` is a worker Client of rank 0 with job ``spec`` loaded
     and no cluster (no dispatcher, connections or lease thread; caches in ordinary memory). A
     test sets ``routing``, ``_scatter`` or ``_exchange`` to what it drives."""
-    import threading
     import types
     import weakref
 
     from shardline.services.transport import get_transport
     from shardline.worker.client import Client
+    from shardline.worker.lease import WorkerLease
     from shardline.worker.node_watch import NodeWatch
+    from shardline.worker.recovery import Replay, StepsInFlight
+    from shardline.worker.shm_exchange import SharedMemory
 
     def make(spec):
         client = Client.__new__(Client)
         this = weakref.ref(client)   # no cycle: a client the test drops is freed at once (its shared regions too)
         client._watch, client._lacking = NodeWatch(lambda known: known, lambda: this().routing), {}
-        client.job, client.rank, client._lost, client._lease, client._replaying = spec.name, 0, None, object(), False
-        client._inflight, client._replay_from, client._compressor, client._values = {}, None, None, {}
+        client.job, client.rank = spec.name, 0
+        client._lease = WorkerLease(spec.name, 0, "offline", heartbeat=None, step=lambda: 0)
+        client._lease.release()   # never renews: there is no dispatcher
+        client._inflight = StepsInFlight()
+        client._replay, client._compressor, client._values = Replay(client._inflight), None, {}
         client._shapes, client._slices, client.step, client.uid, client.max_retries = {}, {}, 0, "", 3
-        client._transport, client._placement, client._regions, client._versions = get_transport("tcp"), {}, [], {}
-        client._grad_buffers, client._grad_regions = {}, []
-        client._cache_writes, client._pulls_writing, client._revoke_pending = threading.Condition(), 0, False
+        client._transport, client._shm, client._versions = get_transport("tcp"), SharedMemory(), {}
+        client._grad_buffers = {}
         client.routing = types.SimpleNamespace(epoch=2, ring=object(), owner=lambda job, tensor, index: "ps")
         client._load_spec(spec)
         return client

@@ -8,6 +8,7 @@ from shardline.services.errors import ShardlineStateError
 from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.worker.client import Client
+from shardline.worker.recovery import Replay, StepsInFlight
 
 
 class OneNode:
@@ -20,7 +21,8 @@ def bare_client(sync="ssp", staleness=2):
     client = Client.__new__(Client)
     client.job, client.rank = "j", 0
     client.spec = common_pb2.JobSpec(name="j", sync=sync, staleness=staleness, world_size=2)
-    client._inflight, client.routing = {}, OneNode()
+    client._inflight, client.routing = StepsInFlight(), OneNode()
+    client._replay = Replay(client._inflight)
     client.sent = []
 
     def exchange(node_id, keys, op, step, weight, grads, min_step, timeout):
@@ -33,8 +35,9 @@ def bare_client(sync="ssp", staleness=2):
 
 def send_steps(client, steps):
     for step in steps:
-        client._inflight_record(step, 1.0)["grads"][("w", 0)] = torch.ones(2)
-        client._inflight_record(step, 1.0)["committed"] = True
+        record = client._inflight.record(step, 1.0, client.staleness)
+        record.grads[("w", 0)] = torch.ones(2)
+        record.committed = True
 
 
 def test_ssp_keeps_the_last_staleness_plus_one_steps_bsp_the_last_one():

@@ -155,13 +155,16 @@ def client_after_commit(answered: dict, node_steps: dict, nodes=("A", "B")):
     import types
 
     from shardline.worker.client import Client, TransferStats
+    from shardline.worker.recovery import Replay, StepsInFlight
 
     client = Client.__new__(Client)
     client.routing = types.SimpleNamespace(nodes={n: 0 for n in nodes})
     client._shapes = {"w": (3 * BLOCK,)}
     client._slices = {"w": [types.SimpleNamespace(index=i) for i in range(3)]}
     client._versions = {("w", i): 5 for i in range(3)}
-    client.step, client.held_step, client._replay_from, client.stats = 5, None, None, TransferStats()
+    client.step, client.held_step, client.stats = 5, None, TransferStats()
+    client._inflight = StepsInFlight()
+    client._replay = Replay(client._inflight)
     client._carried = (5, answered, node_steps)
     return client
 
@@ -186,7 +189,8 @@ def test_a_pull_is_skipped_only_when_every_block_came_and_every_node_reached_the
     assert client._carried is None   # used once
     assert client.stats.carried_steps == int(took)
     client._carried = (5, {"A": KEYS_A, "B": KEYS_B}, {"A": 5, "B": 5})
-    client._replay_from = object()   # the routing moved during the step: its replay decides
+    client._inflight.record(5, 1.0, 0)
+    client._replay.epoch_moved()   # the routing moved during the step: its replay decides
     assert not client._took_carried_pull()
 
 

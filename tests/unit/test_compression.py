@@ -344,8 +344,8 @@ def test_a_replayed_step_resends_the_encoded_blocks_not_a_new_encoding(recording
     (op, keys, grads), = sent
     assert op == dp.OP_PUSH and all(isinstance(b, compression.SignBlock) for b in grads.values())
     residuals = {k: r.clone() for k, r in client._compressor.residuals.items()}
-    client._inflight[0]["committed"] = True
-    client._replay_from = object()   # the routing epoch changed mid-step
+    client._inflight[0].committed = True
+    client._replay.epoch_moved()   # the routing epoch changed mid-step
     assert client._replay_after_epoch_change()
     (op2, keys2, grads2), (op3, _, _) = sent[1:]
     assert op2 == dp.OP_PUSH and op3 == dp.OP_COMMIT and keys2 == keys

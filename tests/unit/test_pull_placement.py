@@ -218,8 +218,8 @@ def test_caches_live_in_one_shared_region_and_bind_keeps_or_drops_it(shm_client)
     s = spec()
     s.tensors.add(name="b", shape=[3], dtype="float32", trainable=True)
     client = shm_client(s)
-    region, offset_b = client._placement["b"]
-    assert client._placement["w"][0] is region and client._placement["w"][1] == 0
+    region, offset_b = client._shm.placement["b"]
+    assert client._shm.placement["w"][0] is region and client._shm.placement["w"][1] == 0
     assert offset_b == 2 * BLOCK * 4 and offset_b % 64 == 0   # each tensor on a cache line
     shared = client.shared_cache("w")
     assert shared.shape == (2 * BLOCK,) and shared.data_ptr() == client._values["w"].data_ptr()
@@ -236,7 +236,7 @@ def test_without_memfds_the_caches_are_ordinary_memory(shm_client, monkeypatch):
         raise OSError(38, "Function not implemented")
     monkeypatch.setattr(shm, "SharedRegion", refused)
     client = shm_client(spec())
-    assert client.shared_cache("w") is None and not client._placement
+    assert client.shared_cache("w") is None and not client._shm.placement
     assert client._values["w"].shape == (2 * BLOCK,) and not client._values["w"].any()
 
 
@@ -279,6 +279,6 @@ def test_a_node_given_up_on_mid_pull_cannot_write_into_the_cache_later(shm_clien
     for ref in refs:   # the node resumes
         node_end.place(ref.dest_region, ref.dest_offset, torch.full((BLOCK,), -7.0))
     assert torch.equal(cache, held) and client.shared_cache("w").data_ptr() == cache.data_ptr()
-    assert not client._versions and not client._revoke_pending
+    assert not client._versions and not client._shm.revoke_pending
     node_end.close()
-    client._regions[0].close()
+    client._shm.cache_regions[0].close()

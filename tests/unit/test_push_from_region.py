@@ -191,7 +191,7 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
     import types
 
     from shardline.services.errors import ShardlineConfigError
-    from shardline.worker.client import Client, _region_holding
+    from shardline.worker.shm_exchange import region_holding, share_region
 
     s = spec()
     s.tensors.add(name="b", shape=[3], dtype="float32", trainable=True)
@@ -199,19 +199,19 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
     client = shm_client(s)
     w = client.gradient_buffer("w")
     assert w.shape == (2 * BLOCK,) and w.dtype == torch.float32 and not w.any()
-    assert client.gradient_buffer("w") is w and len(client._grad_regions) == 1
-    region = client._grad_regions[0]
+    assert client.gradient_buffer("w") is w and len(client._shm.grad_regions) == 1
+    region = client._shm.grad_regions[0]
     assert region.offset_of(w) == 0 and region.offset_of(client.gradient_buffer("b")) == 2 * BLOCK * 4
     with pytest.raises(ShardlineConfigError, match="no trainable tensor 'frozen'"):
         client.gradient_buffer("frozen")
     shared = []
     conn = types.SimpleNamespace(sock=types.SimpleNamespace(share_region=shared.append))
-    assert _region_holding(client._grad_regions, w[BLOCK:].data_ptr(), BLOCK * 4) == (region, BLOCK * 4)
-    assert _region_holding(client._grad_regions, torch.zeros(BLOCK).data_ptr(), BLOCK * 4) is None
-    assert _region_holding(client._grad_regions, region.address + region.size - 4, 8) is None   # runs past its end
-    assert _region_holding(client._grad_regions, region.address - 4, 8) is None                 # starts before it
+    assert region_holding(client._shm.grad_regions, w[BLOCK:].data_ptr(), BLOCK * 4) == (region, BLOCK * 4)
+    assert region_holding(client._shm.grad_regions, torch.zeros(BLOCK).data_ptr(), BLOCK * 4) is None
+    assert region_holding(client._shm.grad_regions, region.address + region.size - 4, 8) is None   # runs past its end
+    assert region_holding(client._shm.grad_regions, region.address - 4, 8) is None                 # starts before it
     noted = set()
-    Client._share_region(conn, region, noted)
+    share_region(conn, region, noted)
     assert shared == [region] and noted == {region.id}
     region.close()
 
@@ -219,7 +219,7 @@ def test_gradient_buffers_share_one_region_and_pushes_of_them_name_it(shm_client
 def test_without_shm_the_gradient_buffers_are_ordinary_memory(offline_client):
     client = offline_client(spec())
     w = client.gradient_buffer("w")
-    assert w.shape == (2 * BLOCK,) and not w.any() and not client._grad_regions
+    assert w.shape == (2 * BLOCK,) and not w.any() and not client._shm.grad_regions
 
 
 # --- the frame rules ---------------------------------------------------------------------------------
