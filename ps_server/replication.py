@@ -58,7 +58,7 @@ from shardline.services.placement import place
 from shardline.ps_server.store import Handover, JobStore, StoreError
 from shardline.services import failpoints, frame
 from shardline.services.dataplane_client import DataPlaneConnection
-from shardline.services.errors import RemoteError, ShardlineConnectionError, ShardlineError
+from shardline.services.errors import ErrorCode, RemoteError, ShardlineConnectionError, ShardlineError
 from shardline.services.pb import dataplane_pb2 as dp
 
 log = logging.getLogger("shardline.ps.replication")
@@ -455,7 +455,7 @@ class Replicator:
     def _acked(self, pending: _Pending, peer: str, round_: int):
         def done(error: Exception | None, _reply) -> None:
             if error is not None:
-                if isinstance(error, RemoteError) and error.code == "NOT_OWNER":
+                if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_OWNER:
                     # The peer routes with a newer epoch: this node may be deposed; learn it. The
                     # blocks it lost there never become visible here: their new primary lacks this
                     # step and takes it from the handover (JobStore.accept_handover).
@@ -597,7 +597,7 @@ class Replicator:
             numel = job.expected_numel(*key)
             if ref.copy:  # the previous primary's copy of the block named by the ref before it
                 if not items or items[-1].key != key or ref.numel != codec.packed_numel(numel) or ref.dtype != dp.FLOAT32:
-                    raise StoreError("INVALID_ARGUMENT", f"handover copy of {ref.tensor}[{ref.index}] must follow its "
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover copy of {ref.tensor}[{ref.index}] must follow its "
                                                          f"block's ref and hold {codec.packed_numel(numel)} float32")
                 flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
                 offset += ref.nbytes
@@ -606,7 +606,7 @@ class Replicator:
             if ref.previous:  # the value from before the last step of the block named by the ref before it
                 if not items or items[-1].key != key or ref.numel != numel or ref.dtype != dp.FLOAT32 \
                         or ref.base_version >= items[-1].version:
-                    raise StoreError("INVALID_ARGUMENT", f"handover previous value of {ref.tensor}[{ref.index}] must "
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover previous value of {ref.tensor}[{ref.index}] must "
                                                          f"follow its block's ref, hold {numel} float32 and be older")
                 value = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
                 offset += ref.nbytes
@@ -615,13 +615,13 @@ class Replicator:
             grad = None
             if not ref.zero:
                 if ref.numel != numel or ref.dtype != dp.FLOAT32:
-                    raise StoreError("INVALID_ARGUMENT", f"handover of {ref.tensor}[{ref.index}] has {ref.numel} "
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover of {ref.tensor}[{ref.index}] has {ref.numel} "
                                                          f"elements, expected {numel} float32")
                 grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
                 offset += ref.nbytes
             ranks = tuple(int(r) for r in ref.ranks)
             if any(r >= job.world_size for r in ranks):
-                raise StoreError("INVALID_ARGUMENT", f"handover of {ref.tensor}[{ref.index}] names ranks {list(ranks)}, "
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover of {ref.tensor}[{ref.index}] names ranks {list(ranks)}, "
                                                      f"the job has {job.world_size}")
             items.append(Handover(key, int(ref.step), grad, ranks, int(ref.version)))
         job.accept_handover(header.node, items)
@@ -653,7 +653,7 @@ class Replicator:
             self._handle_handover(job, header, payload)
             return
         if header.staged and header.sync_reply:
-            raise StoreError("INVALID_ARGUMENT", "a sync reply carries no copies stepped ahead")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, "a sync reply carries no copies stepped ahead")
         view = self.node.routing
         placement = place(view, job.spec)
         codec = self.codec(job)
@@ -661,23 +661,23 @@ class Replicator:
         # copies and gradients travel as float32 runs; a run of another dtype would be misread
         bad = next((ref for ref in header.blocks if ref.nbytes and ref.dtype != dp.FLOAT32), None)
         if bad is not None:
-            raise StoreError("INVALID_ARGUMENT", f"copy of {bad.tensor}[{bad.index}] is not float32 (dtype {bad.dtype})")
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {bad.tensor}[{bad.index}] is not float32 (dtype {bad.dtype})")
         offset = 0
         for ref in header.blocks:
             key = (ref.tensor, ref.index)
             numel = job.expected_numel(*key)
             if not header.sync_reply and placement.primary(key) != sender:
-                raise StoreError("NOT_OWNER", f"node {sender!r} is not the primary of {ref.tensor}[{ref.index}] at "
+                raise StoreError(ErrorCode.NOT_OWNER, f"node {sender!r} is not the primary of {ref.tensor}[{ref.index}] at "
                                               f"epoch {view.epoch}")
             if ref.replay:
                 if header.sync_reply or not job.replays_gradients:
-                    raise StoreError("INVALID_ARGUMENT", f"a gradient to replay for {ref.tensor}[{ref.index}] in a frame "
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"a gradient to replay for {ref.tensor}[{ref.index}] in a frame "
                                                          f"that cannot carry one (a sync reply, or a job without "
                                                          f"replicate_gradients)")
                 grad = None
                 if not ref.zero:
                     if ref.numel != numel:
-                        raise StoreError("INVALID_ARGUMENT", f"gradient of {ref.tensor}[{ref.index}] has {ref.numel} "
+                        raise StoreError(ErrorCode.INVALID_ARGUMENT, f"gradient of {ref.tensor}[{ref.index}] has {ref.numel} "
                                                              f"elements, expected {numel}")
                     grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset)
                     offset += ref.nbytes
@@ -687,7 +687,7 @@ class Replicator:
                 carried.append((key, ref.version, ref.step))
                 continue
             if ref.numel != codec.packed_numel(numel):
-                raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] has {ref.numel} elements, "
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {ref.tensor}[{ref.index}] has {ref.numel} elements, "
                                                      f"expected {codec.packed_numel(numel)}")
             flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
             offset += ref.nbytes
@@ -709,7 +709,7 @@ class Replicator:
             # answer; ask it at once for full copies of what is lacking (a sync, which makes this
             # node an in-sync holder again) rather than waiting for the next routing change.
             lacking = getattr(exc, "keys", None)
-            if exc.code == "UNAVAILABLE" and lacking and not header.sync_reply:
+            if exc.code == ErrorCode.UNAVAILABLE and lacking and not header.sync_reply:
                 self._ask_sync(job, sender, [self._holding_ref(job, key) for key in lacking])
             raise
         if not header.sync_reply:
@@ -717,7 +717,7 @@ class Replicator:
             # changed meanwhile): the copy was not installed, so the sender must not count it as held.
             taken = job.applied_here([(r.tensor, r.index) for r in header.blocks])
             if taken:
-                raise StoreError("NOT_OWNER", f"node {sender!r} is no longer the primary of {taken[0][0]}[{taken[0][1]}]: "
+                raise StoreError(ErrorCode.NOT_OWNER, f"node {sender!r} is no longer the primary of {taken[0][0]}[{taken[0][1]}]: "
                                               f"this node applies it now")
         if header.last:
             with self._lock:
