@@ -45,275 +45,35 @@ from __future__ import annotations
 
 import itertools
 import logging
-import queue
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from shardline.services.placement import place
+from shardline.ps_server.replication_codec import BlockCodec, copy_refs, stepped_refs
+from shardline.ps_server.replication_links import PeerLinks, Send
+from shardline.ps_server.replication_progress import (HolderProgress, JobReplication, StepAcks, SyncWait,
+                                                      plan_step)
 from shardline.ps_server.store import Handover, JobStore, StoreError
 from shardline.services import failpoints, frame
-from shardline.services.dataplane_client import DataPlaneConnection
-from shardline.services.errors import ErrorCode, RemoteError, ShardlineConnectionError, ShardlineError
+from shardline.services.errors import ErrorCode, RemoteError
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.placement import place
 
 log = logging.getLogger("shardline.ps.replication")
 
-REPLICATION_TIMEOUT_SECONDS = 10.0
-CONNECT_TIMEOUT_SECONDS = 5.0
 # Blocks per OP_REPLICATE frame of a sync (bounds a frame; the link sends them in order).
 SYNC_BATCH_BYTES = 64 << 20
-
-
-# --- block codec --------------------------------------------------------------------------
-class BlockCodec:
-    """Packs a block's value and optimizer state into one float32 run and back.
-
-    Layout: the value, then the state entries in sorted key order: tensors as float32 (a 0-dim
-    tensor as one element), ints as the 8 bytes of an int64 (two float32 slots, bit for bit).
-    """
-
-    def __init__(self, job: JobStore):
-        self.optimizer = job.optimizer
-        template = job.optimizer.init_state(2)
-        self.entries = []  # (key, kind, elements per block element or fixed count)
-        for key in sorted(template):
-            value = template[key]
-            if isinstance(value, torch.Tensor):
-                self.entries.append((key, "scalar" if value.dim() == 0 else "vector"))
-            else:
-                self.entries.append((key, "int"))
-
-    def packed_numel(self, numel: int) -> int:
-        return numel + sum({"scalar": 1, "vector": numel, "int": 2}[kind] for _k, kind in self.entries)
-
-    def pack(self, value: torch.Tensor, state: dict) -> list[memoryview]:
-        parts = [frame.tensor_bytes(value)]
-        for key, kind in self.entries:
-            item = state[key]
-            if kind == "int":
-                parts.append(memoryview(int(item).to_bytes(8, "little", signed=True)))
-            else:
-                parts.append(frame.tensor_bytes(item.reshape(-1) if kind == "vector" else item.reshape(1)))
-        return parts
-
-    def unpack(self, numel: int, flat: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats."""
-        value = flat[:numel].clone()
-        offset = numel
-        state = {}
-        for key, kind in self.entries:
-            if kind == "vector":
-                state[key] = flat[offset:offset + numel].clone()
-                offset += numel
-            elif kind == "scalar":
-                state[key] = flat[offset:offset + 1].clone().reshape(())
-                offset += 1
-            else:
-                state[key] = int.from_bytes(flat[offset:offset + 2].numpy().tobytes(), "little", signed=True)
-                offset += 2
-        return value, state
-
-
-def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
-    """BlockRefs and payload parts (views of the blocks) for ``items`` of (key, block)."""
-    refs, payloads = [], []
-    for (tensor, index), block in items:
-        numel = block.value.numel()
-        packed = codec.packed_numel(numel)
-        refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
-                                version=block.version, step=block.step))
-        payloads.extend(codec.pack(block.value, block.state))
-    return refs, payloads
-
-
-def stepped_refs(codec: BlockCodec, items, *, replay: bool = True) -> tuple[list, list]:
-    """BlockRefs and payload parts for stepped ``items`` of (key, block): a copy of each
-    (copy_refs), or, for a block carrying a ``replay`` (replicate_gradients) when ``replay``
-    allows, the gradient its holders step it with (gradient_refs)."""
-    replayed = [(k, b) for k, b in items if replay and b.replay is not None]
-    refs, payloads = copy_refs(codec, [(k, b) for k, b in items if not (replay and b.replay is not None)])
-    replay_refs, replay_payloads = gradient_refs(replayed)
-    return refs + replay_refs, payloads + replay_payloads
-
-
-def gradient_refs(items) -> tuple[list, list]:
-    """BlockRefs and payload parts for ``items`` of (key, block) whose step the holders replay
-    (Block.replay: the version it was stepped from, its mean gradient, the lr)."""
-    refs, payloads = [], []
-    for (tensor, index), block in items:
-        base, grad, lr = block.replay
-        ref = dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, version=block.version, step=block.step,
-                          base_version=base, lr=lr, replay=True)
-        if grad is None:
-            ref.zero = True
-        else:
-            ref.numel, ref.nbytes = grad.numel(), grad.numel() * 4
-            payloads.append(frame.tensor_bytes(grad))
-        refs.append(ref)
-    return refs, payloads
-
-
-# --- links to peers -------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Send:
-    header: frame.FrameHeader
-    payloads: Callable[[], list] | list
-    done: Callable[[Exception | None, frame.FrameHeader | None], None] | None = None
-
-
-class PeerLink(threading.Thread):
-    """Frames to one peer node, in order, on one connection (one sender thread). A failed send is
-    retried on a fresh connection until ``replication_timeout``; then its ``done`` gets the error."""
-
-    def __init__(self, peer: str, address_of: Callable[[str], str | None], transport, token: bytes | None,
-                 timeout: float):
-        super().__init__(name=f"replicate-{peer}", daemon=True)
-        self.peer = peer
-        self._address_of = address_of
-        self._transport = transport
-        self._token = token
-        self.timeout = timeout
-        self.queue: "queue.Queue[_Send | None]" = queue.Queue()
-        self._conn: DataPlaneConnection | None = None
-        self.start()
-
-    def send(self, item: _Send) -> None:
-        self.queue.put(item)
-
-    def close(self) -> None:
-        self.queue.put(None)
-
-    def barrier(self) -> threading.Event:
-        """An event set once every frame queued before it was sent (or given up on)."""
-        reached = threading.Event()
-        self.queue.put(reached)
-        return reached
-
-    def run(self) -> None:
-        while True:
-            item = self.queue.get()
-            if item is None:
-                if self._conn is not None:
-                    self._conn.close()
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            error, reply = None, None
-            deadline = time.monotonic() + self.timeout
-            while True:
-                try:
-                    conn = self._connection()
-                    payloads = item.payloads() if callable(item.payloads) else item.payloads
-                    reply = conn.request(item.header, payloads, timeout=self.timeout)
-                    error = None
-                    break
-                except RemoteError as exc:  # the peer answered: no point retrying
-                    error = exc
-                    break
-                except (ShardlineError, OSError) as exc:
-                    error = exc
-                    self._conn = None
-                    if time.monotonic() >= deadline or self._address_of(self.peer) is None:
-                        break  # out of time, or the peer left the routing table (declared dead)
-                    time.sleep(0.2)
-            if item.done is not None:
-                try:
-                    item.done(error, reply)
-                except Exception:  # a callback bug must not stop the link
-                    log.exception("replication callback failed")
-
-    def abandon_if_gone(self) -> None:
-        """From another thread, after a routing change: a peer that left the routing table
-        (declared dead, drained) is not waited for. The frame in flight on its connection fails
-        at once (its ``done`` gets the error: its holder is dropped, the step's visibility goes on)
-        instead of after ``replication_timeout``."""
-        conn = self._conn
-        if conn is not None and self._address_of(self.peer) is None:
-            log.info("node %s left the routing table: its replication link gives up the frame in flight", self.peer)
-            conn.abort()
-
-    def _connection(self) -> DataPlaneConnection:
-        if self._conn is None:
-            address = self._address_of(self.peer)
-            if address is None:
-                raise ShardlineConnectionError(f"node {self.peer!r} is not in the routing table")
-            self._conn = DataPlaneConnection(address, self._transport, CONNECT_TIMEOUT_SECONDS, self._token)
-        return self._conn
-
-
-class PeerLinks:
-    """One PeerLink per peer, created on first use."""
-
-    def __init__(self, address_of: Callable[[str], str | None], transport, token: bytes | None,
-                 timeout: float = REPLICATION_TIMEOUT_SECONDS):
-        self._address_of = address_of
-        self._transport = transport
-        self._token = token
-        self.timeout = timeout
-        self._links: dict[str, PeerLink] = {}
-        self._lock = threading.Lock()
-
-    def link(self, peer: str) -> PeerLink:
-        with self._lock:
-            link = self._links.get(peer)
-            if link is None or not link.is_alive():
-                link = self._links[peer] = PeerLink(peer, self._address_of, self._transport, self._token, self.timeout)
-            return link
-
-    def abandon_gone(self) -> None:
-        """After a routing change: links to peers that left it give up the frame in flight."""
-        with self._lock:
-            links = list(self._links.values())
-        for link in links:
-            link.abandon_if_gone()
-
-    def flush(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s until every frame queued so far went out; False if some did not."""
-        with self._lock:
-            barriers = [link.barrier() for link in self._links.values() if link.is_alive()]
-        deadline = time.monotonic() + timeout
-        return all(b.wait(max(0.0, deadline - time.monotonic())) for b in barriers)
-
-    def close(self) -> None:
-        with self._lock:
-            for link in self._links.values():
-                link.close()
-            self._links.clear()
-
-
-# --- the primary's side -----------------------------------------------------------------------
-@dataclass(eq=False)
-class _Pending:
-    """An applied step waiting for its copy holders' acknowledgements."""
-
-    job: JobStore
-    step: int
-    blocks: list
-    waiting: set = field(default_factory=set)
-    deposed: bool = False   # a holder answered NOT_OWNER: only blocks still applied here become visible
-
-
-@dataclass
-class _SyncWait:
-    """Applied blocks none of whose copy holders is in sync yet (a new primary whose replicas
-    have not asked for their sync): visible once one of ``peers`` completes a sync, which
-    carries them, or once none of ``peers`` is in the routing any more."""
-
-    step: int
-    blocks: list
-    peers: set
 
 
 class Replicator:
     """Replication of one node: the primary's sender side and the copy holder's receiving side.
 
-    ``node`` is the PSNode (routing, jobs); ``links`` the PeerLinks to other nodes.
+    ``node`` is the PSNode (routing, jobs); ``links`` the PeerLinks to other nodes. What it tracks
+    per job is one ``JobReplication`` (replication_progress.py), read and moved under ``_lock``.
     """
 
     def __init__(self, node, links: PeerLinks, *, metrics=None):
@@ -321,22 +81,10 @@ class Replicator:
         self.links = links
         self.metrics = metrics
         self._lock = threading.Lock()
-        # job -> copy holder in sync with this primary -> the sync round that made it so (a failure of
-        # a frame of an older round, e.g. to the holder's previous process, must not drop a newer one)
-        self._in_sync: dict[str, dict[str, int]] = {}
+        self._jobs: dict[str, JobReplication] = {}
         self._rounds = itertools.count(1)
         self._codecs: dict[str, BlockCodec] = {}
         self._request_ids = itertools.count(1)
-        # copy holder side: job -> node asked -> epoch the sync was asked at (until it completes)
-        self._asked: dict[str, dict[str, int]] = {}
-        # job -> key this node applies but still lacks -> the previous holders to ask, the one
-        # asked now first (a holder whose sync answer lacks the key hands the fetch to the next)
-        self._fetching: dict[str, dict[tuple, list[str]]] = {}
-        self._failed: set[str] = set()          # jobs whose sync requests failed: asked again
-        self._unowned: dict[str, dict] = {}    # job -> key -> when it stopped being owned here
-        self._sync_waits: dict[str, list[_SyncWait]] = {}
-        # job -> key -> (Staged, {holder: in-sync round}): copies of blocks stepped ahead, sent
-        self._sent_ahead: dict[str, dict] = {}
 
     def codec(self, job: JobStore) -> BlockCodec:
         codec = self._codecs.get(job.name)
@@ -350,27 +98,51 @@ class Replicator:
 
     def forget(self, name: str) -> None:
         with self._lock:
-            for table in (self._in_sync, self._codecs, self._asked, self._fetching, self._unowned, self._sync_waits,
-                          self._sent_ahead):
-                table.pop(name, None)
+            self._jobs.pop(name, None)
+            self._codecs.pop(name, None)
+
+    def _job(self, name: str) -> JobReplication:
+        """The job's record (``_lock`` held)."""
+        record = self._jobs.get(name)
+        if record is None:
+            record = self._jobs[name] = JobReplication()
+        return record
 
     def in_sync(self, name: str) -> dict[str, int]:
-        """Copy holders in sync for job ``name`` and the round each joined in."""
+        """Copy holders that are sent every applied step of job ``name`` (SYNCING or IN_SYNC),
+        and the round each joined in."""
         with self._lock:
-            return dict(self._in_sync.get(name, {}))
+            record = self._jobs.get(name)
+            return record.replicating() if record is not None else {}
 
-    def _add_holder(self, name: str, peer: str) -> int:
+    def progress(self, name: str, peer: str) -> HolderProgress:
+        """``peer``'s state as a copy holder of job ``name``."""
         with self._lock:
-            round_ = next(self._rounds)
-            self._in_sync.setdefault(name, {})[peer] = round_
-            return round_
+            record = self._jobs.get(name)
+            return record.progress(peer) if record is not None else HolderProgress()
+
+    def _move(self, name: str, peer: str, transition: Callable[[HolderProgress], HolderProgress]) -> HolderProgress:
+        """Apply ``transition`` to ``peer``'s progress; returns the new one."""
+        with self._lock:
+            record = self._job(name)
+            after = transition(record.progress(peer))
+            record.move(peer, after)
+            return after
+
+    def _join(self, name: str, peer: str, how: Callable[[HolderProgress, int], HolderProgress]) -> int:
+        """``peer`` starts a new round (a sync asked, initial values sent); returns it."""
+        round_ = next(self._rounds)
+        self._move(name, peer, lambda progress: how(progress, round_))
+        return round_
 
     def drop_holder(self, name: str, peer: str, why: str, round_: int | None = None) -> None:
         with self._lock:
-            holders = self._in_sync.get(name)
-            if holders is None or peer not in holders or (round_ is not None and holders[peer] != round_):
+            record = self._jobs.get(name)
+            before = record.progress(peer) if record is not None else HolderProgress()
+            after = before.failed(round_)
+            if after is before:
                 return
-            del holders[peer]
+            record.move(peer, after)
         log.warning("job %s: node %s dropped from the in-sync copy holders: %s", name, peer, why)
 
     def _header(self, op: int, job: JobStore, **fields) -> frame.FrameHeader:
@@ -385,61 +157,46 @@ class Replicator:
         placement = place(self.node.routing, job.spec)
         me = self.node.node_id
         by_peer: dict[str, list] = {}
-        sent = {}
         for key, staged in items:
-            peers = [p for p in placement.copies_of(key) if p != me and p in holders]
             copy = SimpleNamespace(value=staged.value, state=staged.state, version=staged.step + 1, step=staged.step + 1,
                                    replay=staged.replay)
-            for peer in peers:
-                by_peer.setdefault(peer, []).append((key, copy))
-            if peers:
-                sent[key] = (staged, {peer: holders[peer] for peer in peers})
+            for peer in placement.copies_of(key):
+                if peer != me and peer in holders:
+                    by_peer.setdefault(peer, []).append((key, copy, staged))
         with self._lock:
-            self._sent_ahead.setdefault(job.name, {}).update(sent)
-        for peer, copies in by_peer.items():
-            refs, payloads = stepped_refs(self.codec(job), copies)
-            header = self._header(dp.OP_REPLICATE, job, step=copies[0][1].step, blocks=refs, staged=True,
+            record = self._job(job.name)
+            for peer, sent in by_peer.items():
+                progress = record.progress(peer)
+                if progress.round == holders[peer]:  # still the round they are sent in
+                    progress.sent_ahead.update((key, staged) for key, _copy, staged in sent)
+        for peer, sent in by_peer.items():
+            refs, payloads = stepped_refs(self.codec(job), [(key, copy) for key, copy, _staged in sent])
+            header = self._header(dp.OP_REPLICATE, job, step=sent[0][1].step, blocks=refs, staged=True,
                                   payload_bytes=sum(r.nbytes for r in refs))
-            self.links.link(peer).send(_Send(header, payloads))  # a failure shows at the step's frame
+            self.links.link(peer).send(Send(header, payloads))  # a failure shows at the step's frame
 
     # apply hook (the job lock is held): send copies of what was applied, wait for the acks
     def on_applied(self, job: JobStore, step: int, items: list) -> bool:
         failpoints.hit("ps.after_apply", step)
         holders = self.in_sync(job.name)
-        placement = place(self.node.routing, job.spec)
-        me = self.node.node_id
-        by_peer: dict[str, list] = {}
-        protected = []                      # visible once the in-sync holders acknowledged them
-        unprotected, unsynced = [], set()   # no copy holder in sync: the step would have one copy
-        for key, block in items:
-            peers = [p for p in placement.copies_of(key) if p != me]
-            synced = [p for p in peers if p in holders]
-            for peer in synced:
-                by_peer.setdefault(peer, []).append((key, block))
-            if peers and not synced:
-                unprotected.append(block)
-                unsynced.update(peers)
-            else:
-                protected.append(block)
-        if unprotected:
+        plan = plan_step(items, place(self.node.routing, job.spec).copies_of, self.node.node_id, set(holders))
+        if plan.unprotected:  # no copy holder in sync: the step would have one copy
             with self._lock:
-                self._sync_waits.setdefault(job.name, []).append(_SyncWait(step, unprotected, unsynced))
-        if not by_peer:
-            if unprotected:  # the rest is visible now; those wait for a holder's sync
-                job.mark_visible(protected, step + 1)
-            return bool(unprotected)
-        pending = _Pending(job, step, protected, set(by_peer))
-        rounds = {peer: holders[peer] for peer in by_peer}
+                self._job(job.name).sync_waits.append(SyncWait(step, plan.unprotected, plan.unsynced))
+        if not plan.by_peer:
+            if plan.unprotected:  # the rest is visible now; those wait for a holder's sync
+                job.mark_visible(plan.protected, step + 1)
+            return bool(plan.unprotected)
+        acks = StepAcks(job, step, plan.protected, set(plan.by_peer))
         copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
         with self._lock:
-            table = self._sent_ahead.get(job.name, {})
-            ahead = {key: table.pop(key) for key, _block in items if key in table}
+            ahead = self._job(job.name).take_sent_ahead(key for key, _block in items)
 
         def sent_ahead(key, block, peer) -> bool:  # the peer holds this very step of the block already
-            staged, peers = ahead.get(key, (None, {}))
-            return staged is not None and block.value is staged.value and peers.get(peer) == rounds[peer]
+            staged = ahead.get(peer, {}).get(key)
+            return staged is not None and block.value is staged.value
 
-        for peer, items in by_peer.items():
+        for peer, items in plan.by_peer.items():
             stepped = [(k, b) for k, b in items if b.version == step + 1 and not sent_ahead(k, b, peer)]
             carried = [(k, b) for k, b in items if b.version != step + 1 or sent_ahead(k, b, peer)]
             refs, payloads = stepped_refs(self.codec(job), stepped, replay=not copy)
@@ -449,10 +206,10 @@ class Replicator:
                 refs.append(dp.BlockRef(tensor=key[0], index=key[1], zero=True, version=block.version, step=block.step))
             header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs,
                                   payload_bytes=sum(r.nbytes for r in refs))
-            self.links.link(peer).send(_Send(header, payloads, self._acked(pending, peer, rounds[peer])))
+            self.links.link(peer).send(Send(header, payloads, self._acked(acks, peer, holders[peer])))
         return True
 
-    def _acked(self, pending: _Pending, peer: str, round_: int):
+    def _acked(self, pending: StepAcks, peer: str, round_: int):
         def done(error: Exception | None, _reply) -> None:
             if error is not None:
                 if isinstance(error, RemoteError) and error.code == ErrorCode.NOT_OWNER:
@@ -490,9 +247,10 @@ class Replicator:
                 payloads = [bytes(p) for p in payloads]
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
                                       payload_bytes=sum(r.nbytes for r in refs))
-                round_ = self._add_holder(job.name, peer) if holders is None or peer in holders else None
+                round_ = (self._join(job.name, peer, HolderProgress.initialized) if holders is None or peer in holders
+                          else None)
                 event = threading.Event()
-                self.links.link(peer).send(_Send(header, payloads, self._init_done(job, peer, event, round_)))
+                self.links.link(peer).send(Send(header, payloads, self._init_done(job, peer, event, round_)))
                 waits.append(event)
         for event in waits:
             event.wait(self.links.timeout * 2)
@@ -527,7 +285,7 @@ class Replicator:
                     batches.append(batch)
                     batch, size = [], 0
             batches.append(batch)
-            round_ = self._add_holder(job.name, requester)
+            round_ = self._join(job.name, requester, HolderProgress.sync_asked)
             link = self.links.link(requester)
             for n, batch in enumerate(batches):
                 refs_out, payloads = copy_refs(codec, batch)
@@ -535,7 +293,7 @@ class Replicator:
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs_out,
                                       payload_bytes=sum(r.nbytes for r in refs_out), last=n == len(batches) - 1,
                                       sync_reply=True, sync_epoch=asked_epoch)
-                link.send(_Send(header, payloads, self._sync_sent(job, requester, round_, last=n == len(batches) - 1)))
+                link.send(Send(header, payloads, self._sync_sent(job, requester, round_, last=n == len(batches) - 1)))
 
     def hand_over(self, job: JobStore, handovers: list) -> None:
         """Send each lost block's new primary what this node collected of the step in flight
@@ -579,7 +337,7 @@ class Replicator:
             if carried:
                 log.info("job %s: handing %d block(s) with gradients of the step in flight over to %s",
                          job.name, carried, peer)
-            self.links.link(peer).send(_Send(header, payloads, self._handed(job, peer)))
+            self.links.link(peer).send(Send(header, payloads, self._handed(job, peer)))
 
     @staticmethod
     def _handed(job: JobStore, peer: str):
@@ -631,16 +389,16 @@ class Replicator:
             if error is not None:
                 self.drop_holder(job.name, peer, f"sync failed: {error}", round_)
             elif last:
+                self._move(job.name, peer, lambda progress: progress.sync_answered(round_))
                 self.release_sync_waits(job, lambda peers: peer in peers)
         return done
 
-    def release_sync_waits(self, job: JobStore, released: Callable[[set], bool]) -> None:
+    def release_sync_waits(self, job: JobStore, released: Callable[[frozenset], bool]) -> None:
         """Make visible the blocks waiting for a copy holder's sync whose ``peers`` satisfy
         ``released`` (one of them synced, or none is left in the routing)."""
         with self._lock:
-            waits = self._sync_waits.get(job.name, [])
-            done = [w for w in waits if released(w.peers)]
-            self._sync_waits[job.name] = [w for w in waits if not released(w.peers)] if done else waits
+            record = self._jobs.get(job.name)
+            done = record.release_sync_waits(released) if record is not None else []
         for wait in done:
             job.mark_visible(wait.blocks, wait.step + 1)
 
@@ -720,14 +478,7 @@ class Replicator:
                 raise StoreError(ErrorCode.NOT_OWNER, f"node {sender!r} is no longer the primary of {taken[0][0]}[{taken[0][1]}]: "
                                               f"this node applies it now")
         if header.last:
-            with self._lock:
-                asked = self._asked.get(job.name, {})
-                if asked.get(sender) == header.sync_epoch:  # the answer to the current request
-                    del asked[sender]
-            ask_next = self._answered_fetch(job, sender)
-            self.node.on_synced(job, sender)
-            for node, refs in ask_next.items():
-                self._ask_sync(job, node, refs)
+            self._sync_answered(job, sender, header.sync_epoch)
 
     # --- which copies to bring in sync ------------------------------------------------------------
     def resync(self, job: JobStore, placement, primary: set, copies: set, previous, poke=()) -> None:
@@ -754,60 +505,35 @@ class Replicator:
                     holders = [n for n in before.owners.get(key, ()) if n != me and n in self.node.routing.nodes]
                     if holders:
                         missing[key] = holders
-            now = time.monotonic()
-            held = set(job.blocks)
             with self._lock:
-                unowned = self._unowned.setdefault(job.name, {})
-                for key in held - primary - copies:
-                    unowned.setdefault(key, now)
-                for key in list(unowned):
-                    if key in primary or key in copies:
-                        del unowned[key]
-                fetching = self._fetching.setdefault(job.name, {})
-                for key in list(fetching):
-                    # Still missing from an earlier change: asked again of a holder still routed.
-                    holders = [n for n in fetching.pop(key) if n in routed and n != me]
-                    if key in primary and key not in job.blocks and holders and key not in missing:
-                        missing[key] = holders
-                fetching.update(missing)
-                for key, holders in missing.items():
-                    by_node.setdefault(holders[0], []).append(self._holding_ref(job, key))
-                # A new routing: only syncs asked under it count (older answers may predate it).
-                self._asked[job.name] = {node: epoch for node in by_node}
+                fetch = self._job(job.name).plan_resync(
+                    held=set(job.blocks), primary=primary, copies=copies, missing=missing, routed=routed, me=me,
+                    now=time.monotonic(), epoch=epoch, asked=by_node)
+            for node, keys in fetch.items():
+                by_node.setdefault(node, []).extend(self._holding_ref(job, key) for key in keys)
         for node, refs in by_node.items():
             self._ask_sync(job, node, refs)
 
     def _ask_sync(self, job: JobStore, node: str, refs: list) -> None:
         header = self._header(dp.OP_SYNC, job, blocks=refs)
-        self.links.link(node).send(_Send(header, [], self._sync_asked(job, node)))
+        self.links.link(node).send(Send(header, [], self._sync_asked(job, node)))
 
-    def _answered_fetch(self, job: JobStore, sender: str) -> dict[str, list]:
-        """``sender`` finished a sync answer: the blocks asked of it are fetched, or it lacks
-        them. A lacked block is asked of the next previous holder; with none left the fetch ends
-        (no node holds the block: a job not initialized yet, whose INIT brings it). Returns the
-        new requests, node -> refs."""
-        ask_next: dict[str, list] = {}
-        with job.cond, self._lock:
-            fetching = self._fetching.get(job.name)
-            if not fetching:
-                return ask_next
-            for key in list(fetching):
-                holders = fetching[key]
-                if key in job.blocks:
-                    del fetching[key]
-                elif holders and holders[0] == sender:
-                    holders.pop(0)
-                    if holders:
-                        ask_next.setdefault(holders[0], []).append(self._holding_ref(job, key))
-                    else:
-                        del fetching[key]
-                        log.info("job %s: no previous holder of %s[%d] has it (not initialized yet); not waiting for it",
-                                 job.name, key[0], key[1])
-            if ask_next:
-                asked = self._asked.setdefault(job.name, {})
-                for node in ask_next:
-                    asked[node] = self.node.routing.epoch
-        return ask_next
+    def _sync_answered(self, job: JobStore, sender: str, sync_epoch: int) -> None:
+        """The last frame of ``sender``'s sync answer was installed: the ask it answers ends, the
+        blocks fetched from it arrived or it lacks them. A lacked block is asked of the next
+        previous holder; with none left the fetch ends (no node holds the block: a job not
+        initialized yet, whose INIT brings it)."""
+        with job.cond:
+            with self._lock:
+                ask_next, abandoned = self._job(job.name).sync_answered(sender, sync_epoch, job.blocks,
+                                                                        self.node.routing.epoch)
+            requests = {node: [self._holding_ref(job, key) for key in keys] for node, keys in ask_next.items()}
+        for key in abandoned:
+            log.info("job %s: no previous holder of %s[%d] has it (not initialized yet); not waiting for it",
+                     job.name, key[0], key[1])
+        self.node.on_synced(job, sender)
+        for node, refs in requests.items():
+            self._ask_sync(job, node, refs)
 
     @staticmethod
     def _holding_ref(job: JobStore, key) -> dp.BlockRef:
@@ -822,14 +548,16 @@ class Replicator:
                 # Still not in sync: asked again (retry_failed) or after the next routing change.
                 log.warning("job %s: could not ask node %s for a sync (asking again): %s", job.name, node, error)
                 with self._lock:
-                    self._failed.add(job.name)
+                    self._job(job.name).resync_due = True
         return done
 
     def retry_failed(self) -> None:
         """Ask again for the syncs that failed (a peer at another epoch, a broken connection)."""
         with self._lock:
-            failed, self._failed = self._failed, set()
-        for name in failed:
+            due = [name for name, record in self._jobs.items() if record.resync_due]
+            for name in due:
+                self._jobs[name].resync_due = False
+        for name in due:
             job = self.node.store.get(name)
             if job is not None:
                 self.node.assign_roles(job)
@@ -838,30 +566,27 @@ class Replicator:
         """Whether this node still waits for blocks it applies (requests for them: UNAVAILABLE)."""
         job = self.node.store.get(name)
         with self._lock:
-            fetching = self._fetching.get(name)
-            if fetching and job is not None:
-                for key in [k for k in fetching if k in job.blocks]:  # arrived otherwise (an INIT)
-                    del fetching[key]
-            return bool(fetching)
+            record = self._jobs.get(name)
+            if record is None:
+                return False
+            return record.fetching(job.blocks if job is not None else ())
 
     def ready(self) -> bool:
         """Every sync this node asked for has completed (a pending ring change may switch)."""
         with self._lock:
-            names = [name for name, keys in self._fetching.items() if keys]
+            names = [name for name, record in self._jobs.items() if record.fetches]
         if any(self.fetching(name) for name in names):
             return False
         with self._lock:
-            return not any(self._asked.values())
+            return not any(record.asks for record in self._jobs.values())
 
     def sweep(self, grace: float = 10.0) -> None:
         """Drop copies that no owner role needed for ``grace`` seconds."""
         now = time.monotonic()
         for job in self.node.store.jobs():
             with self._lock:
-                unowned = self._unowned.get(job.name, {})
-                old = [key for key, since in unowned.items() if now - since > grace]
-                for key in old:
-                    del unowned[key]
+                record = self._jobs.get(job.name)
+                old = record.expired_unowned(now, grace) if record is not None else []
             if old:
                 job.drop_blocks(old)
                 log.info("job %s: dropped %d block copies this node no longer holds", job.name, len(old))

@@ -129,7 +129,7 @@ def test_a_handover_of_the_step_in_flight_still_carries_the_gradients():
 def test_a_copy_refused_as_not_owner_leaves_the_deposed_primary_invisible():
     """The old primary's step whose copy the new primary refused (NOT_OWNER) is not made visible
     there for the blocks it lost: a pull must not see a step no primary will hold if it dies."""
-    from shardline.ps_server.replication import _Pending
+    from shardline.ps_server.replication_progress import StepAcks
     from shardline.services.errors import RemoteError
 
     old = JobStore(make_job(lr=0.01))
@@ -141,7 +141,7 @@ def test_a_copy_refused_as_not_owner_leaves_the_deposed_primary_invisible():
     push_and_commit(old, 0)
     assert all(b.visible == 0 for b in old.blocks.values())
     blocks = [b for b in old.blocks.values()]
-    pending = _Pending(old, 0, blocks, {"new"})
+    pending = StepAcks(old, 0, blocks, {"new"})
     rep._acked(pending, "new", 1)(RemoteError("NOT_OWNER", "node 'old' is not the primary"), None)
     assert all(b.visible == 1 for k, b in old.blocks.items() if k in kept)
     assert all(b.visible == 0 for k, b in old.blocks.items() if k not in kept)

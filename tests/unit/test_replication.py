@@ -17,7 +17,8 @@ import torch
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.services.placement import place
-from shardline.ps_server.replication import PeerLink, PeerLinks, Replicator
+from shardline.ps_server.replication import Replicator
+from shardline.ps_server.replication_links import PeerLink, PeerLinks, Send
 from shardline.ps_server.store import PushItem, StoreError
 from shardline.services import frame
 from shardline.services.blocks import block_slices
@@ -410,8 +411,9 @@ def test_a_step_no_copy_holder_holds_yet_stays_invisible_until_one_synced(initia
     bus, cluster = start(nodes=2, initial=initial)
     grads = gradients(3)
     run_steps(cluster, grads[:1])
-    for node in bus.nodes.values():
-        node.replicator._in_sync["job"] = {}         # as right after a switch: nobody asked yet
+    for node in bus.nodes.values():                  # as right after a switch: nobody asked yet
+        for peer in node.replicator.in_sync("job"):
+            node.replicator.drop_holder("job", peer, "not asked yet")
     g0, g1 = grads[1]
     cluster.push(0, g0)
     cluster.push(1, g1)
@@ -546,18 +548,16 @@ def test_flush_waits_for_every_frame_queued_before_it():
     leaving the ring sends its handovers before it exits); False after the timeout otherwise."""
     import threading
 
-    from shardline.ps_server.replication import _Send
-
     done, release = [], threading.Event()
     links = PeerLinks(lambda peer: None, transport="tcp", token=None, timeout=0.05)  # no address: given up at once
     header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j")
     try:
         for peer in ("ps1", "ps2"):
             for _ in range(3):
-                links.link(peer).send(_Send(header, [], lambda error, reply, peer=peer: done.append((peer, error))))
+                links.link(peer).send(Send(header, [], lambda error, reply, peer=peer: done.append((peer, error))))
         assert links.flush(5.0)
         assert len(done) == 6 and all(error is not None for _peer, error in done)
-        links.link("ps1").send(_Send(header, [], lambda error, reply: release.wait(5)))  # a send that hangs
+        links.link("ps1").send(Send(header, [], lambda error, reply: release.wait(5)))  # a send that hangs
         assert not links.flush(0.2)
     finally:
         release.set()
