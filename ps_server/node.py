@@ -110,7 +110,7 @@ def _refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
     read) the same block's bytes again. (A handover's copy of a block and its value from before
     its last step are its second and third parts, flagged.)"""
-    seen, handover = set(), header.handover
+    seen, handover = set(), header.replicate_kind == dp.REPLICATE_HANDOVER
     for ref in header.blocks:
         key = (ref.tensor, ref.index, handover and ref.copy, handover and ref.previous)
         if key in seen:
@@ -473,7 +473,8 @@ class PSNode:
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
-        if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE and header.sync_reply):
+        if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE
+                                                 and header.replicate_kind in frame.SYNC_ANSWER_KINDS):
             raise NotOwner(f"{'node ' + repr(header.node) if peer_op else 'client'} routes with epoch {header.epoch}, "
                            f"node is at epoch {routing.epoch}", routing.epoch)
         if peer_op:
@@ -481,7 +482,8 @@ class PSNode:
             # that the payload is no larger than copies of these blocks can be.
             for ref in header.blocks:
                 numel = job.expected_numel(ref.tensor, ref.index)
-                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover and not ref.copy):
+                if not ref.zero and ref.numel > self._copy_numel_bound(
+                        job, numel, header.replicate_kind == dp.REPLICATE_HANDOVER and not ref.copy):
                     raise StoreError("INVALID_ARGUMENT", f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
                                                          f"elements, more than a copy of this block holds")
             return

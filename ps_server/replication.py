@@ -47,17 +47,16 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import replace
 from types import SimpleNamespace
 from typing import Callable
 
 import torch
 
-from shardline.ps_server.replication_codec import BlockCodec, copy_refs, stepped_refs
+from shardline.ps_server.replication_codec import BlockCodec, copy_refs, handover_refs, read_handover, stepped_refs
 from shardline.ps_server.replication_links import PeerLinks, Send
 from shardline.ps_server.replication_progress import (HolderProgress, JobReplication, StepAcks, SyncWait,
                                                       plan_step)
-from shardline.ps_server.store import Handover, JobStore, StoreError
+from shardline.ps_server.store import JobStore, StoreError
 from shardline.services import failpoints, frame
 from shardline.services.errors import ErrorCode, RemoteError
 from shardline.services.pb import dataplane_pb2 as dp
@@ -85,6 +84,9 @@ class Replicator:
         self._rounds = itertools.count(1)
         self._codecs: dict[str, BlockCodec] = {}
         self._request_ids = itertools.count(1)
+        self._handlers = {dp.REPLICATE_STEP: self._on_step, dp.REPLICATE_STAGED: self._on_staged,
+                          dp.REPLICATE_SYNC: self._on_sync_answer, dp.REPLICATE_SYNC_LAST: self._on_sync_answer,
+                          dp.REPLICATE_HANDOVER: self._on_handover}
 
     def codec(self, job: JobStore) -> BlockCodec:
         codec = self._codecs.get(job.name)
@@ -158,8 +160,8 @@ class Replicator:
         me = self.node.node_id
         by_peer: dict[str, list] = {}
         for key, staged in items:
-            copy = SimpleNamespace(value=staged.value, state=staged.state, version=staged.step + 1, step=staged.step + 1,
-                                   replay=staged.replay)
+            copy = SimpleNamespace(value=staged.value, state=staged.state, version=staged.step + 1,
+                                   step=staged.step + 1, replay=staged.replay)
             for peer in placement.copies_of(key):
                 if peer != me and peer in holders:
                     by_peer.setdefault(peer, []).append((key, copy, staged))
@@ -171,7 +173,8 @@ class Replicator:
                     progress.sent_ahead.update((key, staged) for key, _copy, staged in sent)
         for peer, sent in by_peer.items():
             refs, payloads = stepped_refs(self.codec(job), [(key, copy) for key, copy, _staged in sent])
-            header = self._header(dp.OP_REPLICATE, job, step=sent[0][1].step, blocks=refs, staged=True,
+            header = self._header(dp.OP_REPLICATE, job, step=sent[0][1].step, blocks=refs,
+                                  replicate_kind=dp.REPLICATE_STAGED,
                                   payload_bytes=sum(r.nbytes for r in refs))
             self.links.link(peer).send(Send(header, payloads))  # a failure shows at the step's frame
 
@@ -204,7 +207,7 @@ class Replicator:
                 payloads = [bytes(p) for p in payloads]
             for key, block in carried:
                 refs.append(dp.BlockRef(tensor=key[0], index=key[1], zero=True, version=block.version, step=block.step))
-            header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs,
+            header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs, replicate_kind=dp.REPLICATE_STEP,
                                   payload_bytes=sum(r.nbytes for r in refs))
             self.links.link(peer).send(Send(header, payloads, self._acked(acks, peer, holders[peer])))
         return True
@@ -246,7 +249,7 @@ class Replicator:
                 refs, payloads = copy_refs(self.codec(job), items)
                 payloads = [bytes(p) for p in payloads]
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
-                                      payload_bytes=sum(r.nbytes for r in refs))
+                                      replicate_kind=dp.REPLICATE_STEP, payload_bytes=sum(r.nbytes for r in refs))
                 round_ = (self._join(job.name, peer, HolderProgress.initialized) if holders is None or peer in holders
                           else None)
                 event = threading.Event()
@@ -288,12 +291,13 @@ class Replicator:
             round_ = self._join(job.name, requester, HolderProgress.sync_asked)
             link = self.links.link(requester)
             for n, batch in enumerate(batches):
+                last = n == len(batches) - 1
                 refs_out, payloads = copy_refs(codec, batch)
                 payloads = [bytes(p) for p in payloads]  # a snapshot: the job goes on meanwhile
                 header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs_out,
-                                      payload_bytes=sum(r.nbytes for r in refs_out), last=n == len(batches) - 1,
-                                      sync_reply=True, sync_epoch=asked_epoch)
-                link.send(Send(header, payloads, self._sync_sent(job, requester, round_, last=n == len(batches) - 1)))
+                                      replicate_kind=dp.REPLICATE_SYNC_LAST if last else dp.REPLICATE_SYNC,
+                                      payload_bytes=sum(r.nbytes for r in refs_out), sync_epoch=asked_epoch)
+                link.send(Send(header, payloads, self._sync_sent(job, requester, round_, last=last)))
 
     def hand_over(self, job: JobStore, handovers: list) -> None:
         """Send each lost block's new primary what this node collected of the step in flight
@@ -308,30 +312,8 @@ class Replicator:
                 by_peer.setdefault(owner, []).append(item)
         codec = self.codec(job)
         for peer, items in by_peer.items():
-            refs, payloads = [], []
-            for item in items:
-                ref = dp.BlockRef(tensor=item.key[0], index=item.key[1], step=item.step, ranks=list(item.ranks),
-                                  version=item.version)
-                if item.grad is None:
-                    ref.zero = True
-                else:
-                    ref.dtype, ref.numel, ref.nbytes = dp.FLOAT32, item.grad.numel(), item.grad.numel() * 4
-                    payloads.append(frame.tensor_bytes(item.grad))
-                refs.append(ref)
-                if item.copy is not None:  # right after its block's ref
-                    value, state = item.copy
-                    copy_ref, parts = copy_refs(codec, [(item.key, SimpleNamespace(
-                        value=value, state=state, version=item.version, step=item.step))])
-                    copy_ref[0].copy = True
-                    refs.extend(copy_ref)
-                    payloads.extend(parts)
-                if item.previous is not None:  # after those: the value from before its last step
-                    before, value = item.previous
-                    previous_ref = frame.block_ref(item.key[0], item.key[1], value)
-                    previous_ref.previous, previous_ref.base_version = True, before
-                    refs.append(previous_ref)
-                    payloads.append(frame.tensor_bytes(value))
-            header = self._header(dp.OP_REPLICATE, job, blocks=refs, handover=True,
+            refs, payloads = handover_refs(codec, items)
+            header = self._header(dp.OP_REPLICATE, job, blocks=refs, replicate_kind=dp.REPLICATE_HANDOVER,
                                   payload_bytes=sum(r.nbytes for r in refs))
             carried = sum(1 for i in items if i.ranks)
             if carried:
@@ -346,43 +328,6 @@ class Replicator:
                 log.warning("job %s: handover to %s failed (it waits, then goes on with the pushes workers "
                             "resend): %s", job.name, peer, error)
         return done
-
-    def _handle_handover(self, job: JobStore, header, payload) -> None:
-        items, offset = [], 0
-        codec = self.codec(job)
-        for ref in header.blocks:
-            key = (ref.tensor, ref.index)
-            numel = job.expected_numel(*key)
-            if ref.copy:  # the previous primary's copy of the block named by the ref before it
-                if not items or items[-1].key != key or ref.numel != codec.packed_numel(numel) or ref.dtype != dp.FLOAT32:
-                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover copy of {ref.tensor}[{ref.index}] must follow its "
-                                                         f"block's ref and hold {codec.packed_numel(numel)} float32")
-                flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
-                offset += ref.nbytes
-                items[-1] = replace(items[-1], copy=codec.unpack(numel, flat))
-                continue
-            if ref.previous:  # the value from before the last step of the block named by the ref before it
-                if not items or items[-1].key != key or ref.numel != numel or ref.dtype != dp.FLOAT32 \
-                        or ref.base_version >= items[-1].version:
-                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover previous value of {ref.tensor}[{ref.index}] must "
-                                                         f"follow its block's ref, hold {numel} float32 and be older")
-                value = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
-                offset += ref.nbytes
-                items[-1] = replace(items[-1], previous=(int(ref.base_version), value))
-                continue
-            grad = None
-            if not ref.zero:
-                if ref.numel != numel or ref.dtype != dp.FLOAT32:
-                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover of {ref.tensor}[{ref.index}] has {ref.numel} "
-                                                         f"elements, expected {numel} float32")
-                grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
-                offset += ref.nbytes
-            ranks = tuple(int(r) for r in ref.ranks)
-            if any(r >= job.world_size for r in ranks):
-                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover of {ref.tensor}[{ref.index}] names ranks {list(ranks)}, "
-                                                     f"the job has {job.world_size}")
-            items.append(Handover(key, int(ref.step), grad, ranks, int(ref.version)))
-        job.accept_handover(header.node, items)
 
     def _sync_sent(self, job: JobStore, peer: str, round_: int, last: bool = False):
         def done(error, _reply):
@@ -404,58 +349,16 @@ class Replicator:
 
     # --- the copy holder's side -----------------------------------------------------------------
     def handle_replicate(self, job: JobStore, header, payload) -> None:
-        """Install copies from ``header.node``. Fenced: only the block's primary at this node's
-        epoch (or a node answering this node's sync) may send them."""
-        sender = header.node
-        if header.handover:
-            self._handle_handover(job, header, payload)
-            return
-        if header.staged and header.sync_reply:
-            raise StoreError(ErrorCode.INVALID_ARGUMENT, "a sync reply carries no copies stepped ahead")
-        view = self.node.routing
-        placement = place(view, job.spec)
-        codec = self.codec(job)
-        copies, carried, replayed = [], [], []
-        # copies and gradients travel as float32 runs; a run of another dtype would be misread
-        bad = next((ref for ref in header.blocks if ref.nbytes and ref.dtype != dp.FLOAT32), None)
-        if bad is not None:
-            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {bad.tensor}[{bad.index}] is not float32 (dtype {bad.dtype})")
-        offset = 0
-        for ref in header.blocks:
-            key = (ref.tensor, ref.index)
-            numel = job.expected_numel(*key)
-            if not header.sync_reply and placement.primary(key) != sender:
-                raise StoreError(ErrorCode.NOT_OWNER, f"node {sender!r} is not the primary of {ref.tensor}[{ref.index}] at "
-                                              f"epoch {view.epoch}")
-            if ref.replay:
-                if header.sync_reply or not job.replays_gradients:
-                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"a gradient to replay for {ref.tensor}[{ref.index}] in a frame "
-                                                         f"that cannot carry one (a sync reply, or a job without "
-                                                         f"replicate_gradients)")
-                grad = None
-                if not ref.zero:
-                    if ref.numel != numel:
-                        raise StoreError(ErrorCode.INVALID_ARGUMENT, f"gradient of {ref.tensor}[{ref.index}] has {ref.numel} "
-                                                             f"elements, expected {numel}")
-                    grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset)
-                    offset += ref.nbytes
-                replayed.append((ref.tensor, ref.index, ref.version, ref.step, ref.base_version, ref.lr, grad))
-                continue
-            if ref.zero:
-                carried.append((key, ref.version, ref.step))
-                continue
-            if ref.numel != codec.packed_numel(numel):
-                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {ref.tensor}[{ref.index}] has {ref.numel} elements, "
-                                                     f"expected {codec.packed_numel(numel)}")
-            flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
-            offset += ref.nbytes
-            value, state = codec.unpack(numel, flat)
-            copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
-        if header.staged:
-            job.hold_copies(copies)
-            if replayed:
-                job.replay_steps(replayed, ahead=True)
-            return
+        """Take an OP_REPLICATE frame from ``header.node``: one handler per ``replicate_kind``."""
+        handler = self._handlers.get(header.replicate_kind)
+        if handler is None:
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"replicate frame of unknown kind {header.replicate_kind}")
+        handler(job, header, payload)
+
+    def _on_step(self, job: JobStore, header, payload) -> None:
+        """REPLICATE_STEP: install the copies of a step the sender applied, replay its gradients,
+        carry the blocks it names. Fenced: only the blocks' primary at this node's epoch."""
+        copies, carried, replayed = self._read_blocks(job, header, payload, fenced=True)
         job.apply_copies(copies)
         try:
             if replayed:
@@ -467,18 +370,84 @@ class Replicator:
             # answer; ask it at once for full copies of what is lacking (a sync, which makes this
             # node an in-sync holder again) rather than waiting for the next routing change.
             lacking = getattr(exc, "keys", None)
-            if exc.code == ErrorCode.UNAVAILABLE and lacking and not header.sync_reply:
-                self._ask_sync(job, sender, [self._holding_ref(job, key) for key in lacking])
+            if exc.code == ErrorCode.UNAVAILABLE and lacking:
+                self._ask_sync(job, header.node, [self._holding_ref(job, key) for key in lacking])
             raise
-        if not header.sync_reply:
-            # This node took a block over between the fence check and the install (its routing
-            # changed meanwhile): the copy was not installed, so the sender must not count it as held.
-            taken = job.applied_here([(r.tensor, r.index) for r in header.blocks])
-            if taken:
-                raise StoreError(ErrorCode.NOT_OWNER, f"node {sender!r} is no longer the primary of {taken[0][0]}[{taken[0][1]}]: "
-                                              f"this node applies it now")
-        if header.last:
-            self._sync_answered(job, sender, header.sync_epoch)
+        # This node took a block over between the fence check and the install (its routing
+        # changed meanwhile): the copy was not installed, so the sender must not count it as held.
+        taken = job.applied_here([(r.tensor, r.index) for r in header.blocks])
+        if taken:
+            raise StoreError(ErrorCode.NOT_OWNER, f"node {header.node!r} is no longer the primary of "
+                                                  f"{taken[0][0]}[{taken[0][1]}]: this node applies it now")
+
+    def _on_staged(self, job: JobStore, header, payload) -> None:
+        """REPLICATE_STAGED: hold copies stepped ahead of the commits apart (a later STEP frame
+        names them). Fenced as a step."""
+        copies, _carried, replayed = self._read_blocks(job, header, payload, fenced=True)
+        job.hold_copies(copies)
+        if replayed:
+            job.replay_steps(replayed, ahead=True)
+
+    def _on_sync_answer(self, job: JobStore, header, payload) -> None:
+        """REPLICATE_SYNC / REPLICATE_SYNC_LAST: copies answering this node's own OP_SYNC, from
+        whichever node it asked; after the last one this node is in sync with the sender."""
+        copies, carried, _replayed = self._read_blocks(job, header, payload, fenced=False)
+        job.apply_copies(copies)
+        if carried:
+            job.carry_copies(carried)
+        if header.replicate_kind == dp.REPLICATE_SYNC_LAST:
+            self._sync_answered(job, header.node, header.sync_epoch)
+
+    def _on_handover(self, job: JobStore, header, payload) -> None:
+        """REPLICATE_HANDOVER: what the blocks' previous primary collected of the step in flight."""
+        job.accept_handover(header.node, read_handover(self.codec(job), job, header.blocks, payload))
+
+    def _read_blocks(self, job: JobStore, header, payload, *, fenced: bool) -> tuple[list, list, list]:
+        """The (copies, carried, replayed) of a STEP, STAGED or SYNC frame, checked: float32 runs
+        of the block's size; a gradient to replay only in a fenced frame of a job that replays;
+        ``fenced``: every block's primary at this node's epoch is the sender (NOT_OWNER otherwise)."""
+        sender = header.node
+        view = self.node.routing
+        placement = place(view, job.spec)
+        codec = self.codec(job)
+        copies, carried, replayed = [], [], []
+        # copies and gradients travel as float32 runs; a run of another dtype would be misread
+        bad = next((ref for ref in header.blocks if ref.nbytes and ref.dtype != dp.FLOAT32), None)
+        if bad is not None:
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {bad.tensor}[{bad.index}] is not float32 "
+                                                         f"(dtype {bad.dtype})")
+        offset = 0
+        for ref in header.blocks:
+            key = (ref.tensor, ref.index)
+            numel = job.expected_numel(*key)
+            if fenced and placement.primary(key) != sender:
+                raise StoreError(ErrorCode.NOT_OWNER, f"node {sender!r} is not the primary of "
+                                                      f"{ref.tensor}[{ref.index}] at epoch {view.epoch}")
+            if ref.replay:
+                if not fenced or not job.replays_gradients:
+                    raise StoreError(ErrorCode.INVALID_ARGUMENT, f"a gradient to replay for {ref.tensor}[{ref.index}] "
+                                                                 f"in a frame that cannot carry one (a sync answer, or "
+                                                                 f"a job without replicate_gradients)")
+                grad = None
+                if not ref.zero:
+                    if ref.numel != numel:
+                        raise StoreError(ErrorCode.INVALID_ARGUMENT, f"gradient of {ref.tensor}[{ref.index}] has "
+                                                                     f"{ref.numel} elements, expected {numel}")
+                    grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset)
+                    offset += ref.nbytes
+                replayed.append((ref.tensor, ref.index, ref.version, ref.step, ref.base_version, ref.lr, grad))
+                continue
+            if ref.zero:
+                carried.append((key, ref.version, ref.step))
+                continue
+            if ref.numel != codec.packed_numel(numel):
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {ref.tensor}[{ref.index}] has {ref.numel} "
+                                                             f"elements, expected {codec.packed_numel(numel)}")
+            flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
+            offset += ref.nbytes
+            value, state = codec.unpack(numel, flat)
+            copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
+        return copies, carried, replayed
 
     # --- which copies to bring in sync ------------------------------------------------------------
     def resync(self, job: JobStore, placement, primary: set, copies: set, previous, poke=()) -> None:

@@ -84,7 +84,7 @@ def hand_over_on_the_wire(sender_id, sender_store, receiver_id, receiver_store, 
     (peer, sent), = sender.links.sent
     assert peer == receiver_id
     payload = b"".join(bytes(p) for p in sent.payloads)
-    replicator_for(receiver_id, receiver_store)._handle_handover(receiver_store, sent.header, bytearray(payload))
+    replicator_for(receiver_id, receiver_store).handle_replicate(receiver_store, sent.header, bytearray(payload))
 
 
 def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch():
@@ -194,8 +194,9 @@ def test_a_handover_previous_value_that_is_not_older_or_the_wrong_size_is_refuse
     new.set_primary(keys, epoch=3, awaiting={k: ("old", time.monotonic() + 60) for k in keys})
     for bad in ({"base_version": 1}, {"numel": 2, "nbytes": 8}):   # as new as its block; not b's 3 elements
         previous = {"numel": 3, "nbytes": 12, "base_version": 0, **bad}
-        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j", handover=True, node="old", blocks=[
-            dp.BlockRef(tensor="b", index=0, step=1, version=1, zero=True),
-            dp.BlockRef(tensor="b", index=0, previous=True, dtype=dp.FLOAT32, **previous)])
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j", replicate_kind=dp.REPLICATE_HANDOVER, node="old",
+                                   blocks=[dp.BlockRef(tensor="b", index=0, step=1, version=1, zero=True),
+                                           dp.BlockRef(tensor="b", index=0, previous=True, dtype=dp.FLOAT32,
+                                                       **previous)])
         with pytest.raises(StoreError, match="previous value"):
-            replicator_for("new", new)._handle_handover(new, header, bytearray(64))
+            replicator_for("new", new).handle_replicate(new, header, bytearray(64))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from shardline.ps_server.replication_links import PeerLink, PeerLinks, Send
 from shardline.ps_server.store import PushItem, StoreError
 from shardline.services import frame
 from shardline.services.blocks import block_slices
-from shardline.services.errors import RemoteError
+from shardline.services.errors import ErrorCode, FrameError, RemoteError
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -353,7 +354,8 @@ def test_a_deposed_primary_is_fenced(initial):
     for name, node in bus.nodes.items():
         if name != "n0":
             node.update_routing(bus.table())
-    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch - 1, node="n0", step=1)
+    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch - 1, node="n0", step=1,
+                               replicate_kind=dp.REPLICATE_STEP)
     with pytest.raises(StoreError) as err:
         replica.precheck(header)
     assert err.value.code == "NOT_OWNER"
@@ -495,6 +497,7 @@ def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, re
     before = block.value.clone()
 
     def frame_of(numel_sent, **fields):
+        fields.setdefault("replicate_kind", dp.REPLICATE_STEP)
         header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,
                                    step=block.step + 1, payload_bytes=4 * numel_sent, **fields)
         header.blocks.append(dp.BlockRef(tensor="a", index=0, dtype=dp.FLOAT32, numel=numel_sent,
@@ -502,7 +505,7 @@ def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, re
                                          base_version=block.version, lr=0.01, replay=True))
         return header, bytearray(4 * numel_sent)
 
-    cases = [frame_of(numel, sync_reply=True), frame_of(numel - 1)] + ([] if replicate else [frame_of(numel)])
+    cases = [frame_of(numel, replicate_kind=dp.REPLICATE_SYNC), frame_of(numel - 1)] + ([] if replicate else [frame_of(numel)])
     for header, payload in cases:
         with pytest.raises(StoreError) as err:
             bus.nodes[holder].replicator.handle_replicate(job, header, payload)
@@ -517,7 +520,7 @@ def test_a_copy_that_is_not_float32_is_refused_and_the_block_left_as_it_was(init
     packed = bus.nodes[holder].replicator.codec(job).packed_numel(block.value.numel())
     before = block.value.clone()
     header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,
-                               step=block.step + 1, payload_bytes=2 * packed)
+                               step=block.step + 1, payload_bytes=2 * packed, replicate_kind=dp.REPLICATE_STEP)
     header.blocks.append(dp.BlockRef(tensor="a", index=0, dtype=dp.FLOAT16, numel=packed, nbytes=2 * packed,
                                      version=block.version + 1, step=block.step + 1))
     with pytest.raises(StoreError, match=r"copy of a\[0\] is not float32") as err:
@@ -562,3 +565,42 @@ def test_flush_waits_for_every_frame_queued_before_it():
     finally:
         release.set()
         links.close()
+
+
+def test_a_replicate_frame_carries_exactly_one_known_kind_and_no_other_frame_carries_one():
+    """services/frame.validate_header: OP_REPLICATE names one ReplicateKind; any other op none
+    (BAD_FRAME before the receiver reads on); the replicator refuses a kind it has no handler for."""
+    for kind in frame.REPLICATE_KINDS:
+        frame.validate_header(frame.FrameHeader(op=dp.OP_REPLICATE, job="j", replicate_kind=kind))
+    for kind in (dp.REPLICATE_KIND_UNSPECIFIED, max(frame.REPLICATE_KINDS) + 1):
+        with pytest.raises(FrameError, match="replicate frame of unknown kind"):
+            frame.validate_header(frame.FrameHeader(op=dp.OP_REPLICATE, job="j", replicate_kind=kind))
+    for op in (dp.OP_SYNC, dp.OP_PUSH, dp.OP_REPLY):
+        with pytest.raises(FrameError, match="only replication does"):
+            frame.validate_header(frame.FrameHeader(op=op, job="j", replicate_kind=dp.REPLICATE_STEP))
+    replicator = Replicator(SimpleNamespace(node_id="n0"), links=None)
+    with pytest.raises(StoreError) as err:
+        replicator.handle_replicate(None, frame.FrameHeader(op=dp.OP_REPLICATE, job="j"), b"")
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_each_kind_of_replicate_frame_reaches_its_own_handler(initial):
+    """Steps and copies sent ahead are fenced (only the blocks' primary at this epoch); a sync
+    answer is not (the receiver asked), and only its last frame ends the receiver's sync."""
+    bus, primary, holder, job, block = a_stepped_copy(initial)
+    other = next(n for n in bus.nodes if n not in (primary, holder))
+    replicator = bus.nodes[holder].replicator
+    carried = dp.BlockRef(tensor="a", index=0, zero=True, version=block.version, step=block.step)
+    for kind in (dp.REPLICATE_STEP, dp.REPLICATE_STAGED):
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch, node=other, replicate_kind=kind)
+        header.blocks.append(carried)
+        with pytest.raises(StoreError) as err:
+            replicator.handle_replicate(job, header, b"")
+        assert err.value.code == ErrorCode.NOT_OWNER
+    answered = []
+    replicator.node.on_synced = lambda job_, sender: answered.append(sender)
+    for kind in (dp.REPLICATE_SYNC, dp.REPLICATE_SYNC_LAST):
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch, node=other, replicate_kind=kind)
+        header.blocks.append(carried)
+        replicator.handle_replicate(job, header, b"")
+    assert answered == [other]
