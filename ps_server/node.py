@@ -451,7 +451,8 @@ class PSNode:
         routing = self._routing
         if header.epoch > routing.epoch:
             routing = self.refresh_routing()
-        if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE and header.sync_reply):
+        if header.epoch < routing.epoch and not (header.op == dp.OP_REPLICATE
+                                                 and header.replicate_kind in frame.SYNC_ANSWER_KINDS):
             raise NotOwnerError(ErrorCode.NOT_OWNER, f"{'node ' + repr(header.node) if peer_op else 'client'} routes "
                                 f"with epoch {header.epoch}, node is at epoch {routing.epoch}", epoch=routing.epoch)
         if peer_op:
@@ -459,7 +460,8 @@ class PSNode:
             # that the payload is no larger than copies of these blocks can be.
             for ref in header.blocks:
                 numel = job.expected_numel(ref.tensor, ref.index)
-                if not ref.zero and ref.numel > self._copy_numel_bound(job, numel, header.handover and not ref.copy):
+                if not ref.zero and ref.numel > self._copy_numel_bound(
+                        job, numel, header.replicate_kind == dp.REPLICATE_HANDOVER and not ref.copy):
                     raise StoreError(ErrorCode.INVALID_ARGUMENT,
                                      f"copy of {ref.tensor}[{ref.index}] claims {ref.numel} "
                                      f"elements, more than a copy of this block holds")

@@ -46,6 +46,10 @@ WIRE_DTYPE = {v: k for k, v in TORCH_DTYPE.items()}
 # bf16 puller holds exactly ``master.to(torch.bfloat16)``.
 PULL_DTYPES = {dp.DTYPE_UNSPECIFIED: torch.float32, dp.FLOAT32: torch.float32, dp.BFLOAT16: torch.bfloat16}
 KNOWN_OPS = frozenset(dp.Op.values()) - {dp.OP_UNSPECIFIED}
+# What an OP_REPLICATE frame may carry (one kind each), and the kinds that answer the receiver's
+# own OP_SYNC (accepted from a sender at an older epoch: the receiver asked).
+REPLICATE_KINDS = frozenset(dp.ReplicateKind.values()) - {dp.REPLICATE_KIND_UNSPECIFIED}
+SYNC_ANSWER_KINDS = frozenset({dp.REPLICATE_SYNC, dp.REPLICATE_SYNC_LAST})
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,12 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
     if sourced and total + sourced > limits.max_payload_bytes:
         raise FrameTooLargeError(f"frame moves {total + sourced} bytes ({sourced} of them from a shared region), "
                                  f"more than the limit of {limits.max_payload_bytes}")
+    if header.op == dp.OP_REPLICATE:
+        if header.replicate_kind not in REPLICATE_KINDS:
+            raise FrameError(f"replicate frame of unknown kind {header.replicate_kind}")
+    elif header.replicate_kind:
+        raise FrameError(f"{dp.Op.Name(header.op)} frame names replicate kind {header.replicate_kind} "
+                         f"(only replication does)")
 
 
 def asks_blocks(header: FrameHeader) -> bool:

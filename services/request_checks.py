@@ -13,7 +13,7 @@ def refuse_duplicates(header: frame.FrameHeader) -> None:
     """A frame names each block once: a repeated reference could only make the node reserve (and
     read) the same block's bytes again. (A handover's copy of a block and its value from before
     its last step are its second and third parts, flagged.)"""
-    seen, handover = set(), header.handover
+    seen, handover = set(), header.replicate_kind == dp.REPLICATE_HANDOVER
     for ref in header.blocks:
         key = (ref.tensor, ref.index, handover and ref.copy, handover and ref.previous)
         if key in seen:

@@ -115,10 +115,13 @@ def headers(draw, consistent: bool | None = None, max_blocks: int = 6):
         request_id=draw(edge_u64), job=draw(short_text), epoch=draw(edge_u64), step=draw(edge_u64),
         rank=draw(edge_u32), weight=draw(any_double), min_step=draw(edge_u64),
         wait_timeout_seconds=draw(any_double), has_lr=draw(st.booleans()), lr=draw(any_double),
-        node=draw(short_text), last=draw(st.booleans()), sync_reply=draw(st.booleans()),
-        handover=draw(st.booleans()), code=draw(st.sampled_from(sorted(dp.ErrorCode.values()))),
+        node=draw(short_text), replicate_kind=draw(st.integers(0, 7)),
+        code=draw(st.sampled_from(sorted(dp.ErrorCode.values()))),
         message=draw(short_text), auth=draw(st.binary(max_size=8)),
     )
+    if consistent:  # one kind on a replicate frame, none on any other
+        h.replicate_kind = (draw(st.sampled_from(sorted(frame.REPLICATE_KINDS))) if h.op == dp.OP_REPLICATE
+                            else dp.REPLICATE_KIND_UNSPECIFIED)
     h.blocks.extend(draw(st.lists(block_refs(consistent=consistent), max_size=max_blocks)))
     if consistent or (consistent is None and draw(st.booleans())):
         h.payload_bytes = sum(r.nbytes for r in h.blocks if not r.zero) % 2**64  # a wrapped sum is a lie too

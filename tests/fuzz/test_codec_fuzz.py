@@ -27,6 +27,7 @@ SKIP_CHUNK = getattr(frame, "SKIP_CHUNK_BYTES", 1 << 20)
 def assert_valid(header: frame.FrameHeader, limits: frame.FrameLimits) -> None:
     """What a header that passed validate_header guarantees its receiver."""
     assert header.op in frame.KNOWN_OPS
+    assert (header.replicate_kind in frame.REPLICATE_KINDS) == (header.op == dp.OP_REPLICATE)
     assert header.payload_bytes <= limits.max_payload_bytes
     assert len(header.blocks) <= limits.max_blocks
     total = 0

@@ -155,7 +155,7 @@ def live_frames(draw, epoch: int):
                           min_step=draw(st.sampled_from([0, 0, 0, 1, U64_MAX])), wait_timeout_seconds=draw(waits),
                           has_lr=draw(st.booleans()), lr=draw(st.sampled_from([0.1, 0.0, -1.0, float("nan")])),
                           node=draw(st.sampled_from(["", "", "ps1", "ghost", "x" * 300])),
-                          last=draw(st.booleans()), sync_reply=draw(st.booleans()), handover=draw(st.booleans()),
+                          replicate_kind=draw(st.sampled_from(sorted(dp.ReplicateKind.values()))),
                           incarnation=draw(st.sampled_from(["", "i1", "i2"])))
     refs = draw(st.lists(live_refs(), max_size=4))
     if refs and draw(st.integers(0, 4)) == 0:

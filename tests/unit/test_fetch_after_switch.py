@@ -45,8 +45,8 @@ def asked_of(links):
 
 
 def sync_answer(sender, epoch=5):
-    return frame.FrameHeader(op=dp.OP_REPLICATE, job="j", node=sender, epoch=epoch, sync_reply=True, last=True,
-                             sync_epoch=epoch)
+    return frame.FrameHeader(op=dp.OP_REPLICATE, job="j", node=sender, epoch=epoch,
+                             replicate_kind=dp.REPLICATE_SYNC_LAST, sync_epoch=epoch)
 
 
 def initial_values():

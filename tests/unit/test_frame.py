@@ -173,6 +173,6 @@ def test_a_gradient_to_replay_travels_only_in_replication_frames():
         h.blocks[0].lr = 0.1
         with pytest.raises(FrameError, match="replay"):
             frame.validate_header(h)
-    h = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="j", payload_bytes=16)
+    h = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="j", payload_bytes=16, replicate_kind=dp.REPLICATE_STEP)
     h.blocks.append(dp.BlockRef(tensor="w", index=0, dtype=dp.FLOAT32, numel=4, nbytes=16, replay=True, lr=0.1))
     frame.validate_header(h)

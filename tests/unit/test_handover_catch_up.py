@@ -84,7 +84,7 @@ def hand_over_on_the_wire(sender_id, sender_store, receiver_id, receiver_store, 
     (peer, sent), = sender.links.sent
     assert peer == receiver_id
     payload = b"".join(bytes(p) for p in sent.payloads)
-    replicator_for(receiver_id, receiver_store)._handle_handover(receiver_store, sent.header, bytearray(payload))
+    replicator_for(receiver_id, receiver_store).handle_replicate(receiver_store, sent.header, bytearray(payload))
 
 
 def test_the_new_primary_takes_a_step_its_predecessor_applied_after_the_switch():
@@ -129,7 +129,7 @@ def test_a_handover_of_the_step_in_flight_still_carries_the_gradients():
 def test_a_copy_refused_as_not_owner_leaves_the_deposed_primary_invisible():
     """The old primary's step whose copy the new primary refused (NOT_OWNER) is not made visible
     there for the blocks it lost: a pull must not see a step no primary will hold if it dies."""
-    from shardline.ps_server.replication import _Pending
+    from shardline.ps_server.replication_progress import StepAcks
     from shardline.services.errors import RemoteError
 
     old = JobStore(make_job(lr=0.01))
@@ -141,7 +141,7 @@ def test_a_copy_refused_as_not_owner_leaves_the_deposed_primary_invisible():
     push_and_commit(old, 0)
     assert all(b.visible == 0 for b in old.blocks.values())
     blocks = [b for b in old.blocks.values()]
-    pending = _Pending(old, 0, blocks, {"new"})
+    pending = StepAcks(old, 0, blocks, {"new"})
     rep._acked(pending, "new", 1)(RemoteError("NOT_OWNER", "node 'old' is not the primary"), None)
     assert all(b.visible == 1 for k, b in old.blocks.items() if k in kept)
     assert all(b.visible == 0 for k, b in old.blocks.items() if k not in kept)
@@ -194,8 +194,9 @@ def test_a_handover_previous_value_that_is_not_older_or_the_wrong_size_is_refuse
     new.set_primary(keys, epoch=3, awaiting={k: ("old", time.monotonic() + 60) for k in keys})
     for bad in ({"base_version": 1}, {"numel": 2, "nbytes": 8}):   # as new as its block; not b's 3 elements
         previous = {"numel": 3, "nbytes": 12, "base_version": 0, **bad}
-        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j", handover=True, node="old", blocks=[
-            dp.BlockRef(tensor="b", index=0, step=1, version=1, zero=True),
-            dp.BlockRef(tensor="b", index=0, previous=True, dtype=dp.FLOAT32, **previous)])
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j", replicate_kind=dp.REPLICATE_HANDOVER, node="old",
+                                   blocks=[dp.BlockRef(tensor="b", index=0, step=1, version=1, zero=True),
+                                           dp.BlockRef(tensor="b", index=0, previous=True, dtype=dp.FLOAT32,
+                                                       **previous)])
         with pytest.raises(StoreError, match="previous value"):
-            replicator_for("new", new)._handle_handover(new, header, bytearray(64))
+            replicator_for("new", new).handle_replicate(new, header, bytearray(64))

@@ -14,7 +14,7 @@ import types
 import pytest
 
 from shardline.ps_server.main import heartbeat_deadline
-from shardline.ps_server.replication import PeerLink, _Send
+from shardline.ps_server.replication_links import PeerLink, Send
 from shardline.services import frame
 from shardline.services.dataplane_client import DataPlaneConnection
 from shardline.services.errors import RemoteError, ShardlineStateError
@@ -149,7 +149,7 @@ def test_a_replication_link_gives_up_the_frame_in_flight_once_its_peer_left_the_
     link = PeerLink("peer", lambda peer: address.get(peer), tcp, None, timeout=30.0)
     done = threading.Event()
     outcome = []
-    link.send(_Send(frame.FrameHeader(op=dp.OP_REPLICATE, job="j"), [],
+    link.send(Send(frame.FrameHeader(op=dp.OP_REPLICATE, job="j"), [],
                     lambda error, reply: (outcome.append(error), done.set())))
     time.sleep(0.3)
     link.abandon_if_gone()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,11 +18,12 @@ import torch
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.optimizer import OptimizerConfig
 from shardline.services.placement import place
-from shardline.ps_server.replication import PeerLink, PeerLinks, Replicator
+from shardline.ps_server.replication import Replicator
+from shardline.ps_server.replication_links import PeerLink, PeerLinks, Send
 from shardline.ps_server.store import PushItem, StoreError
 from shardline.services import frame
 from shardline.services.blocks import block_slices
-from shardline.services.errors import RemoteError
+from shardline.services.errors import ErrorCode, FrameError, RemoteError
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -352,7 +354,8 @@ def test_a_deposed_primary_is_fenced(initial):
     for name, node in bus.nodes.items():
         if name != "n0":
             node.update_routing(bus.table())
-    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch - 1, node="n0", step=1)
+    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch - 1, node="n0", step=1,
+                               replicate_kind=dp.REPLICATE_STEP)
     with pytest.raises(StoreError) as err:
         replica.precheck(header)
     assert err.value.code == "NOT_OWNER"
@@ -410,8 +413,9 @@ def test_a_step_no_copy_holder_holds_yet_stays_invisible_until_one_synced(initia
     bus, cluster = start(nodes=2, initial=initial)
     grads = gradients(3)
     run_steps(cluster, grads[:1])
-    for node in bus.nodes.values():
-        node.replicator._in_sync["job"] = {}         # as right after a switch: nobody asked yet
+    for node in bus.nodes.values():                  # as right after a switch: nobody asked yet
+        for peer in node.replicator.in_sync("job"):
+            node.replicator.drop_holder("job", peer, "not asked yet")
     g0, g1 = grads[1]
     cluster.push(0, g0)
     cluster.push(1, g1)
@@ -493,6 +497,7 @@ def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, re
     before = block.value.clone()
 
     def frame_of(numel_sent, **fields):
+        fields.setdefault("replicate_kind", dp.REPLICATE_STEP)
         header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,
                                    step=block.step + 1, payload_bytes=4 * numel_sent, **fields)
         header.blocks.append(dp.BlockRef(tensor="a", index=0, dtype=dp.FLOAT32, numel=numel_sent,
@@ -500,7 +505,7 @@ def test_a_gradient_to_replay_is_refused_where_it_cannot_be_replayed(initial, re
                                          base_version=block.version, lr=0.01, replay=True))
         return header, bytearray(4 * numel_sent)
 
-    cases = [frame_of(numel, sync_reply=True), frame_of(numel - 1)] + ([] if replicate else [frame_of(numel)])
+    cases = [frame_of(numel, replicate_kind=dp.REPLICATE_SYNC), frame_of(numel - 1)] + ([] if replicate else [frame_of(numel)])
     for header, payload in cases:
         with pytest.raises(StoreError) as err:
             bus.nodes[holder].replicator.handle_replicate(job, header, payload)
@@ -515,7 +520,7 @@ def test_a_copy_that_is_not_float32_is_refused_and_the_block_left_as_it_was(init
     packed = bus.nodes[holder].replicator.codec(job).packed_numel(block.value.numel())
     before = block.value.clone()
     header = frame.FrameHeader(op=dp.OP_REPLICATE, request_id=1, job="job", epoch=bus.epoch, node=primary,
-                               step=block.step + 1, payload_bytes=2 * packed)
+                               step=block.step + 1, payload_bytes=2 * packed, replicate_kind=dp.REPLICATE_STEP)
     header.blocks.append(dp.BlockRef(tensor="a", index=0, dtype=dp.FLOAT16, numel=packed, nbytes=2 * packed,
                                      version=block.version + 1, step=block.step + 1))
     with pytest.raises(StoreError, match=r"copy of a\[0\] is not float32") as err:
@@ -546,19 +551,56 @@ def test_flush_waits_for_every_frame_queued_before_it():
     leaving the ring sends its handovers before it exits); False after the timeout otherwise."""
     import threading
 
-    from shardline.ps_server.replication import _Send
-
     done, release = [], threading.Event()
     links = PeerLinks(lambda peer: None, transport="tcp", token=None, timeout=0.05)  # no address: given up at once
     header = frame.FrameHeader(op=dp.OP_REPLICATE, job="j")
     try:
         for peer in ("ps1", "ps2"):
             for _ in range(3):
-                links.link(peer).send(_Send(header, [], lambda error, reply, peer=peer: done.append((peer, error))))
+                links.link(peer).send(Send(header, [], lambda error, reply, peer=peer: done.append((peer, error))))
         assert links.flush(5.0)
         assert len(done) == 6 and all(error is not None for _peer, error in done)
-        links.link("ps1").send(_Send(header, [], lambda error, reply: release.wait(5)))  # a send that hangs
+        links.link("ps1").send(Send(header, [], lambda error, reply: release.wait(5)))  # a send that hangs
         assert not links.flush(0.2)
     finally:
         release.set()
         links.close()
+
+
+def test_a_replicate_frame_carries_exactly_one_known_kind_and_no_other_frame_carries_one():
+    """services/frame.validate_header: OP_REPLICATE names one ReplicateKind; any other op none
+    (BAD_FRAME before the receiver reads on); the replicator refuses a kind it has no handler for."""
+    for kind in frame.REPLICATE_KINDS:
+        frame.validate_header(frame.FrameHeader(op=dp.OP_REPLICATE, job="j", replicate_kind=kind))
+    for kind in (dp.REPLICATE_KIND_UNSPECIFIED, max(frame.REPLICATE_KINDS) + 1):
+        with pytest.raises(FrameError, match="replicate frame of unknown kind"):
+            frame.validate_header(frame.FrameHeader(op=dp.OP_REPLICATE, job="j", replicate_kind=kind))
+    for op in (dp.OP_SYNC, dp.OP_PUSH, dp.OP_REPLY):
+        with pytest.raises(FrameError, match="only replication does"):
+            frame.validate_header(frame.FrameHeader(op=op, job="j", replicate_kind=dp.REPLICATE_STEP))
+    replicator = Replicator(SimpleNamespace(node_id="n0"), links=None)
+    with pytest.raises(StoreError) as err:
+        replicator.handle_replicate(None, frame.FrameHeader(op=dp.OP_REPLICATE, job="j"), b"")
+    assert err.value.code == ErrorCode.INVALID_ARGUMENT
+
+
+def test_each_kind_of_replicate_frame_reaches_its_own_handler(initial):
+    """Steps and copies sent ahead are fenced (only the blocks' primary at this epoch); a sync
+    answer is not (the receiver asked), and only its last frame ends the receiver's sync."""
+    bus, primary, holder, job, block = a_stepped_copy(initial)
+    other = next(n for n in bus.nodes if n not in (primary, holder))
+    replicator = bus.nodes[holder].replicator
+    carried = dp.BlockRef(tensor="a", index=0, zero=True, version=block.version, step=block.step)
+    for kind in (dp.REPLICATE_STEP, dp.REPLICATE_STAGED):
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch, node=other, replicate_kind=kind)
+        header.blocks.append(carried)
+        with pytest.raises(StoreError) as err:
+            replicator.handle_replicate(job, header, b"")
+        assert err.value.code == ErrorCode.NOT_OWNER
+    answered = []
+    replicator.node.on_synced = lambda job_, sender: answered.append(sender)
+    for kind in (dp.REPLICATE_SYNC, dp.REPLICATE_SYNC_LAST):
+        header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch, node=other, replicate_kind=kind)
+        header.blocks.append(carried)
+        replicator.handle_replicate(job, header, b"")
+    assert answered == [other]

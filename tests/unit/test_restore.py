@@ -35,7 +35,7 @@ def lagging_copies(monkeypatch):
     deliver = FakeConnection.request
 
     def request(self, header, payloads, *, timeout=None):
-        if getattr(self.bus, "lag", False) and header.op == dp.OP_REPLICATE and not (header.sync_reply or header.handover):
+        if getattr(self.bus, "lag", False) and header.replicate_kind in (dp.REPLICATE_STEP, dp.REPLICATE_STAGED):
             job = self.bus.nodes[self.peer].store.get(header.job)
             deadline = time.monotonic() + 10
             while job is not None and job.step < header.step and time.monotonic() < deadline:

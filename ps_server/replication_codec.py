@@ -1,0 +1,178 @@
+"""Replication's payload encoding: a block's value and optimizer state packed into one float32
+run (``BlockCodec``), and the BlockRefs of the frames that carry copies, gradients to replay or
+handovers.
+
+A copy travels as ``packed_numel(numel)`` float32 elements; a gradient to replay as ``numel``
+float32 elements (``BlockRef.replay``). docs/architecture.md, "Replication".
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import torch
+
+from shardline.ps_server.store import Handover, JobStore, StoreError
+from shardline.services import frame
+from shardline.services.errors import ErrorCode
+from shardline.services.pb import dataplane_pb2 as dp
+
+
+class BlockCodec:
+    """Packs a block's value and optimizer state into one float32 run and back.
+
+    Layout: the value, then the state entries in sorted key order: tensors as float32 (a 0-dim
+    tensor as one element), ints as the 8 bytes of an int64 (two float32 slots, bit for bit).
+    """
+
+    def __init__(self, job: JobStore):
+        self.optimizer = job.optimizer
+        template = job.optimizer.init_state(2)
+        self.entries = []  # (key, kind, elements per block element or fixed count)
+        for key in sorted(template):
+            value = template[key]
+            if isinstance(value, torch.Tensor):
+                self.entries.append((key, "scalar" if value.dim() == 0 else "vector"))
+            else:
+                self.entries.append((key, "int"))
+
+    def packed_numel(self, numel: int) -> int:
+        return numel + sum({"scalar": 1, "vector": numel, "int": 2}[kind] for _k, kind in self.entries)
+
+    def pack(self, value: torch.Tensor, state: dict) -> list[memoryview]:
+        parts = [frame.tensor_bytes(value)]
+        for key, kind in self.entries:
+            item = state[key]
+            if kind == "int":
+                parts.append(memoryview(int(item).to_bytes(8, "little", signed=True)))
+            else:
+                parts.append(frame.tensor_bytes(item.reshape(-1) if kind == "vector" else item.reshape(1)))
+        return parts
+
+    def unpack(self, numel: int, flat: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats."""
+        value = flat[:numel].clone()
+        offset = numel
+        state = {}
+        for key, kind in self.entries:
+            if kind == "vector":
+                state[key] = flat[offset:offset + numel].clone()
+                offset += numel
+            elif kind == "scalar":
+                state[key] = flat[offset:offset + 1].clone().reshape(())
+                offset += 1
+            else:
+                state[key] = int.from_bytes(flat[offset:offset + 2].numpy().tobytes(), "little", signed=True)
+                offset += 2
+        return value, state
+
+
+def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
+    """BlockRefs and payload parts (views of the blocks) for ``items`` of (key, block)."""
+    refs, payloads = [], []
+    for (tensor, index), block in items:
+        numel = block.value.numel()
+        packed = codec.packed_numel(numel)
+        refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
+                                version=block.version, step=block.step))
+        payloads.extend(codec.pack(block.value, block.state))
+    return refs, payloads
+
+
+def stepped_refs(codec: BlockCodec, items, *, replay: bool = True) -> tuple[list, list]:
+    """BlockRefs and payload parts for stepped ``items`` of (key, block): a copy of each
+    (copy_refs), or, for a block carrying a ``replay`` (replicate_gradients) when ``replay``
+    allows, the gradient its holders step it with (gradient_refs)."""
+    replayed = [(k, b) for k, b in items if replay and b.replay is not None]
+    refs, payloads = copy_refs(codec, [(k, b) for k, b in items if not (replay and b.replay is not None)])
+    replay_refs, replay_payloads = gradient_refs(replayed)
+    return refs + replay_refs, payloads + replay_payloads
+
+
+def gradient_refs(items) -> tuple[list, list]:
+    """BlockRefs and payload parts for ``items`` of (key, block) whose step the holders replay
+    (Block.replay: the version it was stepped from, its mean gradient, the lr)."""
+    refs, payloads = [], []
+    for (tensor, index), block in items:
+        base, grad, lr = block.replay
+        ref = dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, version=block.version, step=block.step,
+                          base_version=base, lr=lr, replay=True)
+        if grad is None:
+            ref.zero = True
+        else:
+            ref.numel, ref.nbytes = grad.numel(), grad.numel() * 4
+            payloads.append(frame.tensor_bytes(grad))
+        refs.append(ref)
+    return refs, payloads
+
+
+def handover_refs(codec: BlockCodec, items) -> tuple[list, list]:
+    """BlockRefs and payload parts of a REPLICATE_HANDOVER frame for ``items`` (store.Handover):
+    each block's ref (step, ranks; the collected gradient sum, or a zero flag), then, where the
+    item has them, its copy (``copy``) and its value from before its last step (``previous``)."""
+    refs, payloads = [], []
+    for item in items:
+        ref = dp.BlockRef(tensor=item.key[0], index=item.key[1], step=item.step, ranks=list(item.ranks),
+                          version=item.version)
+        if item.grad is None:
+            ref.zero = True
+        else:
+            ref.dtype, ref.numel, ref.nbytes = dp.FLOAT32, item.grad.numel(), item.grad.numel() * 4
+            payloads.append(frame.tensor_bytes(item.grad))
+        refs.append(ref)
+        if item.copy is not None:  # right after its block's ref
+            value, state = item.copy
+            copy_ref, parts = copy_refs(codec, [(item.key, SimpleNamespace(
+                value=value, state=state, version=item.version, step=item.step))])
+            copy_ref[0].copy = True
+            refs.extend(copy_ref)
+            payloads.extend(parts)
+        if item.previous is not None:  # after those: the value from before its last step
+            before, value = item.previous
+            previous_ref = frame.block_ref(item.key[0], item.key[1], value)
+            previous_ref.previous, previous_ref.base_version = True, before
+            refs.append(previous_ref)
+            payloads.append(frame.tensor_bytes(value))
+    return refs, payloads
+
+
+def read_handover(codec: BlockCodec, job: JobStore, refs, payload) -> list[Handover]:
+    """The store.Handover items of a REPLICATE_HANDOVER frame (``handover_refs``), checked against
+    ``job`` (INVALID_ARGUMENT: a part out of place, of the wrong size, or naming unknown ranks)."""
+    items, offset = [], 0
+    for ref in refs:
+        key = (ref.tensor, ref.index)
+        numel = job.expected_numel(*key)
+        if ref.copy:  # the previous primary's copy of the block named by the ref before it
+            if not items or items[-1].key != key or ref.numel != codec.packed_numel(numel) or ref.dtype != dp.FLOAT32:
+                raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                 f"handover copy of {ref.tensor}[{ref.index}] must follow its block's ref and hold "
+                                 f"{codec.packed_numel(numel)} float32")
+            flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
+            offset += ref.nbytes
+            items[-1] = replace(items[-1], copy=codec.unpack(numel, flat))
+            continue
+        if ref.previous:  # the value from before the last step of the block named by the ref before it
+            if not items or items[-1].key != key or ref.numel != numel or ref.dtype != dp.FLOAT32 \
+                    or ref.base_version >= items[-1].version:
+                raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                 f"handover previous value of {ref.tensor}[{ref.index}] must follow its block's ref, "
+                                 f"hold {numel} float32 and be older")
+            value = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
+            offset += ref.nbytes
+            items[-1] = replace(items[-1], previous=(int(ref.base_version), value))
+            continue
+        grad = None
+        if not ref.zero:
+            if ref.numel != numel or ref.dtype != dp.FLOAT32:
+                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover of {ref.tensor}[{ref.index}] has {ref.numel} "
+                                                             f"elements, expected {numel} float32")
+            grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset).clone()
+            offset += ref.nbytes
+        ranks = tuple(int(r) for r in ref.ranks)
+        if any(r >= job.world_size for r in ranks):
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"handover of {ref.tensor}[{ref.index}] names ranks "
+                                                         f"{list(ranks)}, the job has {job.world_size}")
+        items.append(Handover(key, int(ref.step), grad, ranks, int(ref.version)))
+    return items
