@@ -24,6 +24,11 @@ def make_job(sync="bsp", world_size=2, kind="adamw", **hp):
     return spec
 
 
+def collections(store):
+    """What each primary block collects (a copy collects nothing)."""
+    return [b.role.collecting for b in store.blocks.values() if b.primary]
+
+
 def init_store(store, values):
     items = []
     for name, t in values.items():
@@ -106,7 +111,7 @@ def test_rejections_leave_no_partial_update():
     with pytest.raises(StoreError) as e:
         store.push(0, 0, 1.0, items_for("a", bad))
     assert e.value.code == "NONFINITE" and "'a'" in str(e.value)
-    assert not any(store.blocks[("a", i)].has_grad for i in range(3))
+    assert not any(store.blocks[("a", i)].role.collecting.has_grad for i in range(3))
     with pytest.raises(StoreError) as e:
         store.push(0, 1, 1.0, items_for("a", torch.ones(4, 5)))
     assert e.value.code == "STALE_STEP"
@@ -239,7 +244,7 @@ def test_aborted_push_leaves_nothing_and_frees_the_buffers():
     ticket = store.begin_push(0, 0, 2.0, refs, bytearray(80))
     ticket.dests[0].fill_(7.0)  # half-received, then the connection broke
     store.abort_push(ticket)
-    assert all(b.receiving is None and not b.pushed_by and not b.has_grad for b in store.blocks.values())
+    assert all(c.receiving is None and not c.pushed_by and not c.has_grad for c in collections(store))
     g = torch.randn(4, 5)
     store.push(0, 0, 1.0, items_for("a", g))  # the rank may push again, with another weight
     store.commit(0, 0, 1.0)
@@ -261,8 +266,8 @@ def test_a_push_whose_block_changed_owner_meanwhile_is_refused_and_keeps_nothing
     with pytest.raises(StoreError) as e:
         store.finish_push(ticket)
     assert e.value.code == "NOT_OWNER"
-    assert all(not b.pushed_by and not b.received and not b.has_grad and b.receiving is None
-               for b in store.blocks.values())
+    assert all(not c.pushed_by and not c.received and not c.has_grad and c.receiving is None
+               for c in collections(store))
     assert not store.push_weights.get(0)
 
 
@@ -291,7 +296,7 @@ def test_a_push_in_flight_while_its_block_takes_the_step_from_its_previous_prima
              for k, s in zip(sorted(keys), block_slices(20, BLOCK))]
     store.accept_handover("p1", items)
     assert store.finish_push(ticket) >= 0
-    assert all(store.blocks[k].step == 1 and store.blocks[k].receiving is None for k in keys)
+    assert all(store.blocks[k].step == 1 and store.blocks[k].role.collecting.receiving is None for k in keys)
     torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + g1) / 2, rtol=0, atol=1e-6)
     g2 = torch.randn(4, 5)
     for rank in (0, 1):
@@ -301,7 +306,7 @@ def test_a_push_in_flight_while_its_block_takes_the_step_from_its_previous_prima
 
 
 def test_stalled_reservation_times_out(monkeypatch):
-    import shardline.ps_server.store as store_module
+    import shardline.ps_server.store.pushes as store_module
 
     monkeypatch.setattr(store_module, "RESERVATION_TIMEOUT_SECONDS", 0.1)
     store = JobStore(make_job(kind="sgd", lr=1.0))
@@ -398,7 +403,7 @@ def test_a_push_of_many_small_blocks_is_checked_in_batches_and_refused_whole():
         with pytest.raises(StoreError) as e:
             store.finish_push(ticket)
         assert e.value.code == "NONFINITE" and f"'t{bad}'" in str(e.value)
-        assert not any(b.has_grad for b in store.blocks.values())
+        assert not any(c.has_grad for c in collections(store))
         store.push(0, 0, 1.0, [PushItem(f"t{i}", 0, torch.full((BLOCK,), 2.0)) for i in range(20)])
         store.commit(0, 0, 1.0)
         assert all(torch.equal(values(store, f"t{i}", (BLOCK,)), torch.full((BLOCK,), -2.0)) for i in range(20))
@@ -407,7 +412,7 @@ def test_a_push_of_many_small_blocks_is_checked_in_batches_and_refused_whole():
 def test_a_large_block_is_checked_as_it_lands(monkeypatch):
     """A block of CHECK_ALONE_BYTES or more is checked alone right away (after the smaller ones
     received before it), so its check overlaps the arrival of the next block."""
-    from shardline.ps_server import store as store_module
+    from shardline.ps_server.store import pushes as store_module
 
     monkeypatch.setattr(store_module, "CHECK_ALONE_BYTES", 4 * BLOCK)   # one full block
     store = JobStore(make_job(kind="sgd", lr=1.0, world_size=1))
