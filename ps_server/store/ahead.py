@@ -18,7 +18,7 @@ import torch
 
 from shardline.ps_server.store.blocks import Block
 from shardline.ps_server.store.common import StoreError
-from shardline.ps_server.store.pushes import PushRef, PushTicket, add_weighted
+from shardline.ps_server.store.pushes import PushRef, PushTicket
 from shardline.services.errors import ErrorCode
 
 # How long a pull, once wait_for_step let it through, waits for a step applied just then to be
@@ -47,7 +47,7 @@ class AheadSteps:
         ahead = block.role.collector(ticket.step, block.step)
         ahead.received.add(ticket.rank)
         if grad is not None:
-            add_weighted(ahead, block.value, ref, grad, ticket.weight)
+            ahead.add(block.value, ref, grad, ticket.weight)
 
     def _wait_visible(self, blocks: list[Block]) -> None:
         """A step may be applied while a pull is served; wait until every primary of ``blocks`` is

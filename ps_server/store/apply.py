@@ -20,8 +20,8 @@ import time
 import torch
 
 from shardline.ps_server.store.blocks import Block, Kept, Replay
-from shardline.ps_server.store.common import LRs, total_weight
-from shardline.ps_server.store.pushes import PushTicket, as_fp32
+from shardline.ps_server.store.common import LRs, as_fp32, total_weight
+from shardline.ps_server.store.pushes import PushTicket
 
 
 class Applying:

@@ -43,10 +43,13 @@ The design: docs/architecture.md, "Block store".
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import ClassVar, NamedTuple
 
 import torch
+
+from shardline.ps_server.store.common import as_fp32
+from shardline.services.compression import decode_signs
 
 
 class Kept(NamedTuple):
@@ -89,6 +92,10 @@ class Staged:
     state: dict | None = None
     replay: Replay | None = None   # replicate_gradients: what the holders replay
 
+    def computed(self, value: torch.Tensor, state: dict, replay: Replay | None) -> None:
+        """The private copies are stepped (by the one caller that steps them, outside the lock)."""
+        self.value, self.state, self.replay = value, state, replay
+
 
 @dataclass(eq=False)
 class Collection:
@@ -127,6 +134,28 @@ class Collection:
         if self.receiving == rank:
             self.receiving = None
 
+    def add(self, like: torch.Tensor, ref, payload: torch.Tensor, weight: float) -> None:
+        """Add ``weight`` times a pushed gradient to the sum: ``payload`` as ``ref`` (a PushRef)
+        describes it, packed signs each worth +-``ref.scale`` if compressed. The buffer, shaped like
+        ``like``, is made on first use, and the first gradient is decoded straight into it."""
+        if self.has_grad:
+            self.grad_buf.add_(as_fp32(ref, payload), alpha=weight)
+            return
+        if self.grad_buf is None:
+            self.grad_buf = torch.empty_like(like)
+        if ref.scale is None:
+            self.grad_buf.copy_(payload)  # also converts fp16/bf16 pushes to fp32
+        else:
+            decode_signs(payload, ref.numel, ref.scale, out=self.grad_buf)
+        if weight != 1.0:
+            self.grad_buf.mul_(weight)
+        self.has_grad = True
+
+    def stage(self, step: int, total: float, lrs: tuple) -> Staged:
+        """The block is being stepped ahead of the commits (pipelined apply) with these totals."""
+        self.staged = Staged(step, total, lrs)
+        return self.staged
+
 
 @dataclass(frozen=True)
 class Takeover:
@@ -141,6 +170,10 @@ class Takeover:
 
     def waiting(self, now: float) -> bool:
         return bool(self.until) and now < self.until
+
+    def stopped(self) -> Takeover:
+        """No more waiting for the handover (it came, or the wait ran out)."""
+        return self if not self.until else Takeover(self.source, 0.0, self.adopted)
 
 
 NO_TAKEOVER = Takeover()
@@ -182,30 +215,39 @@ class Primary:
         return ahead.pushed_by if ahead is not None else set()
 
     # --- transitions ----------------------------------------------------------------------
+    def _but(self, *, collecting: Collection | None = None, ahead: dict | None = None,
+             takeover: Takeover | None = None, kept: Kept | None = None) -> Primary:
+        """This role with the given records changed (dataclasses.replace, without its cost: the
+        apply makes one per block and step)."""
+        return Primary(self.since_epoch, self.collecting if collecting is None else collecting,
+                       self.ahead if ahead is None else ahead, self.takeover if takeover is None else takeover,
+                       self.kept if kept is None else kept, self.replay, self.spare)
+
     def keeping(self, kept: Kept) -> Primary:
-        """The value from before the step being collected was kept (Block.kept)."""
-        return replace(self, kept=kept)
+        """The value from before the step being collected was kept (blocks.Kept)."""
+        return self._but(kept=kept)
 
     def stop_waiting(self) -> Primary:
         """The handover came, or the wait for it ran out."""
-        return replace(self, takeover=replace(self.takeover, until=0.0))
+        return self._but(takeover=self.takeover.stopped())
 
     def handed_over(self, ranks: tuple, grad_buf: torch.Tensor | None, has_grad: bool) -> Primary:
         """Collects the step with what the previous primary collected of it (from ``ranks``)."""
         # A rank still receiving into the buffer (its step adopted by caught_up) keeps its claim.
         collecting = Collection(grad_buf, has_grad, set(ranks), set(ranks), self.collecting.receiving,
                                 handed=frozenset(ranks))
-        return replace(self, collecting=collecting, takeover=replace(self.takeover, until=0.0))
+        return self._but(collecting=collecting, takeover=self.takeover.stopped())
 
-    def _then_collect(self, step: int, ahead: dict, buffer: torch.Tensor | None) -> tuple[Collection, dict]:
+    def _then_collect(self, step: int, buffer: torch.Tensor | None,
+                      receiving: int | None = None) -> tuple[Collection, dict]:
         """The collection of ``step`` (what was collected ahead for it, else an empty one over
         ``buffer``, the last one's: allocated once per block), and the collections after it."""
-        later = {s: c for s, c in ahead.items() if s > step}
-        taken = ahead.get(step)
+        later = {s: c for s, c in self.ahead.items() if s > step}
+        taken = self.ahead.get(step)
         if taken is None:
-            return Collection(buffer), later
+            return Collection(buffer, receiving=receiving), later
         return Collection(taken.grad_buf if taken.has_grad else buffer, taken.has_grad, taken.pushed_by,
-                          taken.received), later
+                          taken.received, receiving), later
 
     def applied(self, next_step: int, *, keep_epoch: bool, kept: Kept | None, replay: Replay | None) -> Primary:
         """Its step was applied at the commits: it collects ``next_step`` (SSP: with what came
@@ -216,18 +258,19 @@ class Primary:
         buffer, spare = self.collecting.grad_buf, self.spare
         if replay is not None and replay.grad is not None:
             buffer, spare = spare, buffer
-        collecting, ahead = self._then_collect(next_step, self.ahead, buffer)
+        # A rank's push of the applied step still being received into the buffer (a resend, refused
+        # STALE_STEP when it ends) keeps its claim: no push of the next step writes there meanwhile.
+        collecting, ahead = self._then_collect(next_step, buffer, self.collecting.receiving)
         return Primary(since_epoch=self.since_epoch if keep_epoch else 0, collecting=collecting, ahead=ahead,
-                       takeover=replace(self.takeover, until=0.0), kept=kept, replay=replay, spare=spare)
+                       takeover=self.takeover.stopped(), kept=kept, replay=replay, spare=spare)
 
     def caught_up(self, behind: int, step: int) -> Primary:
         """Moved from step ``behind`` to the previous primary's copy at ``step`` (that primary
         applied the steps between): what it collected of its own step is dropped. A rank still
         receiving into the buffer keeps its claim until its push ends (as a resend)."""
-        collecting, ahead = self._then_collect(step, self.ahead, self.collecting.grad_buf)
-        collecting.receiving = self.collecting.receiving
-        return replace(self, collecting=collecting, ahead=ahead,
-                       takeover=replace(self.takeover, adopted=(behind, step)))
+        collecting, ahead = self._then_collect(step, self.collecting.grad_buf, self.collecting.receiving)
+        takeover = Takeover(self.takeover.source, self.takeover.until, (behind, step))
+        return self._but(collecting=collecting, ahead=ahead, takeover=takeover)
 
     def lost(self) -> Copy:
         """The routing moved the block away: a copy here from now on (the caller hands over)."""

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardline.services.compression import decode_signs
 from shardline.services.errors import ErrorCode, ShardlineError
 
 # A step's learning rates, one per parameter group; None: each group's own lr.
@@ -38,6 +39,14 @@ def total_weight(weights) -> float:
     """The sum of a step's weights, exactly rounded (math.fsum): the same whatever order the
     pushes or commits that carry them arrived in."""
     return math.fsum(weights)
+
+
+def as_fp32(ref, payload: torch.Tensor) -> torch.Tensor:
+    """A pushed block's gradient in fp32: ``payload`` as ``ref`` (a PushRef) describes it, packed
+    signs each worth +-``ref.scale`` if compressed (decoded). One block at most."""
+    if ref.scale is None:
+        return payload.to(torch.float32)
+    return decode_signs(payload, ref.numel, ref.scale)
 
 
 def clone_state(state: dict) -> dict:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from shardline.ps_server.store.blocks import Block, Replay, Staged
+from shardline.ps_server.store.blocks import Block, Replay
 from shardline.ps_server.store.common import clone_state, total_weight
 from shardline.ps_server.store.pushes import PushTicket
 
@@ -61,9 +61,8 @@ class EarlySteps:
                 continue
             collecting = block.role.collecting
             if collecting.staged is None and collecting.pushed_by:
-                collecting.staged = Staged(step, total, step_lrs)
-                items.append((self.tensors[ref.tensor].group, (ref.tensor, ref.index), block, collecting.staged,
-                              collecting))
+                items.append((self.tensors[ref.tensor].group, (ref.tensor, ref.index), block,
+                              collecting.stage(step, total, step_lrs), collecting))
         return items
 
     def _step_early(self, items: list) -> None:
@@ -88,7 +87,7 @@ class EarlySteps:
             installed = []
             for key, block, staged, value, state, replay in done:
                 if block.primary and block.role.collecting.staged is staged:
-                    staged.value, staged.state, staged.replay = value, state, replay
+                    staged.computed(value, state, replay)
                     installed.append((key, staged))
                 else:
                     self.early_unused += 1

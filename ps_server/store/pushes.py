@@ -20,9 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-from shardline.ps_server.store.blocks import Block, Collection, Kept
+from shardline.ps_server.store.blocks import Block, Kept
 from shardline.ps_server.store.common import LRs, StoreError
-from shardline.services.compression import decode_signs, padding_problem, sign_nbytes
+from shardline.services.compression import padding_problem, sign_nbytes
 from shardline.services.errors import ErrorCode
 from shardline.services.tensor_checks import CONCAT_BELOW_BYTES, first_nonfinite
 
@@ -74,32 +74,6 @@ class PushTicket:
     early: list = field(default_factory=list)   # staged by finish_push(defer_early=True), for step_early
     unchecked: list = field(default_factory=list)   # received small blocks (indices) not yet checked
     unchecked_bytes: int = 0
-
-
-def as_fp32(ref: PushRef, payload: torch.Tensor) -> torch.Tensor:
-    """The pushed block's gradient in fp32 (decoded if compressed): one block at most."""
-    if ref.scale is None:
-        return payload.to(torch.float32)
-    return decode_signs(payload, ref.numel, ref.scale)
-
-
-def add_weighted(collection: Collection, like: torch.Tensor, ref: PushRef, payload: torch.Tensor,
-                 weight: float) -> None:
-    """Add ``weight`` times the pushed block's gradient (``payload`` as ``ref`` describes it,
-    decoded if compressed) to ``collection``'s sum; its buffer, shaped like ``like``, is made on
-    first use, and the first gradient is decoded straight into it."""
-    if collection.has_grad:
-        collection.grad_buf.add_(as_fp32(ref, payload), alpha=weight)
-        return
-    if collection.grad_buf is None:
-        collection.grad_buf = torch.empty_like(like)
-    if ref.scale is None:
-        collection.grad_buf.copy_(payload)  # also converts fp16/bf16 pushes to fp32
-    else:
-        decode_signs(payload, ref.numel, ref.scale, out=collection.grad_buf)
-    if weight != 1.0:
-        collection.grad_buf.mul_(weight)
-    collection.has_grad = True
 
 
 class Pushes:
@@ -324,7 +298,7 @@ class Pushes:
             raise StoreError(ErrorCode.TIMEOUT, f"rank {block.role.collecting.receiving} did not finish sending block "
                                                 f"gradients within {RESERVATION_TIMEOUT_SECONDS:g} s")
         collecting = block.role.collecting   # the wait released the lock
-        add_weighted(collecting, block.value, ref, dest, ticket.weight)
+        collecting.add(block.value, ref, dest, ticket.weight)
         # Received only once added: the wait above releases the lock, and a handover or an early
         # step taken meanwhile must not count a rank whose gradient is not in the sum.
         if block.step == ticket.step:
