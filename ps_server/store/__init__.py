@@ -15,13 +15,15 @@ step. ``JobStore`` (job.py) is the facade; each concept has its own module over 
 The design: docs/architecture.md, "Block store".
 """
 
-from shardline.ps_server.store.blocks import COPY, Block, Collection, Copy, Held, Kept, Primary, Replay, Staged, Takeover
+from shardline.ps_server.store.blocks import (AWAITING_HANDOVER, COPY, HOLDING, PRIMARY, REPLICA, Block, Collection,
+                                              Copy, Held, Kept, Primary, Replay, Staged, Takeover)
 from shardline.ps_server.store.common import LRs, StoreError, TensorMeta
 from shardline.ps_server.store.handover import Handover
 from shardline.ps_server.store.job import JobStore, NodeStore
 from shardline.ps_server.store.pushes import PushItem, PushRef, PushTicket
 
 __all__ = [
-    "COPY", "Block", "Collection", "Copy", "Handover", "Held", "JobStore", "Kept", "LRs", "NodeStore", "Primary",
+    "AWAITING_HANDOVER", "COPY", "HOLDING", "PRIMARY", "REPLICA", "Block", "Collection", "Copy", "Handover", "Held",
+    "JobStore", "Kept", "LRs", "NodeStore", "Primary",
     "PushItem", "PushRef", "PushTicket", "Replay", "Staged", "StoreError", "Takeover", "TensorMeta",
 ]

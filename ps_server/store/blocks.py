@@ -2,29 +2,30 @@
 
 A block is its copy (fp32 ``value``, optimizer ``state``, ``version``: the job step that last
 changed it, ``step``: the job steps it was carried through, ``visible``: the step pulls may see)
-and ONE role, which says who changes the copy and holds what that role needs::
+and ONE role, which says who changes the copy and holds what that role needs. Its states
+(``role.state``)::
 
                                hold_copies / replay_steps(ahead)
-               +--------+ -------------------------------------> +----------------+
-  apply_copies |  Copy  |                                        |  Copy holding  |
-   (new) ----> |        | <------------------------------------- | a copy sent    |
-               +--------+      apply_copies / carry_copies       | ahead (Held)   |
-                 ^   |                                            +----------------+
-    set_primary  |   |  set_primary: gained          set_primary: gained |
-    lost: hands  |   +---------------------+-----------------------------+
+               +--------+ -------------------------------------> +--------------+
+  apply_copies |  copy  |                                        | copy holding |
+   (new) ----> |        | <------------------------------------- | (Copy.held)  |
+               +--------+      apply_copies / carry_copies       +--------------+
+                 ^   |                                                  |
+    set_primary  |   |  set_primary: gained      set_primary: gained    |
+    lost: hands  |   +---------------------+----------------------------+
     over what it |                         |  is its previous primary alive?
     collected    |               no        |         yes
     (Handover)   |        +----------------+------------------+
                  |        v                                   v
             +-------------------+   accept_handover,   +----------------------+
-  init,  -> |     Primary       | <------------------- |  Primary awaiting    |
-  restore   | collecting step s |   release_expired_   |  the handover        |
-            +-------------------+   waits              |  (Takeover.until)    |
-                |      ^                               +----------------------+
+  init,  -> |     primary       | <------------------- |  awaiting handover   |
+  restore   | collecting step s |   release_expired_   |  (Takeover.until)    |
+            +-------------------+   waits              +----------------------+
+                |      ^
                 +------+  applied: every rank committed s (or caught_up: the
                           previous primary's copy of a later step); collects s + 1
 
-(both Primary states go to Copy when the routing moves the block away). A role is a frozen
+(both primary states go to copy when the routing moves the block away). A role is a frozen
 record; a transition is a method that returns the next role, so a role's fields never outlive
 it: nothing is reset by hand. What a role carries:
 
@@ -50,6 +51,13 @@ import torch
 
 from shardline.ps_server.store.common import as_fp32
 from shardline.services.compression import decode_signs
+
+
+# The states a block's role is in, as the diagram names them (``role.state``).
+PRIMARY = "primary"
+AWAITING_HANDOVER = "awaiting handover"
+REPLICA = "copy"
+HOLDING = "copy holding"
 
 
 class Kept(NamedTuple):
@@ -197,6 +205,10 @@ class Primary:
         """Taken over from a live primary whose handover has not come nor been given up on."""
         return bool(self.takeover.until)
 
+    @property
+    def state(self) -> str:
+        return AWAITING_HANDOVER if self.takeover.until else PRIMARY
+
     def collector(self, step: int, block_step: int) -> Collection:
         """What collects pushes of ``step``: the current collection for the block's own step (or an
         applied one: a resend), else (SSP) that step's collection ahead, made on first use."""
@@ -283,6 +295,10 @@ class Copy:
 
     primary: ClassVar[bool] = False
     held: Held | None = None
+
+    @property
+    def state(self) -> str:
+        return HOLDING if self.held is not None else REPLICA
 
     def holding(self, held: Held) -> Copy:
         return Copy(held)

@@ -71,7 +71,8 @@ class Commits:
         self._check_push_lr("commit", rank, step, lr)
         if record and step in self.step_lrs and lr != self.step_lrs[step] and previous is None:
             raise StoreError(ErrorCode.INVALID_ARGUMENT,
-                             f"rank {rank} commits step {step} with lr {lr!r}, other ranks with {self.step_lrs[step]!r}")
+                             f"rank {rank} commits step {step} with lr {lr!r}, other ranks with "
+                             f"{self.step_lrs[step]!r}")
 
     def adopt_commits(self, step: int, commits: dict[int, tuple[float, int]], lr: "LRs | float") -> int:
         """Commits of ``step`` learned from another node (a rank died between its commits to the

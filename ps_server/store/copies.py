@@ -30,7 +30,8 @@ class CopyHolder:
         for tensor, index, version, step, value, state in copies:
             numel = self.expected_numel(tensor, index)
             if value.numel() != numel:
-                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of block {tensor}[{index}] must have {numel} elements")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                 f"copy of block {tensor}[{index}] must have {numel} elements")
         with self.cond:
             self._follow_copies(step for _t, _i, _v, step, _value, _s in copies)
             for tensor, index, version, step, value, state in copies:
@@ -48,7 +49,8 @@ class CopyHolder:
         step, value, state)``, private): held apart until ``carry_copies`` names them."""
         for tensor, index, _version, _step, value, _state in copies:
             if value.numel() != self.expected_numel(tensor, index):
-                raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of block {tensor}[{index}] has {value.numel()} elements")
+                raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                                 f"copy of block {tensor}[{index}] has {value.numel()} elements")
         with self.cond:
             for tensor, index, version, step, value, state in copies:
                 block = self.blocks.get((tensor, index))

@@ -169,9 +169,9 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         missed = self.spec.extensions[revision]
         if step >= missed.step:
             raise StoreError(ErrorCode.INVALID_ARGUMENT,
-                             f"rank {rank}'s {what} of step {step} is at revision {revision} of job {self.name!r}, which "
-                             f"is at revision {self.revision} since step {missed.step}: every rank must add the same "
-                             f"parameter group (add_param_group) before step {missed.step}")
+                             f"rank {rank}'s {what} of step {step} is at revision {revision} of job {self.name!r}, "
+                             f"which is at revision {self.revision} since step {missed.step}: every rank must add the "
+                             f"same parameter group (add_param_group) before step {missed.step}")
 
     # --- validation -------------------------------------------------------------------------
     def expected_numel(self, tensor: str, index: int) -> int:
@@ -195,7 +195,8 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         if self.failed is not None:
             raise self.failed
         if self.frozen is not None:
-            raise StoreError(ErrorCode.UNAVAILABLE, f"job {self.name!r} on this node takes no more {what}es: {self.frozen}")
+            raise StoreError(ErrorCode.UNAVAILABLE,
+                             f"job {self.name!r} on this node takes no more {what}es: {self.frozen}")
 
     def group_lrs(self, lr: "float | tuple | list | None") -> LRs:
         """A step's learning rates as one per parameter group: None (the groups' own), one number
@@ -208,7 +209,8 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
             raise StoreError(ErrorCode.INVALID_ARGUMENT, f"job {self.name!r} has {groups} parameter groups, the "
                                                          f"request names {len(lrs)} learning rates")
         for value in lrs:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value >= 0):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                    math.isfinite(value) and value >= 0):
                 raise StoreError(ErrorCode.INVALID_ARGUMENT, f"lr must be a finite number >= 0, got {value!r}")
         return tuple(float(v) for v in lrs)
 

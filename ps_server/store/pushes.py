@@ -209,7 +209,8 @@ class Pushes:
         if ref.scale is not None:  # packed signs: finite by construction (the scale was checked with the header)
             problem = padding_problem(dest, ref.numel)
             if problem:
-                ticket.error = StoreError(ErrorCode.INVALID_ARGUMENT, f"gradient for {ref.tensor}[{ref.index}]: {problem}")
+                ticket.error = StoreError(ErrorCode.INVALID_ARGUMENT,
+                                          f"gradient for {ref.tensor}[{ref.index}]: {problem}")
             return
         if self.allow_nonfinite:
             return
@@ -361,7 +362,8 @@ class Pushes:
                 role.collecting.end_receiving(rank)
             if self.collects and not resent:
                 role.collector(step, block.step).pushed_by.discard(rank)
-        if self.collects and not any(b.primary and rank in b.role.pushed_by(step, b.step) for b in self.blocks.values()):
+        if self.collects and not any(b.primary and rank in b.role.pushed_by(step, b.step)
+                                     for b in self.blocks.values()):
             self.push_weights.get(step, {}).pop(rank, None)
             self.push_lrs.get(step, {}).pop(rank, None)
         self.cond.notify_all()

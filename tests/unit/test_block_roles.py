@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardline.ps_server.store import COPY, Collection, Copy, Held, JobStore, Kept, Primary, Replay, StoreError, Takeover
-from test_store import _receive, _refs, init_store, make_job
+from shardline.ps_server.store import (AWAITING_HANDOVER, COPY, HOLDING, PRIMARY, REPLICA, Collection, Copy, Held,
+                                       JobStore, Kept, Primary, Replay, StoreError, Takeover)
+from test_store import init_store, make_job, push_refs, receive_all
 
 STORE = Path(__file__).resolve().parents[2] / "ps_server" / "store"
 
@@ -21,16 +22,18 @@ def collecting(ranks=(0, 1), grad=None, **fields) -> Collection:
 def test_a_copy_gained_collects_from_the_new_epoch_and_waits_for_a_live_previous_primary():
     role = COPY.gained(7, "ps-1", until=123.0)
     assert isinstance(role, Primary) and role.primary and role.since_epoch == 7
-    assert role.takeover == Takeover("ps-1", 123.0) and role.awaits_handover
+    assert role.takeover == Takeover("ps-1", 123.0) and role.awaits_handover and role.state == AWAITING_HANDOVER
     assert role.takeover.waiting(100.0) and not role.takeover.waiting(123.0)
     assert not role.collecting.pushed_by and role.kept is None and role.replay is None
-    assert not COPY.gained(7).awaits_handover   # its previous primary died: nothing to wait for
+    assert COPY.gained(7).state == PRIMARY   # its previous primary died: nothing to wait for
+    assert role.stop_waiting().state == PRIMARY and role.stop_waiting().takeover.source == "ps-1"
 
 
 def test_applied_collects_the_next_step_with_what_came_ahead_and_keeps_a_replayed_gradient_as_sent():
     grad, spare, ahead_buf = torch.ones(3), torch.zeros(3), torch.full((3,), 2.0)
     ahead = Collection(ahead_buf, True, {1}, {1})
-    role = Primary(since_epoch=4, collecting=collecting(grad=grad, handed=frozenset({0})), ahead={2: ahead, 3: Collection()},
+    role = Primary(since_epoch=4, collecting=collecting(grad=grad, handed=frozenset({0})),
+                   ahead={2: ahead, 3: Collection()},
                    takeover=Takeover("ps-1", 50.0, (0, 1)), spare=spare)
     replay = Replay(1, grad, 0.1)
     kept = Kept(1, 2, torch.zeros(3))
@@ -53,7 +56,7 @@ def test_applied_without_anything_ahead_reuses_the_buffer_and_keeps_a_receiving_
 
 
 def test_caught_up_drops_its_own_step_and_remembers_the_steps_it_adopted():
-    role = Primary(since_epoch=3, collecting=collecting(staged=None, receiving=0), ahead={5: Collection(), 6: Collection()},
+    role = Primary(since_epoch=3, collecting=collecting(receiving=0), ahead={5: Collection(), 6: Collection()},
                    takeover=Takeover("ps-1", 9.0))
     after = role.caught_up(2, 5)
     assert after.takeover.adopted == (2, 5) and after.takeover.until == 9.0 and after.since_epoch == 3
@@ -73,8 +76,8 @@ def test_handed_over_collects_the_previous_primary_ranks_and_stops_waiting():
 def test_a_copy_holds_a_copy_sent_ahead_until_it_is_installed_and_a_lost_primary_is_a_bare_copy():
     held = Held(1, 1, torch.ones(3), {})
     role = COPY.holding(held)
-    assert isinstance(role, Copy) and role.held is held and not role.primary
-    assert role.installed() is COPY
+    assert isinstance(role, Copy) and role.held is held and not role.primary and role.state == HOLDING
+    assert role.installed() is COPY and COPY.state == REPLICA
     assert Primary(collecting=collecting(), kept=Kept(0, 1, torch.zeros(3))).lost() is COPY
 
 
@@ -90,9 +93,9 @@ def test_a_push_received_into_a_block_lost_and_gained_again_meanwhile_is_refused
     worker resends), nothing of the push stays."""
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
-    refs, flat = _refs("a", torch.ones(4, 5))
+    refs, flat = push_refs("a", torch.ones(4, 5))
     ticket = store.begin_push(0, 0, 1.0, refs, bytearray(80))
-    _receive(store, ticket, flat)
+    receive_all(store, ticket, flat)
     keys = set(store.blocks)
     store.set_primary(keys - {("a", 0)}, epoch=2)
     store.set_primary(keys, epoch=3)
@@ -111,7 +114,8 @@ def test_no_store_module_writes_a_role_field_by_hand():
     offenders = []
     for path in sorted(STORE.glob("*.py")):
         tree = ast.parse(path.read_text(encoding="utf-8"))
-        in_records = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name in ("Collection", "Staged")
+        in_records = {id(n) for c in ast.walk(tree)
+                      if isinstance(c, ast.ClassDef) and c.name in ("Collection", "Staged")
                       for n in ast.walk(c)}
         for node in ast.walk(tree):
             if (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and node.attr in ROLE_FIELDS
