@@ -56,7 +56,8 @@ class Applying:
 
         def counts(block: Block) -> bool:
             role = block.role
-            if role.takeover.waiting(now):
+            until = role.takeover.until
+            if until and now < until:   # role.takeover.waiting(now), inline: once per block and step
                 return False
             return all(epoch >= role.since_epoch or rank in role.collecting.handed
                        for rank, (_w, epoch) in record.items())
@@ -76,7 +77,7 @@ class Applying:
             keep, replay = role.kept, None
             if role.collecting.pushed_by:
                 keeps = self.keeps_previous and not (keep is not None and keep[:2] == (block.version, step + 1))
-                before = self._install_early(block, step, total, lrs, coef)
+                before = None if role.collecting.staged is None else self._install_early(block, step, total, lrs, coef)
                 if before is not None:   # the value just replaced is the one to keep: no copy
                     keep = Kept(block.version, step + 1, before) if keeps else keep
                 else:

@@ -105,7 +105,7 @@ class Staged:
         self.value, self.state, self.replay = value, state, replay
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Collection:
     """A primary's gradients of one step: the sum of weight * gradient in ``grad_buf`` (the buffer
     outlives the step; it holds data only while ``has_grad``), the ranks that claimed a push
@@ -187,7 +187,9 @@ class Takeover:
 NO_TAKEOVER = Takeover()
 
 
-@dataclass(frozen=True, eq=False)
+# Not frozen only for speed (a frozen dataclass's __init__ costs ~1 us more, and the apply makes
+# one Primary per block and step); no code writes its fields: tests/unit/test_block_roles.py checks.
+@dataclass(eq=False, slots=True)
 class Primary:
     """This node applies the block (see the module docstring for the fields)."""
 
@@ -254,6 +256,8 @@ class Primary:
                       receiving: int | None = None) -> tuple[Collection, dict]:
         """The collection of ``step`` (what was collected ahead for it, else an empty one over
         ``buffer``, the last one's: allocated once per block), and the collections after it."""
+        if not self.ahead:   # BSP, and SSP with nothing ahead: the common case, made cheap
+            return Collection(buffer, receiving=receiving), {}
         later = {s: c for s, c in self.ahead.items() if s > step}
         taken = self.ahead.get(step)
         if taken is None:
@@ -273,8 +277,8 @@ class Primary:
         # A rank's push of the applied step still being received into the buffer (a resend, refused
         # STALE_STEP when it ends) keeps its claim: no push of the next step writes there meanwhile.
         collecting, ahead = self._then_collect(next_step, buffer, self.collecting.receiving)
-        return Primary(since_epoch=self.since_epoch if keep_epoch else 0, collecting=collecting, ahead=ahead,
-                       takeover=self.takeover.stopped(), kept=kept, replay=replay, spare=spare)
+        return Primary(self.since_epoch if keep_epoch else 0, collecting, ahead, self.takeover.stopped(), kept, replay,
+                       spare)
 
     def caught_up(self, behind: int, step: int) -> Primary:
         """Moved from step ``behind`` to the previous primary's copy at ``step`` (that primary

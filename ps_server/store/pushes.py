@@ -126,7 +126,7 @@ class Pushes:
             if not block.primary:
                 raise StoreError(ErrorCode.NOT_OWNER, f"block {ref.tensor}[{ref.index}] is a replica here")
             takeover = block.role.takeover
-            if takeover.waiting(now):
+            if takeover.until and now < takeover.until:   # takeover.waiting(now), inline: once per block and push
                 raise StoreError(ErrorCode.UNAVAILABLE,
                                  f"block {ref.tensor}[{ref.index}] waits for the gradients its previous primary "
                                  f"{takeover.source!r} collected for step {block.step}; retry shortly")
