@@ -39,11 +39,8 @@ class AheadSteps:
         raise StoreError(ErrorCode.STALE_STEP, refusal + bound)
 
     @staticmethod
-    def _collect_ahead(block: Block, ticket: PushTicket, ref: PushRef, grad: torch.Tensor | None,
-                       resent: bool) -> None:
+    def _collect_ahead(block: Block, ticket: PushTicket, ref: PushRef, grad: torch.Tensor | None) -> None:
         """Finish a push of a step after ``block``'s own: into that step's collection. Lock held."""
-        if resent:
-            return
         ahead = block.role.collector(ticket.step, block.step)
         ahead.received.add(ticket.rank)
         if grad is not None:

@@ -279,10 +279,12 @@ class Pushes:
     def _take_block(self, ticket: PushTicket, n: int) -> None:
         """Add block ``n`` of a received BSP/SSP push to what its block collects. Lock held."""
         ref, block, dest, resent = ticket.refs[n], ticket.blocks[n], ticket.dests[n], ticket.resent[n]
-        if block.step < ticket.step:  # SSP: a step after the one the block collects
-            self._collect_ahead(block, ticket, ref, dest, resent)
+        # Not primary: lost while an earlier block of the push waited (the lock released); its
+        # collection went with the role, and the worker resends the step at the new epoch.
+        if resent or not block.primary:
             return
-        if resent:
+        if block.step < ticket.step:  # SSP: a step after the one the block collects
+            self._collect_ahead(block, ticket, ref, dest)
             return
         collecting = block.role.collecting
         if dest is None:
@@ -293,11 +295,13 @@ class Pushes:
             collecting.received_into(ticket.rank, ticket.weight)
             return
         # Another rank may still be receiving this block's first gradient into the buffer.
-        if not self.cond.wait_for(lambda: block.role.collecting.receiving is None,
+        if not self.cond.wait_for(lambda: not block.primary or block.role.collecting.receiving is None,
                                   timeout=RESERVATION_TIMEOUT_SECONDS):
             self._release(ticket)
             raise StoreError(ErrorCode.TIMEOUT, f"rank {block.role.collecting.receiving} did not finish sending block "
                                                 f"gradients within {RESERVATION_TIMEOUT_SECONDS:g} s")
+        if not block.primary:   # lost during the wait: as above
+            return
         collecting = block.role.collecting   # the wait released the lock
         collecting.add(block.value, ref, dest, ticket.weight)
         # Received only once added: the wait above releases the lock, and a handover or an early

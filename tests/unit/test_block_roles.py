@@ -3,6 +3,7 @@ nothing of the last one behind, and no store module resets a role's fields by ha
 
 import ast
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,27 @@ def test_no_store_module_writes_a_role_field_by_hand():
                     and id(node) not in in_records):
                 offenders.append(f"{path.name}:{node.lineno}: .{node.attr}")
     assert not offenders, "set role fields through a transition (blocks.py):\n" + "\n".join(offenders)
+
+
+def test_a_push_waiting_for_another_rank_receiving_ends_when_the_block_is_lost_meanwhile():
+    """Rank 1 waits for rank 0, still receiving into the buffer; the block moves away: rank 1's
+    push ends (the block's collection went with its role, the worker resends at the new epoch)
+    and rank 0's, received into that collection, is refused NOT_OWNER."""
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    refs, flat = push_refs("a", torch.ones(4, 5))
+    t0 = store.begin_push(0, 0, 1.0, refs, bytearray(80))
+    t1 = store.begin_push(1, 0, 1.0, refs, bytearray(80))
+    receive_all(store, t1, flat)
+    done = {}
+    finisher = threading.Thread(target=lambda: done.setdefault("step", store.finish_push(t1)))
+    finisher.start()
+    finisher.join(0.2)
+    assert finisher.is_alive()
+    store.set_primary({key for key in store.blocks if key[0] != "a"}, epoch=2)
+    finisher.join(10)
+    assert done == {"step": 0} and all(b.role is COPY for k, b in store.blocks.items() if k[0] == "a")
+    receive_all(store, t0, flat)
+    with pytest.raises(StoreError) as e:
+        store.finish_push(t0)
+    assert e.value.code == "NOT_OWNER"
