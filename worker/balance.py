@@ -453,7 +453,7 @@ def rank_weights(split: Sequence[Sequence[int]], loss_tokens: Sequence[int]) -> 
 
     With ``t_r`` the loss tokens of rank ``r``, ``T = sum(t_r)``, ``S_r`` the sum of the per-token
     losses of rank ``r`` and ``g_r`` the gradient it pushes, the PS applies the weighted mean of
-    SPEC "Training semantics" (ps_server/store.py): ``sum_r(w_r * g_r) / sum_r(w_r)``.
+    SPEC "Training semantics" (ps_server/store/apply.py): ``sum_r(w_r * g_r) / sum_r(w_r)``.
 
     * Every rank has loss tokens (the usual case): ``weight = t_r`` and ``loss_scale = 1 / t_r``,
       i.e. each rank backpropagates the token mean of its own part and pushes with its number of

@@ -132,8 +132,8 @@ def test_bf16_pushes_are_accumulated_in_fp32_on_the_ps():
     job.push(0, 0, 1.0, [PushItem("w", 0, g0)])
     job.push(1, 0, 1.0, [PushItem("w", 0, g1)])
     block = job.blocks[("w", 0)]
-    assert block.grad_buf.dtype == torch.float32
-    assert torch.equal(block.grad_buf, g0.float() + g1.float())
+    assert block.role.collecting.grad_buf.dtype == torch.float32
+    assert torch.equal(block.role.collecting.grad_buf, g0.float() + g1.float())
     job.commit(0, 0, 1.0)
     job.commit(1, 0, 1.0)
     assert torch.equal(block.value, torch.zeros(BLOCK).add_((g0.float() + g1.float()) / 2, alpha=-0.5))

@@ -2,13 +2,14 @@
 nodes leaves some nodes able to apply the step and others waiting; every node must end up
 applying it, bitwise like the node that got every commit. Two JobStores stand in for two nodes."""
 
+import dataclasses
 import threading
 import time
 
 import torch
 
 from shardline.ps_server.commit_relay import CommitRelay
-from shardline.ps_server.store import JobStore
+from shardline.ps_server.store import JobStore, Takeover
 from test_store import init_store, items_for, make_job
 
 
@@ -97,7 +98,7 @@ def test_a_handover_that_never_comes_stops_blocking_the_step():
     job.commit(0, 0, 1.0, epoch=3)
     job.commit(1, 0, 1.0, epoch=3)
     assert job.oldest_step() == 0                    # the job step moved on, the blocks wait
-    for block in job.blocks.values():
-        block.awaiting = 1.0                         # the wait ran out
+    for block in job.blocks.values():                # the wait ran out
+        block.role = dataclasses.replace(block.role, takeover=Takeover("gone", until=1.0))
     relay_for(job, [], clock).check()
     assert job.oldest_step() == 1

@@ -251,7 +251,7 @@ def test_a_job_without_sign_compression_refuses_sign_blocks_and_keeps_nothing():
         with pytest.raises(StoreError, match="no sign-compressed") as err:
             push_signs(store, 0, 1.0, [(0, compression.encode_signs(torch.ones(BLOCK)))])
         assert err.value.code == "INVALID_ARGUMENT"
-        assert not store.blocks[("w", 0)].pushed_by and not store.blocks[("w", 0)].has_grad
+        assert not store.blocks[("w", 0)].role.collecting.pushed_by and not store.blocks[("w", 0)].role.collecting.has_grad
 
 
 # --- the worker's compressor (error feedback) -----------------------------------------------------

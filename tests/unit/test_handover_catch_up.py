@@ -152,7 +152,7 @@ def test_the_value_from_before_an_apply_that_crossed_the_switch_moves_with_the_b
     seed 4, a node draining), and the block moves on once more (the old node rejoins). A rank
     redoing step 0 must get the values from before it at whichever node applies the block now
     (value_at), not the stepped ones: the handover carries Block.previous, hop after hop."""
-    from test_store import _values_at
+    from test_store import values_at
 
     a0, b0, old, new, keys = two_nodes(2)
     push_and_commit(old, 0)                              # kept Block.previous at old
@@ -160,12 +160,12 @@ def test_the_value_from_before_an_apply_that_crossed_the_switch_moves_with_the_b
     _gained, handovers = old.set_primary(set(), epoch=3)
     assert all((h.previous is None) == (h.key[0] == "frozen") for h in handovers)
     hand_over_on_the_wire("old", old, "new", new, handovers)
-    redo = _values_at(new, 0)
+    redo = values_at(new, 0)
     assert all(redo[("a", i)][0] == 0 for i in range(new.tensors["a"].blocks))
     torch.testing.assert_close(torch.cat([redo[("a", i)][1] for i in range(new.tensors["a"].blocks)]).view(4, 5),
                                a0, rtol=0, atol=0)
     torch.testing.assert_close(redo[("b", 0)][1], b0, rtol=0, atol=0)
-    assert _values_at(new, 1)[("a", 0)][0] == 1         # the current step: the stepped values
+    assert values_at(new, 1)[("a", 0)][0] == 1         # the current step: the stepped values
 
     # the second hop: a third node already holding version 1 (its values synced from the copies;
     # its optimizer state is left out: only the values matter here) takes over
@@ -179,10 +179,10 @@ def test_the_value_from_before_an_apply_that_crossed_the_switch_moves_with_the_b
     _gained, handovers = new.set_primary(set(), epoch=4)
     assert all(b.previous is None for b in new.blocks.values())   # let go of with the blocks
     hand_over_on_the_wire("new", new, "third", third, handovers)
-    redo = _values_at(third, 0)
+    redo = values_at(third, 0)
     torch.testing.assert_close(torch.cat([redo[("a", i)][1] for i in range(third.tensors["a"].blocks)]).view(4, 5),
                                a0, rtol=0, atol=0)
-    assert _values_at(third, 1)[("a", 0)][0] == 1
+    assert values_at(third, 1)[("a", 0)][0] == 1
 
 
 def test_a_handover_previous_value_that_is_not_older_or_the_wrong_size_is_refused():

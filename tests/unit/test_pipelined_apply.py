@@ -6,7 +6,7 @@ send no lr with their pushes (the step is then computed at the commits, as befor
 import pytest
 import torch
 
-from shardline.ps_server.store import JobStore, StoreError
+from shardline.ps_server.store import COPY, JobStore, StoreError
 from shardline.services.blocks import block_slices
 from shardline.services.pb import common_pb2
 from test_store import BLOCK, ROUND_OFF, init_store, items_for, make_job, values
@@ -24,7 +24,7 @@ def fresh(world_size=2, **hp):
 
 def staged(store, name):
     n = store.tensors[name].blocks
-    return [store.blocks[(name, i)].staged is not None and store.blocks[(name, i)].staged.value is not None
+    return [(s := store.blocks[(name, i)].role.collecting.staged) is not None and s.value is not None
             for i in range(n)]
 
 
@@ -66,7 +66,7 @@ def test_a_block_every_rank_pushed_is_stepped_before_the_commits_and_equals_the_
         assert early.step == step
         early.commit(1, step, weights[1], lr=LR)
         assert early.step == step + 1
-        assert not any(b.staged for b in early.blocks.values())
+        assert not any(b.role.collecting.staged for b in early.blocks.values())
     assert early.applied_early == 4 * (3 + 1)
 
     at_commit, _ = fresh()
@@ -142,9 +142,9 @@ def test_a_resent_push_after_the_early_step_is_ignored():
     g = [{"a": torch.randn(4, 5)}, {"a": torch.randn(4, 5)}]
     for rank in range(2):
         store.push(rank, 0, 1.0, items_for("a", g[rank]["a"]), lr=LR)
-    first = [store.blocks[("a", i)].staged for i in range(3)]
+    first = [store.blocks[("a", i)].role.collecting.staged for i in range(3)]
     store.push(0, 0, 1.0, items_for("a", torch.full((4, 5), 99.0)), lr=LR)   # resent: ignored
-    assert [store.blocks[("a", i)].staged for i in range(3)] == first
+    assert [store.blocks[("a", i)].role.collecting.staged for i in range(3)] == first
     for rank in range(2):
         store.commit(rank, 0, 1.0, lr=LR)
     store.push(1, 0, 1.0, items_for("a", torch.full((4, 5), 99.0)), lr=LR)   # after the step: ignored
@@ -179,7 +179,7 @@ def test_pulls_snapshots_and_handovers_see_the_step_in_flight_until_the_commits(
     assert handover.key == ("a", 0) and handover.step == 0 and handover.ranks == (0, 1)
     flat = [g[r]["a"].reshape(-1)[:BLOCK] for r in range(2)]
     torch.testing.assert_close(handover.grad, flat[0] + flat[1], rtol=0, atol=1e-7)
-    assert store.blocks[("a", 0)].staged is None
+    assert store.blocks[("a", 0)].role is COPY   # a copy: the early step went with its collection
     for rank in range(2):
         store.commit(rank, 0, 1.0, lr=LR, epoch=2)
     assert store.step == 1 and store.applied_early == 2   # blocks 1 and 2; block 0 left
@@ -232,7 +232,7 @@ def test_commits_that_complete_the_step_while_the_early_step_runs_step_the_gradi
     store.push(0, 0, 1.0, items_for("a", g[0]["a"]), lr=LR)
     monkeypatch.setattr(JobStore, "_step_early", commits_arrive_first)
     store.push(1, 0, 1.0, items_for("a", g[1]["a"]), lr=LR)
-    assert store.step == 1 and store.applied_early == 0 and not any(b.staged for b in store.blocks.values())
+    assert store.step == 1 and store.applied_early == 0 and not any(b.role.collecting.staged for b in store.blocks.values())
     assert store.early_unused == sum(1 for t, _ in store.blocks if t == "a")   # each stepped twice: counted
     torch.testing.assert_close(values(store, "a", (4, 5)), reference(initial, [(g, [1.0, 1.0])])["a"], **ROUND_OFF)
 
@@ -274,7 +274,7 @@ def test_an_early_step_left_for_after_the_reply_equals_torch_whenever_it_runs(co
             store.commit(rank, step, w, lr=LR)
         if commits_first:
             store.step_early(last)
-        assert store.step == step + 1 and not any(b.staged for b in store.blocks.values())
+        assert store.step == step + 1 and not any(b.role.collecting.staged for b in store.blocks.values())
     assert store.applied_early == (0 if commits_first else 3 * (3 + 1))
     assert store.early_unused == (3 * (3 + 1) if commits_first else 0)
     want = reference(initial, steps)
@@ -375,7 +375,7 @@ def test_a_copy_holder_installs_copies_sent_ahead_only_when_their_step_is_named(
     replica.hold_copies([("a", 0, 1, 1, ahead, state)])
     assert torch.equal(a0.value, initial["a"].reshape(-1)[:BLOCK]) and (a0.version, a0.step, a0.visible) == (0, 0, 0)
     replica.carry_copies([(("a", 0), 1, 1), (("a", 1), 0, 1)])   # a0 stepped ahead; a1 carried unchanged
-    assert a0.value is ahead and (a0.version, a0.step, a0.visible) == (1, 1, 1) and a0.pending is None
+    assert a0.value is ahead and (a0.version, a0.step, a0.visible) == (1, 1, 1) and a0.role.held is None
     assert replica.copies_ahead == 1 and replica.blocks[("a", 1)].step == 1
     with pytest.raises(StoreError) as err:
         replica.carry_copies([(("a", 2), 2, 2)])          # a step of a2 it never got

@@ -24,6 +24,11 @@ def make_job(sync="bsp", world_size=2, kind="adamw", **hp):
     return spec
 
 
+def collections(store):
+    """What each primary block collects (a copy collects nothing)."""
+    return [b.role.collecting for b in store.blocks.values() if b.primary]
+
+
 def init_store(store, values):
     items = []
     for name, t in values.items():
@@ -106,7 +111,7 @@ def test_rejections_leave_no_partial_update():
     with pytest.raises(StoreError) as e:
         store.push(0, 0, 1.0, items_for("a", bad))
     assert e.value.code == "NONFINITE" and "'a'" in str(e.value)
-    assert not any(store.blocks[("a", i)].has_grad for i in range(3))
+    assert not any(store.blocks[("a", i)].role.collecting.has_grad for i in range(3))
     with pytest.raises(StoreError) as e:
         store.push(0, 1, 1.0, items_for("a", torch.ones(4, 5)))
     assert e.value.code == "STALE_STEP"
@@ -190,14 +195,14 @@ def test_waiting_pull_wakes_on_apply_and_times_out():
     assert step == 1 and [(c[0], c[1]) for c in changed] == [("a", 0), ("frozen", 0)]
 
 
-def _refs(name, grad):
+def push_refs(name, grad):
     from shardline.ps_server.store import PushRef
 
     flat = grad.reshape(-1)
     return [PushRef(name, s.index, False, s.numel, torch.float32) for s in block_slices(flat.numel(), BLOCK)], flat
 
 
-def _receive(store, ticket, flat):
+def receive_all(store, ticket, flat):
     for i, dest in enumerate(ticket.dests):
         s = block_slices(flat.numel(), BLOCK)[i]
         dest.copy_(flat[s.start:s.stop])
@@ -211,18 +216,18 @@ def test_interleaved_pushes_of_two_ranks_sum_correctly():
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
     g0, g1 = torch.randn(4, 5), torch.randn(4, 5)
-    refs, flat0 = _refs("a", g0)
-    _, flat1 = _refs("a", g1)
+    refs, flat0 = push_refs("a", g0)
+    _, flat1 = push_refs("a", g1)
     t0 = store.begin_push(0, 0, 1.0, refs, bytearray(80))
     t1 = store.begin_push(1, 0, 3.0, refs, bytearray(80))
     assert all(t0.direct) and not any(t1.direct)
-    _receive(store, t1, flat1)
+    receive_all(store, t1, flat1)
     done = {}
     finisher = threading.Thread(target=lambda: done.setdefault("step", store.finish_push(t1)))
     finisher.start()
     finisher.join(0.2)
     assert finisher.is_alive(), "rank 1 must wait while rank 0 is still receiving into the buffers"
-    _receive(store, t0, flat0)
+    receive_all(store, t0, flat0)
     store.finish_push(t0)
     finisher.join(10)
     assert done["step"] == 0
@@ -235,11 +240,11 @@ def test_aborted_push_leaves_nothing_and_frees_the_buffers():
     a0 = torch.randn(4, 5)
     store = JobStore(make_job(kind="sgd", lr=1.0, world_size=1))
     init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
-    refs, flat = _refs("a", torch.full((4, 5), 7.0))
+    refs, flat = push_refs("a", torch.full((4, 5), 7.0))
     ticket = store.begin_push(0, 0, 2.0, refs, bytearray(80))
     ticket.dests[0].fill_(7.0)  # half-received, then the connection broke
     store.abort_push(ticket)
-    assert all(b.receiving is None and not b.pushed_by and not b.has_grad for b in store.blocks.values())
+    assert all(c.receiving is None and not c.pushed_by and not c.has_grad for c in collections(store))
     g = torch.randn(4, 5)
     store.push(0, 0, 1.0, items_for("a", g))  # the rank may push again, with another weight
     store.commit(0, 0, 1.0)
@@ -252,17 +257,17 @@ def test_a_push_whose_block_changed_owner_meanwhile_is_refused_and_keeps_nothing
     of it, also none the node still applies, keeps a part."""
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
-    refs, flat = _refs("a", torch.ones(4, 5))
+    refs, flat = push_refs("a", torch.ones(4, 5))
     ticket = store.begin_push(0, 0, 1.0, refs, bytearray(80))
-    _receive(store, ticket, flat)
+    receive_all(store, ticket, flat)
     kept = {k for k in store.blocks if k != ("a", len(refs) - 1)}
     _gained, handovers = store.set_primary(kept, epoch=2)   # the last block of "a" moved away
     assert [h.ranks for h in handovers] == [()]
     with pytest.raises(StoreError) as e:
         store.finish_push(ticket)
     assert e.value.code == "NOT_OWNER"
-    assert all(not b.pushed_by and not b.received and not b.has_grad and b.receiving is None
-               for b in store.blocks.values())
+    assert all(not c.pushed_by and not c.received and not c.has_grad and c.receiving is None
+               for c in collections(store))
     assert not store.push_weights.get(0)
 
 
@@ -283,15 +288,15 @@ def test_a_push_in_flight_while_its_block_takes_the_step_from_its_previous_prima
     keys = {k for k in store.blocks if k[0] == "a"}
     store.set_primary(keys, epoch=2, awaiting={k: ("p1", time.monotonic() - 1) for k in keys})  # wait over
     g0, g1 = torch.randn(4, 5), torch.randn(4, 5)
-    refs, flat0 = _refs("a", g0)
+    refs, flat0 = push_refs("a", g0)
     ticket = store.begin_push(0, 0, 1.0, refs, bytearray(80))
-    _receive(store, ticket, flat0)
+    receive_all(store, ticket, flat0)
     applied = (a0 - (g0 + g1) / 2).reshape(-1)
     items = [Handover(k, 1, None, (), 1, (applied[s.start:s.stop].clone(), dict(store.blocks[k].state)))
              for k, s in zip(sorted(keys), block_slices(20, BLOCK))]
     store.accept_handover("p1", items)
     assert store.finish_push(ticket) >= 0
-    assert all(store.blocks[k].step == 1 and store.blocks[k].receiving is None for k in keys)
+    assert all(store.blocks[k].step == 1 and store.blocks[k].role.collecting.receiving is None for k in keys)
     torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + g1) / 2, rtol=0, atol=1e-6)
     g2 = torch.randn(4, 5)
     for rank in (0, 1):
@@ -301,15 +306,15 @@ def test_a_push_in_flight_while_its_block_takes_the_step_from_its_previous_prima
 
 
 def test_stalled_reservation_times_out(monkeypatch):
-    import shardline.ps_server.store as store_module
+    import shardline.ps_server.store.pushes as store_module
 
     monkeypatch.setattr(store_module, "RESERVATION_TIMEOUT_SECONDS", 0.1)
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
-    refs, flat = _refs("a", torch.ones(4, 5))
+    refs, flat = push_refs("a", torch.ones(4, 5))
     store.begin_push(0, 0, 1.0, refs, bytearray(80))  # never finished
     t1 = store.begin_push(1, 0, 1.0, refs, bytearray(80))
-    _receive(store, t1, flat)
+    receive_all(store, t1, flat)
     with pytest.raises(StoreError) as e:
         store.finish_push(t1)
     assert e.value.code == "TIMEOUT"
@@ -398,7 +403,7 @@ def test_a_push_of_many_small_blocks_is_checked_in_batches_and_refused_whole():
         with pytest.raises(StoreError) as e:
             store.finish_push(ticket)
         assert e.value.code == "NONFINITE" and f"'t{bad}'" in str(e.value)
-        assert not any(b.has_grad for b in store.blocks.values())
+        assert not any(c.has_grad for c in collections(store))
         store.push(0, 0, 1.0, [PushItem(f"t{i}", 0, torch.full((BLOCK,), 2.0)) for i in range(20)])
         store.commit(0, 0, 1.0)
         assert all(torch.equal(values(store, f"t{i}", (BLOCK,)), torch.full((BLOCK,), -2.0)) for i in range(20))
@@ -407,12 +412,12 @@ def test_a_push_of_many_small_blocks_is_checked_in_batches_and_refused_whole():
 def test_a_large_block_is_checked_as_it_lands(monkeypatch):
     """A block of CHECK_ALONE_BYTES or more is checked alone right away (after the smaller ones
     received before it), so its check overlaps the arrival of the next block."""
-    from shardline.ps_server import store as store_module
+    from shardline.ps_server.store import pushes as store_module
 
     monkeypatch.setattr(store_module, "CHECK_ALONE_BYTES", 4 * BLOCK)   # one full block
     store = JobStore(make_job(kind="sgd", lr=1.0, world_size=1))
     init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
-    refs = [store_module.PushRef("b", 0, False, 3, torch.float32)] + _refs("a", torch.zeros(4, 5))[0]
+    refs = [store_module.PushRef("b", 0, False, 3, torch.float32)] + push_refs("a", torch.zeros(4, 5))[0]
     ticket = store.begin_push(0, 0, 1.0, refs, bytearray(4 * 23))
     ticket.dests[0].fill_(1.0)
     store.check_received(ticket, 0)
@@ -422,7 +427,7 @@ def test_a_large_block_is_checked_as_it_lands(monkeypatch):
     assert ticket.unchecked == [] and ticket.error is not None and "'a' (block 0)" in str(ticket.error)
 
 
-def _values_at(store, step):
+def values_at(store, step):
     """Every block as ``changed_blocks(..., at_step=step)`` answers a restarted rank: name -> flat tensor, versions."""
     wanted = [(name, index, None) for name, index in store.blocks]
     _step, blocks = store.changed_blocks(wanted, copy=True, at_step=step)
@@ -457,16 +462,16 @@ def test_a_restarted_rank_gets_each_block_as_of_the_step_it_redoes(push_lr, comm
         opt.step()
         trajectory.append(ref.detach().clone())
         buffers.append(store.blocks[("a", 0)].previous[2].data_ptr())
-        before = _values_at(store, step)   # the step just applied, as a rank redoing it needs it
+        before = values_at(store, step)   # the step just applied, as a rank redoing it needs it
         flat = torch.cat([before[("a", i)][1] for i in range(store.tensors["a"].blocks)]).view(4, 5)
         torch.testing.assert_close(flat, trajectory[step], **ROUND_OFF)
         assert all(before[("a", i)][0] == step for i in range(store.tensors["a"].blocks))
         assert before[("b", 0)][0] == 0 and torch.equal(before[("b", 0)][1], b0)   # never stepped: as it is
-        now = _values_at(store, step + 1)
+        now = values_at(store, step + 1)
         torch.testing.assert_close(torch.cat([now[("a", i)][1] for i in range(3)]).view(4, 5), trajectory[-1],
                                    **ROUND_OFF)
     if store.step >= 2:   # two steps back is not kept: the current value, at its version
-        old = _values_at(store, store.step - 2)
+        old = values_at(store, store.step - 2)
         assert all(old[("a", i)][0] == store.step for i in range(3))
     assert store.applied_early == (0 if push_lr is None else 9)
     if push_lr is None:   # copied each step into one buffer per block, allocated once
@@ -481,7 +486,7 @@ def test_a_block_this_node_stops_applying_forgets_its_previous_value():
     assert store.blocks[("a", 0)].previous is not None
     store.set_primary({("b", 0)}, epoch=1)
     assert store.blocks[("a", 0)].previous is None
-    assert _values_at(store, 0)[("a", 0)][0] == 1   # no older value: the current one
+    assert values_at(store, 0)[("a", 0)][0] == 1   # no older value: the current one
 
 
 def test_a_job_without_exact_restarts_keeps_no_previous_value():
@@ -494,4 +499,4 @@ def test_a_job_without_exact_restarts_keeps_no_previous_value():
     store.push(0, 0, 1.0, items_for("a", torch.randn(4, 5)), commit_follows=True)
     store.commit(0, 0, 1.0)
     assert all(store.blocks[("a", i)].previous is None for i in range(3))
-    assert _values_at(store, 0)[("a", 0)][0] == 1
+    assert values_at(store, 0)[("a", 0)][0] == 1

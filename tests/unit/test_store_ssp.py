@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from shardline.ps_server.store import JobStore, PushRef, StoreError
+from shardline.ps_server.store import COPY, JobStore, PushRef, StoreError
 from tests.unit.test_store import init_store, items_for, make_job, values
 
 
@@ -49,7 +49,7 @@ def test_steps_ahead_collect_apart_and_apply_in_order_with_their_own_means():
     store.push(1, 2, weights[1], items_for("a", grads[(1, 2)]))
     assert store.commit(1, 2, weights[1]) == 3
     torch.testing.assert_close(values(store, "a", (4, 5)), expected[2], rtol=0, atol=1e-6)
-    assert all(store.blocks[("a", i)].version == 3 and not store.blocks[("a", i)].ahead for i in range(3))
+    assert all(store.blocks[("a", i)].version == 3 and not store.blocks[("a", i)].role.ahead for i in range(3))
     assert torch.equal(values(store, "b", (3,)), torch.zeros(3))  # nobody pushed it: never stepped
 
 
@@ -78,7 +78,7 @@ def test_pushes_and_commits_beyond_job_step_plus_staleness_are_refused():
     with pytest.raises(StoreError) as err:
         store.commit(0, 3, 1.0)
     assert err.value.code == "STALE_STEP" and "staleness 2" in str(err.value)
-    assert not any(b.ahead for b in store.blocks.values()) and 3 not in store.commits  # nothing kept
+    assert not any(b.role.ahead for b in store.blocks.values()) and 3 not in store.commits  # nothing kept
     for rank in (0, 1):
         store.commit(rank, 0, 1.0)
     store.push(0, 3, 1.0, items_for("a", g))  # the job is at step 1 now: step 3 is within the bound
@@ -105,7 +105,7 @@ def test_resent_and_aborted_pushes_of_a_step_ahead_count_once():
     refs = [PushRef("a", 0, False, 7, torch.float32)]
     ticket = store.begin_push(1, 1, 1.0, refs, bytearray(28))  # rank 1's push of step 1 breaks off
     store.abort_push(ticket)
-    assert 1 not in store.blocks[("a", 0)].ahead[1].pushed_by
+    assert 1 not in store.blocks[("a", 0)].role.ahead[1].pushed_by
     store.push(1, 1, 1.0, items_for("a", g[(1, 1)]))
     store.commit(0, 1, 1.0)
     store.commit(1, 1, 1.0)
@@ -138,9 +138,9 @@ def test_a_pull_sees_no_step_its_replicas_do_not_hold_yet():
 def test_a_lost_block_forgets_its_steps_ahead():
     store, _ref, _opt = fresh(staleness=1)
     store.push(0, 1, 1.0, items_for("a", torch.randn(4, 5)))
-    assert store.blocks[("a", 0)].ahead
+    assert store.blocks[("a", 0)].role.ahead
     store.set_primary({key for key in store.blocks if key != ("a", 0)}, epoch=2)
-    assert not store.blocks[("a", 0)].ahead  # its workers push step 1 again to the new primary
+    assert store.blocks[("a", 0)].role is COPY  # nothing ahead: its workers push step 1 again to the new primary
 
 
 def test_a_pull_waits_for_a_lagging_block_to_reach_min_step():
