@@ -13,17 +13,18 @@ A node's states (``Membership``)::
 
 Contract: pure and clock-free (every time-dependent call takes ``now``, seconds on any monotonic
 clock); thread-safe, one lock guards all state. The epoch starts at 1, moves on every change of
-what the routing table publishes and never goes backwards, restarts included (a restart resumes
-at the stored epoch + 1). Every epoch bump and registration change is written to the state store
+what the routing table publishes and never goes backwards, restarts included (a restart resumes at
+the stored epoch + 1). Every epoch bump and registration change is written to the state store
 *before* it becomes visible; a store failure raises StateStoreError and leaves the membership
 unchanged. Heartbeats write nothing; a dead or unknown node's heartbeat returns False (it must
-register again). A silent node that solely holds some block is kept alive and serving
-(dispatcher/holders.py), never declared dead. Rebalances (``rebalance``) and reader-rack changes
-(``set_reader_racks``) are ring changes of the same kind: they start only while nothing is
-pending, any other change calls them off, and what is pending is persisted.
+register again). A silent node that holds blocks no other live node holds is kept alive and serving
+(dispatcher/holders.py) until it or another holder of its blocks answers. Rebalances
+(``rebalance``) and reader-rack changes (``set_reader_racks``) are ring changes of the same kind:
+they start only while nothing is pending, any other change calls them off, and what is pending is
+persisted.
 
-Design: docs/architecture.md, "Membership and ring changes" (and "Failure detection and
-partitions", "Heatmap, rebalancing and reader racks").
+Design: docs/architecture.md, "Membership and ring changes"; also
+"Failure detection and partitions" and "Heatmap, rebalancing and reader racks".
 """
 
 from __future__ import annotations
@@ -173,10 +174,10 @@ class Membership:
     ``store`` keeps them across restarts (default: memory, i.e. not kept); ``now`` is the start
     time on the caller's clock, from which restored alive nodes get their heartbeat grace;
     ``has_data()`` says whether any job holds blocks (a node joining then syncs first);
-    ``sole_holders`` (see the module docstring; None: every silent node may leave) keeps the
-    last holders of blocks in the ring; ``heartbeat_interval`` (default: the dispatcher's, the
-    smaller of 1 s and a third of the timeout), ``isolation_share`` and ``isolation_timeout``
-    configure the :attr:`isolation` guard. Raises StateStoreError naming the store if its state
+    ``sole_holders`` (docs/architecture.md, "Failure detection and partitions"; None: every silent
+    node may leave) keeps the last holders of blocks in the ring; ``heartbeat_interval`` (default:
+    the dispatcher's, the smaller of 1 s and a third of the timeout), ``isolation_share`` and
+    ``isolation_timeout`` configure the :attr:`isolation` guard. Raises StateStoreError naming the store if its state
     cannot be read or written.
     """
 
@@ -404,7 +405,7 @@ class Membership:
         restarted (kill -9 and back before it was declared dead) and rejoins like a revived node.
         ``insecure``: the node serves a non-loopback address without a cluster token (status shows it).
         ``remembered``: ``(epoch, NodeInfos)`` of the serving ring the node last routed by, taken
-        back if no node serves (the module docstring).
+        back if no node serves (docs/architecture.md, "Failure detection and partitions").
 
         Re-registering an alive node with the same rack, addresses and capacity only refreshes its
         heartbeat (a node retrying registration must not churn the ring, nor write to the store).
@@ -600,7 +601,7 @@ class Membership:
             return self._pending_epoch
 
     def snapshot(self, now: float | None = None) -> RoutingSnapshot:
-        """The serving ring and the pending one (see the module docstring)."""
+        """The serving ring and the pending one (docs/architecture.md, "Membership and ring changes")."""
         with self._lock:
             alive = sorted((n for n in self._nodes.values() if n.state == ALIVE), key=lambda n: n.node_id)
             serving = [self._record(n, now) for n in alive if n.member in (SERVING, DRAINING)]
@@ -636,8 +637,8 @@ class Membership:
 
     def expire(self, now: float) -> list[str]:
         """Declare dead the alive nodes silent for more than ``heartbeat_timeout`` that the
-        isolation guard gives up on and that hold no block alone (the module docstring). Returns
-        their ids.
+        isolation guard gives up on and that hold no block alone
+        (docs/architecture.md, "Failure detection and partitions"). Returns their ids.
 
         Raises StateStoreError (and declares none dead) if the change cannot be persisted.
         """

@@ -131,7 +131,8 @@ def _clamp(vnodes: Mapping[str, int], base: Mapping[str, int], min_factor: float
 
 def search(model: LoadModel, base: Mapping[str, int], *, min_factor: float = MIN_FACTOR,
            max_factor: float = MAX_FACTOR) -> tuple[dict, float]:
-    """The counts with the lowest predicted max/mean found from ``base`` (see the module docstring)."""
+    """The counts with the lowest predicted max/mean found from ``base``, within ``[min_factor,
+    max_factor]`` times it (docs/architecture.md, "Heatmap, rebalancing and reader racks")."""
     best = dict(base)
     best_ratio = imbalance(model.predict(best))
     v = dict(base)
@@ -168,7 +169,7 @@ def toward_readers(model: LoadModel, best: Mapping[str, int], base: Mapping[str,
                    readers: list, *, min_factor: float = MIN_FACTOR, max_factor: float = MAX_FACTOR) -> dict:
     """``best`` nudged toward rack-local ownership of the blocks ``readers`` names (per block in
     the model's order: the set of nodes on its readers' rack, or None) while the predicted max/mean
-    stays <= ``limit`` (module docstring). Deterministic."""
+    stays <= ``limit``. Deterministic."""
     if not any(r for r in readers):
         return dict(best)
     best = dict(best)
@@ -200,7 +201,7 @@ def plan(base: Mapping[str, int], current: Mapping[str, int], node_load: Mapping
     ``block_bytes``: bytes/s of the blocks the heatmap knows, ``(job, tensor, index) -> rate``;
     ``last_change``: when the last rebalance was applied (None: never); ``node_racks``: node ->
     rack and ``reader_racks``: job -> its readers' rack, for the tie-break toward the readers' rack.
-    See the module docstring.
+    Design: docs/architecture.md, "Heatmap, rebalancing and reader racks".
     """
     if set(base) != set(current):
         raise ShardlineConfigError(f"base and current counts name different nodes: {sorted(base)} vs {sorted(current)}")

@@ -8,8 +8,8 @@ and ``untracked`` only). ``report()`` gives the load since the previous report a
 its accesses. ``rack_reads()`` gives the bytes per (job, reader rack) since the previous call, at
 most ``MAX_RACK_READS`` pairs.
 
-Design: docs/architecture.md, "Heatmap, rebalancing and reader racks" ("Heatmap and
-rebalancing").
+Design: docs/architecture.md, "Heatmap, rebalancing and reader racks",
+"Heatmap and rebalancing".
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ Contract: a ``SIGN1`` block is one bit per element, the sign of ``v`` (>= 0 is a
 significant bit first, ``ceil(numel / 8)`` bytes with the unused bits of the last byte zero, plus
 one fp32 ``scale = mean(|v|)``; it decodes to ``scale * (+1 | -1)``. ``check_compression`` raises
 ShardlineConfigError for an unknown option; ``padding_problem`` names a block whose padding bits
-are set (its caller refuses it). Plain tensor arithmetic; nothing is pickled. The error-feedback residual is
-the worker's (worker/compressor.py).
+are set (its caller refuses it). Plain tensor arithmetic; nothing is pickled. The error-feedback
+residual is the worker's (worker/compressor.py).
 
 Design: docs/architecture.md, "BSP step" ("Gradient compression").
 """

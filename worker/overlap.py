@@ -9,8 +9,8 @@ the commit included, and ``finish()`` raises it. Inside ``no_sync()`` backward o
 Flat groups leave the commit to ``step()``: their parameters are views of the pulled tensor and
 must not change before it.
 
-Design: docs/architecture.md, "Overlap, priority pull and flat parameters" ("Overlap and
-priority pull").
+Design: docs/architecture.md, "Overlap, priority pull and flat parameters",
+"Overlap and priority pull".
 """
 
 from __future__ import annotations

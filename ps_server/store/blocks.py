@@ -180,7 +180,12 @@ NO_TAKEOVER = Takeover()
 # one Primary per block and step); no code writes its fields: tests/unit/test_block_roles.py checks.
 @dataclass(eq=False, slots=True)
 class Primary:
-    """This node applies the block (see the module docstring for the fields)."""
+    """This node applies the block. ``collecting``: the step's :class:`Collection`; ``ahead``
+    (SSP): collections of later steps; ``since_epoch``: commits count from this routing epoch;
+    ``takeover``: the previous primary it waits for and the steps adopted from its copy; ``kept``:
+    the value from before its last step (a restarted rank redoing it); ``replay``: its last step's
+    mean gradient, which copy holders replay; ``spare``: the other gradient buffer.
+    (docs/architecture.md, "Block store", "Block: its copy and one role".)"""
 
     primary: ClassVar[bool] = True
     since_epoch: int = 0
