@@ -1,17 +1,15 @@
 """Worker leases: which ranks of each job are training, which were lost, and which jobs failed.
 
-Pure and clock-free (``now`` is any monotonic clock, in seconds). A worker renews the lease of
-(job, rank) with every heartbeat; a rank whose lease is older than the job's
-``worker_lease_timeout_seconds`` (default ``DEFAULT_LEASE_TIMEOUT_SECONDS``) is **lost**. A worker
-that leaves cleanly (finished, stopped) releases its lease and is not lost. A lost rank that
-heartbeats again (restarted: a new incarnation) is alive again.
+A rank's states: *alive* (renewed by every heartbeat) -> *lost* (its lease older than the job's
+``worker_lease_timeout_seconds``) -> *alive* again (it heartbeats again); *released* once it
+leaves cleanly (never lost).
 
-With ``on_worker_failure: fail`` a lost rank fails the job: every other worker gets
-ShardlineWorkerLostError naming it (the PS nodes refuse the job's requests with WORKER_LOST and
-their waiting pulls return). The failure clears once every lost rank is back. With ``wait`` (the
-default) the step waits for the rank; ``shardline status`` shows which rank is missing and since
-when. Leases are soft state: a new leader starts with none and every rank gets one lease timeout
-to check in.
+Contract: pure and clock-free (``now`` is any monotonic clock, in seconds). With
+``on_worker_failure: fail`` a lost rank fails the job until every lost rank is back (workers get
+ShardlineWorkerLostError, the PS nodes refuse with WORKER_LOST); with ``wait`` the step waits.
+Soft state: a new leader starts with none and every rank gets one lease timeout to check in.
+
+Design: docs/architecture.md, "Worker leases".
 """
 
 from __future__ import annotations

@@ -1,67 +1,30 @@
-"""PS-node membership: registration, heartbeats, failure detection and the ring epoch.
+"""PS-node membership: registration, heartbeats, failure detection, two-phase ring changes and the
+ring epoch.
 
-Pure and clock-free: every time-dependent call takes ``now`` (seconds on any monotonic clock), so
-tests drive it with a fake clock. Thread-safe: one lock guards all state.
+A node's states (``Membership``)::
 
-A node is ``alive`` from registration until its last heartbeat is more than ``heartbeat_timeout``
-seconds old when ``expire(now)`` runs; it is then ``dead`` and stays listed (for status) until it
-registers again. A dead or unknown node's heartbeat returns False: it must register again.
+ liveness:  (unknown) --register--> alive --silent past heartbeat_timeout (and not kept)--> dead
+                                      ^                                                      |
+                                      +------------------------register----------------------+
 
-The epoch starts at 1 and increases by one on every change of what the routing table publishes:
-the alive set, or an alive node's rack, addresses, capacity or virtual-node count. It never goes
-backwards, across restarts included:
+ member role (alive nodes):
+   joining --(every node of both rings reported the pending epoch ready: switch)--> serving
+   serving --(drain)--> draining --(switch)--> drained
 
-- Every epoch bump and registration change is written to the state store (keys ``epoch`` and
-  ``node/<id>``) *before* it becomes visible, so no caller ever saw an epoch the store lacks. A
-  store failure raises StateStoreError and leaves the membership unchanged. Heartbeats write nothing
-  (storage reports are not persisted: the next heartbeat brings them again).
-- Built over a store that holds state, the epoch is the stored one plus one (the restart is a
-  routing change) and the stored nodes come back: alive ones with ``last_heartbeat = now``, i.e.
-  one ``heartbeat_timeout`` of grace before silent ones expire; dead ones stay dead.
-- A heartbeat reporting an epoch E above the dispatcher's (a dispatcher that lost its state meets
-  nodes that routed with a later one) moves the epoch to E + 1.
+Contract: pure and clock-free (every time-dependent call takes ``now``, seconds on any monotonic
+clock); thread-safe, one lock guards all state. The epoch starts at 1, moves on every change of
+what the routing table publishes and never goes backwards, restarts included (a restart resumes at
+the stored epoch + 1). Every epoch bump and registration change is written to the state store
+*before* it becomes visible; a store failure raises StateStoreError and leaves the membership
+unchanged. Heartbeats write nothing; a dead or unknown node's heartbeat returns False (it must
+register again). A silent node that holds blocks no other live node holds is kept alive and serving
+(dispatcher/holders.py) until it or another holder of its blocks answers. Rebalances
+(``rebalance``) and reader-rack changes (``set_reader_racks``) are ring changes of the same kind:
+they start only while nothing is pending, any other change calls them off, and what is pending is
+persisted.
 
-Two-phase ring changes. An alive node is a ring **member** in one of four roles: ``serving`` (in
-the ring blocks are routed by), ``joining`` (registered, being brought in sync), ``draining``
-(its blocks are moving to the others), ``drained`` (alive, in no ring). While a node joins or
-drains, the routing table also publishes a **pending ring** — the serving nodes plus the joining
-ones minus the draining ones — with a ``pending_epoch``; nodes bring in sync the blocks the
-pending ring gives them (ps_server/replication.py) and report ``ready_epoch``. Once every node of
-both rings reported the current pending epoch, the change **switches**: joining nodes serve,
-draining ones are drained, and the epoch moves on. A report counts only while the node holds
-every job at its revision (the dispatcher checks the jobs its heartbeat lists), and a job created
-or extended meanwhile takes every report back (``jobs_changed``): its blocks must be in sync too.
-A node that dies leaves the serving ring at once (its replicas hold its blocks); the pending
-ring, if any, is recomputed. A node joining an empty ring, or a cluster that holds no job data
-(``has_data()`` false), serves at once: there is nothing to sync.
-
-No ring from partial data. Which silent nodes are dead is the IsolationGuard's call
-(dispatcher/isolation.py: none while more than half of them went silent together, which is what a
-dispatcher cut off from the network sees). And a silent node leaves the serving ring only if every
-block it holds has a holder that is not silent: ``sole_holders(serving, reader_racks, leaving)``
-names the nodes of ``leaving`` that hold blocks no other serving node outside ``leaving`` holds
-(dispatcher/holders.py); such a node is **kept**: it stays alive and serving (workers wait for it,
-and its blocks stay where they are) until it answers again, or until another holder of its
-blocks does (then it is declared dead). A kept node that restarted (a new incarnation) serves on,
-from its checkpoint: no other node holds what it holds. So no node ever becomes the serving owner
-of blocks that no live node holds, and every node being declared dead at once cannot happen while
-jobs hold data. A dispatcher that restarted without its state knows no ring: a node that
-registers again with the ring it ``remembered`` (it holds job data) gives it back, every node of
-it serving as before (the others are taken as alive, with one heartbeat timeout to check in),
-instead of the first node to register becoming the only owner of every block.
-
-Rebalancing (dispatcher/rebalance.py decides, ``rebalance`` applies) is a ring change of the same
-kind: serving nodes get **pending virtual-node counts**, the pending ring is built with them, and
-the switch makes them the counts in use. It starts only while no change is pending, and any other
-change calls it off (a node that dies, joins or drains: the loads it was planned from no longer
-hold; the next plan starts from fresh measurements). Counts in use and pending are persisted with
-the node, so a restarted (or newly elected) dispatcher serves the same ring and resumes the change.
-
-Reader racks (dispatcher/reader_racks.py decides, ``set_reader_racks`` applies; docs/architecture.md,
-"Reader racks") change the same way: the new job -> rack map is published as the pending one with
-a pending ring of the serving nodes, and the switch makes it the one in use. Like a rebalance it
-starts only while nothing is pending and any other change calls it off. Both maps are persisted
-(key ``reader_racks``).
+Design: docs/architecture.md, "Membership and ring changes"; also
+"Failure detection and partitions" and "Heatmap, rebalancing and reader racks".
 """
 
 from __future__ import annotations
@@ -211,10 +174,10 @@ class Membership:
     ``store`` keeps them across restarts (default: memory, i.e. not kept); ``now`` is the start
     time on the caller's clock, from which restored alive nodes get their heartbeat grace;
     ``has_data()`` says whether any job holds blocks (a node joining then syncs first);
-    ``sole_holders`` (see the module docstring; None: every silent node may leave) keeps the
-    last holders of blocks in the ring; ``heartbeat_interval`` (default: the dispatcher's, the
-    smaller of 1 s and a third of the timeout), ``isolation_share`` and ``isolation_timeout``
-    configure the :attr:`isolation` guard. Raises StateStoreError naming the store if its state
+    ``sole_holders`` (docs/architecture.md, "Failure detection and partitions"; None: every silent
+    node may leave) keeps the last holders of blocks in the ring; ``heartbeat_interval`` (default:
+    the dispatcher's, the smaller of 1 s and a third of the timeout), ``isolation_share`` and
+    ``isolation_timeout`` configure the :attr:`isolation` guard. Raises StateStoreError naming the store if its state
     cannot be read or written.
     """
 
@@ -442,7 +405,7 @@ class Membership:
         restarted (kill -9 and back before it was declared dead) and rejoins like a revived node.
         ``insecure``: the node serves a non-loopback address without a cluster token (status shows it).
         ``remembered``: ``(epoch, NodeInfos)`` of the serving ring the node last routed by, taken
-        back if no node serves (the module docstring).
+        back if no node serves (docs/architecture.md, "Failure detection and partitions").
 
         Re-registering an alive node with the same rack, addresses and capacity only refreshes its
         heartbeat (a node retrying registration must not churn the ring, nor write to the store).
@@ -638,7 +601,7 @@ class Membership:
             return self._pending_epoch
 
     def snapshot(self, now: float | None = None) -> RoutingSnapshot:
-        """The serving ring and the pending one (see the module docstring)."""
+        """The serving ring and the pending one (docs/architecture.md, "Membership and ring changes")."""
         with self._lock:
             alive = sorted((n for n in self._nodes.values() if n.state == ALIVE), key=lambda n: n.node_id)
             serving = [self._record(n, now) for n in alive if n.member in (SERVING, DRAINING)]
@@ -674,8 +637,8 @@ class Membership:
 
     def expire(self, now: float) -> list[str]:
         """Declare dead the alive nodes silent for more than ``heartbeat_timeout`` that the
-        isolation guard gives up on and that hold no block alone (the module docstring). Returns
-        their ids.
+        isolation guard gives up on and that hold no block alone
+        (docs/architecture.md, "Failure detection and partitions"). Returns their ids.
 
         Raises StateStoreError (and declares none dead) if the change cannot be persisted.
         """

@@ -1,31 +1,16 @@
-"""When and how the ring's virtual-node counts follow measured load: pure policy, no I/O.
+"""When and how the ring's virtual-node counts follow measured load (bytes/s in + out of each
+node): pure policy, no I/O, deterministic.
 
-Load is bytes per second in + out of each node (pushes received, pulls sent), the unit the ring
-moves: a block's bytes go wherever the ring puts the block. The dispatcher's heatmap gives each
-node's load and the hottest blocks' own rates (dispatcher/heatmap.py).
+Contract: the plan is predicted from the blocks' rates, not from the ring in use, so planning again
+with the same load finds the same counts (a move is never undone by measuring after it). Counts
+stay within ``[min_factor, max_factor]`` times the capacity-derived ``base``; nudges toward
+readers' racks are kept only within the balance band (capacity first, locality where it allows).
+Nothing moves while a ring change is pending, within the cool-down, when the cluster carries less
+than ``min_load`` bytes/s, when the measured max/mean is within ``tolerance`` of 1, or when the
+predicted max/mean does not improve by ``min_improvement``; a node's count within
+``hysteresis`` of its current one is kept.
 
-Prediction. A block's rate does not depend on where it lives, so the load of any candidate ring
-can be predicted: every block the heatmap knows goes to its owner under the candidate, and the
-rest of the measured load (cold blocks, not reported one by one) is spread over the candidate's
-hash-space shares, as uniformly hashed keys are. Because the prediction depends on the blocks'
-rates and not on the ring in use, applying the policy again to the same load finds the same
-counts and moves nothing: measuring after a move does not undo it.
-
-Search. Starting from the capacity-derived counts (``base``), each round feeds the predicted
-loads to ``services.ring.load_adjusted_vnodes`` (a node's counts scaled by the inverse of its
-relative load), then nudges single nodes up or down while that lowers the predicted max/mean; the
-best counts found win, within ``[min_factor, max_factor]`` times ``base``. Deterministic.
-
-Readers' racks. Given the racks of the nodes and, per job, the rack its reads come from
-(dispatcher/reader_racks.py), the best counts are then nudged toward putting the known blocks of
-those jobs on nodes of their readers' rack: a nudge is kept when it raises the bytes/s of such
-blocks owned on their readers' rack and the predicted max/mean stays within the balance band
-(the best found, or ``1 + tolerance`` if that is larger): capacity first, locality where it allows.
-
-Hysteresis. Nothing moves when: a ring change is pending; the cool-down since the last change
-has not passed; the cluster carries less than ``min_load`` bytes/s (idle); the measured max/mean
-is within ``tolerance`` of 1 (balanced); or the predicted max/mean does not improve by at least
-``min_improvement``. Per node, a count within ``hysteresis`` of the current one is kept.
+Design: docs/architecture.md, "Heatmap, rebalancing and reader racks".
 """
 
 from __future__ import annotations
@@ -146,7 +131,8 @@ def _clamp(vnodes: Mapping[str, int], base: Mapping[str, int], min_factor: float
 
 def search(model: LoadModel, base: Mapping[str, int], *, min_factor: float = MIN_FACTOR,
            max_factor: float = MAX_FACTOR) -> tuple[dict, float]:
-    """The counts with the lowest predicted max/mean found from ``base`` (see the module docstring)."""
+    """The counts with the lowest predicted max/mean found from ``base``, within ``[min_factor,
+    max_factor]`` times it (docs/architecture.md, "Heatmap, rebalancing and reader racks")."""
     best = dict(base)
     best_ratio = imbalance(model.predict(best))
     v = dict(base)
@@ -183,7 +169,7 @@ def toward_readers(model: LoadModel, best: Mapping[str, int], base: Mapping[str,
                    readers: list, *, min_factor: float = MIN_FACTOR, max_factor: float = MAX_FACTOR) -> dict:
     """``best`` nudged toward rack-local ownership of the blocks ``readers`` names (per block in
     the model's order: the set of nodes on its readers' rack, or None) while the predicted max/mean
-    stays <= ``limit`` (module docstring). Deterministic."""
+    stays <= ``limit``. Deterministic."""
     if not any(r for r in readers):
         return dict(best)
     best = dict(best)
@@ -215,7 +201,7 @@ def plan(base: Mapping[str, int], current: Mapping[str, int], node_load: Mapping
     ``block_bytes``: bytes/s of the blocks the heatmap knows, ``(job, tensor, index) -> rate``;
     ``last_change``: when the last rebalance was applied (None: never); ``node_racks``: node ->
     rack and ``reader_racks``: job -> its readers' rack, for the tie-break toward the readers' rack.
-    See the module docstring.
+    Design: docs/architecture.md, "Heatmap, rebalancing and reader racks".
     """
     if set(base) != set(current):
         raise ShardlineConfigError(f"base and current counts name different nodes: {sorted(base)} vs {sorted(current)}")

@@ -1,32 +1,16 @@
-"""When a PS node checkpoints its jobs, and the background thread that writes them.
+"""When a PS node checkpoints its jobs (periodic, initial, on demand, at a graceful stop), and the
+background thread that writes them.
 
-A checkpoint of a job at step ``s`` holds the blocks' values, optimizer state and versions after
-``s`` applied steps. Values change only when a step is applied, so a snapshot taken while the job
-is at ``s`` (between two boundaries; gradients being collected are never part of it) is the state
-of step ``s``; BSP nodes apply the same steps, so the nodes of a job checkpoint the same step.
+Contract: a checkpoint of a job at step ``s`` is the blocks' values, optimizer state and versions
+after ``s`` applied steps (gradients being collected are never part of it). Snapshots are copied
+under the job lock at a step boundary; one writer thread writes them in order
+(ps_server/checkpoint.py). Every node writes every periodic step: with ``MAX_PENDING_SNAPSHOTS`` of
+a job waiting the next boundary waits, and only a writer stalled for
+``STALLED_WRITER_TIMEOUT_SECONDS`` makes it skip one (logged and counted). A failed write fails
+that checkpoint and its waiters, never the training; the next one diffs against the last durable
+checkpoint.
 
-Triggers, per job:
-
-* **periodic** — a boundary hook (``JobStore.boundary_hooks``) fires after every applied step;
-  every ``every_steps`` steps (the job's own ``checkpoint_every_steps`` if it set one, else the
-  node's) a snapshot is taken. Every node writes every periodic step (a whole-cluster restart
-  needs a step that all nodes hold), so a writer that falls behind slows training down instead of
-  being skipped: with ``MAX_PENDING_SNAPSHOTS`` snapshots of a job waiting, the next boundary
-  waits for the writer (memory holds at most that many copies of the job's changed blocks). Only a
-  writer stalled for ``STALLED_WRITER_TIMEOUT_SECONDS`` makes it skip one (logged and counted).
-* **initial** — step 0 (the creator's initial values) as soon as a non-INIT request shows that the
-  job was initialized, so a job is durable from its start.
-* **on demand** — :meth:`request` (``Checkpoint`` RPC, ``shardline checkpoint``): a checkpoint of
-  exactly step ``T``, now if the job is at ``T``, at the boundary where it reaches ``T`` otherwise.
-* **stopping** — :meth:`checkpoint_now` after the job was frozen (graceful stop): what changed since
-  the last checkpoint is written before the process exits.
-
-Snapshots are copies made under the job lock (``JobStore.snapshot``); only blocks whose version
-differs from the last durable checkpoint are copied for an incremental one, every block for a full
-one (the first of a job, then after every ``full_every`` incrementals). One writer thread writes
-them in order (ps_server/checkpoint.py: crash-safe files, manifests last), applies retention, and
-wakes whoever waits. A failed write (disk full...) is logged and counted; it fails that checkpoint
-and its waiters, never the training, and the next one diffs against the last durable checkpoint.
+Design: docs/architecture.md, "Checkpoints and restore".
 """
 
 from __future__ import annotations

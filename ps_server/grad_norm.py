@@ -1,20 +1,14 @@
-"""Global gradient clipping across PS nodes (a BSP job's ``max_grad_norm``).
+"""Global gradient clipping across PS nodes (a BSP job's ``max_grad_norm``), equal to
+``torch.nn.utils.clip_grad_norm_`` over the mean gradient.
 
-``torch.nn.utils.clip_grad_norm_(params, max_norm)`` scales every gradient by
-``min(1, max_norm / (norm + 1e-6))`` where ``norm`` is the L2 norm over all of them. Here the
-gradient is the mean over workers, and its blocks are spread over the job's primaries, so the
-norm is gathered: once a node holds every commit of a step and every block it applies can take
-the step, the store computes the node's **share** (the sum of squares of the mean gradient over
-those blocks, in float64) and waits. The share goes to every other primary of the job
-(``ReportGradNorm``, with the sender's routing epoch); each node combines the shares of every
-primary at its own epoch, in node-id order (so every node computes the same coefficient), and
-steps. A routing change makes every node compute its share again over its new blocks and send it
-at the new epoch; shares of other epochs are never combined. A node that already stepped answers a
-share that comes after (a late one, or one of a newer epoch) with the coefficient it used, and the
-asker steps with the same: the step is taken with one coefficient everywhere even when a share
-was lost or the ring changed in between. A primary that never reports (dead, its blocks not yet
-taken over) holds the step: after ``STALL_WARNING_SECONDS`` the node sends its share again and
-logs which primaries it waits for.
+Contract: each primary computes its share (sum of squares, float64) and sends it to the job's
+other primaries (``ReportGradNorm``) at its routing epoch; every node combines the shares of every
+primary at its own epoch in node-id order, so one step is taken with one coefficient everywhere.
+Shares of other epochs are never combined (a routing change shares again); a node that already
+stepped answers a later share with the coefficient it used. A primary that never reports holds
+the step; after ``STALL_WARNING_SECONDS`` the share is sent again and the wait logged.
+
+Design: docs/architecture.md, "BSP step" ("Parameter groups, learning rates, clipping").
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
 """Access heat of one PS node: reads and writes per block, and the node's load, for its heartbeats.
 
-Pure and thread-safe (one lock); time comes from ``clock`` (monotonic seconds) or a ``now``
-argument, so tests drive it with a fake clock.
+Contract: pure and thread-safe (one lock); time comes from ``clock`` (monotonic seconds) or a
+``now`` argument. Only client traffic counts (pulls and pushes, in bytes), never replication.
+Counters are exact per block for at most ``max_tracked`` blocks (further ones count in the load
+and ``untracked`` only). ``report()`` gives the load since the previous report and at most
+``MAX_REPORTED`` blocks; counts not reported carry over, so the sum of a block's reports equals
+its accesses. ``rack_reads()`` gives the bytes per (job, reader rack) since the previous call, at
+most ``MAX_RACK_READS`` pairs.
 
-What is counted. A pull answered by the node is one pull, and every block it sends is one read
-of that block with the bytes sent; a push received is one push, and every block it carries is one
-write with the bytes received (a zero flag is a write of 0 bytes); time spent applying a step is
-apply seconds. Only client traffic counts (pulls and pushes): replication and syncs between nodes
-follow the blocks' primaries and are not what the ring can balance.
-
-Memory bound. Counters are exact per block, one small record per block the node has served, at
-most ``max_tracked`` of them (default 2**20, a few hundred bytes each; a node holds at least the
-block itself, 1 MiB by default, for each). Accesses to further blocks still count in the node's
-load and in ``untracked``, never per block. A dropped job's records go with it.
-
-Reports. ``report()`` returns the load since the previous report (rates over that interval,
-exact) and at most ``k`` (``MAX_REPORTED``) blocks with their counts since each was last
-reported: those with the most accesses not reported yet (ties: the higher decayed byte count,
-half-life ``half_life`` seconds). A block's counts are never lost: those not reported carry over
-and grow until they are, so the sum of every report's counts of a block equals its accesses, and
-a node with more than ``k`` busy blocks reports all of them in turn (the hottest every time).
-
-Reader racks. A pull naming its reader's rack (``FrameHeader.reader_rack``) also adds the bytes
-sent to that (job, rack); ``rack_reads()`` returns those sums since the previous call (at most
-``MAX_RACK_READS`` pairs per interval: a pull of a further pair counts in the load only).
+Design: docs/architecture.md, "Heatmap, rebalancing and reader racks",
+"Heatmap and rebalancing".
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Replication: a block's primary keeps its copy holders (replicas and, during a ring change,
-learners; services/placement.py says who holds what) holding the same block, bitwise, at every
-step workers can see. docs/architecture.md, "Replication".
+learners; services/placement.py says who holds what) bitwise equal to it at every step workers can
+see. ``Replicator`` joins the primary's side and the copy holder's side over one lock.
 
 The primary's view of each copy holder of a job (``HolderProgress``, replication_progress.py)::
 
@@ -15,33 +15,14 @@ The primary's view of each copy holder of a job (``HolderProgress``, replication
      +---+-- a frame of its round failed or was refused (timeout, NOT_OWNER, lacks a step);
              from syncing too
 
-``syncing`` and ``in_sync`` holders are sent every applied step (the answer went first on the same
-FIFO link), and a step becomes visible once each of them acknowledged it. A holder's ``round``
-fences late failures: a frame of an older round (its previous process) drops nobody. The copy
-holder's side of the same exchange: a ``SyncAsk`` per node it asked (pending until the last frame
-of an answer to a request of the current routing), a ``Fetch`` per block it applies but lacks
-(asked of its previous holders in turn), and the copies no role needs any more (dropped after a
-grace period).
+Contract: a step's blocks become visible only once every ``syncing``/``in_sync`` holder
+acknowledged its ``REPLICATE_STEP`` frame or was dropped; a failure of an older round drops
+nobody. ``REPLICATE_STEP``/``STAGED`` frames are fenced (only the block's primary at the
+receiver's epoch, else ``NOT_OWNER``); a holder not at the version a step builds on answers
+``UNAVAILABLE`` and asks for a sync. A sync answer is queued with the holder's move to ``syncing``
+under the job lock. Per-job records (``JobReplication``) are read and moved under ``_lock``.
 
-Messages: ``OP_SYNC`` (holder to primary: the version and step of every copy it holds) and
-``OP_REPLICATE`` of one ``ReplicateKind``, each with its own handler:
-
-* ``REPLICATE_STEP`` -- the blocks of an applied step to an in-sync holder: copies (value and
-  optimizer state, packed), or with ``replicate_gradients`` the mean gradient and lr the holder
-  replays, and zero refs for blocks carried through or sent ahead; the INIT's values too. Fenced:
-  only the block's primary at the receiver's epoch (NOT_OWNER: the sender refreshes its routing).
-* ``REPLICATE_STAGED`` -- copies of blocks stepped before the step's commits (pipelined apply),
-  held apart until the step's STEP frame names them; a holder not sent them in its current
-  round gets full copies instead.
-* ``REPLICATE_SYNC`` / ``REPLICATE_SYNC_LAST`` -- the answer to the receiver's OP_SYNC: copies of
-  whatever differs, queued with the holder's move to ``syncing`` under the job lock, so no
-  applied step slips between them and the steps that follow. Accepted at any epoch.
-* ``REPLICATE_HANDOVER`` -- a block that changes primary mid-step takes along what its old
-  primary collected of the step in flight (``JobStore.accept_handover``).
-
-A block whose copy holders are all out of sync stays invisible until one of them synced (it
-carries the block) or none is left in the routing (``SyncWait``). A holder at another version
-than a step builds on steps nothing, answers UNAVAILABLE (dropped) and asks for a sync at once.
+Design: docs/architecture.md, "Replication" (states, messages, invariants, failure table).
 """
 
 from __future__ import annotations

@@ -1,45 +1,18 @@
-"""The rack cache's logic (L2): entries, versions, coalesced fetches, eviction. No sockets here.
+"""The rack cache's logic (L2): entries, versions, coalesced fetches, eviction. No sockets here
+(rack_cache/server.py is the glue).
 
-A rack cache answers OP_PULL for the readers of its rack exactly as the PS node a reader routes a
-group of blocks to would, from memory where it can (rack_cache/server.py is the glue).
+Contract: a pull is answered exactly as the PS node the reader routes to would answer it. An
+entry (job, tensor, block, dtype) is the block's value for every job step in ``[version, seen]``,
+learned at one epoch; a reply names one step ``s`` with ``min_step <= s`` and
+``version <= s <= seen`` for every block, and ``s`` is always a step a node replied with.
+Concurrent misses of the same blocks at the same epoch and ``min_step`` make one fetch. Resident
+bytes stay within ``capacity_bytes`` (LRU; a bigger block is passed through, not kept). Subscriber
+pulls are answered only from entries carrying the node's checksum, which the reply forwards; a
+delta that does not match it is never kept and fails the pull (ShardlineChecksumError). A
+node's refusals reach the reader as the node gave them. ``BlockCache`` is thread-safe; fetches run
+outside its lock.
 
-**Entries.** One per (job, tensor, block index, dtype): the block's ``version`` (the step that last
-changed it), its bytes in that dtype, and ``seen``: the node's job step at which the cache last
-learned that this was the block's value. An entry is thus the block's value for every job step in
-``[version, seen]``, and valid for a pull of ``min_step`` m iff ``seen >= m`` and it was learned at
-the epoch the reader routes with (a routing change may have moved the block: learned again, as a
-delta, from its new owner).
-
-**Answering a pull** (one group: the blocks a reader routes to one node, its ``min_step`` m and the
-versions it holds). The reply names one step ``s`` and every block in it is the block's value at
-``s``: ``m <= s``, ``version <= s <= seen`` for every block. So a reader never receives a block
-older than the step it waits for, nor one newer than the step it is told, and the cache never
-claims a step it has not seen (``s`` is a ``seen``, i.e. a step a node replied with). A block is
-sent only if its version is newer than the reader's (the PS's rule). Entries that are missing or
-not valid are fetched from the node, once: a fetch in flight for the same block at the same epoch
-and the same ``min_step`` is waited for instead of sending another (coalescing), and a fetch asks
-for the whole group's missing blocks in one request, naming the versions the cache holds (the
-node sends only what changed). If entries from different fetches do not fit one step (a reader
-that does not follow the job's pace, e.g. a subscriber), the whole group is fetched in one
-request, which is one node's consistent snapshot. Pulls of ``min_step`` 0 (a reader learning
-where the job is) always ask the node.
-
-**Subscriber pulls** (``subscriber``: a WeightSubscriber reading through the cache) keep the
-end-to-end checksums: an entry a subscriber may be answered from holds the PS node's checksum of
-its bytes (``Entry.checksum``, zlib.crc32 of the block's value in its dtype, services/delta.py),
-which the reply forwards; the cache never computes one of its own for a reader. Such entries are
-fetched as subscriber pulls: the node sends a changed block dense or as an element delta against
-the version the cache names (it names only entries that carry a checksum), the cache applies the
-delta to a copy of its entry, and stores the result only if it matches the node's checksum (a
-mismatch fails the pull with ShardlineChecksumError: the reader pulls from the node). Readers get
-dense blocks. A subscriber entry's ``seen`` is a step the node waited for (its blocks visible at
-it): a node reply at a later step than it waited for is fetched again at that step. A pull of
-``min_step`` 0 asks the node (it learns the node's step) but moves only the blocks that changed
-since the entries held; those not sent are answered from memory (counted as hits).
-
-**Bound.** Entries are evicted least recently used first so that resident bytes stay within
-``capacity_bytes``; a block bigger than the cache is passed through (fetched, fanned out to the
-requests that wait for it, not kept).
+Design: docs/architecture.md, "Rack caches (L2)".
 """
 
 from __future__ import annotations

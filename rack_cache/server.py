@@ -2,16 +2,14 @@
 (:class:`NodeLinks`); the daemon around them is rack_cache/daemon.py, the cache itself
 rack_cache/cache.py.
 
-* :class:`CacheFrontend` stands where a PS node's request handling stands in the data-plane
-  connection loop every server shares (services/dataplane_server.py: framing, the HELLO challenge
-  with the cluster token, per-frame deadlines, the payload budget) and answers OP_PULL
-  (``FrameHeader.via_node`` names the PS node the reader routes the blocks to) as that node would,
-  through the BlockCache; every other op is refused (``INVALID_ARGUMENT``);
-* it fetches misses from the PS nodes over data-plane connections of its own (:class:`NodeLinks`),
-  naming the versions it holds, at the reader's epoch, so the node checks ownership as it would
-  for the reader and its refusals (``NOT_OWNER``, ``TIMEOUT``, ``UNAVAILABLE`` ...) reach the reader;
-  a WeightSubscriber's pull (``FrameHeader.subscriber``) is fetched as one, and its reply blocks
-  carry the node's checksums (``BlockRef.checksum``), dense.
+Contract: the frontend stands in the shared data-plane connection loop
+(services/dataplane_server.py: framing, HELLO, deadlines, payload budget) and answers OP_PULL as
+the node named by ``FrameHeader.via_node`` would; every other op is refused (``INVALID_ARGUMENT``).
+Misses are fetched at the reader's epoch, so the node's refusals (``NOT_OWNER``, ``TIMEOUT``,
+``UNAVAILABLE`` ...) reach the reader; a subscriber's pull is fetched as one and answered dense
+with the node's checksums.
+
+Design: docs/architecture.md, "Rack caches (L2)".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
-"""Gradient compression on the wire: the job option and the codec of compressed push blocks.
+"""Gradient compression on the wire: the job option (``none``, ``bf16``, ``sign``) and the codec
+of compressed push blocks (wire dtype ``SIGN1``) that the worker and the PS share.
 
-A job's ``compression`` (JobSpec.compression; docs/architecture.md, "Gradient compression"):
+Contract: a ``SIGN1`` block is one bit per element, the sign of ``v`` (>= 0 is a set bit), least
+significant bit first, ``ceil(numel / 8)`` bytes with the unused bits of the last byte zero, plus
+one fp32 ``scale = mean(|v|)``; it decodes to ``scale * (+1 | -1)``. ``check_compression`` raises
+ShardlineConfigError for an unknown option; ``padding_problem`` names a block whose padding bits
+are set (its caller refuses it). Plain tensor arithmetic; nothing is pickled. The error-feedback
+residual is the worker's (worker/compressor.py).
 
-* ``none`` (default): gradients travel in their own dtype (fp32, or bf16/fp16 as computed).
-* ``bf16``: fp32 gradients travel as bf16 (round to nearest even, as torch's ``.to()``); bf16 and
-  fp16 gradients travel as they are, so for a bf16 model this is the same as ``none``.
-* ``sign``: a block's gradient ``v`` travels as one bit per element, the sign of ``v`` (>= 0 is a
-  set bit), plus one fp32 ``scale = mean(|v|)`` over the block (wire dtype ``SIGN1``); it decodes
-  to ``scale * (+1 | -1)``. The worker compresses ``v = g + e`` and keeps the error-feedback
-  residual ``e <- v - decode(encode(v))`` per block (worker/compressor.py), so what it sends over
-  the steps adds up to what it computed, minus the current residual.
-
-This module is what the worker and the PS share: the packed layout (least significant bit first,
-``ceil(numel / 8)`` bytes, unused bits of the last byte zero), its size, its validation and its
-decoding. Everything is plain tensor arithmetic; nothing is pickled.
+Design: docs/architecture.md, "BSP step" ("Gradient compression").
 """
 
 from __future__ import annotations

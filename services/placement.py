@@ -1,15 +1,11 @@
-"""Where each block of a job lives under a routing table: pure, cached per (epoch, job).
+"""Where each block of a job lives under a routing table: its primary (always ``ring.owner``), its
+replicas and, while a ring change is pending, its learners.
 
-A block's owners at an epoch are ``ring.owners(block_hash, R, racks)`` over the serving ring:
-the first is its **primary** (it applies the optimizer and answers pushes and pulls; it is
-always ``ring.owner``, so workers route without knowing the replication), the others its
-**replicas** (the primary sends them a copy after every applied step). While a ring change is
-pending, the owners under the pending ring that are not owners now are **learners**: they are
-brought in sync and then replicated to like replicas, so that the change can switch over with
-every new owner holding the blocks it gains. ``R`` is the job's replication (the dispatcher's
-default when the job sets none), capped at the number of nodes in the ring. A job with a reader rack in the table
-(``reader_racks``; ``pending_reader_racks`` under the pending ring) keeps one copy of each block on
-that rack (``prefer_rack``).
+Contract: pure, cached per (epoch, job); every node and worker computes the same owners from the
+same routing table. A job's replication R is capped at the number of nodes in the ring; a job with
+a reader rack keeps one copy of each block on that rack (``prefer_rack``).
+
+Design: docs/architecture.md, "Ring and placement".
 """
 
 from __future__ import annotations

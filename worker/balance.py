@@ -1,26 +1,14 @@
-"""Length-aware balancing of a global minibatch across ranks (SPEC "Why a parameter server for
-post-training": imbalanced batches).
+"""Length-aware balancing of a global minibatch across ranks, so no rank under BSP waits for one
+given several times its compute.
 
-Post-training batches are imbalanced: sequence lengths vary by 100x, so a naive split of a
-minibatch gives one rank several times the compute of another, and under BSP every rank waits
-for the slowest. Balancing each minibatch by token cost removes most of that wait:
+Contract: pure functions (numpy for the least-squares fit): no torch, no network, no state.
+``balanced_split(lengths, world_size, cost)`` is deterministic, so every rank reading the same
+global minibatch computes the same split without communicating and takes ``[rank]``; pushing with
+``rank_weights`` makes the PS's weighted mean the gradient of the token-mean loss of the whole
+minibatch (the split changes who computes what, never the parameters). A sequence of length ``L``
+costs ``c0 + c1*L + c2*L**2`` (``CostModel``).
 
-1. Every rank reads the **same global minibatch** (a deterministic sampler: same data order, same
-   seed, same step), so every rank knows every sequence's length.
-2. Every rank computes the same split independently: ``balanced_split(lengths, world_size, cost)``
-   is a pure, deterministic function of its arguments (no communication is needed), and takes
-   its own part, ``[rank]``.
-3. A rank may run any number of microbatches over its part (``micro_batches``): ranks with many
-   short sequences run more, smaller ones; the PS synchronizes once per minibatch.
-4. Each rank pushes with the weight ``rank_weights`` gives it (its number of loss tokens) and a
-   loss scaled as it says, so the PS's weighted mean equals the gradient of the token-mean loss of
-   the whole global minibatch: the split changes only who computes what, never the parameters.
-
-The cost of a sequence of length ``L`` is modelled as ``c0 + c1*L + c2*L**2`` (``CostModel``):
-``c0`` per-sequence overhead, ``c1`` the linear layers, ``c2`` attention. The coefficients are
-given, or fitted on the machine (``CostModel.measure`` times a forward+backward callable).
-
-Pure functions (numpy for the least-squares fit): no torch, no network, no state.
+Design: docs/architecture.md, "Length-balanced minibatches".
 """
 
 from __future__ import annotations

@@ -1,23 +1,13 @@
-"""A worker's gradient compression for its job's pushes, with the error-feedback residuals.
+"""A worker's gradient compression for its job's pushes (``bf16``, stateless; ``sign``, with the
+error-feedback residuals); services/compression.py holds the encodings.
 
-``GradientCompressor(kind).encode(blocks, step)`` turns one push's blocks (key -> a 1-D gradient
-block, or None for an exactly-zero block, which stays a zero flag) into what goes on the wire
-(services/compression.py describes the encodings):
+Contract: with ``sign``, what a block sent summed over steps is what it computed minus its
+current residual. A zero block (None) stays a zero flag and keeps its residual. A block encoded
+again for the same BSP ``step`` gets the encoding it got the first time, residual untouched (the
+PS counts a rank's first push of a block per step). Residuals live on the worker only: a
+restarted worker starts from zero.
 
-* ``bf16``: fp32 blocks become bf16 (round to nearest even); bf16 and fp16 blocks are sent as
-  they are. Stateless.
-* ``sign``: ``v = g + e`` (``e``: the block's residual, zero at first) is sent as its signs and
-  ``scale = mean(|v|)``, and ``e <- v - decode(encode(v))``. Summed over steps, what a block sent
-  is what it computed minus its current residual (the error-feedback identity the tests check).
-  A zero block (or a tensor without a gradient) sends nothing and keeps its residual for the next
-  step it has a gradient in.
-
-Residuals live here, on the worker only: a restarted worker starts from zero residuals. A block
-encoded again for the same BSP ``step`` (a second push of it in the step, a retry) gets the
-encoding it got the first time, residual untouched: the PS counts a rank's first push of a block
-per step, and the residual must match what was counted. Resending a step in flight after a PS
-restart or a routing change resends those same encoded blocks (the client keeps them), never a
-new encoding.
+Design: docs/architecture.md, "BSP step" ("Gradient compression").
 """
 
 from __future__ import annotations

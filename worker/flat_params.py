@@ -1,21 +1,14 @@
 """Flat parameters (``PSOptimizer(flatten=True)``): each param group's trainable parameters are
-one float32 tensor on the PS, as DDP's gradient buckets and FSDP's flat parameters are.
+one float32 tensor on the PS, as DDP's gradient buckets and FSDP's flat parameters are; the
+parameters become views of the group's cache.
 
-Why: every tensor of a job costs Python work per step on the worker and on the node (a block ref
-in each frame, a slot in the apply, a copy), about 25 us a tensor on each side; a model of many
-small tensors (norms, biases) pays it far more than for its bytes. A flat group is a few large
-blocks: one gather of the gradients into a buffer, one apply over it, one pull into it.
+Contract, checked with errors that say what to change: float32 CPU parameters; every trainable
+parameter of a group has a gradient at ``step()`` or none of them has; frozen parameters stay
+tensors of their own. BSP still equals torch.optim (SGD, Adam, AdamW are elementwise). Group
+names derive from the parameters' names and shapes (:func:`flat_layout`), so a worker whose model
+differs is refused when it joins.
 
-The parameters become views into the group's cache (what the pull writes into), in the group's
-order; their gradients are gathered into the group's gradient buffer before the push. The
-optimizers the PS runs (SGD, Adam, AdamW) are elementwise, so stepping the flat tensor steps
-each parameter exactly as stepping it alone would: BSP still equals torch.optim.
-
-The contract, checked with errors that say what to change: float32 CPU parameters; every
-trainable parameter of a group has a gradient at ``step()`` or none of them has (torch.optim
-skips a parameter without one, which a flat step cannot); frozen parameters stay tensors of
-their own. The job stores the groups under names derived from the parameters' names and shapes
-(:func:`flat_layout`), so a worker whose model differs is refused when it joins.
+Design: docs/architecture.md, "Overlap, priority pull and flat parameters" ("Flat parameters").
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
-"""Push during backward: gradients go to the cluster while backward still computes the rest.
+"""Push during backward: gradients go to the cluster while backward still computes the rest, in
+buckets as DDP's reducer sends them (flat groups: :class:`FlatBackwardPusher`, one bucket per block
+of the group's flat tensor).
 
-As in DDP's reducer, trainable parameters are grouped into buckets in the reverse of their
-registration order (backward produces the last layers' gradients first; after the first backward
-the buckets follow the order the gradients actually became final). A post-accumulate-grad hook
-marks a parameter's gradient final; once every parameter of a bucket has one, the bucket is pushed
-(``commit=False``) from the communication thread while backward continues. When backward ends (a
-callback queued on the autograd engine) the gradients not pushed yet go out with the commit, so
-``step()`` only waits for it. Inside ``no_sync()`` backward only accumulates; the next backward
-outside it pushes the accumulated gradients.
+Contract: one *round* is what one step sends; its weight and learning rates are fixed when its
+first bucket goes out, and ``finish()`` returns them so ``step()`` can check them. The first
+error of a round (a failed push, a second backward outside ``no_sync()``) stops its later sends,
+the commit included, and ``finish()`` raises it. Inside ``no_sync()`` backward only accumulates.
+Flat groups leave the commit to ``step()``: their parameters are views of the pulled tensor and
+must not change before it.
 
-One *round* is what one step sends. Its weight and learning rates are fixed when its first bucket
-goes out (every block carries them); ``finish()`` returns them so ``step()`` can check they are
-still what it would have sent. The first error of a round (a failed push, a second backward outside
-``no_sync()``) stops its later sends, the commit included, and is raised by ``finish()``.
-
-Flat groups (``flatten=True``, :class:`FlatBackwardPusher`): the buckets are the blocks of each
-group's flat tensor, as DDP's gradient bucket views. A block goes out once every parameter
-overlapping it is final, its gradients gathered into the block's range of the group's gradient
-buffer by one ``torch.cat`` (a copy per parameter costs about 25 us of dispatch each). The
-commit is left to ``step()``, whose commit can then bring the new parameters back in its replies
-(they are views of the pulled tensor, so they must not change before ``step()``).
+Design: docs/architecture.md, "Overlap, priority pull and flat parameters",
+"Overlap and priority pull".
 """
 
 from __future__ import annotations

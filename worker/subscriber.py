@@ -1,36 +1,19 @@
 """WeightSubscriber: the newest weights of a job for inference processes that never push
-(rollout engines of RL post-training). docs/architecture.md, "Weight subscribers".
+(rollout engines of RL post-training).
 
     sub = shardline.WeightSubscriber("10.0.0.5:7000", "grpo-1")        # dtype=torch.bfloat16
     version, changed = sub.poll()          # first poll: every tensor
     engine.load_weights(changed)           # vLLM load_weights / SGLang update_weights_from_tensor
     version, changed = sub.wait_for(version + 4, timeout=120)
 
-Each poll pulls, from every PS node, only the blocks newer than the ones the subscriber holds,
-whatever version that is (delta pull); bf16 blocks of which only a few elements changed come as
-indices + values (services/delta.py). Every block is checked against the node's checksum of its
-value before it is installed; one that fails is pulled again, dense, from its node (not through
-the rack cache), and counted.
+Contract: a returned version v is one step of the job (every tensor its value after step v on
+every PS node); every block is checked against its node's checksum before it is installed.
+Double-buffered: tensors a poll returned stay valid and unchanged until the poll after next
+starts; memory is twice the job in ``dtype``. Tensors added to the job are followed. ``poll`` and
+``wait_for`` raise ShardlineTimeoutError after ``timeout`` (default ``pull_timeout``, seconds).
+Not thread-safe: one reader loop drives it.
 
-Double buffering: the subscriber holds two copies of the job's tensors in ``dtype``. A poll fills
-the one the reader is not using and returns views of it; the tensors it returned stay valid and
-unchanged until the poll after next starts, so an engine keeps serving (or copying) its current
-weights while the next poll runs and switches when it returns (a poll that changed nothing
-switches nothing). ``current()`` is every tensor at ``version``, for readers that use the
-tensors in place. Memory: twice the job in ``dtype``.
-
-Consistency: the returned version v is one step of the job: every tensor is its value after step
-v was applied on every PS node (a pull that straddled a step boundary pulls what changed again).
-
-Tensors added to the job (a parameter group from step K, ``Client.extend``) are followed: a PS
-reply names the job revision the node holds, and a poll that sees a newer one (or, through a rack
-cache, at most every SPEC_CHECK_SECONDS) takes the job's spec again and returns the new tensors
-with the version that has them.
-
-Timeouts: ``poll`` and ``wait_for`` fail with ShardlineTimeoutError after ``timeout`` (default
-``pull_timeout``) naming the job, the version waited for and the nodes behind it; a PS node that
-died is waited for (its replica takes over once the dispatcher declares it dead) within the same
-timeout. Not thread-safe: one reader loop drives it.
+Design: docs/architecture.md, "Weight subscribers".
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""A block held by one PS node and its role there: records and transitions, no lock, no I/O.
+"""A block held by one PS node and its role there: records and transitions, no lock, no I/O
+(callers hold the job's lock).
 
-A block is its copy (fp32 ``value``, optimizer ``state``, ``version``: the job step that last
-changed it, ``step``: the job steps it was carried through, ``visible``: the step pulls may see)
-and ONE role, which says who changes the copy and holds what that role needs. Its states
-(``role.state``)::
+A block is its copy (``value``, ``state``, ``version``, ``step``, ``visible``) and ONE role; its
+states (``role.state``)::
 
                                hold_copies / replay_steps(ahead)
                +--------+ -------------------------------------> +--------------+
@@ -26,20 +25,10 @@ and ONE role, which says who changes the copy and holds what that role needs. It
                           previous primary's copy of a later step); collects s + 1
 
 (both primary states go to copy when the routing moves the block away). A role is a frozen
-record; a transition is a method that returns the next role, so a role's fields never outlive
-it: nothing is reset by hand. What a role carries:
+record; a transition is a method that returns the next role, so nothing is reset by hand. Within
+a role only the current :class:`Collection` changes in place (pushes arrive one by one).
 
-* :class:`Copy` — its primary sends copies (or gradients to replay); ``held``: a copy the
-  primary stepped ahead of the step's commits, installed when a later frame names it.
-* :class:`Primary` — this node applies it: ``collecting`` (:class:`Collection`: the step's
-  gradient sum and who pushed), ``ahead`` (SSP: collections of later steps), ``since_epoch``
-  (commits count from this routing epoch), ``takeover`` (:class:`Takeover`: the previous primary
-  it waits for, and steps it adopted from its copy), ``kept`` (:class:`Kept`: the value from
-  before its last step, for a restarted rank redoing it), ``replay`` (:class:`Replay`: its last
-  step's mean gradient, which copy holders replay), ``spare`` (the other gradient buffer).
-
-Within a role, only the current :class:`Collection` changes in place (pushes arrive one by one).
-The design: docs/architecture.md, "Block store".
+Design: docs/architecture.md, "Block store" ("Block: its copy and one role", "Transitions").
 """
 
 from __future__ import annotations
@@ -191,7 +180,12 @@ NO_TAKEOVER = Takeover()
 # one Primary per block and step); no code writes its fields: tests/unit/test_block_roles.py checks.
 @dataclass(eq=False, slots=True)
 class Primary:
-    """This node applies the block (see the module docstring for the fields)."""
+    """This node applies the block. ``collecting``: the step's :class:`Collection`; ``ahead``
+    (SSP): collections of later steps; ``since_epoch``: commits count from this routing epoch;
+    ``takeover``: the previous primary it waits for and the steps adopted from its copy; ``kept``:
+    the value from before its last step (a restarted rank redoing it); ``replay``: its last step's
+    mean gradient, which copy holders replay; ``spare``: the other gradient buffer.
+    (docs/architecture.md, "Block store", "Block: its copy and one role".)"""
 
     primary: ClassVar[bool] = True
     since_epoch: int = 0

@@ -1,44 +1,22 @@
-"""Shared-memory transport for peers on the same host: frame bytes through a ring, not a socket.
+"""Shared-memory transport for peers on the same host: frame bytes through a ring of a sealed
+memfd, not a socket; ``ShmConnection`` has the socket methods the frame codec, the client and the
+PS loop use (``recv_into``, ``sendall``, ``settimeout``, ``fileno``, ``shutdown``, ``close``).
 
-A connection is a Unix-domain stream socket plus, per direction, one shared segment (a sealed
-memfd) that the sending side creates on its first large send, passes over the socket with
-SCM_RIGHTS and then reuses for every later frame. The socket carries 16-byte messages
-(``MESSAGE``: kind, length, offset):
+The 16-byte messages on a connection's Unix socket (``MESSAGE``: kind, length, offset):
+``INLINE`` (bytes follow on the socket), ``CHUNK`` (a doorbell: bytes at ``offset`` of the
+sender's segment), ``CREDIT`` (the receiver copied out more bytes, in order), ``SEGMENT`` (the
+sender's ring, fd attached), ``REGION`` (a client's shared region, fd on the byte that follows),
+``UNSHARE`` (unmap a region). States: per direction, a ring segment *none* -> *shared* (on the
+first large send); per client region *private* -> *shared* (``REGION``, once per connection) ->
+*revoked* (moved to a fresh memfd, old id ``UNSHARE``d) -> shared again under a new id.
 
-- ``INLINE``: ``length`` bytes (at most INLINE_MAX_BYTES) follow on the socket: frame headers,
-  small payloads, the HELLO handshake (authentication is the data plane's, above this layer);
-- ``CHUNK``: ``length`` bytes are at ``offset`` of the sender's segment (a doorbell);
-- ``CREDIT``: the receiver copied out ``length`` more bytes of the sender's segment, in order;
-- ``SEGMENT``: the sender's segment (its fd in the ancillary data) of ``offset`` bytes;
-- ``REGION``: region ``length`` of ``offset`` bytes, a sealed memfd of the sender's whose fd comes
-  on the one byte that follows the message: memory the receiver may write into (a client's value
-  cache, ``SharedRegion``), so a pull reply's blocks are copied once, by the node, straight into
-  it (``place``), instead of into the ring and out again; or read from (a client's gradient
-  buffers): a push's blocks the node copies out of it itself (``take_many``);
-- ``UNSHARE``: the receiver unmaps region ``length`` (its owner moved it to new memory: ``revoke``).
+Contract: a peer can never make the other side fault (segments and regions are sealed against
+resizing, mapped read-only by the receiver where only read, at most MAX_PEER_RING_BYTES); every
+CHUNK and CREDIT is checked against what was sent and the window, buffered inline bytes are
+bounded, and any violation raises ``ShmProtocolError`` (a ConnectionError) and closes the
+connection. Nothing is created in /dev/shm; a killed process leaves no socket file.
 
-So a 64 MiB payload costs one memcpy into the sender's ring and one out of it into the receiver's
-buffer (``recv_into``), in chunks of at most CHUNK_BYTES that overlap: the receiver copies out
-chunk k while the sender writes chunk k+1. A frame's payload blocks go out through
-``sendall_many`` (services/frame.py uses it when a connection has it), which announces
-consecutive blocks together: four 1 MiB blocks per doorbell, not one each. ``ShmConnection`` has the socket methods the frame
-codec, the client and the PS loop use (``recv_into``, ``sendall``, ``settimeout``, ``fileno``,
-``shutdown``, ``close``), so nothing above the transport changes.
-
-Safety: a segment is a memfd sealed against shrinking and growing (a peer cannot make the other
-side fault on a truncated mapping), mapped read-only by the receiver, of at most
-MAX_PEER_RING_BYTES; every CHUNK must start where the previous one ended and stay inside the
-segment and the unacknowledged window, every CREDIT must cover bytes actually sent, and inline
-bytes buffered while a side waits for credit are bounded. A violation closes the connection
-(``ShmProtocolError``, a ConnectionError). memfds have no name: nothing is ever created in
-/dev/shm, and a segment's memory is freed once both sides closed it, which the kernel does when
-either process dies (the survivor sees the socket end and closes its side).
-
-Locating a local PS: its Unix socket is in the abstract namespace under a name derived from its
-advertised data-plane address (``endpoint_name``), so the routing table needs no new field, a
-killed PS leaves no socket file, and the name only resolves inside the PS's network namespace
-(where its loopback/own addresses are reachable too). ``auto`` uses shm for a data address that
-is loopback or one of this host's addresses when that endpoint answers, TCP otherwise.
+Design: docs/architecture.md, "Shared-memory transport".
 """
 
 from __future__ import annotations
