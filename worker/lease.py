@@ -7,7 +7,7 @@
 While RENEWING a thread heartbeats every ``interval_seconds`` the dispatcher asks (the first at
 once: a worker that dies early is still known). If the job failed because another rank was lost
 (``on_worker_failure: fail``), ``lost`` holds the ShardlineWorkerLostError naming it, which the
-client's next request raises. Design: docs/architecture.md, "BSP steps that survive a worker death".
+client's next request raises. Design: docs/architecture.md, "Worker leases".
 """
 
 from __future__ import annotations

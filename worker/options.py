@@ -8,7 +8,7 @@
 
 :data:`OPTION_CHECKS` is the table of value checks (option -> check -> message), applied in order
 by :func:`check_options`; each message quotes the bad value, as torch.distributed.elastic's do.
-Design: docs/architecture.md, "The worker's step protocol".
+Design: docs/architecture.md, "Worker step protocol".
 """
 
 from __future__ import annotations

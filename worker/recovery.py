@@ -30,7 +30,7 @@ is the same bytes; nodes ignore what they already hold, so resending is always s
 The replay's invariant: **a commit at epoch E follows pushes of every block of the step at E** (a
 node that took a block over at E counts the commit as "this rank pushed me the block"), so a replay
 the routing interrupts starts over at the newest epoch, pushes first. Design and failure table:
-docs/architecture.md, "The worker's step protocol".
+docs/architecture.md, "Worker step protocol".
 """
 
 from __future__ import annotations

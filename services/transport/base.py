@@ -6,7 +6,7 @@ one factory. A connection has the socket methods the frame codec needs (:class:`
 declares what it offers beyond them in ``CAPABILITIES`` (a plain TCP socket declares nothing:
 :func:`capabilities_of` answers :data:`PLAIN` for it). A transport's ``capabilities`` are the most
 its connections offer: ``auto`` reaches a remote peer over TCP, so ask the connection when it
-matters. docs/architecture.md, "Transports".
+matters. docs/architecture.md, "Transports and their capabilities".
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """docs/architecture.md's module map lists every Python module of the packages, and only those;
-the tests its failure tables name exist.
+the tests its failure tables name exist; every pointer to one of its sections names a heading it has.
 
 The map is the table under the heading ``## Module map``: one row per module, its path in
 backticks in the first column (``| `ps_server/store.py` | role |``). Generated code
@@ -96,3 +96,25 @@ def test_every_test_the_doc_names_exists():
     assert not (missing_paths or missing_files or missing_tests), (
         f"{DOC.relative_to(REPO)} names tests that do not exist: files {missing_paths + missing_files}, "
         f"test functions {missing_tests}")
+
+
+# A pointer to a section (architecture.md, then the heading in double quotes) in code, docs or bench
+# must name a heading of the doc.
+SECTION_REF = re.compile(r'architecture\.md, "([^"]+)"')
+REF_FOLDERS = PACKAGES + ("docs", "bench", "deploy", "tests", "examples")
+
+
+def test_every_section_pointer_names_a_heading():
+    headings = {re.sub(r"^#+\s+", "", line).strip()
+                for line in DOC.read_text(encoding="utf-8").splitlines() if re.match(r"^#{2,4} ", line)}
+    dangling = []
+    for folder in REF_FOLDERS:
+        for path in sorted((REPO / folder).rglob("*")):
+            if path.suffix not in (".py", ".md", ".yaml") or "__pycache__" in path.parts:
+                continue
+            for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+                for section in SECTION_REF.findall(line):
+                    if section not in headings:
+                        dangling.append(f"{path.relative_to(REPO)}:{lineno}: \"{section}\"")
+    assert not dangling, ("these point at a section docs/architecture.md does not have (rename the pointer "
+                          "to an existing '## ' or '### ' heading, or add the section):\n  " + "\n  ".join(dangling))
