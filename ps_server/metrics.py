@@ -183,7 +183,10 @@ class NodeCollector(Collector):
         replayed = CounterMetricFamily("shardline_ps_blocks_replayed",
                                        "Copy holder, replicate_gradients: block steps computed here from the "
                                        "primary's mean gradient", labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early, unused, replayed]
+        copy_reads = CounterMetricFamily("shardline_ps_blocks_read_from_copies",
+                                         "Copy holder: blocks of workers' BSP reads served from the copies held "
+                                         "here (reads from copy holders)", labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -195,6 +198,7 @@ class NodeCollector(Collector):
                 early.add_metric([name], getattr(job, "applied_early", 0))
                 unused.add_metric([name], getattr(job, "early_unused", 0))
                 replayed.add_metric([name], getattr(job, "steps_replayed", 0))
+                copy_reads.add_metric([name], getattr(job, "copy_reads", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

@@ -24,6 +24,7 @@ from shardline.ps_server.heat import HeatCounter
 from shardline.services.placement import place
 from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
+from shardline.services.copy_reads import COPY_READ_TIMEOUT_SECONDS, copies_may_serve
 from shardline.services.request_checks import check_want_dtypes, refuse_duplicates
 from shardline.services.errors import ErrorCode, NotOwnerError, ShardlineError
 from shardline.services.names import JOB_NAME_RE
@@ -469,10 +470,11 @@ class PSNode:
         op, owner, node_id = header.op, routing.owner, self.node_id
         sized = op in (dp.OP_INIT, dp.OP_PUSH)
         fetching = op != dp.OP_INIT and self.replicator is not None and self.replicator.fetching(job.name)
+        holds = self._copy_reader(job, header, routing)
         for ref in header.blocks:
             tensor, index = ref.tensor, ref.index
             numel = job.expected_numel(tensor, index)
-            if owner(job.name, tensor, index) != node_id:
+            if owner(job.name, tensor, index) != node_id and not holds((tensor, index)):
                 raise NotOwnerError(ErrorCode.NOT_OWNER, f"block {tensor}[{index}] is not owned by node {node_id!r} "
                                     f"at epoch {routing.epoch}", epoch=routing.epoch)
             if fetching and (tensor, index) not in job.blocks:
@@ -496,6 +498,27 @@ class PSNode:
                              f"(it took them over at epoch {routing.epoch}); retry shortly")
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
+
+    def _copy_reader(self, job: JobStore, header: frame.FrameHeader, routing: RoutingView) -> Callable:
+        """``holds(key)``: whether this node may serve ``header``'s read of ``key`` from its copy
+        (it is a replica of the block under the serving ring and the read is one a copy may serve,
+        services/copy_reads.py); always False for other requests."""
+        if not (self.replicator is not None and copies_may_serve(
+                header.op, job.sync, min_step=header.min_step, subscriber=header.subscriber,
+                at_step=header.at_step, pull_applied=header.pull_applied)):
+            return lambda _key: False
+        owners = place(routing, job.spec).owners
+        return lambda key: self.node_id in owners.get(key, ())[1:]
+
+    def _read_copies(self, job: JobStore, header: frame.FrameHeader) -> frozenset:
+        """The keys of ``header``'s read this node serves from its copies (wait_for_step's
+        ``copies``): those it is not the primary of, where a copy may serve the read."""
+        if self.replicator is None or not copies_may_serve(
+                header.op, job.sync, min_step=header.min_step, subscriber=header.subscriber,
+                at_step=header.at_step, pull_applied=header.pull_applied):
+            return frozenset()
+        owner, node_id = self._routing.owner, self.node_id
+        return frozenset((r.tensor, r.index) for r in header.blocks if owner(job.name, r.tensor, r.index) != node_id)
 
     def _place(self, regions, places: list) -> None:
         """Copy ``places`` ((region, offset, value)) into the connection's regions. A large pull's
@@ -652,7 +675,8 @@ class PSNode:
             try:  # the carried pull: its blocks once visible at the new step (their copy holders have it)
                 job.wait_for_step(header.step + 1, CARRIED_PULL_WAIT_SECONDS,
                                   [(ref.tensor, ref.index) for ref in header.blocks],
-                                  interrupted=lambda: self._routing.epoch > header.epoch)
+                                  interrupted=lambda: self._routing.epoch > header.epoch,
+                                  copies=self._read_copies(job, header), copies_within=CARRIED_PULL_WAIT_SECONDS)
             except StoreError:
                 return reply, []  # (a slow copy holder, the routing moved): the worker's own pull waits
             reply.pull_applied = True
@@ -668,7 +692,8 @@ class PSNode:
             min_step = header.min_step or (job.step if header.subscriber else 0)
             job.wait_for_step(min_step, timeout, keys,
                               interrupted=lambda: self._routing.epoch > header.epoch or (
-                                  cancelled is not None and cancelled.is_set()))
+                                  cancelled is not None and cancelled.is_set()),
+                              copies=self._read_copies(job, header), copies_within=COPY_READ_TIMEOUT_SECONDS)
         except StoreError:
             if cancelled is not None and cancelled.is_set():
                 raise ConnectionAbortedError("the client closed the connection while its pull waited") from None

@@ -31,6 +31,7 @@ class ErrorCode(StrEnum):
     UNAVAILABLE = "UNAVAILABLE"              # stopping or restoring: refresh routing and retry
     WORKER_LOST = "WORKER_LOST"              # a worker was lost and the job fails
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # a node bound is reached: retry later
+    COPY_BEHIND = "COPY_BEHIND"              # a copy holder cannot serve this read: ask the primary
 
 
 class ShardlineError(Exception):

@@ -29,7 +29,7 @@ import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -37,6 +37,8 @@ from shardline.services import failpoints, frame
 from shardline.services.blocks import DEFAULT_BLOCK_ELEMENTS, block_slices
 from shardline.services.compression import SignBlock, check_compression, compression_of
 from shardline.services.tensor_checks import all_finite, zero_parts
+from shardline.services.copy_reads import copies_may_serve
+from shardline.services.daemon import parse_host_port
 from shardline.services.dataplane_client import REPLY_LIMITS, DataPlaneConnection
 from shardline.services.dispatcher_client import REACHABLE_WARNING_SECONDS, DispatcherClient
 from shardline.services.errors import (ErrorCode, NotOwnerError, RemoteError, ShardlineConfigError,
@@ -49,6 +51,7 @@ from shardline.services.routing import RoutingView
 from shardline.services.security import client_credentials
 from shardline.services.stragglers import StragglerReport, ask_commits, lease_text, straggler_report
 from shardline.services.transport import get_transport
+from shardline.services.transport.shm import is_local_host
 from shardline.worker.compressor import GradientCompressor
 from shardline.worker.node_watch import WATCH_INTERVAL_SECONDS, NodeWatch
 from shardline.worker.recovery import (BUSY_CODES, RECOVERY_CONNECT_TIMEOUT_SECONDS, Replay, StepsInFlight,
@@ -203,6 +206,7 @@ class Client:
                                            tls_ca=self.tls_ca)
         self._transport = get_transport(transport)
         self._reads = ReadRouter(default_rack(rack), cache_timeout=cache_timeout)
+        self._local_addresses: dict[str, bool] = {}   # data address -> on this host (_is_local)
         self._lease = WorkerLease(job, rank, self.incarnation, lambda **kw: self.dispatcher.worker_heartbeat(**kw),
                                   lambda: self.step or 0)
         self.dispatcher.wait_until_reachable(connect_timeout)
@@ -964,9 +968,9 @@ class Client:
                 done_nodes.clear()
             self._wait_for_ring()
             groups: dict[str, list] = {}
-            owner, job = self.routing.owner, self.job
+            route = self._route(op, min_step)
             for key in pending:
-                groups.setdefault(owner(job, key[0], key[1]), []).append(key)
+                groups.setdefault(route(key), []).append(key)
             if all_nodes:
                 for node_id in self.routing.nodes:
                     if node_id not in done_nodes:
@@ -978,7 +982,7 @@ class Client:
             else:
                 futures = {node_id: self._pool.submit(self._exchange, node_id, blocks, *args)
                            for node_id, blocks in groups.items()}
-            retry, lost, steps, refused = [], [], [], False
+            retry, lost, steps, refused, behind = [], [], [], False, False
             for node_id, fut in futures.items():
                 try:
                     steps.append(fut.result())
@@ -988,6 +992,11 @@ class Client:
                     refused = True
                     retry.extend(groups[node_id])
                 except RemoteError as exc:
+                    if exc.code == ErrorCode.COPY_BEHIND:  # read those blocks from their primaries
+                        self._reads.copy_behind(node_id, exc)
+                        behind = True
+                        retry.extend(groups[node_id])
+                        continue
                     if exc.code == ErrorCode.WORKER_LOST:
                         self._lease.lost = ShardlineWorkerLostError(f"job {self.job!r} failed: {exc.remote_message}",
                                                                     _ranks_in(exc.remote_message))
@@ -1011,11 +1020,31 @@ class Client:
                     node_steps[node_id] = node_step
             if steps and self.step is None:
                 self.step = max(steps)
-            if not refused and not gone and not (lost and op == dp.OP_PULL):
+            if not refused and not gone and not behind and not (lost and op == dp.OP_PULL):
                 return node_steps
             if refused:
                 refreshes = self._refresh_after_refusal(op, len(retry), refreshes)
             pending = retry
+
+    def _route(self, op: int, min_step: int) -> Callable[[tuple[str, int]], str]:
+        """The node each block of an ``op`` request goes to: for a BSP read of a new step, the
+        nearest node that holds the block (worker/read_router.py; through a rack cache, the
+        primary); for everything else, the block's primary."""
+        owner, job = self.routing.owner, self.job
+        reads = copies_may_serve(op, self.sync, min_step=min_step, subscriber=self.subscriber_pulls,
+                                 at_step=self._pulling_at_step, pull_applied=op == dp.OP_COMMIT)
+        if not reads or self.spec is None or self._reads.cache_for(self.routing) is not None:
+            return lambda key: owner(job, key[0], key[1])
+        sources = self._reads.sources(self.routing, self.spec, self.rank, self._is_local)
+        return lambda key: sources.get(key) or owner(job, key[0], key[1])
+
+    def _is_local(self, node_id: str) -> bool:
+        """Whether PS node ``node_id`` runs on this host (its data address is one of this host's)."""
+        address = self.routing.data_address(node_id)
+        local = self._local_addresses.get(address)
+        if local is None:
+            local = self._local_addresses[address] = is_local_host(parse_host_port(address)[0])
+        return local
 
     def _refresh_after_refusal(self, op: int, resending: int, refreshes: int) -> int:
         """A node refused blocks as NOT_OWNER: take the routing again before ``resending`` them.

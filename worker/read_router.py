@@ -1,7 +1,11 @@
 """Which address a worker's pull goes to: its rack's cache (L2) when the routing lists one, else
-the PS node that owns the blocks.
+the nearest PS node that holds the blocks.
 
-Pushes and commits always go to the PS primaries; only OP_PULL is routed here. A pull through the
+Pushes go to the PS primaries. A BSP read of a new step (a pull, or the pull a commit carries)
+goes to the nearest owner of each block, its primary or a replica (``sources``,
+services/copy_reads.py: own host, then own rack, then the primary); a node that answers
+COPY_BEHIND is read from no more for ``COPY_READ_RETRY_SECONDS`` (its blocks from their
+primaries). With a rack cache, pulls go through it to the primaries. A pull through the
 cache names the node it would have gone to (``FrameHeader.via_node``) and gets the reply that node
 would give (rack_cache/cache.py). When the cache cannot be used — it does not answer within
 ``cache_timeout`` beyond the pull's wait (killed, paused), drops the connection, or refuses
@@ -15,8 +19,11 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Callable
 
+from shardline.services.copy_reads import COPY_READ_RETRY_SECONDS, nearest_holder
 from shardline.services.errors import ErrorCode
+from shardline.services.placement import place
 
 log = logging.getLogger("shardline.worker")
 
@@ -51,6 +58,32 @@ class ReadRouter:
         self._down_until = 0.0
         self._down: str | None = None   # the cache id the last failure was logged for
         self._look_at = clock() + CACHE_DISCOVERY_SECONDS
+        self._behind: dict[str, float] = {}   # node -> until when its copies are not read
+        self._sources: tuple | None = None    # (epoch, pending epoch, avoided, {key: node})
+
+    def sources(self, routing, spec, rank: int, is_local: Callable[[str], bool]) -> dict:
+        """``{key: node}``: where each block of the job ``spec`` is read from under ``routing``
+        (nearest_holder; cached until the routing or the avoided nodes change)."""
+        now = self._clock()
+        for node in [n for n, until in self._behind.items() if until <= now]:
+            del self._behind[node]
+        avoided = frozenset(self._behind)
+        cached = self._sources
+        if cached is not None and cached[:3] == (routing.epoch, routing.pending_epoch, avoided):
+            return cached[3]
+        racks = {n: info.rack for n, info in routing.nodes.items()}
+        sources = {key: nearest_holder(owners, is_local=is_local, rack_of=racks.get, rack=self.rack, rank=rank,
+                                       avoid=avoided)
+                   for key, owners in place(routing, spec).owners.items() if owners}
+        self._sources = (routing.epoch, routing.pending_epoch, avoided, sources)
+        return sources
+
+    def copy_behind(self, node: str, exc: Exception) -> None:
+        """``node`` could not serve a read from its copies: read its blocks' primaries for a while."""
+        if node not in self._behind:
+            log.info("node %s cannot serve reads from its copies (%s): reading the primaries for %g s",
+                     node, exc, COPY_READ_RETRY_SECONDS)
+        self._behind[node] = self._clock() + COPY_READ_RETRY_SECONDS
 
     def wants_routing(self, routing) -> bool:
         """True (at most every CACHE_DISCOVERY_SECONDS) if the client should refresh its routing to

@@ -25,30 +25,58 @@ class Reads:
     """The read half of JobStore (see the module docstring)."""
 
     def wait_for_step(self, min_step: int, timeout: float, keys=None,
-                      interrupted: Callable[[], bool] | None = None) -> int:
+                      interrupted: Callable[[], bool] | None = None, copies=frozenset(),
+                      copies_within: float = 0.0) -> int:
         """Block until the job step is >= ``min_step`` and every block of ``keys`` is visible at it
         (SSP: and at its newest step; see changed_blocks) (no busy polling). Raises StoreError:
         TIMEOUT naming the ranks that did not commit; NOT_OWNER when ``interrupted()`` (the
-        routing changed under the wait)."""
-        blocks = [self._block(t, i) for t, i in keys] if keys else []
+        routing changed under the wait).
+
+        ``copies`` (keys of a BSP read a copy holder may serve, docs/architecture.md, "Reads from
+        copy holders"): this node holds a copy of these blocks, which counts once its primary
+        carried it to ``min_step`` (``Block.step``: the copy holds that step, and so does its
+        primary, which applied it first). After the job step is reached they are waited for at
+        most ``copies_within`` more seconds; a copy still behind (its primary dropped this node
+        from its in-sync holders, or it is slow), or one this node lacks, is COPY_BEHIND: the
+        reader asks the primary instead."""
+        keys = keys or []
+        absent = next((key for key in keys if key in copies and key not in self.blocks), None)
+        if absent is not None:
+            raise StoreError(ErrorCode.COPY_BEHIND, f"node holds no copy of block {absent[0]}[{absent[1]}] "
+                                                    f"of job {self.name!r}: read it from its primary")
+        blocks = [self._block(t, i) for t, i in keys]
         with self.cond:
+            def stopped() -> bool:
+                return self.failed is not None or bool(interrupted and interrupted())
+
             def ready() -> bool:
-                return self.failed is not None or bool(interrupted and interrupted()) or (
-                    self.step >= min_step and all(not b.primary or (b.visible >= min_step and (
-                        not self.staleness or b.visible >= b.step)) for b in blocks))
+                return stopped() or (self.step >= min_step and all(not b.primary or (b.visible >= min_step and (
+                    not self.staleness or b.visible >= b.step)) for b in blocks))
 
             if not self.cond.wait_for(ready, timeout=timeout):
                 missing = self.missing_ranks(self.step)
                 waiting = f"; ranks {missing} did not commit step {self.step}" if missing and self.collects else ""
                 raise StoreError(ErrorCode.TIMEOUT, f"job {self.name!r} did not reach step {min_step} within "
                                                     f"{timeout:g} s (at {self.step}{waiting})")
+            read = [(key, b) for key, b in zip(keys, blocks) if key in copies]
+            if read and not self.cond.wait_for(
+                    lambda: stopped() or all(b.primary or b.step >= min_step for _k, b in read), timeout=copies_within):
+                key, behind = next((k, b) for k, b in read if not b.primary and b.step < min_step)
+                raise StoreError(ErrorCode.COPY_BEHIND,
+                                 f"the copy of block {key[0]}[{key[1]}] of job {self.name!r} here holds step "
+                                 f"{behind.step}, not {min_step}, {copies_within:g} s after the job reached it: "
+                                 f"read it from its primary")
             if self.failed is not None:
                 raise self.failed
             if interrupted is not None and interrupted():
                 raise StoreError(ErrorCode.NOT_OWNER, f"the routing changed while the pull of job {self.name!r} waited")
-            for block, key in zip(blocks, keys or []):
-                if not block.primary:
+            for block, key in zip(blocks, keys):
+                if key not in copies and not block.primary:
                     raise StoreError(ErrorCode.NOT_OWNER, f"block {key[0]}[{key[1]}] is no longer applied by this node")
+                if key in copies and self.blocks.get(key) is not block:  # dropped or replaced by a sync meanwhile
+                    raise StoreError(ErrorCode.COPY_BEHIND, f"the copy of block {key[0]}[{key[1]}] of job "
+                                                            f"{self.name!r} changed under the read: read it again")
+            self.copy_reads += len(read)
             return self.step
 
     def changed_blocks(self, wanted: list[tuple[str, int, int | None]], *, copy: bool,

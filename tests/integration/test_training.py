@@ -28,6 +28,18 @@ def test_bsp_two_workers_equal_single_process(cluster, tmp_path, optimizer, sche
         assert torch.equal(res["scale"], initial["scale"])
         assert torch.equal(res["unused"], initial["unused"])  # grad None everywhere: never stepped
     assert torch.equal(results[0]["proj.weight"], results[1]["proj.weight"])
+    # on one host rank 1 reads each block from its replica (services/copy_reads.py): these runs
+    # equal torch.optim with half the reads served by copy holders
+    assert sum(copy_reads(node, job) for node in cluster.nodes) > 0
+
+
+def copy_reads(node, job: str) -> float:
+    """Blocks of ``job``'s BSP reads ``node`` served from its copies (its Prometheus metrics)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'shardline_ps_blocks_read_from_copies_total{{job_name="{job}"}}'))
 
 
 def test_asp_converges(cluster, tmp_path):
