@@ -968,7 +968,7 @@ class Client:
                 done_nodes.clear()
             self._wait_for_ring()
             groups: dict[str, list] = {}
-            route = self._route(op, min_step)
+            route = self._route(op, min_step) if pending else None
             for key in pending:
                 groups.setdefault(route(key), []).append(key)
             if all_nodes:
@@ -1031,9 +1031,10 @@ class Client:
         nearest node that holds the block (worker/read_router.py; through a rack cache, the
         primary); for everything else, the block's primary."""
         owner, job = self.routing.owner, self.job
-        reads = copies_may_serve(op, self.sync, min_step=min_step, subscriber=self.subscriber_pulls,
-                                 at_step=self._pulling_at_step, pull_applied=op == dp.OP_COMMIT)
-        if not reads or self.spec is None or self._reads.cache_for(self.routing) is not None:
+        reads = op in (dp.OP_PULL, dp.OP_COMMIT) and self.spec is not None and copies_may_serve(
+            op, self.sync, min_step=min_step, subscriber=self.subscriber_pulls, at_step=self._pulling_at_step,
+            pull_applied=op == dp.OP_COMMIT)
+        if not reads or self._reads.cache_for(self.routing) is not None:
             return lambda key: owner(job, key[0], key[1])
         sources = self._reads.sources(self.routing, self.spec, self.rank, self._is_local)
         return lambda key: sources.get(key) or owner(job, key[0], key[1])
