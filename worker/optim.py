@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -27,9 +28,11 @@ from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 from shardline.worker import metrics
 from shardline.worker.options import (ConnectionOptions, JobOptions, PerformanceOptions, check_job_matches,
                                       check_options)
-from shardline.worker.flat_params import FlatGroup, flat_layout, is_flat_name
+from shardline.worker.flat_params import FlatGroup, flat_layout, groups_that_could_be_flat, is_flat_name
 from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, FlatBackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
+
+log = logging.getLogger("shardline.worker")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -281,6 +284,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.client.join(list(job_tensors))
         self._sync_copies()
         self._start_overlap(performance, cap_bytes)
+        self._flat_hint_due = not self.flatten and self.rank == 0   # once, at the first step with gradients
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
         if metrics_port is not None:
@@ -591,6 +595,8 @@ class PSOptimizer(torch.optim.Optimizer):
         sent = self._pusher.finish() if self._pusher is not None else None
         if weight is not None:
             weight = self._check_weight(weight)
+        if self._flat_hint_due:
+            self._hint_flat()
         if sent is None:
             lrs = self._step_lrs()
             if self.flatten:
@@ -621,6 +627,20 @@ class PSOptimizer(torch.optim.Optimizer):
             self._install_forward_hook()
         self._metrics.stepped()
         return loss if closure is not None else self.version
+
+    def _hint_flat(self) -> None:
+        """Say once which param groups ``flatten=True`` would have stepped as one tensor (the first
+        step with gradients): the default stays per parameter, since only the script knows whether
+        every step gives all of a group's parameters a gradient (docs/architecture.md, "Flat parameters")."""
+        if not any(p.grad is not None for _, p in self.params):
+            return
+        self._flat_hint_due = False
+        groups = groups_that_could_be_flat(self.param_groups)
+        if groups:
+            listed = ", ".join(f"group {i} ({n} parameters)" for i, n in groups)
+            log.info("job %r: every trainable parameter of %s has a gradient this step; if each step gives all of "
+                     "them one, flatten=True pushes and applies each such group as one tensor (fewer blocks per "
+                     "step: faster for many small tensors; bench/step_overhead.py)", self.client.job, listed)
 
     def _check_sent(self, sent_weight: float, sent_lrs, weight: float | None) -> None:
         """What backward pushed and committed must be what this step() would have sent."""
