@@ -182,7 +182,10 @@ class PSOptimizer(torch.optim.Optimizer):
     its replies (the rules for lrs, weight and ``no_sync`` above hold). The job's tensors are then
     named ``flat<group>.<digest>`` (frozen parameters keep their names): weight subscribers, which
     read parameters by name, need the default layout; ``shardline export --hf-dir`` splits a
-    one-group job back. Default False; every worker of a job must pass the same.
+    one-group job back. Default False, since only the script knows whether every step gives all
+    of a group's parameters a gradient and the layout is fixed when the job is created; rank 0's
+    first step logs (INFO) the groups that had one for every parameter this time
+    (docs/architecture.md, "Flat parameters"). Every worker of a job must pass the same.
 
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker
