@@ -95,6 +95,22 @@ def unflatten(name: str, flat: torch.Tensor, members: list[tuple[str, tuple[int,
     return {n: part.view(shape) for (n, shape), part in zip(members, values.split(sizes))}
 
 
+def groups_that_could_be_flat(param_groups: list[dict]) -> list[tuple[int, int]]:
+    """(group index, trainable parameters) of each group that ``flatten=True`` would have stepped
+    exactly this step: more than one trainable parameter, all float32 on the CPU, and every one
+    with a gradient (one without is skipped by torch.optim, which a flat step cannot do).
+
+    Plain jobs stay plain (the layout is fixed when the job is created, before any gradient
+    exists, and a later step may leave a parameter without one), so this only feeds a hint."""
+    groups = []
+    for index, group in enumerate(param_groups):
+        trainable = [p for p in group["params"] if p.requires_grad]
+        if len(trainable) > 1 and all(p.dtype == torch.float32 and p.device.type == "cpu" and p.grad is not None
+                                      for p in trainable):
+            groups.append((index, len(trainable)))
+    return groups
+
+
 def flat_layout(param_groups: list[dict]) -> list[FlatGroup]:
     """The flat groups of torch param groups whose ``param_names`` and ``params`` are set: each
     group's parameters that require grad, in order (a group without any has none)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import threading
@@ -27,9 +28,11 @@ from shardline.worker.client import DEFAULT_STRAGGLER_WARNING_SECONDS, Client
 from shardline.worker import metrics
 from shardline.worker.options import (ConnectionOptions, JobOptions, PerformanceOptions, check_job_matches,
                                       check_options)
-from shardline.worker.flat_params import FlatGroup, flat_layout, is_flat_name
+from shardline.worker.flat_params import FlatGroup, flat_layout, groups_that_could_be_flat, is_flat_name
 from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, FlatBackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
+
+log = logging.getLogger("shardline.worker")
 
 
 def _env_int(name: str, default: int) -> int:
@@ -179,7 +182,10 @@ class PSOptimizer(torch.optim.Optimizer):
     its replies (the rules for lrs, weight and ``no_sync`` above hold). The job's tensors are then
     named ``flat<group>.<digest>`` (frozen parameters keep their names): weight subscribers, which
     read parameters by name, need the default layout; ``shardline export --hf-dir`` splits a
-    one-group job back. Default False; every worker of a job must pass the same.
+    one-group job back. Default False, since only the script knows whether every step gives all
+    of a group's parameters a gradient and the layout is fixed when the job is created; rank 0's
+    first step logs (INFO) the groups that had one for every parameter this time
+    (docs/architecture.md, "Flat parameters"). Every worker of a job must pass the same.
 
     ``prefetch_window``: 0, ``step()`` returns once the parameters hold the new version; 1,
     ``step()`` returns after the commit and the pull runs in the background (a fast BSP worker
@@ -281,6 +287,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.client.join(list(job_tensors))
         self._sync_copies()
         self._start_overlap(performance, cap_bytes)
+        self._flat_hint_due = not self.flatten and self.rank == 0   # once, at the first step with gradients
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
         if metrics_port is not None:
@@ -591,6 +598,8 @@ class PSOptimizer(torch.optim.Optimizer):
         sent = self._pusher.finish() if self._pusher is not None else None
         if weight is not None:
             weight = self._check_weight(weight)
+        if self._flat_hint_due:
+            self._hint_flat()
         if sent is None:
             lrs = self._step_lrs()
             if self.flatten:
@@ -621,6 +630,20 @@ class PSOptimizer(torch.optim.Optimizer):
             self._install_forward_hook()
         self._metrics.stepped()
         return loss if closure is not None else self.version
+
+    def _hint_flat(self) -> None:
+        """Say once which param groups ``flatten=True`` would have stepped as one tensor (the first
+        step with gradients): the default stays per parameter, since only the script knows whether
+        every step gives all of a group's parameters a gradient (docs/architecture.md, "Flat parameters")."""
+        if not any(p.grad is not None for _, p in self.params):
+            return
+        self._flat_hint_due = False
+        groups = groups_that_could_be_flat(self.param_groups)
+        if groups:
+            listed = ", ".join(f"group {i} ({n} parameters)" for i, n in groups)
+            log.info("job %r: every trainable parameter of %s has a gradient this step; if each step gives all of "
+                     "them one, flatten=True pushes and applies each such group as one tensor (fewer blocks per "
+                     "step: faster for many small tensors; bench/step_overhead.py)", self.client.job, listed)
 
     def _check_sent(self, sent_weight: float, sent_lrs, weight: float | None) -> None:
         """What backward pushed and committed must be what this step() would have sent."""
