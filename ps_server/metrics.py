@@ -183,7 +183,11 @@ class NodeCollector(Collector):
         replayed = CounterMetricFamily("shardline_ps_blocks_replayed",
                                        "Copy holder, replicate_gradients: block steps computed here from the "
                                        "primary's mean gradient", labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early, unused, replayed]
+        diverged = CounterMetricFamily("shardline_ps_replica_divergence",
+                                       "Copy holder, replicate_gradients: replayed blocks whose checksum differed from "
+                                       "the primary's at a divergence check (each resynced with a full copy)",
+                                       labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused, replayed, diverged]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -195,6 +199,7 @@ class NodeCollector(Collector):
                 early.add_metric([name], getattr(job, "applied_early", 0))
                 unused.add_metric([name], getattr(job, "early_unused", 0))
                 replayed.add_metric([name], getattr(job, "steps_replayed", 0))
+                diverged.add_metric([name], getattr(job, "replica_divergences", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

@@ -112,6 +112,7 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         self.early_unused = 0     # blocks stepped early whose result was not used (applied, moved or dropped meanwhile)
         self.copies_ahead = 0     # copy holder: copies installed from frames sent before the commits
         self.steps_replayed = 0   # copy holder: blocks stepped here from their primary's gradient
+        self.replica_divergences = 0   # copy holder: replayed blocks whose checksum differed from the primary's
 
     def _init_hooks(self) -> None:
         """The hooks other parts of the node register; all run under the lock."""
