@@ -95,6 +95,7 @@ class CopyHolder:
         _diverge_for_tests(taken)
         diverged = [item for item in taken if item[-1] and verify is not None
                     and not verify(item[0], item[4], item[8], item[9], item[-1])]
+        lacked = list(missing)
         if diverged:
             bad = {id(item) for item in diverged}
             taken = [item for item in taken if id(item) not in bad]
@@ -102,6 +103,11 @@ class CopyHolder:
         with self.cond:
             self.replica_divergences += len(diverged)
             self._install_replayed(taken, ahead)
+        if diverged and not ahead:
+            raise lacking(missing, f"blocks {[item[0] for item in diverged][:4]} of job {self.name!r} replayed here "
+                                   f"differ from their primary's (divergence check)"
+                                   + (f"; blocks {lacked[:4]} are not at the version their primary stepped them "
+                                      f"from" if lacked else ""))
         if missing and not ahead:
             raise lacking(missing, f"blocks {missing[:4]} of job {self.name!r} are not at the version their "
                                    f"primary stepped them from (a step this node did not get)")
