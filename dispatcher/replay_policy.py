@@ -16,9 +16,9 @@ Rules, pure (the dispatcher's servicer applies them under one lock with membersh
   ShardlineConfigError naming the nodes and fingerprints; ``true`` on an ASP job is kept as asked
   and means copies (as before the default). False stays false.
 * ``check_registration`` (a node registering): while a job replays gradients, a node whose
-  fingerprint differs from a live node's is refused (ShardlineConfigError naming both), so a
-  replaying job never gets a copy holder that would step differently. With no replaying job
-  every node may register.
+  fingerprint differs from a live node's (one that reports none differs from one that reports
+  one) is refused (ShardlineConfigError naming both), so a replaying job never gets a copy holder
+  that would step differently. With no replaying job every node may register.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def check_registration(node_id: str, fingerprint: str, others: Mapping[str, str]
     differs from a live node's (``others``: live node id -> fingerprint, the node itself left out)."""
     if not replaying:
         return
-    if fingerprint and all(fp == fingerprint for fp in others.values()):
+    if all(fp == fingerprint for fp in others.values()):
         return
     problem = f"has build fingerprint {fingerprint!r}" if fingerprint else "reports no build fingerprint"
     names = ", ".join(repr(name) for name in sorted(replaying)[:4]) + (" ..." if len(replaying) > 4 else "")
