@@ -30,6 +30,7 @@ StateStoreError and changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 import secrets
@@ -41,6 +42,7 @@ from typing import Callable, Iterable, Mapping
 
 from google.protobuf import json_format
 
+from shardline.dispatcher import replay_policy
 from shardline.dispatcher.membership import validate_name
 from shardline.dispatcher.state_memory import MemoryStateStore
 from shardline.dispatcher.state_store import JOB_PREFIX, TOMBSTONE_PREFIX, StateStore, StateStoreError, with_prefix
@@ -51,6 +53,8 @@ from shardline.services.errors import ShardlineConfigError, ShardlineStateError,
 from shardline.services.extension import apply_extension, revision_of, state_layout
 from shardline.services.names import JOB_NAME_RE, validate_job_name  # noqa: F401 - part of this module's API
 from shardline.services.pb import common_pb2
+
+log = logging.getLogger("shardline.dispatcher.jobs")
 
 TENSOR_NAME_RE = re.compile(r"[A-Za-z0-9._/-]{1,256}")
 UID_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
@@ -381,11 +385,16 @@ class JobRegistry:
         self.store.apply({JOB_PREFIX + job.spec.name: job.persisted()})
         self._jobs[job.spec.name] = job
 
-    def create(self, spec: common_pb2.JobSpec) -> tuple[JobRecord, bool]:
+    def create(self, spec: common_pb2.JobSpec,
+               fingerprints: Mapping[str, str] | None = None) -> tuple[JobRecord, bool]:
         """Register ``spec``; ``(record, True)`` for the creating call, ``(record, False)`` if it existed.
 
-        Raises ShardlineConfigError for an invalid spec and ShardlineStateError naming the first
-        differing field if a job of that name exists with a different spec.
+        A new job's ``replicate_gradients``, unset, is decided from ``fingerprints`` (live PS node
+        id -> build fingerprint; None: no node known) by dispatcher/replay_policy.py, and logged;
+        unset for an existing job, it means "as the job has it". Raises ShardlineConfigError for an
+        invalid spec (or replay asked for on nodes of different fingerprints) and
+        ShardlineStateError naming the first differing field if a job of that name exists with a
+        different spec.
         """
         requested = spec
         spec = normalize_spec(spec)
@@ -396,6 +405,8 @@ class JobRegistry:
                 for field in ("replication", "worker_lease_timeout_seconds", "on_worker_failure", "compression"):
                     if not getattr(requested, field):
                         setattr(spec, field, getattr(existing.spec, field))
+                if not requested.HasField("replicate_gradients"):
+                    spec.replicate_gradients = existing.spec.replicate_gradients
                 difference = spec_difference(existing.spec, spec)
                 if difference:
                     revision = revision_of(existing.spec)
@@ -404,6 +415,10 @@ class JobRegistry:
                     raise ShardlineStateError(f"job {spec.name!r} already exists with a different spec: "
                                               f"{difference}{extended}")
                 return existing.record(), False
+            spec, why = replay_policy.resolve(spec, fingerprints or {})
+            if why:  # a BSP/SSP job left to copies: say why (its steps cost three times the bytes for Adam)
+                (log.warning if replay_policy.copies_by_default(spec) else log.info)(
+                    "job %s: replicate_gradients %s: %s", spec.name, spec.replicate_gradients, why)
             del spec.extensions[:]  # a new job starts at revision 0; extend() makes the others
             if not spec.replication:
                 spec.replication = self.default_replication

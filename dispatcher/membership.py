@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from shardline.dispatcher.isolation import DEFAULT_ISOLATION_SHARE, DEFAULT_ISOLATION_TIMEOUT_SECONDS, IsolationGuard
 from shardline.dispatcher.state_memory import MemoryStateStore
 from shardline.dispatcher.state_store import EPOCH_KEY, NODE_PREFIX, StateStore, StateStoreError, with_prefix
+from shardline.services import build_fingerprint as build_fingerprint_rules
 from shardline.services.daemon import parse_host_port
 from shardline.services.config import require_positive_number
 from shardline.services.errors import ShardlineConfigError, ShardlineStateError
@@ -75,6 +76,7 @@ class NodeRecord:
     insecure: bool = False        # serves a non-loopback address without a cluster token
     # During a ring change: why it still waits for this node ("": no change, or the node is ready).
     not_ready: str = ""
+    build_fingerprint: str = ""   # services/build_fingerprint.py ("": not reported)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class _Node:
     not_ready: str = ""           # why its last report did not count (status and the dispatcher's warnings)
     incarnation: str = ""         # the process that registered last (not persisted: a new leader learns it)
     insecure: bool = False        # as the node registered (not persisted: it registers again)
+    build_fingerprint: str = ""   # as the node registered or last heartbeat (not persisted, likewise)
     pending_vnodes: int = 0       # a rebalance in progress: the count of the pending ring (0: none)
     rebalanced: int | None = None  # counts set by rebalancing, at this vnodes_per_capacity (None: from capacity)
 
@@ -382,6 +385,13 @@ class Membership:
         with self._lock:
             return self._epoch, self._pending_epoch
 
+    def fingerprints(self, but: str | None = None) -> dict[str, str]:
+        """Node id -> build fingerprint of every alive node ("" where none was reported), ``but``
+        left out."""
+        with self._lock:
+            return {node.node_id: node.build_fingerprint for node in self._nodes.values()
+                    if node.state == ALIVE and node.node_id != but}
+
     @property
     def alive_count(self) -> int:
         with self._lock:
@@ -398,12 +408,14 @@ class Membership:
         incarnation: str = "",
         insecure: bool = False,
         remembered: tuple[int, list] | None = None,
+        build_fingerprint: str = "",
     ) -> int:
         """Add a node, revive a dead one, or refresh/update a known one. Returns the epoch after.
 
         ``incarnation`` identifies the node's process: an alive member registering with a new one
         restarted (kill -9 and back before it was declared dead) and rejoins like a revived node.
         ``insecure``: the node serves a non-loopback address without a cluster token (status shows it).
+        ``build_fingerprint``: what it computes optimizer steps with (dispatcher/replay_policy.py).
         ``remembered``: ``(epoch, NodeInfos)`` of the serving ring the node last routed by, taken
         back if no node serves (docs/architecture.md, "Failure detection and partitions").
 
@@ -416,6 +428,7 @@ class Membership:
         validate_name(rack, "rack")
         validate_address(grpc_address, "grpc_address")
         validate_address(data_address, "data_address")
+        build_fingerprint_rules.validate(build_fingerprint)
         vnodes = vnode_counts({node_id: capacity}, self.vnodes_per_capacity)[node_id]
         with self._lock:
             before = self._nodes.get(node_id)
@@ -437,6 +450,7 @@ class Membership:
                     node.rebalanced = before.rebalanced
             node.incarnation = incarnation
             node.insecure = bool(insecure)
+            node.build_fingerprint = build_fingerprint
             ring_back = self._ring_back(remembered, node_id, now)
             if ring_back is not None:
                 node.vnodes, node.member = ring_back.pop(node_id), SERVING
@@ -493,9 +507,10 @@ class Membership:
         return back
 
     def heartbeat(self, node_id: str, now: float, blocks: int = 0, bytes: int = 0, epoch: int = 0,
-                  insecure: bool | None = None) -> bool:
+                  insecure: bool | None = None, build_fingerprint: str | None = None) -> bool:
         """Record a heartbeat with the node's storage report. False: unknown or dead, register again.
-        ``insecure`` (None: not reported) refreshes the registration's flag (a new leader learns it so).
+        ``insecure`` (None: not reported) refreshes the registration's flag (a new leader learns it so);
+        ``build_fingerprint`` (None or "": not reported) likewise.
 
         ``epoch`` is the one the node routes with (0: not reported). One above the dispatcher's
         moves the dispatcher's to ``epoch + 1`` (persisted; StateStoreError if that fails), whether
@@ -516,6 +531,8 @@ class Membership:
             node.blocks, node.bytes = blocks, bytes
             if insecure is not None:
                 node.insecure = bool(insecure)
+            if build_fingerprint and build_fingerprint_rules.valid(build_fingerprint):  # a bad one: not liveness's
+                node.build_fingerprint = build_fingerprint
             return True
 
     @property
@@ -705,5 +722,6 @@ class Membership:
             bytes=node.bytes,
             member=node.member if node.state == ALIVE else "",
             insecure=node.insecure,
+            build_fingerprint=node.build_fingerprint,
             not_ready=self._not_ready(node) if waiting else "",
         )

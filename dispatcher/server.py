@@ -50,6 +50,7 @@ from shardline.dispatcher.isolation import DEFAULT_ISOLATION_SHARE, DEFAULT_ISOL
 from shardline.dispatcher.reader_racks import ReaderRacks
 from shardline.dispatcher.leases import DEFAULT_LEASE_TIMEOUT_SECONDS, WorkerLeases
 from shardline.dispatcher import rebalance as rebalance_policy
+from shardline.dispatcher import replay_policy
 from shardline.dispatcher.jobs import JobRecord, JobRegistry, UnknownJobError
 from shardline.dispatcher.leader import Holder, LeaderElection, lease_ttl
 from shardline.dispatcher.membership import ALIVE, Membership, NodeRecord, reachable_address, validate_address
@@ -61,6 +62,7 @@ from shardline.dispatcher.state_store import (
     open_state_store,
     state_backend,
 )
+from shardline.services import build_fingerprint
 from shardline.services.daemon import create_grpc_server, format_host_port, parse_host_port
 from shardline.services.config import require_positive_number
 from shardline.services.dispatcher_client import LEADER_METADATA_KEY
@@ -244,6 +246,9 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         # Waiters hold a server thread each; the cap keeps threads free for heartbeats.
         self._waiters = threading.BoundedSemaphore(max_waiters)
         self._stopping = threading.Event()
+        # A job's replay decision and a node's registration read each other's state: one at a time
+        # (dispatcher/replay_policy.py), so no node of another build slips in beside a new replaying job.
+        self._replay_lock = threading.Lock()
         self._caller = node_caller if node_caller is not None else GrpcNodeCaller()
         self._fanout = ThreadPoolExecutor(max_workers=fanout_workers, thread_name_prefix="dispatcher-fanout")
         self.drop_timeout = require_positive_number(drop_timeout, "drop_timeout (seconds)")
@@ -384,13 +389,17 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         state = self._leading()
         before = state.membership.epoch
         peer = context.peer()
-        epoch = state.membership.register(
-            request.node_id, request.rack, reachable_address(request.grpc_address, peer),
-            reachable_address(request.data_address, peer), request.capacity, self._clock(),
-            incarnation=request.incarnation, insecure=request.insecure,
-            remembered=(request.remembered.epoch, list(request.remembered.nodes)) if request.HasField("remembered")
-            else None,
-        )
+        with self._replay_lock:
+            replaying = [record.name for record in state.jobs.list() if replay_policy.replays(record.spec)]
+            replay_policy.check_registration(request.node_id, build_fingerprint.validate(request.build_fingerprint),
+                                             state.membership.fingerprints(but=request.node_id), replaying)
+            epoch = state.membership.register(
+                request.node_id, request.rack, reachable_address(request.grpc_address, peer),
+                reachable_address(request.data_address, peer), request.capacity, self._clock(),
+                incarnation=request.incarnation, insecure=request.insecure,
+                remembered=(request.remembered.epoch, list(request.remembered.nodes)) if request.HasField("remembered")
+                else None, build_fingerprint=request.build_fingerprint,
+            )
         if epoch != before:
             log.info(
                 "node %s registered (rack %s, grpc %s, data %s, capacity %g): epoch %d",
@@ -405,7 +414,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         state = self._leading()
         before = state.membership.epoch
         registered = state.membership.heartbeat(request.node_id, self._clock(), request.blocks, request.bytes,
-                                                request.epoch, insecure=request.insecure)
+                                                request.epoch, insecure=request.insecure,
+                                                build_fingerprint=request.build_fingerprint)
         epoch = state.membership.epoch
         if request.epoch > before:
             log.warning("node %s routes with epoch %d, above the dispatcher's %d: the dispatcher moved to epoch %d",
@@ -537,7 +547,8 @@ class DispatcherServicer(dispatcher_pb2_grpc.DispatcherServicer):
         if not request.HasField("spec"):
             raise ShardlineConfigError("CreateJob needs a spec")
         state = self._leading()
-        record, created = state.jobs.create(request.spec)
+        with self._replay_lock:
+            record, created = state.jobs.create(request.spec, fingerprints=state.membership.fingerprints())
         if created:
             state.membership.jobs_changed()  # a pending ring change waits until every node holds it
             log.info("job %s created (%d tensors, %s, world size %d)", record.name, len(record.spec.tensors),

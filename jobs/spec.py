@@ -14,7 +14,7 @@ quoted in the error (``ShardlineConfigError``). The built-in model and task::
             weight_by_tokens: true, eval_examples: 200, eval_every: 0, sample_prompts: 6,
             log_every: 10, seed: 0, lr_schedule: constant, warmup_steps: 0, min_lr_ratio: 0.1,
             replication: 0, on_worker_failure: wait, worker_lease_timeout: 30, compression: none,
-            exact_restarts: true, replicate_gradients: false, flatten: false, balance: none, balance_method: kk,
+            exact_restarts: true, replicate_gradients: null, flatten: false, balance: none, balance_method: kk,
             micro_batch_tokens: null, cost: null, global_batch_size: null}   # the last four only with balance: tokens
 
 A Hugging Face model (a local ``save_pretrained`` directory; needs ``shardline[hf]``) trains on a
@@ -155,7 +155,9 @@ class TrainSpec:
     worker_lease_timeout: float = 30.0
     compression: str = "none"            # gradients on the wire: none | bf16 | sign (services/compression.py)
     exact_restarts: bool = True          # PSOptimizer(exact_restarts=): PS nodes keep each step's previous values
-    replicate_gradients: bool = False    # PSOptimizer(replicate_gradients=): replicas replay each step's gradient
+    # PSOptimizer(replicate_gradients=): replicas replay each step's gradient; None: the cluster
+    # decides (replay for BSP/SSP on PS nodes of one build fingerprint), false: copies
+    replicate_gradients: bool | None = None
     flatten: bool = False                # PSOptimizer(flatten=): each param group one tensor on the PS
     balance: str = "none"                # "tokens": length-balanced global minibatches
     balance_method: str = "kk"
@@ -411,7 +413,7 @@ _SCHEMA: dict[str, tuple[type, dict[str, tuple[Callable[[Any], Any], Any]]]] = {
         "worker_lease_timeout": (_float(0.0, lo_open=True), TrainSpec.worker_lease_timeout),
         "compression": (_choice(COMPRESSIONS), TrainSpec.compression),
         "exact_restarts": (_bool, TrainSpec.exact_restarts),
-        "replicate_gradients": (_bool, TrainSpec.replicate_gradients),
+        "replicate_gradients": (lambda v: None if v is None else _bool(v), TrainSpec.replicate_gradients),
         "flatten": (_bool, TrainSpec.flatten),
         "balance": (_choice(BALANCE_MODES), TrainSpec.balance),
         "balance_method": (_choice(BALANCE_METHODS), TrainSpec.balance_method),

@@ -29,7 +29,7 @@ from shardline.ps_server.node import HANDOVER_TIMEOUT_SECONDS, PSNode
 from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
-from shardline.services import failpoints, frame, sdnotify
+from shardline.services import build_fingerprint, failpoints, frame, sdnotify
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.services.daemon import (add_common_args, format_host_port, exit_after_stop, install_stop_handlers, parse_host_port,
@@ -125,6 +125,7 @@ class HeartbeatLoop(threading.Thread):
             resp = self.client.heartbeat(node_id=self.node.node_id, blocks=blocks, bytes=nbytes,
                                          epoch=self.node.routing.epoch, jobs=held, ready_epoch=ready,
                                          insecure=bool(self.registration.get("insecure")), timeout=timeout,
+                                         build_fingerprint=self.registration.get("build_fingerprint", ""),
                                          load=load, hot=hot, rack_reads=rack_reads_report(self.node.heat))
             if not resp.registered:
                 log.warning("dispatcher does not know this node; registering again")
@@ -398,7 +399,7 @@ def main(argv=None) -> int:
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
     node.delta_history = DeltaHistory(args.delta_history_bytes)
     node.replicator = Replicator(node, PeerLinks(lambda peer: node.routing.address_of(peer), transport, cluster_token),
-                                 metrics=ps_metrics)
+                                 metrics=ps_metrics, check_interval=args.replica_check_interval)
     node.grad_norms = GradNormExchange(node, grad_norm_sender(cluster_token, security.tls_ca))
     heartbeats: HeartbeatLoop | None = None
     if ckdir is not None:
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
 
     registration = dict(node_id=node_id, rack=args.rack, grpc_address=format_host_port(host, grpc_port),
                         data_address=listener.address, capacity=args.capacity, incarnation=os.urandom(8).hex(),
-                        insecure=security.insecure)
+                        insecure=security.insecure, build_fingerprint=build_fingerprint.fingerprint())
     try:
         resp = client.register_node(**registration)
         node.refresh_routing()  # a restarted node rejoins: it applies nothing until it is in sync again

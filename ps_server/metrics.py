@@ -186,7 +186,11 @@ class NodeCollector(Collector):
         copy_reads = CounterMetricFamily("shardline_ps_blocks_read_from_copies",
                                          "Copy holder: blocks of workers' BSP reads served from the copies held "
                                          "here (reads from copy holders)", labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads]
+        diverged = CounterMetricFamily("shardline_ps_replica_divergence",
+                                       "Copy holder, replicate_gradients: replayed blocks whose checksum differed from "
+                                       "the primary's at a divergence check (each resynced with a full copy)",
+                                       labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads, diverged]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -199,6 +203,7 @@ class NodeCollector(Collector):
                 unused.add_metric([name], getattr(job, "early_unused", 0))
                 replayed.add_metric([name], getattr(job, "steps_replayed", 0))
                 copy_reads.add_metric([name], getattr(job, "copy_reads", 0))
+                diverged.add_metric([name], getattr(job, "replica_divergences", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

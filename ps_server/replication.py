@@ -37,7 +37,11 @@ from shardline.ps_server.replication_primary import PrimarySide
 from shardline.ps_server.replication_progress import JobReplication
 from shardline.ps_server.store import JobStore
 from shardline.services import frame
+from shardline.services.errors import ShardlineConfigError
 from shardline.services.placement import place
+
+# Every this many steps a replayed step's blocks carry checksums (the PS option replica_check_interval).
+DEFAULT_CHECK_INTERVAL = 100
 
 
 class Replicator(PrimarySide, CopyHolderSide):
@@ -48,7 +52,11 @@ class Replicator(PrimarySide, CopyHolderSide):
     per job is one ``JobReplication`` (replication_progress.py), read and moved under ``_lock``.
     """
 
-    def __init__(self, node, links: PeerLinks, *, metrics=None):
+    def __init__(self, node, links: PeerLinks, *, metrics=None, check_interval: int = DEFAULT_CHECK_INTERVAL):
+        if not isinstance(check_interval, int) or isinstance(check_interval, bool) or check_interval < 0:
+            raise ShardlineConfigError(f"replica_check_interval must be an integer >= 0 (0: no check), "
+                                       f"got {check_interval!r}")
+        self.check_interval = check_interval   # replayed steps carry checksums every this many (0: never)
         self.node = node
         self.links = links
         self.metrics = metrics

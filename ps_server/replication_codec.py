@@ -8,6 +8,7 @@ float32 elements (``BlockRef.replay``). docs/architecture.md, "Replication".
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -50,6 +51,14 @@ class BlockCodec:
                 parts.append(frame.tensor_bytes(item.reshape(-1) if kind == "vector" else item.reshape(1)))
         return parts
 
+    def checksum(self, value: torch.Tensor, state: dict) -> int:
+        """zlib.crc32 of the packed run of (value, state) — what a copy would carry — as a replay
+        ref's ``checksum`` (the divergence check). Never 0 (a crc of 0 counts as 1): 0 means no check."""
+        crc = 0
+        for part in self.pack(value, state):
+            crc = zlib.crc32(part.cast("B") if part.format != "B" else part, crc)
+        return crc or 1
+
     def unpack(self, numel: int, flat: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats."""
         value = flat[:numel].clone()
@@ -80,24 +89,32 @@ def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
     return refs, payloads
 
 
-def stepped_refs(codec: BlockCodec, items, *, replay: bool = True) -> tuple[list, list]:
+def stepped_refs(codec: BlockCodec, items, *, replay: bool = True, checksums: dict | None = None) -> tuple[list, list]:
     """BlockRefs and payload parts for stepped ``items`` of (key, block): a copy of each
     (copy_refs), or, for a block carrying a ``replay`` (replicate_gradients) when ``replay``
-    allows, the gradient its holders step it with (gradient_refs)."""
+    allows, the gradient its holders step it with (gradient_refs; ``checksums`` given: with the
+    divergence check's checksum, computed once per block into that dict)."""
     replayed = [(k, b) for k, b in items if replay and b.replay is not None]
     refs, payloads = copy_refs(codec, [(k, b) for k, b in items if not (replay and b.replay is not None)])
-    replay_refs, replay_payloads = gradient_refs(replayed)
+    replay_refs, replay_payloads = gradient_refs(replayed, codec if checksums is not None else None, checksums)
     return refs + replay_refs, payloads + replay_payloads
 
 
-def gradient_refs(items) -> tuple[list, list]:
+def gradient_refs(items, codec: BlockCodec | None = None, checksums: dict | None = None) -> tuple[list, list]:
     """BlockRefs and payload parts for ``items`` of (key, block) whose step the holders replay
-    (Block.replay: the version it was stepped from, its mean gradient, the lr)."""
+    (Block.replay: the version it was stepped from, its mean gradient, the lr). With ``codec``,
+    each ref carries ``checksum``: BlockCodec.checksum of the block's value and state after the
+    step (kept in ``checksums`` by key, so a block sent to several holders is summed once)."""
     refs, payloads = [], []
     for (tensor, index), block in items:
         base, grad, lr = block.replay
         ref = dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, version=block.version, step=block.step,
                           base_version=base, lr=lr, replay=True)
+        if codec is not None:
+            key = (tensor, index)
+            if key not in checksums:
+                checksums[key] = codec.checksum(block.value, block.state)
+            ref.checksum = checksums[key]
         if grad is None:
             ref.zero = True
         else:

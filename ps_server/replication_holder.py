@@ -42,7 +42,7 @@ class CopyHolderSide:
         job.apply_copies(copies)
         try:
             if replayed:
-                job.replay_steps(replayed)
+                job.replay_steps(replayed, verify=self._verifier(job, header.node))
             if carried:
                 job.carry_copies(carried)
         except StoreError as exc:
@@ -66,7 +66,7 @@ class CopyHolderSide:
         copies, _carried, replayed = self._read_blocks(job, header, payload, fenced=True)
         job.hold_copies(copies)
         if replayed:
-            job.replay_steps(replayed, ahead=True)
+            job.replay_steps(replayed, ahead=True, verify=self._verifier(job, header.node))
 
     def _on_sync_answer(self, job: JobStore, header, payload) -> None:
         """REPLICATE_SYNC / REPLICATE_SYNC_LAST: copies answering this node's own OP_SYNC, from
@@ -118,7 +118,8 @@ class CopyHolderSide:
                                                                      f"{ref.numel} elements, expected {numel}")
                     grad = torch.frombuffer(payload, dtype=torch.float32, count=numel, offset=offset)
                     offset += ref.nbytes
-                replayed.append((ref.tensor, ref.index, ref.version, ref.step, ref.base_version, ref.lr, grad))
+                replayed.append((ref.tensor, ref.index, ref.version, ref.step, ref.base_version, ref.lr, grad,
+                                 ref.checksum))
                 continue
             if ref.zero:
                 carried.append((key, ref.version, ref.step))
@@ -131,6 +132,23 @@ class CopyHolderSide:
             value, state = codec.unpack(numel, flat)
             copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
         return copies, carried, replayed
+
+    def _verifier(self, job: JobStore, primary: str):
+        """The divergence check of replayed blocks whose ref carries a checksum (JobStore.replay_steps):
+        True if this node's result sums as its primary's did; otherwise a WARNING naming the job,
+        block, step and primary, and False (the block is not installed: this node answers
+        UNAVAILABLE for it, is dropped, and syncs a full copy)."""
+        codec = self.codec(job)
+
+        def verify(key, step: int, value, state: dict, expected: int) -> bool:
+            got = codec.checksum(value, state)
+            if got == expected:
+                return True
+            log.warning("job %s: replayed copy of %s[%d] at step %d differs from its primary %s (checksum %08x, "
+                        "the primary's %08x): resyncing a full copy", job.name, key[0], key[1], step, primary,
+                        got, expected)
+            return False
+        return verify
 
     # --- which copies to bring in sync ------------------------------------------------------------
     def resync(self, job: JobStore, placement, primary: set, copies: set, previous, poke=()) -> None:

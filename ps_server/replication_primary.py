@@ -91,8 +91,10 @@ class PrimarySide:
                 progress = record.progress(peer)
                 if progress.round == holders[peer]:  # still the round they are sent in
                     progress.sent_ahead.update((key, staged) for key, _copy, staged in sent)
+        checksums: dict = {}   # one per block, whichever holders it goes to
         for peer, sent in by_peer.items():
-            refs, payloads = stepped_refs(self.codec(job), [(key, copy) for key, copy, _staged in sent])
+            refs, payloads = stepped_refs(self.codec(job), [(key, copy) for key, copy, _staged in sent],
+                                          checksums=checksums if self.check_due(sent[0][1].step) else None)
             header = self._header(dp.OP_REPLICATE, job, step=sent[0][1].step, blocks=refs,
                                   replicate_kind=dp.REPLICATE_STAGED,
                                   payload_bytes=sum(r.nbytes for r in refs))
@@ -119,10 +121,11 @@ class PrimarySide:
             staged = ahead.get(peer, {}).get(key)
             return staged is not None and block.value is staged.value
 
+        checksums = {} if self.check_due(step + 1) else None
         for peer, items in plan.by_peer.items():
             stepped = [(k, b) for k, b in items if b.version == step + 1 and not sent_ahead(k, b, peer)]
             carried = [(k, b) for k, b in items if b.version != step + 1 or sent_ahead(k, b, peer)]
-            refs, payloads = stepped_refs(self.codec(job), stepped, replay=not copy)
+            refs, payloads = stepped_refs(self.codec(job), stepped, replay=not copy, checksums=checksums)
             if copy:
                 payloads = [bytes(p) for p in payloads]
             for key, block in carried:
@@ -131,6 +134,11 @@ class PrimarySide:
                                   payload_bytes=sum(r.nbytes for r in refs))
             self.links.link(peer).send(Send(header, payloads, self._acked(acks, peer, holders[peer])))
         return True
+
+    def check_due(self, step: int) -> bool:
+        """Whether the replayed blocks of the step that makes version ``step`` carry checksums
+        (every ``check_interval`` steps; 0: never)."""
+        return bool(self.check_interval) and step % self.check_interval == 0
 
     def _acked(self, pending: StepAcks, peer: str, round_: int):
         def done(error: Exception | None, _reply) -> None:

@@ -415,6 +415,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_connections", "int", "Most data-plane connections the node keeps open; further ones are "
            "answered RESOURCE_EXHAUSTED and closed (metric shardline_ps_dataplane_connections_refused_total).",
            ("ps",), default=1024, minimum=1),
+    Option("replica_check_interval", "int", "Every N applied steps a primary's copy holders that replay gradients "
+           "compare a checksum of each block they stepped (value and optimizer state) with the primary's; a holder "
+           "that differs is resynced with a full copy (metric shardline_ps_replica_divergence_total, a WARNING). "
+           "0 = no check.", ("ps",), default=100, minimum=0),
     Option("checkpoint_dir", "path", "Directory of this node's checkpoints (safetensors + JSON manifests, "
            "one folder per job). Created if missing and checked writable at start; the node restores every "
            "job found there before it serves. Unset: no checkpoints, a restart loses the node's blocks.",

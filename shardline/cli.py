@@ -124,6 +124,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
             "state": n.state, "member": n.member or None, "capacity": n.capacity, "vnodes": int(n.vnodes),
             "heartbeat_age_seconds": round(n.heartbeat_age_seconds, 3), "blocks": int(n.blocks), "bytes": int(n.bytes),
             "key_share": share.get(n.node_id, 0.0), "insecure": bool(n.insecure),
+            "build_fingerprint": n.build_fingerprint or None,   # who steps alike (replaying gradients)
             "not_ready": n.not_ready or None,   # during a ring change: why it still waits for this node
         })
     jobs = []

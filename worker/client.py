@@ -321,7 +321,7 @@ class Client:
              worker_lease_timeout: float | None = None, on_worker_failure: str | None = None,
              param_groups: list[dict] | None = None, tensor_groups: dict[str, int] | None = None,
              max_grad_norm: float | None = None, compression: str | None = None, exact_restarts: bool = True,
-             replicate_gradients: bool = False, **optimizer_kwargs) -> bool:
+             replicate_gradients: bool | None = None, **optimizer_kwargs) -> bool:
         """Create the job with ``tensors`` if the cluster lacks it; otherwise wait until it is ready.
 
         ``staleness`` (``sync="ssp"``, >= 1): how many steps a worker may run ahead (class doc).
@@ -333,9 +333,12 @@ class Client:
         ``exact_restarts=False`` (BSP): the PS nodes keep no value from before a block's last step
         (one copy of the values per step and 4 bytes per parameter less); a rank restarted after a
         half-made commit whose missing node died too then redoes its step on partly stepped values.
-        ``replicate_gradients=True`` (BSP/SSP): a primary sends its replicas each step's mean
-        gradient and lr, and they run the step themselves, instead of the new value and optimizer
-        state (a third of the bytes for Adam); every PS node must compute it bit for bit alike.
+        ``replicate_gradients`` (BSP/SSP): a primary sends its replicas each step's mean gradient
+        and lr, and they run the step themselves, instead of the new value and optimizer state (a
+        third of the bytes for Adam); every PS node must compute it bit for bit alike. None (the
+        default): the dispatcher decides, replay for BSP/SSP when every PS node reports one build
+        fingerprint, copies otherwise (as an existing job has it, for a job that exists). True on
+        nodes of different fingerprints: ShardlineConfigError. False: copies.
         ``param_groups``: hyperparameters per parameter group (torch.optim names; the first group's
         are the job's defaults and ``optimizer_kwargs`` are ignored), ``tensor_groups`` the group
         index of each tensor (default 0). Returns True if this call created the job (and so wrote
@@ -357,7 +360,11 @@ class Client:
                                   worker_lease_timeout_seconds=worker_lease_timeout or 0.0,
                                   on_worker_failure=on_worker_failure or "", max_grad_norm=max_grad_norm or 0.0,
                                   compression="" if compression is None else check_compression(compression),
-                                  inexact_restarts=not exact_restarts, replicate_gradients=replicate_gradients)
+                                  inexact_restarts=not exact_restarts)
+        if replicate_gradients is not None:   # unset: the dispatcher decides (replay where it can)
+            if not isinstance(replicate_gradients, bool):
+                raise ShardlineConfigError(f"replicate_gradients must be True, False or None, got {replicate_gradients!r}")
+            spec.replicate_gradients = replicate_gradients
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():

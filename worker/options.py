@@ -50,7 +50,7 @@ class JobOptions:
                     replication=self.replication, worker_lease_timeout=self.worker_lease_timeout,
                     on_worker_failure=self.on_worker_failure, max_grad_norm=self.max_grad_norm,
                     compression=self.compression, exact_restarts=self.exact_restarts is not False,
-                    replicate_gradients=bool(self.replicate_gradients))
+                    replicate_gradients=self.replicate_gradients)
 
 
 @dataclass(frozen=True)

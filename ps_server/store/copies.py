@@ -14,9 +14,14 @@ The design: docs/architecture.md, "Block store".
 
 from __future__ import annotations
 
+import torch
+
 from shardline.ps_server.store.blocks import COPY, Block, Held
 from shardline.ps_server.store.common import StoreError, clone_state, lacking
+from shardline.services import failpoints
 from shardline.services.errors import ErrorCode
+
+REPLAY_DIVERGE = "ps.replay_diverge"   # failpoint: a replayed copy made to differ (tests)
 
 
 class CopyHolder:
@@ -57,9 +62,10 @@ class CopyHolder:
                 if block is not None and not block.primary and step > block.step:
                     block.role = block.role.holding(Held(version, step, value, dict(state)))
 
-    def replay_steps(self, items: list, *, ahead: bool = False) -> None:
+    def replay_steps(self, items: list, *, ahead: bool = False, verify=None) -> None:
         """Step copies the way their primary stepped its blocks (replicate_gradients): each item is
-        ``(tensor, index, version, step, base_version, lr, grad)`` (grad None: a zero gradient).
+        ``(tensor, index, version, step, base_version, lr, grad, checksum)`` (grad None: a zero
+        gradient; checksum 0: not checked).
         A copy held at ``base_version`` is stepped out of place (private copies of value and state:
         readers of the old copy keep it) with its group's optimizer, as the primary steps, and
         becomes ``version`` at ``step``; with ``ahead`` (the primary stepped it before the step's
@@ -67,28 +73,47 @@ class CopyHolder:
         frame names it. A copy already at ``step`` or past it is left alone (a repeat). Raises
         StoreError UNAVAILABLE, after the rest, if a copy is missing or at another version (its
         primary drops this node from the in-sync holders and it syncs a full copy); ahead, such a
-        copy is only not held (the frame that names it finds it lacking)."""
+        copy is only not held (the frame that names it finds it lacking).
+
+        The divergence check: an item with a checksum is installed (or held) only if
+        ``verify(key, step, value, state, checksum)`` says the result is its primary's; one that
+        is not counts in ``replica_divergences`` and is left at the version it was stepped from
+        (so a sync brings a full copy) and answered like a missing one."""
         self._check_replays(items)
         with self.cond:
             if not ahead:
-                self._follow_copies(step for _t, _i, _v, step, _b, _lr, _g in items)
+                self._follow_copies(step for _t, _i, _v, step, _b, _lr, _g, _c in items)
             taken, missing = self._replays_due(items)
         # Stepped outside the lock (the clones are private) as the primary steps: one multi-tensor
         # call per group and lr (BlockOptimizer.step_many).
         batches: dict[tuple, list] = {}
-        for *_head, group, lr, grad, value, state in taken:
+        for *_head, group, lr, grad, value, state, _checksum in taken:
             batches.setdefault((group, lr), []).append((value, grad, state))
         for (group, lr), batch in batches.items():
             values, grads, states = (list(column) for column in zip(*batch))
             self.group_optimizers[group].step_many(values, grads, states, lr=lr)
+        _diverge_for_tests(taken)
+        diverged = [item for item in taken if item[-1] and verify is not None
+                    and not verify(item[0], item[4], item[8], item[9], item[-1])]
+        lacked = list(missing)
+        if diverged:
+            bad = {id(item) for item in diverged}
+            taken = [item for item in taken if id(item) not in bad]
+            missing.extend(item[0] for item in diverged)
         with self.cond:
+            self.replica_divergences += len(diverged)
             self._install_replayed(taken, ahead)
+        if diverged and not ahead:
+            raise lacking(missing, f"blocks {[item[0] for item in diverged][:4]} of job {self.name!r} replayed here "
+                                   f"differ from their primary's (divergence check)"
+                                   + (f"; blocks {lacked[:4]} are not at the version their primary stepped them "
+                                      f"from" if lacked else ""))
         if missing and not ahead:
             raise lacking(missing, f"blocks {missing[:4]} of job {self.name!r} are not at the version their "
                                    f"primary stepped them from (a step this node did not get)")
 
     def _check_replays(self, items: list) -> None:
-        for tensor, index, _version, _step, _base, lr, grad in items:
+        for tensor, index, _version, _step, _base, lr, grad, _checksum in items:
             numel = self.expected_numel(tensor, index)
             if grad is not None and grad.numel() != numel:
                 raise StoreError(ErrorCode.INVALID_ARGUMENT,
@@ -99,7 +124,7 @@ class CopyHolder:
         """The copies to step (with private clones of their value and state), and the keys of
         those missing or at another version. Lock held."""
         taken, missing = [], []
-        for tensor, index, version, step, base, lr, grad in items:
+        for tensor, index, version, step, base, lr, grad, checksum in items:
             key = (tensor, index)
             block = self.blocks.get(key)
             if block is not None and (block.primary or step <= block.step):
@@ -108,12 +133,12 @@ class CopyHolder:
                 missing.append(key)
                 continue
             taken.append((key, block, base, version, step, self.tensors[tensor].group, lr, grad,
-                          block.value.clone(), clone_state(block.state)))
+                          block.value.clone(), clone_state(block.state), checksum))
         return taken, missing
 
     def _install_replayed(self, taken: list, ahead: bool) -> None:
         """Install (or, ``ahead``, hold apart) the stepped copies. Lock held."""
-        for key, block, base, version, step, _group, _lr, _grad, value, state in taken:
+        for key, block, base, version, step, _group, _lr, _grad, value, state, _checksum in taken:
             if self.blocks.get(key) is not block or block.primary or block.version != base or step <= block.step:
                 continue  # taken over, re-synced or dropped meanwhile: what it holds now stands
             self.steps_replayed += 1
@@ -156,3 +181,16 @@ class CopyHolder:
         applying. Call with the lock held."""
         if not any(b.primary for b in self.blocks.values()):
             self.step = max(self.step, max(steps, default=self.step))
+
+
+def _diverge_for_tests(taken: list) -> None:
+    """Failpoint ``ps.replay_diverge`` (armed with ``raise``): instead of raising, the first block
+    replayed in a call at the armed step moves its first element by one ulp, as a node of another
+    build might step it; the divergence check then finds it."""
+    if not taken or not failpoints.armed(REPLAY_DIVERGE, taken[0][4]):
+        return
+    try:
+        failpoints.hit(REPLAY_DIVERGE, taken[0][4])
+    except failpoints.FailpointError:
+        flat = taken[0][8].view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))

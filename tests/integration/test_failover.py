@@ -82,20 +82,59 @@ def test_a_dispatcher_restarted_without_its_state_takes_the_ring_back_from_the_n
 
 
 def test_replicas_that_replay_gradients_take_over_from_a_killed_primary(tmp_path):
-    """replicate_gradients: a primary sends its replicas each step's mean gradient and lr, and they
-    step their copies themselves. kill -9 of a PS at step 5: the replicas that take its blocks over
-    hold the values it would have had, so the run still equals torch.optim; the survivors counted
-    the steps they replayed."""
+    """The default for BSP on nodes of one build: a primary sends its replicas each step's mean
+    gradient and lr, and they step their copies themselves. kill -9 of a PS at step 5: the
+    replicas that take its blocks over hold the values it would have had, so the run still equals
+    torch.optim; the survivors counted the steps they replayed."""
     with LocalCluster(tmp_path / "c") as cluster:
         nodes = start(cluster, 3)
         workers = train_model.start_workers(cluster.address, "replay", "adamw", "bsp", tmp_path, steps=STEPS,
-                                            step_sleep=0.1, env={"SHARDLINE_TEST_REPLICATE_GRADIENTS": "1"})
+                                            step_sleep=0.1)
         train_model.wait_for_steps(workers, 5)
         replayed = replayed_blocks(nodes[1])   # the primaries around it sent it gradients, not copies
         cluster.kill(nodes[1])
         results = train_model.finish_workers(workers)
         train_model.assert_equals_reference(results, STEPS)
         assert replayed > 0 and sum(replayed_blocks(n) for n in (nodes[0], nodes[2])) > 0
+
+
+def test_replicas_sent_copies_take_over_from_a_killed_primary(tmp_path):
+    """replicate_gradients=False (SHARDLINE_TEST_REPLICATE_COPIES=1): a primary sends its replicas
+    the stepped value and optimizer state. kill -9 of a PS at step 5: the run equals torch.optim,
+    and no node replayed a step."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3)
+        workers = train_model.start_workers(cluster.address, "copies", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            step_sleep=0.1, env={"SHARDLINE_TEST_REPLICATE_COPIES": "1"})
+        train_model.wait_for_steps(workers, 5)
+        assert replayed_blocks(nodes[1]) == 0
+        cluster.kill(nodes[1])
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
+        assert sum(replayed_blocks(n) for n in (nodes[0], nodes[2])) == 0
+
+
+def test_a_replica_that_diverged_is_resynced_and_a_failover_after_it_equals_torch(tmp_path):
+    """Replay with the divergence check every 2 steps (--replica-check-interval 2); failpoint
+    ps.replay_diverge makes each node's first replayed copy from step 3 on differ by one ulp. The
+    next checked step finds it (metric shardline_ps_replica_divergence_total, a WARNING naming
+    job, block, step and primary); the holder syncs a full copy. kill -9 of a PS afterwards: the
+    run still equals torch.optim."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3, node_flags={"replica_check_interval": 2,
+                                              "env": {"SHARDLINE_FAILPOINTS": "ps.replay_diverge@3=1*raise"}})
+        workers = train_model.start_workers(cluster.address, "diverge", "adamw", "bsp", tmp_path, steps=STEPS,
+                                            step_sleep=0.1)
+        deadline = time.monotonic() + 60
+        while sum(divergences(n) for n in nodes) == 0:
+            assert time.monotonic() < deadline, "no divergence found"
+            time.sleep(0.2)
+        train_model.wait_for_steps(workers, 9)
+        diverged = [n for n in nodes if divergences(n)]
+        assert any("differs from its primary" in n.log_tail(400) for n in diverged)
+        cluster.kill(next(n for n in nodes if n is not diverged[0]))
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
 
 
 def test_a_flat_job_survives_a_killed_primary(tmp_path):
@@ -120,6 +159,14 @@ def replayed_blocks(node) -> int:
     text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
     return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith("shardline_ps_blocks_replayed_total{")))
+
+
+def divergences(node) -> int:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
+    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("shardline_ps_replica_divergence_total{")))
 
 
 def test_add_a_fourth_ps_mid_run(tmp_path):

@@ -256,8 +256,12 @@ def main(argv):
                                 ("worker_lease_timeout", os.environ.get("SHARDLINE_TEST_LEASE_TIMEOUT"))) if v}
     if "worker_lease_timeout" in policy:
         policy["worker_lease_timeout"] = float(policy["worker_lease_timeout"])
+    # replication: unset, the cluster's default (BSP/SSP replay gradients on nodes of one build);
+    # the fault suites ask for either path explicitly
     if os.environ.get("SHARDLINE_TEST_REPLICATE_GRADIENTS") == "1":
         policy["replicate_gradients"] = True
+    if os.environ.get("SHARDLINE_TEST_REPLICATE_COPIES") == "1":   # copies of value and state
+        policy["replicate_gradients"] = False
     if os.environ.get("SHARDLINE_TEST_FLATTEN") == "1":  # the trainable parameters as one tensor on the PS
         model.unused.requires_grad_(False)  # a flat step needs every trainable parameter's gradient (it has none)
         assert [n for n, p in model.named_parameters() if p.requires_grad] == list(FLAT_MEMBERS)

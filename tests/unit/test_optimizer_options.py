@@ -59,7 +59,8 @@ def test_options_left_none_take_the_jobs():
 
 def test_the_creators_defaults():
     kwargs = JobOptions(world_size=4, rank=0).create_kwargs()
-    assert kwargs["staleness"] == 0 and kwargs["exact_restarts"] is True and kwargs["replicate_gradients"] is False
+    # replicate_gradients None: the dispatcher decides (replay for BSP/SSP on one build fingerprint)
+    assert kwargs["staleness"] == 0 and kwargs["exact_restarts"] is True and kwargs["replicate_gradients"] is None
 
 
 def test_psoptimizer_keeps_every_keyword_and_default():

@@ -8,6 +8,7 @@ on the same gradients in one process.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from types import SimpleNamespace
@@ -21,9 +22,9 @@ from shardline.services.placement import place
 from shardline.ps_server.replication import Replicator
 from shardline.ps_server.replication_links import PeerLink, PeerLinks, Send
 from shardline.ps_server.store import PushItem, StoreError
-from shardline.services import frame
+from shardline.services import failpoints, frame
 from shardline.services.blocks import block_slices
-from shardline.services.errors import ErrorCode, FrameError, RemoteError
+from shardline.services.errors import ErrorCode, FrameError, RemoteError, ShardlineConfigError
 from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -475,6 +476,69 @@ def test_a_copy_holder_at_another_version_is_dropped_not_stepped_and_syncs_a_ful
     want = reference(initial, grads)
     for name in ("a", "b"):
         torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
+
+
+def test_a_replayed_copy_that_diverges_is_found_by_its_checksum_resynced_and_survives_a_failover(initial,
+                                                                                                 monkeypatch):
+    """replicate_gradients with the divergence check every 2 steps: failpoint ps.replay_diverge
+    moves one element of one replayed copy by one ulp (as a node of another build might step it).
+    At the next checked step the holder's result sums differently from its primary's: it installs
+    nothing, counts it (replica_divergences), answers UNAVAILABLE, is dropped and syncs a full copy.
+    Every copy then equals its primary bit for bit, and after the primary of half the blocks dies
+    the run still equals torch.optim."""
+    monkeypatch.setattr(sys.modules[__name__], "REPLICATE_GRADIENTS", True)
+    bus, cluster = start(initial=initial)
+    for node in bus.nodes.values():
+        node.replicator.check_interval = 2
+    grads = gradients(9)
+    failpoints.configure("ps.replay_diverge@3=1*raise")
+    try:
+        run_steps(cluster, grads[:2])
+        holders = {k: n.replicator.in_sync("job").keys() for k, n in bus.nodes.items()}
+        run_steps(cluster, grads[2:3])  # the diverged copy is installed at step 3: not a checked one
+        diverged = [n for n in bus.nodes.values() if n.job("job").replica_divergences]
+        assert diverged == []
+        run_steps(cluster, grads[3:5])  # versions 4 (checked) and 5
+    finally:
+        failpoints.configure("")
+    assert sum(n.job("job").replica_divergences for n in bus.nodes.values()) == 1
+    bus.settle()
+    deadline = time.monotonic() + 10
+    while any(n.replicator.in_sync("job").keys() != holders[k] for k, n in bus.nodes.items()):
+        assert time.monotonic() < deadline, "a holder did not sync again"
+        time.sleep(0.01)
+    cluster.assert_copies_equal()   # the diverged holder got a full copy: bit for bit again
+    run_steps(cluster, grads[5:7])
+    cluster.assert_copies_equal()
+    bus.down.add("n0")               # the primary of some blocks dies between steps
+    bus.serving.remove("n0")
+    bus.publish()
+    bus.settle()
+    run_steps(cluster, grads[7:])
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
+    cluster.assert_copies_equal()
+    assert sum(n.job("job").replica_divergences for n in bus.nodes.values()) == 1   # no false alarm since
+
+
+def test_a_checked_step_that_agrees_counts_no_divergence(initial, monkeypatch):
+    """Checked at every step, replayed copies of a job equal their primaries: no divergence, and
+    the holders replayed (not received copies)."""
+    monkeypatch.setattr(sys.modules[__name__], "REPLICATE_GRADIENTS", True)
+    bus, cluster = start(initial=initial)
+    for node in bus.nodes.values():
+        node.replicator.check_interval = 1
+    run_steps(cluster, gradients(3))
+    cluster.assert_copies_equal()
+    assert sum(n.job("job").replica_divergences for n in bus.nodes.values()) == 0
+    assert sum(n.job("job").steps_replayed for n in bus.nodes.values()) > 0
+
+
+def test_a_replicator_refuses_a_bad_check_interval():
+    for bad in (-1, 1.5, True, "100"):
+        with pytest.raises(ShardlineConfigError, match=re.escape(repr(bad))):
+            Replicator(SimpleNamespace(node_id="n0"), links=None, check_interval=bad)
 
 
 def a_stepped_copy(initial):
