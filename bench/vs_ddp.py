@@ -1,17 +1,21 @@
 """Shardline vs the peers: DDP (gloo), DDP with the balanced split, FSDP2 (``fully_shard`` on
-CPU/gloo) and Shardline BSP on the same post-training workload (issue 11).
+CPU/gloo) and Shardline BSP on the same post-training workload (issues 11 and 40).
 
     .venv/bin/python bench/vs_ddp.py --out bench/results/vs_ddp.json     # full run
     .venv/bin/python bench/vs_ddp.py --quick                              # smoke run (~1-2 min)
+    .venv/bin/python bench/vs_ddp.py --link 2gbit --ps-on-ranks --quick   # two emulated machines (root)
 
-Workload: 2 ranks, each its own process pinned to one core (``os.sched_setaffinity``, 1 torch
-thread); TinyGPT of 922,880 parameters (vocab 512, d_model 128, 4 layers, 4 heads, up to 512
-tokens, seed 0); AdamW; every step a global minibatch of 4 sequences per rank, lengths
+Workload: ``--world`` machines (2) x ``--workers-per-host`` ranks (1), each rank its own process
+pinned to one core (``os.sched_setaffinity``, round-robin over the cores, 1 torch thread);
+``--model tiny``: TinyGPT of 922,880 parameters (vocab 512, d_model 128, 4 layers, 4 heads, up
+to 512 tokens, seed 0), or ``--model 25m``: 25,732,096 (vocab 512, d_model 512, 8 layers, 8
+heads, up to 512 tokens); AdamW; every step a global minibatch of 4 sequences per rank, lengths
 lognormal(ln 64, 1) clipped to [16, 512] (``--workload lognormal``) or all equal to that
 distribution's mean (``--workload balanced``); random token ids; a causal LM loss (labels = the
 next token). Every mode sees the same global minibatches and starts from the same weights.
 
-Modes (``--modes``):
+Modes (``--modes``; every Shardline mode runs on one LocalCluster of 1 dispatcher + ``--ps`` PS
+nodes, 2 by default, each run a job of its own, deleted after it):
 
 * ``ddp``: DistributedDataParallel, each rank takes its contiguous share of the global minibatch
   and backpropagates its own token mean; DDP averages the ranks, so the gradient is the mean of
@@ -24,7 +28,11 @@ Modes (``--modes``):
   average is the gradient of the global token mean (reference ``token_mean``).
 * ``fsdp2``: ``fully_shard`` on every block and the root, CPU/gloo, contiguous split and per-rank
   means like ``ddp`` (reference ``rank_mean``).
-* ``shardline``: a LocalCluster (1 dispatcher + ``--ps`` PS nodes), PSOptimizer AdamW BSP, the
+* ``shardline_default``: PSOptimizer AdamW BSP with no option beyond the job's (cluster, job,
+  world size, rank, hyperparameters): whatever PSOptimizer's defaults are, and none of the options
+  below (``--replication``, ``--replicate-gradients``, ``--bucket-cap-mb``, ``--block-elements``);
+  the balanced split and ``rank_weights`` as ``shardline``. What a user gets.
+* ``shardline``: PSOptimizer AdamW BSP, the
   balanced split, each rank pushing with weight = its loss tokens (``rank_weights``) (reference
   ``token_mean``); push during backward (``overlap``, every sequence but the last under
   ``opt.no_sync()``, the weight declared with ``set_step_weight``) and the priority pull
@@ -49,6 +57,12 @@ token mean of the whole global minibatch before the update, so every mode's curv
 to a single-process reference (AdamW on the whole minibatch): ``token_mean`` (loss = S / T) or
 ``rank_mean`` (loss = mean over the contiguous parts of each part's token mean). The JSON gives,
 per mode, the max abs difference from both and which one the mode should match.
+
+With ``--link RATE`` every machine (and, without ``--ps-on-ranks``, every PS node) is a network
+namespace behind a NIC of that rate (bench/emulated_link.py); the ranks read their host's eth0
+counters between steps (bench/host_counters.py), so each run reports the bytes sent plus received
+per NIC per timed step, next to what a ring all-reduce of the model's fp32 gradient moves. The PS
+nodes' CPU seconds over the timed steps and their peak RSS during each run are reported too.
 
 Repeats are interleaved (``--repeats N``; the mode order rotates every repeat). Ratios are
 relative to ``ddp`` in the same repeat; no absolute numbers are expected anywhere.
