@@ -43,12 +43,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def status_mib(pid: int, field: str) -> float:
+    """A memory field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``...) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024.0   # kB
+    raise LookupError(f"no {field} in /proc/{pid}/status")
+
+
 def peak_rss_mib(pid: int) -> float:
     """Process ``pid``'s peak resident set (``VmHWM``) in MiB."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024.0   # kB
-    raise LookupError(f"no VmHWM in /proc/{pid}/status")
+    return status_mib(pid, "VmHWM")
 
 
 def reset_peak_rss(pid: int) -> bool:

@@ -93,7 +93,7 @@ sys.path.insert(0, str(HERE))
 from balance import sample_lengths  # noqa: E402
 from emulated_link import EmulatedLink, check_rate, python_wrapper  # noqa: E402
 from host_counters import (cpu_seconds, nic_delta, peak_rss_mib as process_peak_rss_mib, read_nic,  # noqa: E402
-                           reset_peak_rss, ring_allreduce_bytes)
+                           reset_peak_rss, ring_allreduce_bytes, status_mib)
 from report import run_and_report  # noqa: E402
 
 CLONE_NEWNET = 0x40000000
@@ -505,6 +505,7 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
     readers = counter_readers(mode, args, children, cluster)
     # the PS nodes' peak RSS of this run alone: restarted from their RSS now (the jobs before are deleted)
     rss_reset = all([reset_peak_rss(n.pid) for n in cluster.nodes]) if shardline else None
+    rss_start = {n.name: round(status_mib(n.pid, "VmRSS"), 1) for n in cluster.nodes} if shardline else None
     started, outs, logs = [], [], []
     for r in range(world):
         name = f"r{repeat}-{mode}-rank{r}"
@@ -524,6 +525,7 @@ def run_mode(mode: str, args, workdir: Path, children: Children, repeat: int, cl
         summary["ps"] = dict(early_blocks(cluster, base["job"]), cpu_seconds=ps_cpu_seconds(cluster) - ps_cpu,
                              cpu_seconds_timed=cpu_timed, cpu_seconds_per_step=cpu_timed / summary["timed_steps"],
                              peak_rss_mib=rss, peak_rss_mib_max=max(rss.values()), peak_rss_since_run_start=rss_reset,
+                             rss_at_run_start_mib=rss_start,
                              primary_share=primary_share(cluster, base["job"]),
                              job_deleted=delete_job(cluster, base["job"]))
     return summary
@@ -945,7 +947,7 @@ def print_table(result: dict) -> None:
         print("goals (issue 11, Shardline BSP, paired medians; bound: every wait gone): "
               + ", ".join(f">= {g:g} x {peer}" for peer, g in GOALS[cfg["workload"]].items()))
     for m, peers in goals.items():
-        print(f"  {m:<22}" + "  ".join(
+        print(f"  {m:<24}" + "  ".join(
             f"{c['ratio']:.2f} x {peer} {'met' if c['met'] else 'NOT MET'}"
             + (f" (bound {c['bound']:.2f})" if c["bound"] is not None and not c["met"] else "")
             for peer, c in peers.items()))
