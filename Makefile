@@ -75,7 +75,7 @@ bench: protos
 	$(PY) bench/rack_cache.py --out bench/results/rack_cache.json
 	$(PY) bench/rack_cache.py --subscribers --out bench/results/rack_cache_subscribers.json
 	$(PY) bench/subscriber.py --out bench/results/subscriber.json
-	$(PY) bench/vs_ddp.py --link 2gbit --ps 2 --ps-on-ranks --modes ddp,ddp_balanced,shardline,shardline_plain --out bench/results/vs_ddp_link.json
+	$(PY) bench/vs_ddp.py --link 2gbit --ps 2 --ps-on-ranks --modes ddp,ddp_balanced,shardline_default,shardline,shardline_plain --out bench/results/vs_ddp_link.json
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts
 # of PS nodes, workers and the leading dispatcher while two workers train; nothing may be lost.

@@ -15,6 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from emulated_link import EmulatedLink, check_rate, python_wrapper  # noqa: E402
+from host_counters import nic_delta, read_nic  # noqa: E402
 
 SEND = """
 import socket, sys, time
@@ -47,24 +48,32 @@ def test_a_rate_that_is_not_a_tc_rate_is_refused_with_the_value():
 
 
 def test_a_transfer_between_two_hosts_takes_its_size_over_the_rate_and_closing_deletes_the_namespaces(tmp_path):
+    """Also: each host's eth0 counters, read through the pid of a process living there (as
+    vs_ddp.py reads them), count the payload once, plus headers and acknowledgements."""
     n = 8 << 20   # 8 MiB at 400 Mbit/s: at least 0.168 s
     before = namespaces()
     with EmulatedLink(["a", "b"], "400mbit", prefix=f"sltest{id(tmp_path) % 10**6}") as link:
         made = namespaces() - before
         assert len(made) == 3   # the switch and two hosts
+        residents = {h: subprocess.Popen(link.command(h, ["sleep", "60"])) for h in ("a", "b")}
         receiver = subprocess.Popen(link.command("b", [sys.executable, "-c", RECEIVE.format(n=n)]),
                                     stdout=subprocess.PIPE, text=True)
         try:
             assert receiver.stdout.readline().strip() == "ready"
+            counters = {h: read_nic(p.pid) for h, p in residents.items()}
             sent = subprocess.run(link.command("a", [sys.executable, "-c", SEND, link.address("b"), str(n)]),
                                   capture_output=True, text=True, timeout=60)
             assert sent.returncode == 0, sent.stderr
             seconds = float(sent.stdout)
             assert seconds >= 0.9 * n * 8 / 400e6, f"{n} bytes took {seconds:.3f} s: the rate was not enforced"
             assert receiver.wait(timeout=30) == 0
+            moved = {h: nic_delta(counters[h], read_nic(p.pid)) for h, p in residents.items()}
+            assert n <= moved["a"]["tx_bytes"] <= 1.1 * n and n <= moved["b"]["rx_bytes"] <= 1.1 * n, moved
+            assert moved["a"]["rx_bytes"] < 0.1 * n and moved["b"]["tx_bytes"] < 0.1 * n, moved
         finally:
-            receiver.kill()
-            receiver.wait()
+            for proc in (receiver, *residents.values()):
+                proc.kill()
+                proc.wait()
         # a host reaches no loopback service of the machine's own namespace
         probe = subprocess.run(link.command("a", ["ip", "route", "get", "192.0.2.1"]), capture_output=True, text=True)
         assert probe.returncode != 0, "a host must have no route beyond the emulated switch"
