@@ -14,6 +14,7 @@ import torch
 from shardline.ps_server.replication_codec import read_handover
 from shardline.ps_server.replication_links import Send
 from shardline.ps_server.store import JobStore, StoreError
+from shardline.services import failpoints
 from shardline.services.errors import ErrorCode
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -42,6 +43,7 @@ class CopyHolderSide:
         job.apply_copies(copies)
         try:
             if replayed:
+                failpoints.hit("ps.holder_replay", header.step - 1)  # received, not yet replayed nor acknowledged
                 job.replay_steps(replayed, verify=self._verifier(job, header.node))
             if carried:
                 job.carry_copies(carried)

@@ -49,6 +49,8 @@ Names in use (where a fault splits a protocol step):
 * ``worker.commit_partial`` — a worker that committed its step on one node only (armed, the worker
   commits on its first node, then fires);
 * ``ps.after_apply`` — a primary that applied a step before replicating it;
+* ``ps.holder_replay`` — a copy holder that received a step's gradients to replay, before it
+  replayed or acknowledged them;
 * ``ps.replay_diverge`` — a copy holder replaying a step (armed with ``raise``: instead of raising,
   it moves one element of the first copy it replays by one ulp, as a node of another build might;
   ps_server/store/copies.py), for the divergence check's tests;

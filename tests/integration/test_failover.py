@@ -114,6 +114,29 @@ def test_replicas_sent_copies_take_over_from_a_killed_primary(tmp_path):
         assert sum(replayed_blocks(n) for n in (nodes[0], nodes[2])) == 0
 
 
+@pytest.mark.parametrize("failpoint", ["ps.after_apply", "ps.holder_replay"])
+def test_a_node_killed_between_a_steps_apply_and_its_holders_apply_loses_nothing(tmp_path, failpoint):
+    """Defaults (gradient replay, reads from copy holders: rank 1 reads every block's replica).
+    ps1 exits (as kill -9 would) at step 5: ``ps.after_apply``, a primary that applied the step
+    and sent nothing of it yet; ``ps.holder_replay``, a holder that received the step's gradients
+    and neither replayed nor acknowledged them, while a worker may be waiting to read them from
+    it. The step is applied again from the workers' resends where it was lost; the run equals
+    torch.optim."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        cluster.start_dispatcher(heartbeat_timeout=2, heartbeat_interval=0.5)
+        handles = [cluster.add_node(node_id=f"ps{i}", wait=False,
+                                    **({"env": {"SHARDLINE_FAILPOINTS": f"{failpoint}@5"}} if i == 1 else {}))
+                   for i in range(3)]
+        for h in handles:
+            cluster.wait_ready(h)
+        cluster.wait_for_nodes(3, timeout=30)
+        workers = train_model.start_workers(cluster.address, "mid-replication", "adamw", "bsp", tmp_path,
+                                            steps=STEPS, step_sleep=0.1)
+        results = train_model.finish_workers(workers)
+        assert handles[1].returncode is not None, f"{failpoint}@5 did not fire"
+        train_model.assert_equals_reference(results, STEPS)
+
+
 def test_a_replica_that_diverged_is_resynced_and_a_failover_after_it_equals_torch(tmp_path):
     """Replay with the divergence check every 2 steps (--replica-check-interval 2); failpoint
     ps.replay_diverge makes each node's first replayed copy from step 3 on differ by one ulp. The
