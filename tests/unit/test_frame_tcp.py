@@ -11,9 +11,17 @@ import torch
 
 from shardline.services import frame
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services import tensor_checks
 from shardline.services.tensor_checks import recv_f32
 
 needs_helper = pytest.mark.skipif(recv_f32 is None, reason="services/_copycheck.c is not built with recv_f32")
+
+
+def test_a_built_extension_has_the_checked_receive():
+    """An extension built before recv_f32 existed would leave TCP pushes checked in a pass of their
+    own, unawares (test_tensor_checks fails where the extension is missing altogether)."""
+    assert tensor_checks._copycheck is None or recv_f32 is not None, \
+        "services/_copycheck.c was built before recv_f32: pip install -e ."
 
 
 @pytest.fixture
