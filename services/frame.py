@@ -350,20 +350,32 @@ SEND_GATHER_MAX = 512
 def send_gathered(sock: socket.socket, buffers: Sequence[memoryview | bytes]) -> None:
     """``sendall`` of the concatenation of ``buffers`` without concatenating them: ``sendmsg``
     hands the kernel as many as the socket buffer takes in one call. Against one ``sendall`` per
-    1 MiB block this saves the sender about a fifth of its CPU time per 64 MiB (fewer calls, each
-    filling the whole send buffer); the socket's timeout bounds each call, as it bounds each
-    ``sendall``."""
+    1 MiB block this saves the sender about a tenth of its CPU time per 64 MiB (fewer calls, each
+    filling the whole send buffer). With a socket timeout T, the frame must be out within T per
+    buffer, the bound one ``sendall`` per buffer had: a peer that reads a byte now and then cannot
+    hold the sender longer (each call waits at most T, less once the frame's time runs short)."""
     views = [memoryview(b).cast("B") for b in buffers if len(b)]
+    timeout = sock.gettimeout()
+    deadline = None if timeout is None else time.monotonic() + timeout * max(1, len(views))
     first = 0
-    while first < len(views):
-        sent = sock.sendmsg(views[first:first + SEND_GATHER_MAX])
-        while sent:  # drop what went out; the first buffer left may have gone out in part
-            n = len(views[first])
-            if sent < n:
-                views[first] = views[first][sent:]
-                break
-            sent -= n
-            first += 1
+    try:
+        while first < len(views):
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the peer took too long to read a frame of {len(views)} buffers")
+                sock.settimeout(min(timeout, left))
+            sent = sock.sendmsg(views[first:first + SEND_GATHER_MAX])
+            while sent:  # drop what went out; the first buffer left may have gone out in part
+                n = len(views[first])
+                if sent < n:
+                    views[first] = views[first][sent:]
+                    break
+                sent -= n
+                first += 1
+    finally:
+        if deadline is not None:
+            sock.settimeout(timeout)
 
 
 def error_header(request_id: int, code: int, message: str, *, epoch: int = 0, step: int = 0) -> FrameHeader:

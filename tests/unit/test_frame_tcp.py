@@ -87,6 +87,33 @@ def test_partial_sendmsg_calls_resume_mid_buffer():
         b.close()
 
 
+def test_a_peer_that_reads_a_trickle_cannot_hold_the_sender_past_its_timeouts(pair):
+    a, b = pair
+    stop = threading.Event()
+
+    def trickle():  # reads a little more often than the timeout: each send goes on, the frame crawls
+        while not stop.is_set():
+            try:
+                b.recv(1 << 20)
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    reader = _sender(trickle)
+    a.settimeout(0.2)
+    parts = [b"\0" * (4 << 20)] * 3
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError):
+            frame.send_gathered(a, parts)
+        assert time.monotonic() - started < 0.2 * len(parts) + 1.0  # T per buffer, as a sendall each
+        assert a.gettimeout() == 0.2
+    finally:
+        stop.set()
+        a.close()
+        reader.join(5)
+
+
 @needs_helper
 @pytest.mark.parametrize("bad", [None, float("nan"), float("inf"), float("-inf")])
 def test_a_block_is_received_whole_and_checked(pair, bad):
