@@ -169,6 +169,9 @@ static PyObject *recv_f32(PyObject *self, PyObject *args)
     int finite = 1, err = 0;
     Py_BEGIN_ALLOW_THREADS
     while (got < n) {
+        double left = deadline < 0 ? 0 : deadline - monotonic_seconds();
+        if (deadline >= 0 && left <= 0)
+            break;  /* however the bytes trickle in: the caller sees fewer than asked */
         size_t want = n - got < RECV_PIECE ? n - got : RECV_PIECE;
         ssize_t r = recv(fd, d + got, want, MSG_DONTWAIT);
         if (r > 0) {
@@ -189,12 +192,8 @@ static PyObject *recv_f32(PyObject *self, PyObject *args)
             break;
         }
         int wait_ms = -1;
-        if (deadline >= 0) {
-            double left = deadline - monotonic_seconds();
-            if (left <= 0)
-                break;  /* the caller sees fewer bytes than asked, before the deadline's end */
+        if (deadline >= 0)
             wait_ms = left > 86400.0 ? 86400000 : (int)ceil(left * 1000.0);
-        }
         struct pollfd p = {.fd = fd, .events = POLLIN};
         if (poll(&p, 1, wait_ms) < 0 && errno != EINTR) {
             err = errno;
