@@ -40,7 +40,6 @@ from report import run_and_report  # bench/report.py (the script's folder is on 
 ROOT = Path(__file__).resolve().parent.parent
 
 from shardline.services.daemon import PARENT_PID_ENV
-from shardline.services.transport import tcp as tcp_transport
 import torch
 
 from shardline.services import frame
@@ -166,9 +165,7 @@ class RawConn:
     def __init__(self, addr: str, mode: bytes, size: int):
         host, port = addr.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)), timeout=60)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-            self.sock.setsockopt(socket.SOL_SOCKET, opt, tcp_transport.SOCKET_BUFFER_BYTES)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the TCP transport; buffers: kernel's
         self.sock.sendall(HELLO.pack(mode, size))
         self.buf = bytearray(size)
         for i in range(0, size, 4096):
@@ -451,9 +448,9 @@ def run(args) -> dict:
     t_start = time.monotonic()
     try:
         # --- processes --------------------------------------------------------------------
-        # The baseline gets the same socket tuning as Shardline's TCP transport (NODELAY, buffers).
-        raw_p, raw_ready = procs.spawn("rawpeer", [PY, str(ROOT / "bench" / "rawpeer.py"),
-                                                   "--sockbuf", str(tcp_transport.SOCKET_BUFFER_BYTES)])
+        # The baseline is a plain socket with TCP_NODELAY (as the TCP transport sets) and the kernel's
+        # autotuned buffers (the transport leaves them to the kernel too).
+        raw_p, raw_ready = procs.spawn("rawpeer", [PY, str(ROOT / "bench" / "rawpeer.py")])
         clusters = start_clusters(procs, {"ps1": 1, "ps2": 2, "shm1": 1}, {"shm1": "shm"})
         raw_addr = procs.wait_ready("rawpeer", raw_p, raw_ready)["addr"]
         print(f"daemons up in {time.monotonic() - t_start:.1f} s (logs in {workdir})", flush=True)

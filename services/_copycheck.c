@@ -1,6 +1,7 @@
 /* The data plane's copies in C: one pass that copies float32 values and checks them for NaN/Inf
- * (shardline.services.tensor_checks), a copy that bypasses the caches (copy_stream, below), and a
- * plain copy that lets other threads run meanwhile (copy, at the end).
+ * (shardline.services.tensor_checks), a receive from a TCP socket that checks each piece as it lands
+ * (recv_f32, below), a copy that bypasses the caches (copy_stream), and a plain copy that lets
+ * other threads run meanwhile (copy, at the end).
  *
  * A one-copy push (ps_server/node.py, take_push) copies a gradient out of the client's shared memory
  * and must refuse NaN/Inf in the copy it keeps, never in the client's memory, which the client could
@@ -11,8 +12,13 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <time.h>
 #if defined(__x86_64__)
 #include <emmintrin.h>
 #endif
@@ -31,6 +37,20 @@ static int copy_words_finite(char *restrict dst, const char *restrict src, size_
         uint32_t v;
         memcpy(&v, src + 4 * i, 4);  /* the ring's bytes need not be 4-aligned: an unaligned load */
         memcpy(dst + 4 * i, &v, 4);
+        bad |= (uint32_t)((v & F32_EXPONENT) == F32_EXPONENT);
+    }
+    return bad == 0;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+static int words_finite(const char *p, size_t words)
+{
+    uint32_t bad = 0;
+    for (size_t i = 0; i < words; i++) {
+        uint32_t v;
+        memcpy(&v, p + 4 * i, 4);
         bad |= (uint32_t)((v & F32_EXPONENT) == F32_EXPONENT);
     }
     return bad == 0;
@@ -116,6 +136,79 @@ static void copy_streaming(char *d, const char *s, size_t n)
 #endif
 }
 
+/* A push received over TCP (services/dataplane_server.py) is checked for NaN/Inf where it lands:
+ * the values each recv() completed are tested right after it, while they are still in this core's
+ * cache, instead of in a pass over the whole 1 MiB block once it is in (by then partly evicted by
+ * the bytes that followed it), and the loop runs without the GIL and without a Python call per
+ * recv(). RECV_PIECE bounds what one recv() lands, so what is tested next is cache-hot. */
+#define RECV_PIECE (256 * 1024)
+
+static double monotonic_seconds(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);  /* the clock of Python's time.monotonic() */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+PyDoc_STRVAR(recv_f32_doc,
+"recv_f32(fd, dst, deadline) -> (received, finite)\n\n"
+"Receive into writable buffer dst from stream socket fd until dst is full, the peer closes, or\n"
+"time.monotonic() passes deadline (a negative deadline: no limit), whatever the socket's blocking\n"
+"mode. Returns the bytes received and whether no float32 value lying wholly in them is NaN or +-Inf\n"
+"(dst[0] begins a value). Raises OSError for a failed recv().");
+
+static PyObject *recv_f32(PyObject *self, PyObject *args)
+{
+    int fd;
+    Py_buffer dst;
+    double deadline;
+    if (!PyArg_ParseTuple(args, "iw*d:recv_f32", &fd, &dst, &deadline))
+        return NULL;
+    char *d = dst.buf;
+    size_t n = (size_t)dst.len, got = 0, checked = 0;
+    int finite = 1, err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (got < n) {
+        double left = deadline < 0 ? 0 : deadline - monotonic_seconds();
+        if (deadline >= 0 && left <= 0)
+            break;  /* however the bytes trickle in: the caller sees fewer than asked */
+        size_t want = n - got < RECV_PIECE ? n - got : RECV_PIECE;
+        ssize_t r = recv(fd, d + got, want, MSG_DONTWAIT);
+        if (r > 0) {
+            got += (size_t)r;
+            size_t upto = got & ~(size_t)3;  /* a value cut by this recv() is tested after the next */
+            if (upto > checked) {
+                finite &= words_finite(d + checked, (upto - checked) / 4);
+                checked = upto;
+            }
+            continue;
+        }
+        if (r == 0)
+            break;  /* the peer closed */
+        if (errno == EINTR)
+            continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            err = errno;
+            break;
+        }
+        int wait_ms = -1;
+        if (deadline >= 0)
+            wait_ms = left > 86400.0 ? 86400000 : (int)ceil(left * 1000.0);
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, wait_ms) < 0 && errno != EINTR) {
+            err = errno;
+            break;
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&dst);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return Py_BuildValue("(nO)", (Py_ssize_t)got, finite ? Py_True : Py_False);
+}
+
 PyDoc_STRVAR(copy_stream_doc,
 "copy_stream(dst, src)\n\n"
 "Copy buffer src into buffer dst (same length, not overlapping), bypassing this CPU's caches where\n"
@@ -175,11 +268,12 @@ static PyMethodDef methods[] = {
     {"copy", copy, METH_VARARGS, copy_doc},
     {"copy_f32", copy_f32, METH_VARARGS, copy_f32_doc},
     {"copy_stream", copy_stream, METH_VARARGS, copy_stream_doc},
+    {"recv_f32", recv_f32, METH_VARARGS, recv_f32_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_copycheck", "The data plane's copies: a fused copy and NaN/Inf check of float32 buffers, a copy that bypasses the caches, and a copy without the GIL.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_copycheck", "The data plane's copies: a fused copy and NaN/Inf check of float32 buffers, a receive that checks float32 values as they land, a copy that bypasses the caches, and a copy without the GIL.", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__copycheck(void)

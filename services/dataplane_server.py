@@ -256,8 +256,11 @@ class _Connection:
         out on a stalled node), so a hang-up seen after the copy means the copy may be torn: the
         push is dropped, as if the connection had ended mid-payload."""
         node, sock = self.node, self.sock
-        # over shm a float32 block is checked as it is copied out of the ring: one pass, not two
-        check_on_copy = self.capabilities.checks_on_copy and not job.allow_nonfinite
+        # A float32 block is checked as it arrives: over shm as it is copied out of the ring (one
+        # pass, not two), over TCP piece by piece right after each lands, still in the cache.
+        checks = not job.allow_nonfinite
+        check_on_copy = checks and self.capabilities.checks_on_copy
+        check_on_receive = checks and not check_on_copy and frame.receives_checked(sock)
         try:
             sourced = []
             for i, (ref, dest) in enumerate(zip(header.blocks, ticket.dests)):
@@ -266,8 +269,9 @@ class _Connection:
                 if ref.src_region:
                     sourced.append(i)
                     continue
-                if check_on_copy and dest.dtype == torch.float32:
-                    job.check_received(ticket, i, finite=frame.recv_checked_into(sock, frame.tensor_bytes(dest), deadline))
+                if dest.dtype == torch.float32 and (check_on_copy or check_on_receive):
+                    recv = frame.recv_checked_into if check_on_copy else frame.recv_f32_checked
+                    job.check_received(ticket, i, finite=recv(sock, frame.tensor_bytes(dest), deadline))
                     continue
                 frame.recv_exactly_into(sock, frame.tensor_bytes(dest), deadline)
                 job.check_received(ticket, i)

@@ -12,6 +12,10 @@ try:  # services/_copycheck.c, built by the install; without it copy_checked tak
 except ImportError:  # pragma: no cover - tests/unit/test_tensor_checks.py fails where it is missing
     _copycheck = None
 
+# services/_copycheck.c's receive from a socket that checks float32 values as they land (None: the
+# extension is missing, or was built before it had one; receivers then check after the receive).
+recv_f32 = getattr(_copycheck, "recv_f32", None)
+
 # Tensors smaller than this are concatenated to be checked together (first_nonfinite).
 CONCAT_BELOW_BYTES = 64 << 10
 

@@ -1310,6 +1310,7 @@ class Client:
         no payload bytes."""
         stats, versions = self.stats, self._versions
         blocks = placed_blocks = nbytes = 0   # counted once at the end (a stats update per block adds up)
+        cache_bytes: dict[str, memoryview] = {}   # a byte view per cache: slicing it costs ~1/70 of a tensor slice's view
         try:
             for ref in reply.blocks:
                 key = (ref.tensor, ref.index)
@@ -1323,7 +1324,11 @@ class Client:
                 if ref.placed:  # already in the cache: no view of it needed
                     placed_blocks += 1
                 else:
-                    frame.recv_exactly_into(conn.sock, frame.tensor_bytes(cache[s.start:s.stop]))
+                    whole = cache_bytes.get(key[0])
+                    if whole is None:
+                        whole = cache_bytes[key[0]] = frame.tensor_bytes(cache)
+                    size = cache.element_size()
+                    frame.recv_exactly_into(conn.sock, whole[s.start * size:s.stop * size])
                 versions[key] = ref.version
                 nbytes += ref.nbytes
                 blocks += 1

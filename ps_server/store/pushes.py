@@ -201,8 +201,8 @@ class Pushes:
     def check_received(self, ticket: PushTicket, i: int, finite: bool | None = None) -> None:
         """Check block ``i`` of a push right after its bytes arrived (NaN/Inf, unless allowed);
         blocks under CHECK_ALONE_BYTES are checked in batches (the last by finish_push).
-        ``finite``: the block was checked as it was copied in (the shm ring; only a plain float32
-        block of a job that checks): it is not checked again."""
+        ``finite``: the block was checked as it was copied in (the shm ring) or as it landed (a
+        TCP receive; either only a plain float32 block of a job that checks): it is not checked again."""
         dest, ref = ticket.dests[i], ticket.refs[i]
         if dest is None or ticket.error is not None:
             return

@@ -18,16 +18,16 @@ from shardline.services.transport.base import PLAIN, Capabilities
 log = logging.getLogger("shardline.transport.tcp")
 
 NAME = "tcp"
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 
 def _tune(sock: socket.socket) -> None:
+    """TCP_NODELAY only. The socket buffers are left to the kernel's autotuning (tcp_rmem and
+    tcp_wmem): a fixed SO_SNDBUF/SO_RCVBUF turns autotuning off, and the 4 MiB both ways this set
+    before made a 64 MiB transfer 1.1-1.9x slower than an untuned socket on loopback (the larger
+    send buffer lets the sender run further ahead, so the bytes leave the caches before the receiver
+    copies them; bench/RESULTS.md), while between machines autotuning grows the window to the
+    path's bandwidth-delay product, which a fixed size caps."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        except OSError:
-            pass
 
 
 def connect(address: str, connect_timeout: float = 10.0) -> socket.socket:
