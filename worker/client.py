@@ -294,6 +294,37 @@ class Client:
                 self._grad_buffers[n] = flat.view(self._shapes[n])
         return self._grad_buffers[name]
 
+    def stage_gradients(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """``grads`` with each float32 CPU gradient copied into its ``gradient_buffer`` (one
+        multi-tensor copy for all of them) where those lie in shared memory and a node of the
+        routing is on this host: the node then copies the push out of the buffer itself, a checked
+        copy of every block in one pass, instead of each block going through the ring (a copy on
+        each side and messages per block). Others are left as they are (``push`` checks them).
+
+        Only where the push's record may hold the buffer until the next step writes it again:
+        BSP (the step's pull drops the record) and ASP (none is kept); SSP keeps the records of
+        ``staleness`` steps, and a compressed push sends no bytes of the buffer.
+        """
+        if self.staleness or self._compressor is not None or not self._transport.capabilities.shares_memory \
+                or not any(map(self._is_local, self.routing.nodes)):
+            return grads
+        trainable = {t.name for t in self._require_spec().tensors if t.trainable}
+        names, sources, buffers = [], [], []
+        for name, g in grads.items():
+            if g is None or name not in trainable or g.dtype != torch.float32 or g.device.type != "cpu" \
+                    or g.shape != self._shapes[name]:
+                continue
+            buffer = self.gradient_buffer(name)
+            if buffer.data_ptr() == g.data_ptr() or not self._shm.in_grad_region(buffer):
+                continue
+            names.append(name)
+            sources.append(g.detach())
+            buffers.append(buffer)
+        if not names:
+            return grads
+        torch._foreach_copy_(buffers, sources)
+        return {**grads, **dict(zip(names, buffers))}
+
     @property
     def sync(self) -> str:
         return self._require_spec().sync
