@@ -227,6 +227,7 @@ class Client:
         # out of (shm transport: worker/shm_exchange.py)
         self._shm = SharedMemory()
         self._grad_buffers: dict[str, torch.Tensor] = {}   # gradient_buffer's tensors
+        self._staging_buffers: dict[str, torch.Tensor] = {}   # those of them in a shared region (stage_gradients)
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
@@ -308,14 +309,14 @@ class Client:
         if self.staleness or self._compressor is not None or not self._transport.capabilities.shares_memory \
                 or not any(map(self._is_local, self.routing.nodes)):
             return grads
-        trainable = {t.name for t in self._require_spec().tensors if t.trainable}
         names, sources, buffers = [], [], []
         for name, g in grads.items():
-            if g is None or name not in trainable or g.dtype != torch.float32 or g.device.type != "cpu" \
-                    or g.shape != self._shapes[name]:
+            if g is None or g.dtype != torch.float32 or g.device.type != "cpu" or g.shape != self._shapes.get(name):
                 continue
-            buffer = self.gradient_buffer(name)
-            if buffer.data_ptr() == g.data_ptr() or not self._shm.in_grad_region(buffer):
+            buffer = self._staging_buffers.get(name)
+            if buffer is None:
+                buffer = self._staging_buffer(name)
+            if buffer is None or buffer.data_ptr() == g.data_ptr():   # not shared, or the gradient is in it already
                 continue
             names.append(name)
             sources.append(g.detach())
@@ -324,6 +325,17 @@ class Client:
             return grads
         torch._foreach_copy_(buffers, sources)
         return {**grads, **dict(zip(names, buffers))}
+
+    def _staging_buffer(self, name: str) -> torch.Tensor | None:
+        """``name``'s gradient buffer if it lies in a shared region (kept: buffers never move); None
+        for a tensor the job does not train (``push`` refuses its gradient) or a buffer in ordinary memory."""
+        if not any(t.name == name and t.trainable for t in self._require_spec().tensors):
+            return None
+        buffer = self.gradient_buffer(name)
+        if not self._shm.in_grad_region(buffer):
+            return None
+        self._staging_buffers[name] = buffer
+        return buffer
 
     @property
     def sync(self) -> str:
