@@ -311,7 +311,7 @@ class Client:
             return grads
         names, sources, buffers = [], [], []
         for name, g in grads.items():
-            if g is None or g.dtype != torch.float32 or g.device.type != "cpu" or g.shape != self._shapes.get(name):
+            if g is None or g.dtype != torch.float32 or not g.is_cpu or g.shape != self._shapes.get(name):
                 continue
             buffer = self._staging_buffers.get(name)
             if buffer is None:
@@ -319,11 +319,12 @@ class Client:
             if buffer is None or buffer.data_ptr() == g.data_ptr():   # not shared, or the gradient is in it already
                 continue
             names.append(name)
-            sources.append(g.detach())
+            sources.append(g)
             buffers.append(buffer)
         if not names:
             return grads
-        torch._foreach_copy_(buffers, sources)
+        with torch.no_grad():   # a gradient that requires grad (create_graph) is copied as its values
+            torch._foreach_copy_(buffers, sources)
         return {**grads, **dict(zip(names, buffers))}
 
     def _staging_buffer(self, name: str) -> torch.Tensor | None:
@@ -747,10 +748,11 @@ class Client:
                 raise ShardlineConfigError(f"tensor {name!r} is frozen in job {self.job!r}; it takes no gradient")
             if g.shape != self._shapes[name]:  # torch.Size is a tuple
                 raise ShardlineConfigError(f"gradient for {name!r} has shape {tuple(g.shape)}, tensor is {self._shapes[name]}")
-            g = g.detach()
-            if g.device.type != "cpu":
+            if g.requires_grad:   # (detach, is_cpu, no reshape of a 1-D one: a step pays these per tensor)
+                g = g.detach()
+            if not g.is_cpu:
                 g = g.to("cpu")
-            flat = g.reshape(-1)
+            flat = g if g.dim() == 1 else g.reshape(-1)
             if flat.dtype not in frame.WIRE_DTYPE:
                 flat = flat.to(torch.float32)
             if not flat.is_contiguous():
