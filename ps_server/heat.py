@@ -96,16 +96,20 @@ class HeatCounter:
 
     def _record(self, job: str, blocks: Iterable[tuple[str, int, int]], write: bool, now: float | None) -> None:
         now = self._clock() if now is None else now
+        half_life = self.half_life
+        decay: dict[float, float] = {}   # by scored_at: the blocks of one request were mostly scored together
+        accesses = nbytes_total = 0
         with self._lock:
-            iv = self._interval
-            iv["pushes" if write else "pulls"] += 1
+            get = self._blocks.get
             for tensor, index, nbytes in blocks:
-                iv["writes" if write else "reads"] += 1
-                iv["bytes_in" if write else "bytes_out"] += nbytes
-                entry = self._entry((job, tensor, int(index)), now)
+                accesses += 1
+                nbytes_total += nbytes
+                entry = get((job, tensor, index))
                 if entry is None:
-                    self.untracked += 1
-                    continue
+                    entry = self._entry((job, tensor, int(index)), now)
+                    if entry is None:
+                        self.untracked += 1
+                        continue
                 if write:
                     entry.writes += 1
                     entry.write_bytes += nbytes
@@ -116,9 +120,17 @@ class HeatCounter:
                     entry.read_bytes += nbytes
                     entry.p_reads += 1
                     entry.p_read_bytes += nbytes
+                # entry.decayed(now, half_life), its factor computed once per scored_at
+                factor = decay.get(entry.scored_at)
+                if factor is None:
+                    factor = decay[entry.scored_at] = math.exp2(-max(0.0, now - entry.scored_at) / half_life)
                 # at least 1 per access, so accesses of zero flags or empty deltas still rank
-                entry.score = entry.decayed(now, self.half_life) + max(1, nbytes)
+                entry.score = entry.score * factor + max(1, nbytes)
                 entry.scored_at = now
+            iv = self._interval
+            iv["pushes" if write else "pulls"] += 1
+            iv["writes" if write else "reads"] += accesses
+            iv["bytes_in" if write else "bytes_out"] += nbytes_total
 
     def record_reads(self, job: str, blocks: Iterable[tuple[str, int, int]], now: float | None = None,
                      rack: str = "") -> None:

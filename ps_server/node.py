@@ -526,7 +526,10 @@ class PSNode:
         would not keep it; the client reads it, the node never does)."""
         if not places:
             return
-        pieces, large = _pieces(places, lambda place: place[2].numel() * place[2].element_size())
+        if sum(value.nbytes for _region, _offset, value in places) < PARALLEL_PLACE_BYTES:
+            regions.place_many(places)   # one call: a pull of many small blocks pays per piece and block
+            return
+        pieces, large = _pieces(places, lambda place: place[2].nbytes)
         if not large:
             regions.place_many(places)
             return
@@ -573,15 +576,19 @@ class PSNode:
         failure is left on the ticket, for finish_push): piece by piece, shared with the helper
         thread when large. Only the node's own copy is checked, never the client's memory, which
         the client could still change (ShmConnection.take_many, tensor_checks.copy_span_checked)."""
-        blocks, checked = header.blocks, not job.allow_nonfinite
-        pieces, large = _pieces(indices, lambda i: ticket.dests[i].numel() * ticket.dests[i].element_size())
+        blocks, dests, checked = header.blocks, ticket.dests, not job.allow_nonfinite
 
         def take(piece: list) -> int | None:
-            bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, ticket.dests[i]) for i in piece],
+            bad = regions.take_many([(blocks[i].src_region, blocks[i].src_offset, dests[i]) for i in piece],
                                     checked=checked)
             return None if bad is None else piece[bad]
 
-        found = self._share(take, pieces, helper=large)
+        if sum(dests[i].nbytes for i in indices) < PARALLEL_PLACE_BYTES:   # one thread: one call, no pieces
+            bad = take(indices)
+            found = [] if bad is None else [bad]
+        else:
+            pieces, large = _pieces(indices, lambda i: dests[i].nbytes)
+            found = self._share(take, pieces, helper=large)
         if found:  # every piece before the last one started was checked: the least is the first bad block
             job.refuse_nonfinite(ticket, min(found))
 
@@ -727,15 +734,15 @@ class PSNode:
             self.heat.record_rack_read(job.name, header.reader_rack, sum(ref.nbytes for ref, _ in sent))
             return [payload for _, payload in sent]
         payloads, places = [], []
+        add, wire_dtype, placed_at = reply.blocks.add, frame.WIRE_DTYPE, placements.get   # once, not per block
         for tensor, index, version, value in blocks:   # values of wire dtypes (fp32, bf16)
-            numel = value.numel()
-            place = placements.get((tensor, index))
+            place = placed_at((tensor, index))
             if place is not None:  # one copy, straight into the client's cache
                 places.append((*place, value))
             else:
                 payloads.append(frame.tensor_bytes(value))
-            reply.blocks.add(tensor=tensor, index=index, dtype=frame.WIRE_DTYPE[value.dtype], numel=numel,
-                             nbytes=numel * value.element_size(), version=version, placed=place is not None)
+            add(tensor=tensor, index=index, dtype=wire_dtype[value.dtype], numel=value.numel(), nbytes=value.nbytes,
+                version=version, placed=place is not None)
         self._place(regions, places)
         return payloads
 

@@ -120,8 +120,9 @@ class BlockOptimizer:
         if not len(params) == len(grads) == len(states):
             raise ShardlineConfigError(f"step_many needs one grad and one state per param: got {len(params)} params, "
                                        f"{len(grads)} grads, {len(states)} states")
-        prepared = [self._prepare(p, g, lr) for p, g in zip(params, grads)]
-        self._step_many(params, [g for g, _private, _lr in prepared], states, prepared[0][2])
+        step_lr = self._step_lr(lr)   # once for all: a step of many small blocks pays per block
+        prepared = [self._checked_grad(p, g) for p, g in zip(params, grads)]
+        self._step_many(params, [g for g, _private in prepared], states, step_lr)
 
     def _step_many(self, params, grads, states, lr: float) -> None:
         for param, grad, state in zip(params, grads, states):
@@ -133,18 +134,26 @@ class BlockOptimizer:
         self, param: torch.Tensor, grad: torch.Tensor | None, lr: float | None
     ) -> tuple[torch.Tensor, bool, float]:
         """(grad, grad_is_private, lr): the gradient to use, whether it may be modified in place."""
+        step_lr = self._step_lr(lr)
+        return (*self._checked_grad(param, grad), step_lr)
+
+    def _step_lr(self, lr: float | None) -> float:
+        return self._lr if lr is None else check_lr(lr)
+
+    @staticmethod
+    def _checked_grad(param: torch.Tensor, grad: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+        """(grad, grad_is_private) for ``param``: an all-zero one for None, else ``grad`` checked."""
         if param.dtype != torch.float32:
             raise ShardlineConfigError(f"param dtype must be float32, got {param.dtype}")
-        step_lr = self._lr if lr is None else check_lr(lr)
         if grad is None:
-            return torch.zeros_like(param), True, step_lr
+            return torch.zeros_like(param), True
         if grad.dtype != param.dtype:
             raise ShardlineConfigError(f"grad dtype {grad.dtype} does not match param {param.dtype}")
         if grad.shape != param.shape:
             raise ShardlineConfigError(
                 f"grad shape {tuple(grad.shape)} does not match param {tuple(param.shape)}"
             )
-        return grad, False, step_lr
+        return grad, False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config!r}, lr={self._lr!r})"

@@ -227,6 +227,7 @@ class Client:
         # out of (shm transport: worker/shm_exchange.py)
         self._shm = SharedMemory()
         self._grad_buffers: dict[str, torch.Tensor] = {}   # gradient_buffer's tensors
+        self._staging_buffers: dict[str, torch.Tensor] = {}   # those of them in a shared region (stage_gradients)
         self._compressor: GradientCompressor | None = None   # the job's compression (None: none)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._slices: dict[str, list] = {}
@@ -293,6 +294,49 @@ class Client:
             for n, flat in self._shm.allocate(self._transport, missing, "gradient buffer").items():
                 self._grad_buffers[n] = flat.view(self._shapes[n])
         return self._grad_buffers[name]
+
+    def stage_gradients(self, grads: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
+        """``grads`` with each float32 CPU gradient copied into its ``gradient_buffer`` (one
+        multi-tensor copy for all of them) where those lie in shared memory and a node of the
+        routing is on this host: the node then copies the push out of the buffer itself, a checked
+        copy of every block in one pass, instead of each block going through the ring (a copy on
+        each side and messages per block). Others are left as they are (``push`` checks them).
+
+        Only where the push's record may hold the buffer until the next step writes it again:
+        BSP (the step's pull drops the record) and ASP (none is kept); SSP keeps the records of
+        ``staleness`` steps, and a compressed push sends no bytes of the buffer.
+        """
+        if self.staleness or self._compressor is not None or not self._transport.capabilities.shares_memory \
+                or not any(map(self._is_local, self.routing.nodes)):
+            return grads
+        names, sources, buffers = [], [], []
+        for name, g in grads.items():
+            if g is None or g.dtype != torch.float32 or not g.is_cpu or g.shape != self._shapes.get(name):
+                continue
+            buffer = self._staging_buffers.get(name)
+            if buffer is None:
+                buffer = self._staging_buffer(name)
+            if buffer is None or buffer.data_ptr() == g.data_ptr():   # not shared, or the gradient is in it already
+                continue
+            names.append(name)
+            sources.append(g)
+            buffers.append(buffer)
+        if not names:
+            return grads
+        with torch.no_grad():   # a gradient that requires grad (create_graph) is copied as its values
+            torch._foreach_copy_(buffers, sources)
+        return {**grads, **dict(zip(names, buffers))}
+
+    def _staging_buffer(self, name: str) -> torch.Tensor | None:
+        """``name``'s gradient buffer if it lies in a shared region (kept: buffers never move); None
+        for a tensor the job does not train (``push`` refuses its gradient) or a buffer in ordinary memory."""
+        if not any(t.name == name and t.trainable for t in self._require_spec().tensors):
+            return None
+        buffer = self.gradient_buffer(name)
+        if not self._shm.in_grad_region(buffer):
+            return None
+        self._staging_buffers[name] = buffer
+        return buffer
 
     @property
     def sync(self) -> str:
@@ -711,10 +755,11 @@ class Client:
                 raise ShardlineConfigError(f"tensor {name!r} is frozen in job {self.job!r}; it takes no gradient")
             if g.shape != self._shapes[name]:  # torch.Size is a tuple
                 raise ShardlineConfigError(f"gradient for {name!r} has shape {tuple(g.shape)}, tensor is {self._shapes[name]}")
-            g = g.detach()
-            if g.device.type != "cpu":
+            if g.requires_grad:   # (detach, is_cpu, no reshape of a 1-D one: a step pays these per tensor)
+                g = g.detach()
+            if not g.is_cpu:
                 g = g.to("cpu")
-            flat = g.reshape(-1)
+            flat = g if g.dim() == 1 else g.reshape(-1)
             if flat.dtype not in frame.WIRE_DTYPE:
                 flat = flat.to(torch.float32)
             if not flat.is_contiguous():

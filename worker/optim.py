@@ -605,7 +605,9 @@ class PSOptimizer(torch.optim.Optimizer):
             if self.flatten:
                 grads = self._gathered_grads()
             else:
-                grads = {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None}
+                # over shm into the shared gradient buffers: a local node takes them from there
+                grads = self.client.stage_gradients(
+                    {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None})
             self.client.lr = lrs
             self.client.push(grads, weight=weight or declared or 1.0)
         else:

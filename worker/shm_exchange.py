@@ -121,6 +121,10 @@ class SharedMemory:
                 self.placement[name] = (region, offsets[name])
         return out
 
+    def in_grad_region(self, tensor: torch.Tensor) -> bool:
+        """Whether all of ``tensor`` (contiguous, on the CPU) lies in one of the gradient buffers' regions."""
+        return region_holding(self.grad_regions, tensor.data_ptr(), tensor.numel() * tensor.element_size()) is not None
+
     def push_sources(self, conn) -> list:
         """The regions a push on ``conn`` may name blocks in (none unless it shares memory)."""
         return self.grad_regions if shares_regions(conn) else []

@@ -53,14 +53,15 @@ class Applying:
     def _ready_for(self, step: int, record: dict) -> list:
         """The primary blocks that collect ``step`` and count every rank's commit ``record``."""
         now = time.monotonic()
+        oldest = min(epoch for _w, epoch in record.values())   # every commit counts where since_epoch <= it
 
         def counts(block: Block) -> bool:
             role = block.role
             until = role.takeover.until
             if until and now < until:   # role.takeover.waiting(now), inline: once per block and step
                 return False
-            return all(epoch >= role.since_epoch or rank in role.collecting.handed
-                       for rank, (_w, epoch) in record.items())
+            return role.since_epoch <= oldest or all(epoch >= role.since_epoch or rank in role.collecting.handed
+                                                     for rank, (_w, epoch) in record.items())
 
         return [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
 

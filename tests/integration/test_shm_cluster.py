@@ -15,6 +15,7 @@ from torch import nn
 
 from shardline import PSOptimizer
 from shardline.local_cluster import LocalCluster
+from shardline.worker.client import Client
 from shardline.services.transport.shm import INLINE_MAX_BYTES, ShmConnection
 
 from test_failover import start
@@ -157,11 +158,14 @@ def wait_for_released(pids, timeout: float = 10.0) -> None:
         time.sleep(0.05)
 
 
-def test_bsp_over_shm_equals_torch_and_survives_a_ps_sigkill_and_restart(tmp_path):
+def test_bsp_over_shm_equals_torch_and_survives_a_ps_sigkill_and_restart(tmp_path, monkeypatch):
     """Two workers, three PS nodes (rings smaller than a step's frames), every byte through shm:
     kill -9 of a PS mid-run, the workers drop that connection (and its segments) and resend the
     step to the replicas that took over; the node restarts and rejoins (brought in sync, then
-    serving over new shm connections); the result equals single-process torch.optim.AdamW."""
+    serving over new shm connections); the result equals single-process torch.optim.AdamW.
+    The pushes go through the workers' rings here: step() leaves the gradients where backward put
+    them instead of copying them into the shared gradient buffers (the test below)."""
+    monkeypatch.setattr(Client, "stage_gradients", lambda _client, grads: grads)
     before = dev_shm()
     with LocalCluster(tmp_path / "c") as cluster:
         nodes = start(cluster, 3, {"shm_ring_bytes": PS_RING})
@@ -204,5 +208,19 @@ def test_bsp_pushing_from_gradient_buffers_equals_torch(tmp_path):
         results = finish(*train(cluster.address, "shm-grads", steps, grads_in_buffers=True))
         assert_equal_reference(results, steps)
         assert all(res["grads_shared"] for res in results.values()), results   # backward kept them there
+        # 4 tensors in 5 blocks, every step: all taken from the buffers
+        assert all(res["taken"] == 5 * steps for res in results.values()), results
+
+
+def test_the_default_step_pushes_from_the_gradient_buffers_and_equals_torch(tmp_path):
+    """PSOptimizer's defaults (backward's own .grad tensors, no flat groups): step() copies the
+    gradients into the client's shared gradient buffers in one multi-tensor copy and the node
+    takes every block from there (nothing through the ring); the result equals single-process
+    torch.optim.AdamW."""
+    with LocalCluster(tmp_path / "c") as cluster:
+        start(cluster, 2, {"shm_ring_bytes": PS_RING})
+        steps = 4
+        results = finish(*train(cluster.address, "shm-staged", steps))
+        assert_equal_reference(results, steps)
         # 4 tensors in 5 blocks, every step: all taken from the buffers
         assert all(res["taken"] == 5 * steps for res in results.values()), results
