@@ -39,7 +39,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from report import run_and_report  # noqa: E402
-from vs_ddp import HYPER, MODEL, machine_info, seq_loss_sum  # noqa: E402
+from vs_ddp import HYPER, MODELS, machine_info, seq_loss_sum  # noqa: E402
+
+MODEL = MODELS["tiny"]   # the TinyGPT of vs_ddp.py --model tiny
 
 MODES = ("local", "ps_overlap", "ps_plain", "ps_flat", "ps_flat_overlap")
 PS_MODES = {"ps_overlap": dict(overlap=True, prefetch_window=1), "ps_plain": dict(overlap=False, prefetch_window=0),
