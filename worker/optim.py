@@ -116,11 +116,14 @@ class PSOptimizer(torch.optim.Optimizer):
     parameter on the PS. ``exact_restarts=False`` saves both; that double fault then perturbs the
     run by the difference of one rank's gradient. Default True; a worker joining a job takes the job's.
 
-    Replication: with replicas, a primary sends them each step's new value and optimizer state by
-    default. ``replicate_gradients=True`` sends the step's mean gradient and lr instead, and the
-    replicas run the same step (a third of the bytes for Adam, where the network is the limit),
-    which needs every PS node to compute it bit for bit alike (one torch build and CPU type).
-    Default False; a worker joining a job takes the job's.
+    Replication: with replicas (the default: two copies of every block), a BSP or SSP job's primary
+    sends them each step's mean gradient and lr, and the replicas run the same step (a third of
+    the bytes of a copy of value and Adam's moments), when every PS node reports the same build
+    fingerprint (the dispatcher decides at job creation; docs/architecture.md, "Replication").
+    ``replicate_gradients=False`` sends copies of value and optimizer state instead (equal by
+    construction, whatever the builds); ``True`` asks for replay and is refused on nodes of mixed
+    builds. Default None: the dispatcher's choice; a worker joining a job takes the job's. Under
+    BSP a worker reads each block from the nearest node holding it (its own host's first).
 
     Learning rates: LR schedulers from ``torch.optim.lr_scheduler`` (or code) set
     ``param_groups[i]["lr"]``; each step's commit carries every group's lr to the servers. The other
