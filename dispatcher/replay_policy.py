@@ -16,9 +16,12 @@ Rules, pure (the dispatcher's servicer applies them under one lock with membersh
   ShardlineConfigError naming the nodes and fingerprints; ``true`` on an ASP job is kept as asked
   and means copies (as before the default). False stays false.
 * ``check_registration`` (a node registering): while a job replays gradients, a node whose
-  fingerprint differs from a live node's (one that reports none differs from one that reports
-  one) is refused (ShardlineConfigError naming both), so a replaying job never gets a copy holder
-  that would step differently. With no replaying job every node may register.
+  fingerprint differs from one a live node reported is refused (ShardlineConfigError naming
+  both), so a replaying job never gets a copy holder that would step differently. With no
+  replaying job every node may register. A fingerprint not known is compared with none: a node
+  that reports none (an older build), and live nodes the dispatcher restored from its state,
+  which report theirs with their next registration or heartbeat (until then a restarted
+  dispatcher would refuse the cluster's own nodes).
 """
 
 from __future__ import annotations
@@ -81,10 +84,11 @@ def resolve(spec: common_pb2.JobSpec, fingerprints: Mapping[str, str]) -> tuple[
 
 def check_registration(node_id: str, fingerprint: str, others: Mapping[str, str], replaying: list[str]) -> None:
     """Refuse ``node_id`` (ShardlineConfigError) if jobs ``replaying`` exist and its ``fingerprint``
-    differs from a live node's (``others``: live node id -> fingerprint, the node itself left out)."""
-    if not replaying:
+    differs from one a live node reported (``others``: live node id -> fingerprint, "" for none
+    known, the node itself left out)."""
+    if not replaying or not fingerprint:
         return
-    if all(fp == fingerprint for fp in others.values()):
+    if all(fp == fingerprint for fp in others.values() if fp):
         return
     problem = f"has build fingerprint {fingerprint!r}" if fingerprint else "reports no build fingerprint"
     names = ", ".join(repr(name) for name in sorted(replaying)[:4]) + (" ..." if len(replaying) > 4 else "")

@@ -49,11 +49,14 @@ class CopyHolderSide:
                 job.carry_copies(carried)
         except StoreError as exc:
             # A step this node did not get: its primary drops it from the in-sync holders on this
-            # answer; ask it at once for full copies of what is lacking (a sync, which makes this
-            # node an in-sync holder again) rather than waiting for the next routing change.
+            # answer; ask it at once for a sync (which makes this node an in-sync holder again)
+            # rather than waiting for the next routing change. The sync names every copy this node
+            # holds of the sender's blocks, not only the lacking ones: steps applied while it was
+            # out of sync reach none of them otherwise (a copy left behind, even one no step
+            # changes, cannot serve reads). Only what differs comes back whole.
             lacking = getattr(exc, "keys", None)
             if exc.code == ErrorCode.UNAVAILABLE and lacking:
-                self._ask_sync(job, header.node, [self._holding_ref(job, key) for key in lacking])
+                self._ask_sync(job, header.node, self._held_from(job, header.node, lacking))
             raise
         # This node took a block over between the fence check and the install (its routing
         # changed meanwhile): the copy was not installed, so the sender must not count it as held.
@@ -206,6 +209,14 @@ class CopyHolderSide:
         self.node.on_synced(job, sender)
         for node, refs in requests.items():
             self._ask_sync(job, node, refs)
+
+    def _held_from(self, job: JobStore, primary: str, lacking) -> list:
+        """Holding refs of ``lacking`` and of every other copy this node keeps of ``primary``'s blocks."""
+        placement = self._placement(self.node.routing, job.spec)
+        with job.cond:
+            keys = set(lacking) | {key for key, block in job.blocks.items()
+                                   if not block.primary and placement.primary(key) == primary}
+            return [self._holding_ref(job, key) for key in sorted(keys)]
 
     @staticmethod
     def _holding_ref(job: JobStore, key) -> dp.BlockRef:
