@@ -59,23 +59,24 @@ class ReadRouter:
         self._down: str | None = None   # the cache id the last failure was logged for
         self._look_at = clock() + CACHE_DISCOVERY_SECONDS
         self._behind: dict[str, float] = {}   # node -> until when its copies are not read
-        self._sources: tuple | None = None    # (epoch, pending epoch, avoided, {key: node})
+        self._sources: tuple | None = None    # (placement, avoided, {key: node})
 
     def sources(self, routing, spec, rank: int, is_local: Callable[[str], bool]) -> dict:
         """``{key: node}``: where each block of the job ``spec`` is read from under ``routing``
-        (nearest_holder; cached until the routing or the avoided nodes change)."""
+        (nearest_holder; cached until the placement (routing, spec) or the avoided nodes change)."""
         now = self._clock()
         for node in [n for n, until in self._behind.items() if until <= now]:
             del self._behind[node]
         avoided = frozenset(self._behind)
+        placement = place(routing, spec)
         cached = self._sources
-        if cached is not None and cached[:3] == (routing.epoch, routing.pending_epoch, avoided):
-            return cached[3]
+        if cached is not None and cached[0] is placement and cached[1] == avoided:
+            return cached[2]
         racks = {n: info.rack for n, info in routing.nodes.items()}
         sources = {key: nearest_holder(owners, is_local=is_local, rack_of=racks.get, rack=self.rack, rank=rank,
                                        avoid=avoided)
-                   for key, owners in place(routing, spec).owners.items() if owners}
-        self._sources = (routing.epoch, routing.pending_epoch, avoided, sources)
+                   for key, owners in placement.owners.items() if owners}
+        self._sources = (placement, avoided, sources)
         return sources
 
     def copy_behind(self, node: str, exc: Exception) -> None:
