@@ -1,6 +1,9 @@
-"""Fixtures shared by unit tests: the dispatcher's state stores and servicer context, a worker Client with no cluster."""
+"""Fixtures shared by unit tests: the dispatcher's state stores and servicer context, a worker Client with no cluster,
+a connected socket pair."""
 
 from __future__ import annotations
+
+import socket
 
 import pytest
 
@@ -22,6 +25,15 @@ class RecordingStore(MemoryStateStore):
         deletes = list(deletes)
         super().apply(puts, deletes)
         self.applies.append((dict(puts), deletes))
+
+
+@pytest.fixture
+def pair():
+    """Two connected stream sockets (the frame tests' two ends), closed afterwards."""
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
 
 
 @pytest.fixture

@@ -11,14 +11,6 @@ from shardline.services.errors import FrameError, FrameTooLargeError
 from shardline.services.pb import dataplane_pb2 as dp
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _push_header(blocks):
     h = frame.FrameHeader(op=dp.OP_PUSH, request_id=7, job="j", epoch=3, step=2, rank=1, weight=2.5)
     for name, index, t in blocks:

@@ -24,14 +24,6 @@ def test_a_built_extension_has_the_checked_receive():
         "services/_copycheck.c was built before recv_f32: pip install -e ."
 
 
-@pytest.fixture
-def pair():
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
-
-
 def _sender(fn):
     t = threading.Thread(target=fn, daemon=True)
     t.start()
