@@ -6,6 +6,7 @@ the step asked for), and when it refuses (COPY_BEHIND, NOT_OWNER) so the worker 
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -164,3 +165,36 @@ def test_a_node_that_holds_no_copy_of_a_block_refuses_its_read(initial):
     key = next(k for k, owners in placement.owners.items() if "n2" not in owners)
     with pytest.raises(NotOwnerError):
         read(bus.nodes["n2"], [key], min_step=1)
+
+
+def test_a_holder_dropped_for_a_step_it_lacks_syncs_every_copy_of_that_primary_and_serves_reads_again(
+        initial, monkeypatch):
+    """A holder refuses a step whose gradient builds on a version it lacks (UNAVAILABLE): the frame's
+    other blocks, among them a frozen one the step only carries, are not carried either. Its sync
+    names every copy it holds of that primary's blocks, so all of them, not only the lacking one,
+    reach the primary's step, and reads of them are served there again."""
+    monkeypatch.setattr("test_replication.REPLICATE_GRADIENTS", True)
+    monkeypatch.setattr(node_module, "COPY_READ_TIMEOUT_SECONDS", 0.3)
+    bus, cluster = start(nodes=2, replication=2, initial=initial)
+    run_steps(cluster, gradients(2))
+    placement = place(bus.nodes["n0"].routing, bus.spec)
+    primary = placement.primary(("frozen", 0))
+    holder = next(n for n in bus.nodes if n != primary)
+    lacking = next(k for k, owners in placement.owners.items() if owners[0] == primary and k[0] != "frozen")
+    bus.nodes[holder].job("job").blocks[lacking].version -= 1   # as if it missed a step of this block
+    run_steps(cluster, gradients(1, seed=1))
+    job, source = bus.nodes[holder].job("job"), bus.nodes[primary].job("job")
+    keys = [key for key, owners in placement.owners.items() if owners[0] == primary]
+
+    def behind():
+        return [key for key in keys if (job.blocks[key].version, job.blocks[key].step)
+                != (source.blocks[key].version, source.blocks[key].step)]
+
+    deadline = time.monotonic() + 10
+    while behind():   # dropped, then synced again
+        assert time.monotonic() < deadline, f"copies still behind their primary: {behind()}"
+        time.sleep(0.01)
+    for key in keys:
+        assert torch.equal(job.blocks[key].value, source.blocks[key].value), key
+    reply, got = read(bus.nodes[holder], [("frozen", 0), lacking], min_step=3)
+    assert reply.step == 3 and set(got) == {("frozen", 0), lacking}
