@@ -470,13 +470,17 @@ class PSNode:
         op, owner, node_id = header.op, routing.owner, self.node_id
         sized = op in (dp.OP_INIT, dp.OP_PUSH)
         fetching = op != dp.OP_INIT and self.replicator is not None and self.replicator.fetching(job.name)
-        holds = self._copy_reader(job, header, routing)
+        copy_reads = self._copy_reads(job, header)
+        owners = None   # the placement's owners, once a block this node is not the primary of needs them
         for ref in header.blocks:
             tensor, index = ref.tensor, ref.index
             numel = job.expected_numel(tensor, index)
-            if owner(job.name, tensor, index) != node_id and not holds((tensor, index)):
-                raise NotOwnerError(ErrorCode.NOT_OWNER, f"block {tensor}[{index}] is not owned by node {node_id!r} "
-                                    f"at epoch {routing.epoch}", epoch=routing.epoch)
+            if owner(job.name, tensor, index) != node_id:
+                if copy_reads and owners is None:
+                    owners = place(routing, job.spec).owners
+                if not copy_reads or node_id not in owners.get((tensor, index), ())[1:]:   # not its replica
+                    raise NotOwnerError(ErrorCode.NOT_OWNER, f"block {tensor}[{index}] is not owned by node "
+                                        f"{node_id!r} at epoch {routing.epoch}", epoch=routing.epoch)
             if fetching and (tensor, index) not in job.blocks:
                 raise StoreError(ErrorCode.UNAVAILABLE, f"node {node_id!r} is still receiving block {tensor}[{index}] "
                                                         f"(it took it over at epoch {routing.epoch}); retry shortly")
@@ -499,23 +503,16 @@ class PSNode:
         if self.checkpointer is not None and header.op != dp.OP_INIT:
             self.checkpointer.on_request(job)  # the first one after init checkpoints step 0
 
-    def _copy_reader(self, job: JobStore, header: frame.FrameHeader, routing: RoutingView) -> Callable:
-        """``holds(key)``: whether this node may serve ``header``'s read of ``key`` from its copy
-        (it is a replica of the block under the serving ring and the read is one a copy may serve,
-        services/copy_reads.py); always False for other requests."""
-        if not (self.replicator is not None and copies_may_serve(
-                header.op, job.sync, min_step=header.min_step, subscriber=header.subscriber,
-                at_step=header.at_step, pull_applied=header.pull_applied)):
-            return lambda _key: False
-        owners = place(routing, job.spec).owners
-        return lambda key: self.node_id in owners.get(key, ())[1:]
+    def _copy_reads(self, job: JobStore, header: frame.FrameHeader) -> bool:
+        """Whether ``header`` is a read this node may serve from its copies (services/copy_reads.py)."""
+        return self.replicator is not None and copies_may_serve(
+            header.op, job.sync, min_step=header.min_step, subscriber=header.subscriber, at_step=header.at_step,
+            pull_applied=header.pull_applied)
 
     def _read_copies(self, job: JobStore, header: frame.FrameHeader) -> frozenset:
         """The keys of ``header``'s read this node serves from its copies (wait_for_step's
-        ``copies``): those it is not the primary of, where a copy may serve the read."""
-        if self.replicator is None or not copies_may_serve(
-                header.op, job.sync, min_step=header.min_step, subscriber=header.subscriber,
-                at_step=header.at_step, pull_applied=header.pull_applied):
+        ``copies``): those it is not the primary of (precheck let through only its replicas')."""
+        if not self._copy_reads(job, header):
             return frozenset()
         owner, node_id = self._routing.owner, self.node_id
         return frozenset((r.tensor, r.index) for r in header.blocks if owner(job.name, r.tensor, r.index) != node_id)

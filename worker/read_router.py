@@ -59,24 +59,25 @@ class ReadRouter:
         self._down: str | None = None   # the cache id the last failure was logged for
         self._look_at = clock() + CACHE_DISCOVERY_SECONDS
         self._behind: dict[str, float] = {}   # node -> until when its copies are not read
-        self._sources: tuple | None = None    # (placement, avoided, {key: node})
+        self._sources: tuple | None = None    # (routing, spec, avoided, {key: node})
 
     def sources(self, routing, spec, rank: int, is_local: Callable[[str], bool]) -> dict:
         """``{key: node}``: where each block of the job ``spec`` is read from under ``routing``
-        (nearest_holder; cached until the placement (routing, spec) or the avoided nodes change)."""
+        (nearest_holder). Cached until the routing view, the spec (a client replaces its spec
+        when the job's revision changes; both are immutable once made) or the avoided nodes change:
+        a pull asks this every time, and the placement's own cache key serializes the spec."""
         now = self._clock()
         for node in [n for n, until in self._behind.items() if until <= now]:
             del self._behind[node]
         avoided = frozenset(self._behind)
-        placement = place(routing, spec)
         cached = self._sources
-        if cached is not None and cached[0] is placement and cached[1] == avoided:
-            return cached[2]
+        if cached is not None and cached[0] is routing and cached[1] is spec and cached[2] == avoided:
+            return cached[3]
         racks = {n: info.rack for n, info in routing.nodes.items()}
         sources = {key: nearest_holder(owners, is_local=is_local, rack_of=racks.get, rack=self.rack, rank=rank,
                                        avoid=avoided)
-                   for key, owners in placement.owners.items() if owners}
-        self._sources = (placement, avoided, sources)
+                   for key, owners in place(routing, spec).owners.items() if owners}
+        self._sources = (routing, spec, avoided, sources)
         return sources
 
     def copy_behind(self, node: str, exc: Exception) -> None:
