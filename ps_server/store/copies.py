@@ -93,24 +93,22 @@ class CopyHolder:
             values, grads, states = (list(column) for column in zip(*batch))
             self.group_optimizers[group].step_many(values, grads, states, lr=lr)
         _diverge_for_tests(taken)
-        diverged = [item for item in taken if item[-1] and verify is not None
+        diverged = [item[0] for item in taken if item[-1] and verify is not None
                     and not verify(item[0], item[4], item[8], item[9], item[-1])]
-        lacked = list(missing)
-        if diverged:
-            bad = {id(item) for item in diverged}
-            taken = [item for item in taken if id(item) not in bad]
-            missing.extend(item[0] for item in diverged)
+        if diverged:   # a result whose checksum differs from its primary's is not installed
+            taken = [item for item in taken if item[0] not in diverged]
         with self.cond:
             self.replica_divergences += len(diverged)
             self._install_replayed(taken, ahead)
-        if diverged and not ahead:
-            raise lacking(missing, f"blocks {[item[0] for item in diverged][:4]} of job {self.name!r} replayed here "
-                                   f"differ from their primary's (divergence check)"
-                                   + (f"; blocks {lacked[:4]} are not at the version their primary stepped them "
-                                      f"from" if lacked else ""))
-        if missing and not ahead:
-            raise lacking(missing, f"blocks {missing[:4]} of job {self.name!r} are not at the version their "
-                                   f"primary stepped them from (a step this node did not get)")
+        if (missing or diverged) and not ahead:
+            why = []
+            if diverged:
+                why.append(f"blocks {diverged[:4]} of job {self.name!r} replayed here differ from their primary's "
+                           f"(divergence check)")
+            if missing:
+                why.append(f"blocks {missing[:4]} of job {self.name!r} are not at the version their primary "
+                           f"stepped them from (a step this node did not get)")
+            raise lacking(missing + diverged, "; ".join(why))
 
     def _check_replays(self, items: list) -> None:
         for tensor, index, _version, _step, _base, lr, grad, _checksum in items:
