@@ -32,6 +32,7 @@ class ErrorCode(StrEnum):
     WORKER_LOST = "WORKER_LOST"              # a worker was lost and the job fails
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"  # a node bound is reached: retry later
     COPY_BEHIND = "COPY_BEHIND"              # a copy holder cannot serve this read: ask the primary
+    AGGREGATE_CONFLICT = "AGGREGATE_CONFLICT"  # an aggregated push overlaps a rank's own: push alone
 
 
 class ShardlineError(Exception):

@@ -167,6 +167,34 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
     elif header.replicate_kind:
         raise FrameError(f"{dp.Op.Name(header.op)} frame names replicate kind {header.replicate_kind} "
                          f"(only replication does)")
+    if header.agg_ranks or header.agg_weights:
+        if header.op != dp.OP_PUSH:
+            raise FrameError(f"{dp.Op.Name(header.op)} frame names aggregated ranks (only pushes do)")
+        problem = aggregate_problem(header.rank, header.weight or 1.0, header.agg_ranks, header.agg_weights)
+        if problem:
+            raise FrameError(problem)
+
+
+def aggregate_problem(rank: int, weight: float, ranks: Sequence[int], weights: Sequence[float]) -> str | None:
+    """What is wrong with an aggregated push (``FrameHeader.agg_ranks``/``agg_weights``) that
+    ``rank`` sends with its own ``weight``, whatever the job (None: nothing): the ranks ascending,
+    distinct, at least two, the sender among them; one weight each, finite and > 0, the sender's
+    equal to ``weight``. The node checks what depends on the job (world size, sync, compression)."""
+    if len(ranks) != len(weights):
+        return f"aggregated push names {len(ranks)} ranks and {len(weights)} weights"
+    if len(ranks) < 2:
+        return f"aggregated push names {len(ranks)} rank(s): an aggregate sums at least 2"
+    if any(a >= b for a, b in zip(ranks, ranks[1:])):
+        return f"aggregated push names ranks {list(ranks)}: they must be ascending and distinct"
+    if rank not in ranks:
+        return f"aggregated push of ranks {list(ranks)} is sent by rank {rank}, which is not among them"
+    for r, w in zip(ranks, weights):
+        if not (math.isfinite(w) and w > 0):
+            return f"aggregated push gives rank {r} weight {w!r}: weights must be finite numbers > 0"
+    own = weights[list(ranks).index(rank)]
+    if own != weight:
+        return f"aggregated push gives its sender, rank {rank}, weight {own!r}, the frame's weight is {weight!r}"
+    return None
 
 
 def asks_blocks(header: FrameHeader) -> bool:

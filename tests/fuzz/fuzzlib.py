@@ -122,12 +122,29 @@ def headers(draw, consistent: bool | None = None, max_blocks: int = 6):
     if consistent:  # one kind on a replicate frame, none on any other
         h.replicate_kind = (draw(st.sampled_from(sorted(frame.REPLICATE_KINDS))) if h.op == dp.OP_REPLICATE
                             else dp.REPLICATE_KIND_UNSPECIFIED)
+        if h.op == dp.OP_PUSH and draw(st.booleans()):
+            aggregate(draw, h)
+    elif draw(st.booleans()):   # any ranks and weights, or a well-formed aggregate on any op
+        h.agg_ranks.extend(draw(st.lists(edge_u32, max_size=4)))
+        h.agg_weights.extend(draw(st.lists(any_double, max_size=4)))
+    elif draw(st.booleans()):
+        aggregate(draw, h)
     h.blocks.extend(draw(st.lists(block_refs(consistent=consistent), max_size=max_blocks)))
     if consistent or (consistent is None and draw(st.booleans())):
         h.payload_bytes = sum(r.nbytes for r in h.blocks if not r.zero) % 2**64  # a wrapped sum is a lie too
     else:
         h.payload_bytes = draw(edge_u64)
     return h
+
+
+def aggregate(draw, h: frame.FrameHeader) -> None:
+    """Make ``h`` a well-formed aggregated push's header as to its ranks and weights (frame.aggregate_problem)."""
+    others = draw(st.lists(edge_u32.filter(lambda r: r != h.rank), min_size=1, max_size=3, unique=True))
+    ranks = sorted([h.rank, *others])
+    weights = [draw(st.floats(min_value=1e-6, max_value=1e6)) for _ in ranks]
+    h.weight = weights[ranks.index(h.rank)]
+    h.agg_ranks.extend(ranks)
+    h.agg_weights.extend(weights)
 
 
 @st.composite

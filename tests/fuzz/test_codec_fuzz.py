@@ -28,6 +28,9 @@ def assert_valid(header: frame.FrameHeader, limits: frame.FrameLimits) -> None:
     """What a header that passed validate_header guarantees its receiver."""
     assert header.op in frame.KNOWN_OPS
     assert (header.replicate_kind in frame.REPLICATE_KINDS) == (header.op == dp.OP_REPLICATE)
+    if header.agg_ranks or header.agg_weights:   # an aggregated push: well formed
+        assert header.op == dp.OP_PUSH
+        assert frame.aggregate_problem(header.rank, header.weight or 1.0, header.agg_ranks, header.agg_weights) is None
     assert header.payload_bytes <= limits.max_payload_bytes
     assert len(header.blocks) <= limits.max_blocks
     total = 0

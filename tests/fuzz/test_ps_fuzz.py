@@ -157,6 +157,16 @@ def live_frames(draw, epoch: int):
                           node=draw(st.sampled_from(["", "", "ps1", "ghost", "x" * 300])),
                           replicate_kind=draw(st.sampled_from(sorted(dp.ReplicateKind.values()))),
                           incarnation=draw(st.sampled_from(["", "i1", "i2"])))
+    aggregated = draw(st.integers(0, 7))
+    if aggregated == 0:   # an aggregated push's ranks and weights, mostly ill formed
+        h.agg_ranks.extend(draw(st.lists(ranks, max_size=3)))
+        h.agg_weights.extend(draw(st.lists(weights, max_size=3)))
+    elif aggregated == 1:   # well formed (a rank out of range among them too), sent by its first rank
+        agg_ranks, agg_weights = draw(st.sampled_from([([0, 1], [1.0, 1.0]), ([1, 3], [0.5, 2.0]),
+                                                       ([2, WORLD_SIZE], [1.0, 1.0])]))
+        h.rank, h.weight = agg_ranks[0], agg_weights[0]
+        h.agg_ranks.extend(agg_ranks)
+        h.agg_weights.extend(agg_weights)
     refs = draw(st.lists(live_refs(), max_size=4))
     if refs and draw(st.integers(0, 4)) == 0:
         refs.insert(draw(st.integers(0, len(refs))), draw(st.sampled_from(refs)))  # a duplicate reference
