@@ -190,7 +190,10 @@ class NodeCollector(Collector):
                                        "Copy holder, replicate_gradients: replayed blocks whose checksum differed from "
                                        "the primary's at a divergence check (each resynced with a full copy)",
                                        labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads, diverged]
+        aggregated = CounterMetricFamily("shardline_ps_aggregated_push_ranks",
+                                         "BSP/SSP: ranks whose gradients came summed in a host's aggregated push "
+                                         "(one push for several ranks; resends not counted)", labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads, diverged, aggregated]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -204,6 +207,7 @@ class NodeCollector(Collector):
                 replayed.add_metric([name], getattr(job, "steps_replayed", 0))
                 copy_reads.add_metric([name], getattr(job, "copy_reads", 0))
                 diverged.add_metric([name], getattr(job, "replica_divergences", 0))
+                aggregated.add_metric([name], getattr(job, "aggregated_ranks", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

@@ -22,7 +22,7 @@ from shardline.ps_server.admission import NameMisses
 from shardline.ps_server.delta_history import DEFAULT_MAX_BYTES, DeltaHistory, subscriber_blocks
 from shardline.ps_server.heat import HeatCounter
 from shardline.services.placement import place
-from shardline.ps_server.store import JobStore, NodeStore, PushRef, PushTicket, StoreError
+from shardline.ps_server.store import Aggregate, JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
 from shardline.services.copy_reads import COPY_READ_TIMEOUT_SECONDS, copies_may_serve
 from shardline.services.request_checks import check_want_dtypes, refuse_duplicates
@@ -605,8 +605,9 @@ class PSNode:
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, torch.uint8, ref.scale) if ref.dtype == dp.SIGN1
                 else PushRef(ref.tensor, ref.index, ref.zero, ref.numel, frame.TORCH_DTYPE.get(ref.dtype, torch.float32))
                 for ref in header.blocks]
+        aggregate = Aggregate(tuple(header.agg_ranks), tuple(header.agg_weights)) if header.agg_ranks else None
         return job, job.begin_push(header.rank, header.step, header.weight or 1.0, refs, scratch, lr=header_lrs(header),
-                                   commit_follows=header.commit_follows)
+                                   commit_follows=header.commit_follows, aggregate=aggregate)
 
     def finish_push(self, header: frame.FrameHeader, job: JobStore, ticket: PushTicket) -> frame.FrameHeader:
         """Make the received push visible and return its reply; blocks it completed are left on

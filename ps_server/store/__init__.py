@@ -11,10 +11,10 @@ from shardline.ps_server.store.blocks import (AWAITING_HANDOVER, COPY, HOLDING, 
 from shardline.ps_server.store.common import LRs, StoreError, TensorMeta
 from shardline.ps_server.store.handover import Handover
 from shardline.ps_server.store.job import JobStore, NodeStore
-from shardline.ps_server.store.pushes import PushItem, PushRef, PushTicket
+from shardline.ps_server.store.pushes import Aggregate, PushItem, PushRef, PushTicket
 
 __all__ = [
-    "AWAITING_HANDOVER", "COPY", "HOLDING", "PRIMARY", "REPLICA", "Block", "Collection", "Copy", "Handover", "Held",
+    "AWAITING_HANDOVER", "COPY", "HOLDING", "PRIMARY", "REPLICA", "Aggregate", "Block", "Collection", "Copy", "Handover", "Held",
     "JobStore", "Kept", "LRs", "NodeStore", "Primary",
     "PushItem", "PushRef", "PushTicket", "Replay", "Staged", "StoreError", "Takeover", "TensorMeta",
 ]

@@ -40,11 +40,12 @@ class AheadSteps:
 
     @staticmethod
     def _collect_ahead(block: Block, ticket: PushTicket, ref: PushRef, grad: torch.Tensor | None) -> None:
-        """Finish a push of a step after ``block``'s own: into that step's collection. Lock held."""
+        """Finish a push of a step after ``block``'s own: into that step's collection (every rank
+        of an aggregated push counts as received). Lock held."""
         ahead = block.role.collector(ticket.step, block.step)
-        ahead.received.add(ticket.rank)
+        ahead.received.update(ticket.ranks)
         if grad is not None:
-            ahead.add(block.value, ref, grad, ticket.weight)
+            ahead.add(block.value, ref, grad, ticket.factor)
 
     def _wait_visible(self, blocks: list[Block]) -> None:
         """A step may be applied while a pull is served; wait until every primary of ``blocks`` is

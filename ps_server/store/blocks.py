@@ -118,12 +118,14 @@ class Collection:
         self.receiving = rank
         return self.grad_buf
 
-    def received_into(self, rank: int, weight: float) -> None:
-        """``rank``'s gradient, received straight into the buffer, is in the sum (weighted)."""
-        if weight != 1.0:
-            self.grad_buf.mul_(weight)
+    def received_into(self, rank: int, ranks: tuple, factor: float) -> None:
+        """``rank``'s push, received straight into the buffer, is in the sum times ``factor``: the
+        gradient of ``ranks`` (``rank``'s own, times its weight; or a host's aggregate, already
+        weighted: factor 1), who all count as received."""
+        if factor != 1.0:
+            self.grad_buf.mul_(factor)
         self.has_grad = True
-        self.received.add(rank)
+        self.received.update(ranks)
         self.end_receiving(rank)
 
     def end_receiving(self, rank: int) -> None:
@@ -131,12 +133,13 @@ class Collection:
         if self.receiving == rank:
             self.receiving = None
 
-    def add(self, like: torch.Tensor, ref, payload: torch.Tensor, weight: float) -> None:
-        """Add ``weight`` times a pushed gradient to the sum: ``payload`` as ``ref`` (a PushRef)
-        describes it, packed signs each worth +-``ref.scale`` if compressed. The buffer, shaped like
-        ``like``, is made on first use, and the first gradient is decoded straight into it."""
+    def add(self, like: torch.Tensor, ref, payload: torch.Tensor, factor: float) -> None:
+        """Add ``factor`` times a pushed gradient to the sum (a rank's weight; 1 for a host's
+        aggregate, weighted already): ``payload`` as ``ref`` (a PushRef) describes it, packed signs
+        each worth +-``ref.scale`` if compressed. The buffer, shaped like ``like``, is made on
+        first use, and the first gradient is decoded straight into it."""
         if self.has_grad:
-            self.grad_buf.add_(as_fp32(ref, payload), alpha=weight)
+            self.grad_buf.add_(as_fp32(ref, payload), alpha=factor)
             return
         if self.grad_buf is None:
             self.grad_buf = torch.empty_like(like)
@@ -144,8 +147,8 @@ class Collection:
             self.grad_buf.copy_(payload)  # also converts fp16/bf16 pushes to fp32
         else:
             decode_signs(payload, ref.numel, ref.scale, out=self.grad_buf)
-        if weight != 1.0:
-            self.grad_buf.mul_(weight)
+        if factor != 1.0:
+            self.grad_buf.mul_(factor)
         self.has_grad = True
 
     def stage(self, step: int, total: float, lrs: tuple) -> Staged:

@@ -110,6 +110,7 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         self.applied_early = 0   # blocks whose step was computed before the commits (pipelined apply)
         self.early_seconds = 0.0  # time spent stepping them (off the commit's path)
         self.early_unused = 0     # blocks stepped early whose result was not used (applied, moved or dropped meanwhile)
+        self.aggregated_ranks = 0   # ranks whose gradients came in a host's aggregated push (resends not counted)
         self.copies_ahead = 0     # copy holder: copies installed from frames sent before the commits
         self.steps_replayed = 0   # copy holder: blocks stepped here from their primary's gradient
         self.copy_reads = 0       # copy holder: blocks of BSP reads served from copies held here

@@ -8,6 +8,13 @@ collection's buffer; later ones (to be added) go to the connection's scratch buf
 compressed (sign) blocks, decoded into the sum when the push finishes. A rank's push of a block
 it already pushed in the step (or of a step already applied) is received and ignored: a resend.
 
+An aggregated push (:class:`Aggregate`: a host's leader sends one push on behalf of several
+ranks, its payload their weighted sum) counts, block by block, as a push of every one of its
+ranks: their weights and lrs are recorded as their own pushes' would be, the payload enters the
+sum as it is (weighted already), and every rank counts as received. A block all of its ranks
+pushed already is a resend; one that only some of them pushed refuses the whole push
+(AGGREGATE_CONFLICT), and the ranks push alone.
+
 Methods of :class:`~shardline.ps_server.store.job.JobStore`, over its ``cond``.
 The design: docs/architecture.md, "Block store".
 """
@@ -24,6 +31,7 @@ from shardline.ps_server.store.blocks import Block, Kept
 from shardline.ps_server.store.common import LRs, StoreError
 from shardline.services.compression import padding_problem, sign_nbytes
 from shardline.services.errors import ErrorCode
+from shardline.services.frame import aggregate_problem
 from shardline.services.tensor_checks import CONCAT_BELOW_BYTES, first_nonfinite
 
 # How long a push waits for another rank's in-flight push of the same block (only a stalled
@@ -34,6 +42,15 @@ RESERVATION_TIMEOUT_SECONDS = 60.0
 # ones are checked alone as they land.
 CHECK_ALONE_BYTES = CONCAT_BELOW_BYTES
 CHECK_BATCH_BYTES = 256 << 10
+
+
+class Aggregate(NamedTuple):
+    """The ranks whose gradients every block of an aggregated push sums (ascending, distinct, at
+    least two, the sender among them) and each one's weight, in the same order
+    (``FrameHeader.agg_ranks``/``agg_weights``)."""
+
+    ranks: tuple[int, ...]
+    weights: tuple[float, ...]
 
 
 class PushRef(NamedTuple):
@@ -74,23 +91,46 @@ class PushTicket:
     early: list = field(default_factory=list)   # staged by finish_push(defer_early=True), for step_early
     unchecked: list = field(default_factory=list)   # received small blocks (indices) not yet checked
     unchecked_bytes: int = 0
+    aggregate: Aggregate | None = None   # the ranks (and weights) the push sums; None: ``rank``'s alone
+    # Set from the above once (read per block): the ranks whose gradients the push carries, and what
+    # its payload is multiplied by on its way into a block's sum (the rank's weight; 1 for an
+    # aggregate, whose payload is weighted already).
+    ranks: tuple = field(init=False)
+    factor: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        aggregate = self.aggregate
+        self.ranks = (self.rank,) if aggregate is None else aggregate.ranks
+        self.factor = self.weight if aggregate is None else 1.0
+
+    def rank_weights(self):
+        """(rank, weight) of every rank the push carries."""
+        return ((self.rank, self.weight),) if self.aggregate is None else zip(*self.aggregate)
 
 
 class Pushes:
     """The push half of JobStore (see the module docstring)."""
 
     def begin_push(self, rank: int, step: int, weight: float, refs: list[PushRef], scratch: bytearray | None,
-                   lr: float | None = None, commit_follows: bool = False) -> PushTicket:
+                   lr: float | None = None, commit_follows: bool = False,
+                   aggregate: Aggregate | None = None) -> PushTicket:
         """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
 
         ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
         into it sit at their payload offsets). BSP: each block takes gradients for its own step;
         a block already past ``step`` (the step was applied: a resend) or pushed by this rank in
         an earlier frame receives the bytes and ignores them.
+
+        ``aggregate`` (BSP/SSP): the push is a host's sum over these ranks, sent by ``rank``
+        (module docstring); a block some but not all of them pushed already refuses the whole
+        push with AGGREGATE_CONFLICT, before anything is claimed.
         """
         self._check_rank_and_weight(rank, weight)
+        if aggregate is not None:
+            self._check_aggregate(rank, weight, aggregate, refs)
         self._check_push_refs(refs)
-        ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr), commit_follows=commit_follows)
+        ticket = PushTicket(rank, step, weight, refs, lr=self._push_lrs(lr), commit_follows=commit_follows,
+                            aggregate=aggregate)
         with self.cond:
             self._check_open("push")
             ticket.blocks = [self._block(ref.tensor, ref.index) for ref in refs]
@@ -105,6 +145,26 @@ class Pushes:
         if keeping:
             self._keep_previous(keeping, step)
         return ticket
+
+    def _check_aggregate(self, rank: int, weight: float, aggregate: Aggregate, refs: list[PushRef]) -> None:
+        """An aggregated push is well formed (frame.aggregate_problem) and fits the job: BSP/SSP,
+        ranks below the world size, no sign-compressed blocks (the sum of several ranks' gradients
+        has no one rank's error feedback). Raises INVALID_ARGUMENT."""
+        problem = aggregate_problem(rank, weight, aggregate.ranks, aggregate.weights)
+        if problem:
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, problem)
+        if not self.collects:
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"job {self.name!r} is {self.sync!r}: aggregated pushes "
+                                                         f"are for BSP and SSP jobs (ranks {list(aggregate.ranks)})")
+        if aggregate.ranks[-1] >= self.world_size:
+            raise StoreError(ErrorCode.INVALID_ARGUMENT, f"aggregated push names ranks {list(aggregate.ranks)}: rank "
+                                                         f"{aggregate.ranks[-1]} is out of range for world_size "
+                                                         f"{self.world_size}")
+        if self.compression == "sign" or any(ref.scale is not None for ref in refs):
+            raise StoreError(ErrorCode.INVALID_ARGUMENT,
+                             f"job {self.name!r} has compression {self.compression!r}: an aggregated push (ranks "
+                             f"{list(aggregate.ranks)}) carries plain float32/float16/bfloat16 sums, not "
+                             f"sign-compressed blocks")
 
     def _check_push_refs(self, refs: list[PushRef]) -> None:
         for ref in refs:
@@ -132,13 +192,14 @@ class Pushes:
                                  f"{takeover.source!r} collected for step {block.step}; retry shortly")
 
     def _claim(self, ticket: PushTicket, keep: bool) -> list:
-        """BSP/SSP: mark each block pushed by the rank in the push's step (released again by
+        """BSP/SSP: mark each block pushed by the push's ranks in its step (released again by
         abort_push), or as a resend. Returns the blocks whose value to keep (blocks.Kept) as
         ``(block, version, value, buffer)``. Lock held."""
         rank, step = ticket.rank, ticket.step
-        self._check_push_weight("push", rank, step, ticket.weight)
-        if ticket.lr is not None:
-            self._check_push_lr("push", rank, step, ticket.lr)
+        for r, weight in ticket.rank_weights():
+            self._check_push_weight("push", r, step, weight)
+            if ticket.lr is not None:
+                self._check_push_lr("push", r, step, ticket.lr)
         seen = set()
         for ref, block in zip(ticket.refs, ticket.blocks):
             if block in seen:
@@ -149,11 +210,17 @@ class Pushes:
                 self._check_ahead(step, f"push for step {step} but block {ref.tensor}[{ref.index}] of job "
                                         f"{self.name!r} is collecting step {block.step} on this node")
             # Applied already, or pushed in an earlier frame of this step: a resend, ignored.
-            ticket.resent.append(block.step > step or rank in block.role.collector(step, block.step).pushed_by)
+            if ticket.aggregate is None:
+                ticket.resent.append(block.step > step or rank in block.role.collector(step, block.step).pushed_by)
+            else:
+                ticket.resent.append(block.step > step or self._aggregate_resent(ticket, ref, block))
         if not all(ticket.resent):
-            self.push_weights.setdefault(step, {})[rank] = ticket.weight
-            if ticket.lr is not None:
-                self.push_lrs.setdefault(step, {})[rank] = ticket.lr
+            weights = self.push_weights.setdefault(step, {})
+            lrs = self.push_lrs.setdefault(step, {}) if ticket.lr is not None else None
+            for r, weight in ticket.rank_weights():
+                weights[r] = weight
+                if lrs is not None:
+                    lrs[r] = ticket.lr
         keeping = []
         for block, resent in zip(ticket.blocks, ticket.resent):
             if resent:
@@ -161,8 +228,29 @@ class Pushes:
             role = block.role
             if keep and block.step == step and not role.collecting.pushed_by:
                 keeping.append((block, block.version, block.value, self.previous_buffer(block)))
-            role.collector(step, block.step).pushed_by.add(rank)
+            pushed_by = role.collector(step, block.step).pushed_by
+            if ticket.aggregate is None:
+                pushed_by.add(rank)
+            else:
+                pushed_by.update(ticket.aggregate.ranks)
         return keeping
+
+    @staticmethod
+    def _aggregate_resent(ticket: PushTicket, ref: PushRef, block: Block) -> bool:
+        """An aggregated push's block of the step the block collects (or one ahead): a resend if
+        every rank of the aggregate pushed it already, new if none did; AGGREGATE_CONFLICT if only
+        some did (one pushed alone: the sum would count it twice). Lock held, nothing claimed yet."""
+        pushed_by = block.role.collector(ticket.step, block.step).pushed_by
+        ranks = ticket.aggregate.ranks
+        pushed = [r for r in ranks if r in pushed_by]
+        if not pushed:
+            return False
+        if len(pushed) == len(ranks):
+            return True
+        raise StoreError(ErrorCode.AGGREGATE_CONFLICT,
+                         f"block {ref.tensor}[{ref.index}] of step {ticket.step} was pushed by rank(s) {pushed} but "
+                         f"not by {[r for r in ranks if r not in pushed_by]}: the aggregated push of ranks "
+                         f"{list(ranks)} is refused whole; its ranks push alone")
 
     def _choose_dests(self, ticket: PushTicket, scratch: bytearray | None) -> None:
         """Where each block's bytes go: the block's own gradient buffer (its first fp32 gradient
@@ -267,6 +355,8 @@ class Pushes:
             for n in range(len(ticket.refs)):
                 self._take_block(ticket, n)
             ticket.done = True
+            if ticket.aggregate is not None and not all(ticket.resent):
+                self.aggregated_ranks += len(ticket.aggregate.ranks)
             early = self._stage_early(ticket)
             job_step = self.step
             self.cond.notify_all()
@@ -289,10 +379,10 @@ class Pushes:
         collecting = block.role.collecting
         if dest is None:
             if block.step == ticket.step:
-                collecting.received.add(ticket.rank)
+                collecting.received.update(ticket.ranks)
             return
         if ticket.direct[n]:
-            collecting.received_into(ticket.rank, ticket.weight)
+            collecting.received_into(ticket.rank, ticket.ranks, ticket.factor)
             return
         # Another rank may still be receiving this block's first gradient into the buffer.
         if not self.cond.wait_for(lambda: not block.primary or block.role.collecting.receiving is None,
@@ -303,11 +393,11 @@ class Pushes:
         if not block.primary:   # lost during the wait: as above
             return
         collecting = block.role.collecting   # the wait released the lock
-        collecting.add(block.value, ref, dest, ticket.weight)
+        collecting.add(block.value, ref, dest, ticket.factor)
         # Received only once added: the wait above releases the lock, and a handover or an early
         # step taken meanwhile must not count a rank whose gradient is not in the sum.
         if block.step == ticket.step:
-            collecting.received.add(ticket.rank)
+            collecting.received.update(ticket.ranks)
 
     def step_early(self, ticket: PushTicket) -> None:
         """Step the blocks ``finish_push(ticket, defer_early=True)`` staged (once)."""
@@ -357,7 +447,7 @@ class Pushes:
         if ticket.done:
             return
         ticket.done = True
-        rank, step = ticket.rank, ticket.step
+        rank, step, ranks = ticket.rank, ticket.step, ticket.ranks
         for block, direct, resent in zip(ticket.blocks, ticket.direct, ticket.resent or [False] * len(ticket.blocks)):
             role = block.role
             if not role.primary:   # lost meanwhile: its collection went with it
@@ -365,21 +455,22 @@ class Pushes:
             if direct:
                 role.collecting.end_receiving(rank)
             if self.collects and not resent:
-                role.collector(step, block.step).pushed_by.discard(rank)
-        if self.collects and not any(b.primary and rank in b.role.pushed_by(step, b.step)
-                                     for b in self.blocks.values()):
-            self.push_weights.get(step, {}).pop(rank, None)
-            self.push_lrs.get(step, {}).pop(rank, None)
+                role.collector(step, block.step).pushed_by.difference_update(ranks)
+        for r in ranks if self.collects else ():
+            if not any(b.primary and r in b.role.pushed_by(step, b.step) for b in self.blocks.values()):
+                self.push_weights.get(step, {}).pop(r, None)
+                self.push_lrs.get(step, {}).pop(r, None)
         self.cond.notify_all()
 
     def push(self, rank: int, step: int, weight: float, items: list[PushItem], lr: float | tuple | None = None,
-             commit_follows: bool = False) -> int:
-        """Push already-received gradients in one call (same path as the data plane; ``lr`` and
-        ``commit_follows`` as a frame's). Returns the job step."""
+             commit_follows: bool = False, aggregate: Aggregate | None = None) -> int:
+        """Push already-received gradients in one call (same path as the data plane; ``lr``,
+        ``commit_follows`` and ``aggregate`` as a frame's). Returns the job step."""
         refs = [PushRef(i.tensor, i.index, i.grad is None, 0 if i.grad is None else i.grad.numel(),
                         torch.float32 if i.grad is None else i.grad.dtype) for i in items]
         scratch = bytearray(sum(0 if i.grad is None else i.grad.numel() * i.grad.element_size() for i in items))
-        ticket = self.begin_push(rank, step, weight, refs, scratch, lr=lr, commit_follows=commit_follows)
+        ticket = self.begin_push(rank, step, weight, refs, scratch, lr=lr, commit_follows=commit_follows,
+                                 aggregate=aggregate)
         for n, item in enumerate(items):
             if item.grad is not None:
                 ticket.dests[n].copy_(item.grad.reshape(-1))
