@@ -98,6 +98,30 @@ class CarriedPull(NamedTuple):
     node_steps: dict[str, int]         # node -> the step its commit reply reported
 
 
+@dataclass(frozen=True)
+class HostAggregate:
+    """What a host's leader pushes for several ranks of its host at once (``Client.push(...,
+    aggregate=)``): ``ranks`` (ascending, distinct, at least two, the leader's own among them),
+    each one's weight in the same order (the leader's equal to its push's ``weight``), and
+    ``sums``: per tensor, ``sum_i(weights[i] * gradient_i)`` over the ranks, weighted already
+    (None: none of them has a gradient for it). Each node counts the push as every one of these
+    ranks' push of its blocks (docs/architecture.md, "Aggregated pushes")."""
+
+    ranks: tuple[int, ...]
+    weights: tuple[float, ...]
+    sums: dict[str, torch.Tensor | None]
+
+
+class _AggregatedBlocks(dict):
+    """The blocks a host's aggregated push sends ((tensor, index) -> block) and the HostAggregate
+    they sum: only frames of this very dict carry ``agg_ranks``. What a replay or a node's recovery
+    within the push resends is a record of this rank's own blocks, a plain dict: it goes alone."""
+
+    def __init__(self, blocks: dict, aggregate: HostAggregate):
+        super().__init__(blocks)
+        self.aggregate = aggregate
+
+
 class _NonFiniteGradient(ShardlineConfigError):
     """A gradient block held NaN or Inf (found by this client, or by the node it was pushed to)."""
 
@@ -599,7 +623,7 @@ class Client:
                 raise ShardlineConfigError(f"out[{n!r}] has shape {tuple(t.shape)}, the job's tensor {self._shapes[n]}")
 
     def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, commit: bool = True,
-             blocks: dict[str, list[int]] | None = None) -> None:
+             blocks: dict[str, list[int]] | None = None, aggregate: HostAggregate | None = None) -> None:
         """Contribute gradients for the current step.
 
         BSP: push to the owning nodes, then (unless ``commit=False``) commit the step on every
@@ -609,14 +633,72 @@ class Client:
         another worker sends one). ``blocks`` (``{name: [block index]}``) sends only those blocks
         of the named tensors (the rest of each go in other pushes of the step, as a flat group's
         blocks do while backward completes them).
+
+        ``aggregate`` (BSP/SSP, a host's leader): send ``aggregate.sums`` for ``aggregate.ranks``
+        instead of ``grads``, in one push per node (checked as ``grads`` would be; ``blocks``
+        applies to them alike). ``grads`` stay this rank's own gradients, which a replay or a
+        node's recovery resends alone; every tensor they have a gradient for needs one in the
+        sums. The other ranks then call ``record_pushed`` and ``commit``, once this returned. A
+        node that holds a block of the sums from some but not all of the ranks (one pushed alone)
+        refuses the whole push: RemoteError AGGREGATE_CONFLICT, and the ranks push alone instead
+        (``grads`` stay recorded: pushing them again alone is a resend where the aggregate was taken).
         """
         self._commit_follows = commit
         try:
-            self._push(grads, weight, blocks)
+            self._push(grads, weight, blocks, aggregate)
         finally:
             self._commit_follows = False
         if commit and self._collects:
             self._commit(weight)
+
+    def record_pushed(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0) -> None:
+        """BSP/SSP: record ``grads`` as this rank's gradients of the current step without sending
+        anything: the host's leader pushed them, summed with others', in an aggregated push naming
+        this rank with ``weight`` (``push(aggregate=...)``), and it was acknowledged. A replay or a
+        node's recovery resends them alone, like any step in flight. Then call
+        ``commit(weight=weight)``. Not checked for NaN/Inf here: the nodes checked the sum, which
+        is finite only if every gradient in it is."""
+        spec = self._require_spec()
+        if not self._collects:
+            raise ShardlineStateError(f"record_pushed() is for BSP and SSP jobs; job {self.job!r} is {spec.sync!r}")
+        if not (math.isfinite(weight) and weight > 0):
+            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        self._check_aggregates(spec)
+        payload, _flats = self._push_payload(spec, grads, None)
+        self.start_lease()
+        step = self._current_step()
+        if self._compressor is not None:
+            payload = self._compressor.encode(payload, step)
+        self._inflight.record(step, weight, self.staleness).grads.update(payload)
+
+    def _check_aggregates(self, spec) -> None:
+        """Aggregated pushes are for BSP/SSP jobs whose gradients are not sign-compressed (a sum of
+        several ranks' gradients has no one rank's error feedback)."""
+        if spec.sync not in ("bsp", "ssp") or (self._compressor is not None and self._compressor.kind == "sign"):
+            raise ShardlineConfigError(f"job {self.job!r} ({spec.sync}, compression "
+                                       f"{compression_of(spec)!r}) takes no aggregated pushes: they are for BSP "
+                                       f"and SSP jobs without sign compression")
+
+    def _aggregate_payload(self, spec, payload: dict, weight: float, blocks: dict | None,
+                           aggregate: HostAggregate) -> tuple[dict, list]:
+        """The blocks an aggregated push sends and the flat sums for the NaN/Inf check (as
+        ``_push_payload``), after checking ``aggregate`` against this rank, its ``weight`` and its
+        own blocks ``payload`` (each must be in the sums)."""
+        self._check_aggregates(spec)
+        ranks, weights = tuple(aggregate.ranks), tuple(aggregate.weights)
+        problem = frame.aggregate_problem(self.rank, weight, ranks, weights)
+        if problem:
+            raise ShardlineConfigError(problem)
+        if ranks[-1] >= spec.world_size:
+            raise ShardlineConfigError(f"aggregate names ranks {list(ranks)}: job {self.job!r} has world_size "
+                                       f"{spec.world_size}")
+        sent, flats = self._push_payload(spec, aggregate.sums, blocks)
+        uncovered = [key for key in payload if key not in sent]
+        if uncovered:
+            name, index = uncovered[0]
+            raise ShardlineConfigError(f"aggregate of ranks {list(ranks)} has no sum for block {name}[{index}], "
+                                       f"which rank {self.rank}'s own gradients have")
+        return sent, flats
 
     def commit(self, *, weight: float = 1.0) -> int:
         """BSP/SSP: declare this worker's pushes for the current step complete. Returns the new step."""
@@ -783,11 +865,16 @@ class Client:
                 payload[(name, s.index)] = None if zero else part
         return payload, flats
 
-    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None) -> None:
+    def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None,
+              aggregate: HostAggregate | None = None) -> None:
         spec = self._require_spec()
         if not (math.isfinite(weight) and weight > 0):
             raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
         payload, flats = self._push_payload(spec, grads, blocks)
+        # An aggregated push sends the sums (``sent``) and records this rank's own blocks (``payload``).
+        sent = payload
+        if aggregate is not None:
+            sent, flats = self._aggregate_payload(spec, payload, weight, blocks, aggregate)
         # A push that goes to one node in one frame is checked for NaN/Inf by that node alone: it
         # checks each block as its bytes arrive (cache-hot, on the side of the stream with slack)
         # and refuses the whole push (NONFINITE), keeping nothing of it. A push spread over several
@@ -796,7 +883,7 @@ class Client:
         self._wait_for_ring()
         owner, job = self.routing.owner, self.job
         node_checks = (not spec.allow_nonfinite and self._compressor is None
-                       and len({owner(job, name, index) for (name, index), g in payload.items()
+                       and len({owner(job, name, index) for (name, index), g in sent.items()
                                 if g is not None}) == 1)
         if not spec.allow_nonfinite and not node_checks:
             for name, flat in flats:
@@ -806,14 +893,17 @@ class Client:
         failpoints.hit("worker.before_push", step)
         if self._compressor is not None:
             payload = self._compressor.encode(payload, None if spec.sync == "asp" else step)
+            sent = payload if aggregate is None else self._compressor.encode(sent, step)
+        if aggregate is not None:
+            sent = _AggregatedBlocks(sent, aggregate)
         record = self._inflight.record(step, weight, self.staleness).grads if self._collects else {}
         replaced = {key: record[key] for key in payload if key in record}
         record.update(payload)
         if node_checks:
-            self._unchecked = {key: g for key, g in payload.items() if g is not None}
+            self._unchecked = {key: g for key, g in sent.items() if g is not None}
         try:
             try:
-                self._scatter(dp.OP_PUSH, list(payload), step=step, weight=weight, grads=payload)
+                self._scatter(dp.OP_PUSH, list(sent), step=step, weight=weight, grads=sent)
             except _NonFiniteGradient:
                 raise
             except BaseException:
@@ -1013,6 +1103,9 @@ class Client:
         done_nodes: set[str] = set()
         node_steps: dict[str, int] = {}
         refreshes = 0
+        # A node's recovery resends this rank's own blocks alone, not an aggregated push's sums:
+        # those go again (the node ignores them where it took them, or refuses a conflict).
+        again_after_recovery = op == dp.OP_PULL or self._aggregate_of(op, grads) is not None
         while True:
             if self._replay.state.due and self._replay_after_epoch_change():
                 if op == dp.OP_COMMIT:
@@ -1064,15 +1157,16 @@ class Client:
                 if node_step is None:  # the node left the ring: its blocks have other owners now
                     retry.extend(groups[node_id])
                     gone = True
-                elif op == dp.OP_PULL:
-                    retry.extend(groups[node_id])  # the replay re-sent pushes and commits; pulls run again
+                elif again_after_recovery:
+                    # the recovery re-sent pushes and commits; pulls (and an aggregate's sums) go again
+                    retry.extend(groups[node_id])
                 else:
                     done_nodes.add(node_id)
                     steps.append(node_step)
                     node_steps[node_id] = node_step
             if steps and self.step is None:
                 self.step = max(steps)
-            if not refused and not gone and not behind and not (lost and op == dp.OP_PULL):
+            if not refused and not gone and not behind and not (lost and again_after_recovery):
                 return node_steps
             if refused:
                 refreshes = self._refresh_after_refusal(op, len(retry), refreshes)
@@ -1197,6 +1291,11 @@ class Client:
         return ask_while_lacking(node_id, self.job, exc, first, lambda: self._exchange_once(node_id, keys, op, *args),
                                  lambda: self._lacking.pop(lacking, None), recovery_timeout=self.recovery_timeout)
 
+    @staticmethod
+    def _aggregate_of(op: int, grads) -> HostAggregate | None:
+        """The HostAggregate a push of ``grads`` sends the sums of (None: this rank's own blocks)."""
+        return grads.aggregate if op == dp.OP_PUSH and isinstance(grads, _AggregatedBlocks) else None
+
     def _request_header(self, node_id: str, keys: list, op: int, step: int, weight: float, min_step: int,
                         timeout: float, via) -> frame.FrameHeader:
         """The header of one request to ``node_id`` (``via``: through that rack cache), without its blocks."""
@@ -1223,6 +1322,10 @@ class Client:
     def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
                        timeout: float, carried: dict | None = None, via=None) -> int:
         header = self._request_header(node_id, keys, op, step, weight, min_step, timeout, via)
+        aggregate = self._aggregate_of(op, grads)
+        if aggregate is not None:
+            header.agg_ranks.extend(aggregate.ranks)
+            header.agg_weights.extend(aggregate.weights)
         payloads = []
         expected: dict[tuple[str, int], object] = {}
         taken = taken_bytes = 0   # a push's blocks the node takes from a shared region: how many, their bytes

@@ -4,22 +4,35 @@ counts it as every one of those ranks' push: the step equals torch.optim on the 
 every rank's gradient, whatever the arrival order, with or without early steps; a resend is
 ignored, a block one of the ranks pushed alone refuses the aggregate whole (AGGREGATE_CONFLICT).
 
-JobStores for the accounting, the frame check for the fields. The references are torch.optim on
-the weighted mean, with the sums computed here."""
+JobStores for the accounting; a PSNode served over a real TCP or shm connection for the client's
+side (Client.push(aggregate=...), record_pushed). The references are torch.optim on the weighted
+mean, with the sums computed here."""
 
+import itertools
 import math
 import re
+import socket
+import threading
 import time
+import types
 
 import pytest
 import torch
+from job_specs import one_tensor_spec
 from test_handover_catch_up import hand_over_on_the_wire
+from test_pull_placement import ServedOverShm, shm_client  # noqa: F401 - a fixture
 from test_store import ROUND_OFF, init_store, items_for, make_job, values
 
+from shardline.ps_server.node import PSNode
 from shardline.ps_server.store import Aggregate, JobStore, PushItem, StoreError
 from shardline.services import frame
-from shardline.services.errors import ErrorCode, FrameError
+from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
+from shardline.services.errors import ErrorCode, FrameError, RemoteError, ShardlineConfigError
+from shardline.services.pb import common_pb2, dispatcher_pb2
 from shardline.services.pb import dataplane_pb2 as dp
+from shardline.services.routing import RoutingView
+from shardline.worker.client import HostAggregate, TransferStats
+from shardline.worker.read_router import ReadRouter
 
 pytestmark = pytest.mark.timeout(60)
 LR = 0.01
@@ -323,3 +336,177 @@ def test_a_well_formed_aggregate_passes_the_frame_check():
     frame.validate_header(push_header())
     frame.validate_header(push_header(rank=2, weight=0.5, agg_ranks=(0, 2, 7), agg_weights=(3.0, 0.5, 1.0)))
     frame.validate_header(push_header(weight=0.0, agg_weights=(1.0, 2.0)))   # weight unset: 1
+
+
+# --- the client, through a node's data plane ---------------------------------------------------
+NODE_BLOCK = 64
+NODE_TABLE = common_pb2.RoutingTable(epoch=1)
+NODE_TABLE.nodes.add(node_id="n1", rack="r", grpc_address="x:1", data_address="x:2", vnodes=16)
+
+
+def node_spec(world: int = 3) -> common_pb2.JobSpec:
+    spec = one_tensor_spec(world, "adamw", NODE_BLOCK, lr=LR)
+    spec.tensors.add(name="b", shape=[5], dtype="float32", trainable=True)
+    return spec
+
+
+def served_node(initial: dict) -> PSNode:
+    node = PSNode("n1", lambda name: dispatcher_pb2.JobInfo(spec=node_spec(), uid="u", ready=True), lambda: NODE_TABLE)
+    node.refresh_routing()
+    job = node.add_job(node_spec(), "u")
+    job.init_blocks([("w", i, initial["w"][i * NODE_BLOCK:(i + 1) * NODE_BLOCK].clone()) for i in (0, 1)]
+                    + [("b", 0, initial["b"].clone())])
+    return node
+
+
+class ServedOverTcp:
+    """``node`` serving one TCP-like connection (a socket pair) in a thread; ``client`` is the other end."""
+
+    def __init__(self, node: PSNode):
+        self.client, server = socket.socketpair()
+        self.thread = threading.Thread(target=serve_connection, daemon=True,
+                                       args=(server, "local:1", node, ConnectionPolicy(payload_timeout=5.0)))
+        self.thread.start()
+
+    def close(self):
+        self.client.close()
+        self.thread.join(10)
+
+
+def node_client(offline_client, rank: int, conn_sock):
+    """An offline Client of ``rank`` whose only node, n1, is served on ``conn_sock``."""
+    client = offline_client(node_spec())
+    client.rank, client.incarnation, client.lr = rank, f"rank{rank}", LR
+    client._request_ids, client._commit_follows, client._pulling_at_step = itertools.count(1), False, False
+    client._unchecked, client._carried, client._staging_buffers = {}, None, {}
+    client._reads, client.stats, client._oldest = ReadRouter(None), TransferStats(), {}
+    client._local_addresses, client.recovery_timeout, client.connect_timeout = {}, 10.0, 5.0
+    client.routing = RoutingView.from_proto(NODE_TABLE)
+    client.dispatcher = types.SimpleNamespace(get_routing=lambda: NODE_TABLE)
+    client._conns = {"n1": types.SimpleNamespace(sock=conn_sock, lock=threading.Lock(), address="x:2",
+                                                 close=lambda: None)}
+    return client
+
+
+def node_grads(seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    grads = [{"w": torch.randn(2 * NODE_BLOCK, generator=g), "b": torch.randn(5, generator=g)} for _ in range(3)]
+    grads[0]["b"] = None   # the leader has no gradient for "b", rank 1 has
+    return grads
+
+
+def node_reference(initial: dict, grads: list[dict], weights) -> dict:
+    params = {n: initial[n].clone().requires_grad_() for n in ("w", "b")}
+    opt = torch.optim.AdamW(list(params.values()), lr=LR, foreach=False)
+    for n, p in params.items():
+        p.grad = sum(w * g[n] for g, w in zip(grads, weights) if g[n] is not None) / math.fsum(weights)
+    opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def node_values(node: PSNode) -> dict:
+    job = node.store.get("j")
+    return {"w": torch.cat([job.blocks[("w", i)].value for i in (0, 1)]), "b": job.blocks[("b", 0)].value}
+
+
+def sums_of(grads: list[dict], weights) -> dict:
+    return {n: sum(w * g[n] for g, w in zip(grads[:2], weights[:2]) if g[n] is not None) for n in ("w", "b")}
+
+
+def watch_pushes(node: PSNode) -> list:
+    """The (rank, agg_ranks) of every push ``node`` begins."""
+    seen, real = [], node.begin_push
+
+    def begin_push(header, scratch, regions=None):
+        seen.append((header.rank, tuple(header.agg_ranks)))
+        return real(header, scratch, regions)
+    node.begin_push = begin_push
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_client_pushes_an_aggregate_over_the_data_plane(transport, offline_client, request):
+    weights = WEIGHTS[:3]
+    initial = {"w": torch.randn(2 * NODE_BLOCK, generator=torch.Generator().manual_seed(1)), "b": torch.randn(5)}
+    node = served_node(initial)
+    pushes = watch_pushes(node)
+    served = [ServedOverTcp(node) if transport == "tcp" else ServedOverShm(node) for _ in range(3)]
+    make = offline_client if transport == "tcp" else request.getfixturevalue("shm_client")
+    clients = [node_client(make, rank, s.client) for rank, s in enumerate(served)]
+    for client in clients:
+        client._local_addresses["x:2"] = transport == "shm"   # the node is on this host
+    try:
+        grads = node_grads(2)
+        sums = sums_of(grads, weights)
+        leader, member, other = clients
+        if transport == "shm":   # the sums in the leader's gradient buffers: the node takes them from there
+            sums = leader.stage_gradients(sums)
+            assert all(leader._shm.in_grad_region(t) for t in sums.values())
+        leader.push(grads[0], weight=weights[0], commit=False,
+                    aggregate=HostAggregate((0, 1), weights[:2], sums))
+        assert pushes == [(0, (0, 1))]
+        assert leader._inflight[0].grads.keys() == {("w", 0), ("w", 1)}   # its own blocks, not the sums'
+        assert torch.equal(leader._inflight[0].grads[("w", 1)], grads[0]["w"][NODE_BLOCK:])
+        if transport == "shm":
+            assert leader.stats.taken_blocks == 3
+        member.record_pushed(grads[1], weight=weights[1])
+        assert member._inflight[0].grads.keys() == {("w", 0), ("w", 1), ("b", 0)} and pushes == [(0, (0, 1))]
+        other.push(grads[2], weight=weights[2])
+        leader.commit(weight=weights[0])
+        member.commit(weight=weights[1])
+        assert node.store.get("j").step == 1 and node.store.get("j").aggregated_ranks == 2
+        want = node_reference(initial, grads, weights)
+        for n, v in node_values(node).items():
+            torch.testing.assert_close(v, want[n], **ROUND_OFF)
+    finally:
+        for s in served:
+            s.close()
+
+
+def test_a_node_recovered_within_an_aggregate_gets_the_leaders_record_alone_then_the_conflict(offline_client):
+    """The node refuses the aggregate as busy (its blocks wait for a handover); the leader's
+    recovery resends its own record alone, then the aggregate again: the node now holds the
+    leader's blocks but not the member's, so AGGREGATE_CONFLICT, and the ranks push alone."""
+    weights = WEIGHTS[:3]
+    initial = {"w": torch.randn(2 * NODE_BLOCK, generator=torch.Generator().manual_seed(3)), "b": torch.randn(5)}
+    node = served_node(initial)
+    job = node.store.get("j")
+    keys = set(job.blocks)
+    job.set_primary(set(), epoch=1)   # taken over (again) from a live primary whose handover never comes
+    job.set_primary(keys, epoch=1, awaiting={k: ("old", time.monotonic() + 1.5) for k in keys})
+    pushes = watch_pushes(node)
+    served = [ServedOverTcp(node) for _ in range(3)]
+    leader, member, other = (node_client(offline_client, rank, s.client) for rank, s in enumerate(served))
+    try:
+        grads = node_grads(4)
+        with pytest.raises(RemoteError) as err:
+            leader.push(grads[0], weight=weights[0], commit=False,
+                        aggregate=HostAggregate((0, 1), weights[:2], sums_of(grads, weights)))
+        assert err.value.code == ErrorCode.AGGREGATE_CONFLICT
+        aggregated = [ranks for _rank, ranks in pushes]
+        assert aggregated[0] == (0, 1) and aggregated[-1] == (0, 1) and () in aggregated[1:-1], pushes
+        assert job.aggregated_ranks == 0
+        leader.push(grads[0], weight=weights[0])   # alone: a resend where the record went already
+        member.push(grads[1], weight=weights[1])
+        other.push(grads[2], weight=weights[2])
+        want = node_reference(initial, grads, weights)
+        for n, v in node_values(node).items():
+            torch.testing.assert_close(v, want[n], **ROUND_OFF)
+    finally:
+        for s in served:
+            s.close()
+
+
+def test_the_client_refuses_an_aggregate_that_does_not_fit_before_sending(offline_client):
+    client = node_client(offline_client, 0, None)
+    g = {"w": torch.ones(2 * NODE_BLOCK), "b": torch.ones(5)}
+    cases = [
+        (HostAggregate((0, 1), (1.0, 1.0), {"w": g["w"]}), "no sum for block b[0]"),
+        (HostAggregate((0, 3), (1.0, 1.0), g), "world_size 3"),
+        (HostAggregate((1, 2), (1.0, 1.0), g), "not among them"),
+        (HostAggregate((0, 1), (2.0, 1.0), g), "weight 2.0, the frame's weight is 1.0"),
+    ]
+    for aggregate, message in cases:
+        with pytest.raises(ShardlineConfigError, match=re.escape(message)):
+            client.push(g, aggregate=aggregate)
+    assert not client._inflight
