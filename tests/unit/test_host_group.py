@@ -589,6 +589,8 @@ def test_three_workers_sum_bitwise_equal_to_the_reference_whatever_order_they_co
     with pytest.raises(WorkerError, match=r"begin_step\(6\) before step 5's LeaderStep.finish\(\)"):
         by_rank[leader].call("begin", 6, 1.0, 11, ())
     by_rank[leader].call("finish", True)
+    with pytest.raises(WorkerError, match="finish\\(\\) of step 5 in state leading"):   # once only
+        by_rank[leader].call("finish", True)
     assert [by_rank[r].call("wait") for r in members] == [(True, "member")] * 2
 
 
