@@ -211,6 +211,8 @@ class Worker:
         os.kill(self.pid, signal.SIGCONT)
 
     def end(self) -> None:
+        if not self.booted:   # a replacement nobody used: no group to close, no need to wait for its imports
+            self.proc.kill()
         try:
             if self.alive():
                 self.resume()
