@@ -48,6 +48,9 @@ Names in use (where a fault splits a protocol step):
   its pushes and its commit;
 * ``worker.commit_partial`` — a worker that committed its step on one node only (armed, the worker
   commits on its first node, then fires);
+* ``worker.host_group_ready`` — a member of a host group, its READY sent (worker/host_group.py);
+* ``worker.host_group_leader_summed`` — a host group's leader, its members' gradients summed, before
+  it returns to push them;
 * ``ps.after_apply`` — a primary that applied a step before replicating it;
 * ``ps.holder_replay`` — a copy holder that received a step's gradients to replay, before it
   replayed or acknowledged them;
