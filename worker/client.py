@@ -230,7 +230,7 @@ class Client:
                                            tls_ca=self.tls_ca)
         self._transport = get_transport(transport)
         self._reads = ReadRouter(default_rack(rack), cache_timeout=cache_timeout)
-        self._local_addresses: dict[str, bool] = {}   # data address -> on this host (_is_local)
+        self._local_addresses: dict[str, bool] = {}   # data address -> on this host (on_this_host)
         self._lease = WorkerLease(job, rank, self.incarnation, lambda **kw: self.dispatcher.worker_heartbeat(**kw),
                                   lambda: self.step or 0)
         self.dispatcher.wait_until_reachable(connect_timeout)
@@ -331,7 +331,7 @@ class Client:
         ``staleness`` steps, and a compressed push sends no bytes of the buffer.
         """
         if self.staleness or self._compressor is not None or not self._transport.capabilities.shares_memory \
-                or not any(map(self._is_local, self.routing.nodes)):
+                or not any(map(self.on_this_host, self.routing.nodes)):
             return grads
         names, sources, buffers = [], [], []
         for name, g in grads.items():
@@ -533,6 +533,10 @@ class Client:
                 self._versions[(name, s.index)] = 0
         self.dispatcher.mark_job_ready(self.job, *revision)
 
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        """The shape of the job's tensor ``name``."""
+        return tuple(self._shapes[name])
+
     def shared_cache(self, name: str) -> torch.Tensor | None:
         """The cache of ``name``, shaped like the job's tensor, if it is in shared memory (a local
         node copies pulled blocks straight into it); None otherwise."""
@@ -623,7 +627,8 @@ class Client:
                 raise ShardlineConfigError(f"out[{n!r}] has shape {tuple(t.shape)}, the job's tensor {self._shapes[n]}")
 
     def push(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, commit: bool = True,
-             blocks: dict[str, list[int]] | None = None, aggregate: HostAggregate | None = None) -> None:
+             blocks: dict[str, list[int]] | None = None, aggregate: HostAggregate | None = None,
+             before_commit: Callable[[], None] | None = None) -> None:
         """Contribute gradients for the current step.
 
         BSP: push to the owning nodes, then (unless ``commit=False``) commit the step on every
@@ -642,12 +647,18 @@ class Client:
         node that holds a block of the sums from some but not all of the ranks (one pushed alone)
         refuses the whole push: RemoteError AGGREGATE_CONFLICT, and the ranks push alone instead
         (``grads`` stay recorded: pushing them again alone is a resend where the aggregate was taken).
+
+        ``before_commit``: called once every node acknowledged the push, before the commit (a
+        host's leader tells its members there, so that their commits follow at once; the push
+        still tells the nodes that this rank commits next).
         """
         self._commit_follows = commit
         try:
             self._push(grads, weight, blocks, aggregate)
         finally:
             self._commit_follows = False
+        if before_commit is not None:
+            before_commit()
         if commit and self._collects:
             self._commit(weight)
 
@@ -670,6 +681,16 @@ class Client:
         if self._compressor is not None:
             payload = self._compressor.encode(payload, step)
         self._inflight.record(step, weight, self.staleness).grads.update(payload)
+
+    def check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
+        """Raise what a push of ``grads`` would for a NaN/Inf among them (unless the job allows
+        them), sending nothing: a host's member checks its own before it hands them to its
+        leader, so a bad gradient fails its own step, not the host's push."""
+        if self._require_spec().allow_nonfinite:
+            return
+        for name, g in grads.items():
+            if g is not None:
+                _check_finite(name, g)
 
     def _check_aggregates(self, spec) -> None:
         """Aggregated pushes are for BSP/SSP jobs whose gradients are not sign-compressed (a sum of
@@ -1182,10 +1203,10 @@ class Client:
             pull_applied=op == dp.OP_COMMIT)
         if not reads or self._reads.cache_for(self.routing) is not None:
             return lambda key: owner(job, key[0], key[1])
-        sources = self._reads.sources(self.routing, self.spec, self.rank, self._is_local)
+        sources = self._reads.sources(self.routing, self.spec, self.rank, self.on_this_host)
         return lambda key: sources.get(key) or owner(job, key[0], key[1])
 
-    def _is_local(self, node_id: str) -> bool:
+    def on_this_host(self, node_id: str) -> bool:
         """Whether PS node ``node_id`` runs on this host (its data address is one of this host's)."""
         address = self.routing.data_address(node_id)
         local = self._local_addresses.get(address)

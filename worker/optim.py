@@ -31,6 +31,9 @@ from shardline.worker.options import (ConnectionOptions, JobOptions, Performance
 from shardline.worker.flat_params import FlatGroup, flat_layout, groups_that_could_be_flat, is_flat_name
 from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, FlatBackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
+from shardline.worker.host_group import HostGroup
+from shardline.worker.host_step import aggregation_wanted, push_step
+from shardline.services.compression import compression_of
 
 log = logging.getLogger("shardline.worker")
 
@@ -229,10 +232,11 @@ class PSOptimizer(torch.optim.Optimizer):
                  max_grad_norm: float | None = None, metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
                  overlap: bool = False, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, priority_pull: bool = True,
                  compression: str | None = None, rack: str | None = None, exact_restarts: bool | None = None,
-                 replicate_gradients: bool | None = None, flatten: bool = False, **optimizer_kwargs):
+                 replicate_gradients: bool | None = None, flatten: bool = False,
+                 host_aggregation: bool | None = None, **optimizer_kwargs):
         check_options({"prefetch_window": prefetch_window, "overlap": overlap, "priority_pull": priority_pull,
                        "flatten": flatten, "exact_restarts": exact_restarts,
-                       "replicate_gradients": replicate_gradients})
+                       "replicate_gradients": replicate_gradients, "host_aggregation": host_aggregation})
         # Checked here, not first by the client: the first torch.optim.Optimizer built in a process
         # imports torch._dynamo (about 1 s), and a typo in the address should fail at once.
         parse_address_list(cluster, what="cluster")
@@ -246,7 +250,7 @@ class PSOptimizer(torch.optim.Optimizer):
                                        cluster_token=cluster_token, tls_ca=tls_ca,
                                        straggler_warning_seconds=straggler_warning_seconds, rack=rack)
         performance = PerformanceOptions(prefetch_window=prefetch_window, overlap=overlap, bucket_cap_mb=bucket_cap_mb,
-                                         priority_pull=priority_pull)
+                                         priority_pull=priority_pull, host_aggregation=host_aggregation)
         self._metrics_server, self.metrics_address = None, None
         self.kind = defaults_config.kind
         self._hyper_keys = tuple(defaults_config.torch_kwargs())  # what the servers step with
@@ -264,6 +268,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self._cap_bytes = cap_bytes
         self._step_weight: float | None = None   # set_step_weight(), for the next step
         self._pusher: BackwardPusher | None = None
+        self._host_group: HostGroup | None = None   # this worker's host aggregation group, if any
         self._priority: PriorityPull | None = None
         self.forward_wait_seconds = 0.0  # spent in module forward pre-hooks waiting for pulls (benchmarks)
         self._forward_wait_observed = 0.0  # ... of which the pull-wait metric has seen
@@ -290,6 +295,7 @@ class PSOptimizer(torch.optim.Optimizer):
         self.client.join(list(job_tensors))
         self._sync_copies()
         self._start_overlap(performance, cap_bytes)
+        self._host_group = self._join_host_group(cluster, performance)
         self._flat_hint_due = not self.flatten and self.rank == 0   # once, at the first step with gradients
         self._metrics = metrics.StepMetrics(job, self.rank)
         self._metrics.transferred(self.client.stats, self.version)
@@ -357,6 +363,18 @@ class PSOptimizer(torch.optim.Optimizer):
         # other waits for) gets it in the commit's replies, a round trip sooner. Not where overlap
         # commits when backward ends: the parameters must not change before step().
         self.client.pull_on_commit = self._priority is None and (self._pusher is None or not self._pusher.commits)
+
+    def _join_host_group(self, cluster: str, performance: PerformanceOptions) -> HostGroup | None:
+        """This worker's place in its host's aggregation group (worker/host_step.py says when it
+        has one): the job's trainable tensors, in the job's order, are what the group sums."""
+        spec = self.client.spec
+        if not aggregation_wanted(performance.host_aggregation, sync=spec.sync, compression=compression_of(spec),
+                                  overlap=performance.overlap, nodes=self.client.routing.nodes,
+                                  is_local=self.client.on_this_host):
+            return None
+        layout = [(t.name, math.prod(self.client.shape_of(t.name))) for t in spec.tensors if t.trainable]
+        return HostGroup(f"{cluster}|{spec.name}|{self.client.uid}", self.rank, layout,
+                         incarnation=self.client.incarnation)
 
     def _attach_cache(self, name: str, p: torch.Tensor, *, same_contents: bool) -> None:
         """Make pulls of ``name`` land in parameter ``p``. An fp32 parameter takes the client's
@@ -612,7 +630,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 grads = self.client.stage_gradients(
                     {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None})
             self.client.lr = lrs
-            self.client.push(grads, weight=weight or declared or 1.0)
+            push_step(self.client, self._host_group, grads, weight or declared or 1.0)
         else:
             self._check_sent(*sent, declared if weight is None else weight)
             if not self._pusher.commits:   # flat groups: the commit goes from here, and brings the pull
@@ -782,6 +800,8 @@ class PSOptimizer(torch.optim.Optimizer):
             if self._pusher is not None:
                 self._pusher.remove()
             self._executor.shutdown(wait=True)
+            if self._host_group is not None:
+                self._host_group.close()
             self.client.close()
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()

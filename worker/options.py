@@ -79,6 +79,7 @@ class PerformanceOptions:
     overlap: bool = False
     bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB
     priority_pull: bool = True
+    host_aggregation: bool | None = None   # None: where a push crosses hosts (worker/host_step.py)
 
 
 def _is_bool(value) -> bool:
@@ -99,6 +100,7 @@ OPTION_CHECKS: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("flatten", _is_bool, "must be True or False"),
     ("exact_restarts", _is_bool_or_none, "must be True or False"),
     ("replicate_gradients", _is_bool_or_none, "must be True or False"),
+    ("host_aggregation", _is_bool_or_none, "must be True, False or None (where a push crosses hosts)"),
 )
 
 

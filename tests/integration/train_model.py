@@ -262,6 +262,8 @@ def main(argv):
         policy["replicate_gradients"] = True
     if os.environ.get("SHARDLINE_TEST_REPLICATE_COPIES") == "1":   # copies of value and state
         policy["replicate_gradients"] = False
+    if os.environ.get("SHARDLINE_TEST_HOST_AGGREGATION") == "1":   # even where every node is on this host
+        policy["host_aggregation"] = True
     if os.environ.get("SHARDLINE_TEST_FLATTEN") == "1":  # the trainable parameters as one tensor on the PS
         model.unused.requires_grad_(False)  # a flat step needs every trainable parameter's gradient (it has none)
         assert [n for n, p in model.named_parameters() if p.requires_grad] == list(FLAT_MEMBERS)

@@ -12,7 +12,7 @@ from shardline.worker.options import (MUST_MATCH, OPTION_CHECKS, JobOptions, che
 
 @pytest.mark.parametrize("name, bad", [("prefetch_window", 2), ("prefetch_window", True), ("overlap", 1),
                                        ("priority_pull", "yes"), ("flatten", None), ("exact_restarts", 0),
-                                       ("replicate_gradients", "no")])
+                                       ("replicate_gradients", "no"), ("host_aggregation", 1)])
 def test_a_bad_option_is_refused_quoting_it(name, bad):
     with pytest.raises(ShardlineConfigError, match=f"^{name} must .*, got {bad!r}$"):
         check_options({name: bad})
@@ -20,7 +20,7 @@ def test_a_bad_option_is_refused_quoting_it(name, bad):
 
 def test_good_options_pass_and_none_takes_the_jobs():
     check_options({"prefetch_window": 1, "overlap": False, "priority_pull": True, "flatten": False,
-                   "exact_restarts": None, "replicate_gradients": None})
+                   "exact_restarts": None, "replicate_gradients": None, "host_aggregation": None})
     assert [name for name, _, _ in OPTION_CHECKS][0] == "prefetch_window"   # checked first, as before
 
 
@@ -75,5 +75,6 @@ def test_psoptimizer_keeps_every_keyword_and_default():
         "recovery_timeout": 120.0, "replication": None, "worker_lease_timeout": None, "on_worker_failure": None,
         "tls_ca": None, "straggler_warning_seconds": 30.0, "max_grad_norm": None, "metrics_port": None,
         "metrics_host": "127.0.0.1", "overlap": False, "bucket_cap_mb": 1.0, "priority_pull": True,
-        "compression": None, "rack": None, "exact_restarts": None, "replicate_gradients": None, "flatten": False}
+        "compression": None, "rack": None, "exact_restarts": None, "replicate_gradients": None, "flatten": False,
+        "host_aggregation": None}
     assert list(params)[:3] == ["params", "cluster", "job"] and "optimizer_kwargs" in params
