@@ -51,7 +51,7 @@ until the answer: the member writes it again only in its next begin_step, which 
 ``MemberStep.wait()`` (begin_step raises in WAITING). A step is aggregated at most once: a
 begin_step for a step not after this worker's last one (a retried step) pushes alone.
 
-Failures (docs/architecture.md, "Host aggregation (worker/host_group.py)"; tests/unit/test_host_group.py):
+Failures (docs/architecture.md, "Host aggregation"; tests/unit/test_host_group.py):
 
 ============================================  ==================================================================
 failure                                       what happens
