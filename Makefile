@@ -86,6 +86,7 @@ chaos: protos system-deps
 	$(PY) tests/fault/chaos.py --seeds $(CHAOS_SEEDS) --faults $(CHAOS_FAULTS) --out bench/results/chaos.json
 	$(PY) tests/fault/chaos.py --seeds 4 --faults $(CHAOS_FAULTS) --rebalance --out bench/results/chaos_rebalance.json
 	$(PY) tests/fault/chaos.py --seeds 5,6 --faults $(CHAOS_FAULTS) --partitions --out bench/results/chaos_partitions.json
+	$(PY) tests/fault/chaos.py --seeds 7 --faults $(CHAOS_FAULTS) --host-aggregation --out bench/results/chaos_host_aggregation.json
 
 clean:
 	rm -rf services/pb/*_pb2*.py services/pb/*_pb2*.pyi $(PB_STAMP) .pytest_cache

@@ -40,6 +40,10 @@ REBALANCE_INTERVAL seconds (heat half-life 1 s), so faults also land on pending 
 node killed or restarted, the leader killed mid-rebalance); the report counts the rebalances
 the leaders started.
 
+With ``--host-aggregation`` the two workers aggregate their pushes as one host's
+(``host_aggregation=True``, worker/host_group.py) and the host group's failpoints (the leader
+after summing, a member after handing its gradients over) join the worker failpoints.
+
 After each fault the harness waits for the next applied step and records how long it took. At
 the end every worker must report the full number of steps and parameters equal to one process
 running torch.optim (no step lost), and no wait may have hung.
@@ -78,6 +82,9 @@ FAULTS = {  # kind -> weight
 PARTITIONS = {"ps_cut": 2, "leader_cut": 1, "worker_cut": 1, "ps_dispatcher_loss": 2}
 PARTITION_SECONDS = (1.0, 8.0)
 WORKER_FAILPOINTS = ("worker.before_push", "worker.after_push", "worker.commit_partial")
+# --host-aggregation: the workers of this host sum their gradients (worker/host_group.py); a
+# leader dies after summing, a member after handing its gradients over (each fires on its role only)
+HOST_GROUP_FAILPOINTS = ("worker.host_group_leader_summed", "worker.host_group_ready")
 PS_FAILPOINTS = ("ps.after_apply", "ps.checkpoint.values.tmp", "ps.checkpoint.state.renamed",
                  "ps.checkpoint.manifest.tmp")
 POINTS = {"ps_failpoint": PS_FAILPOINTS, "worker_failpoint": WORKER_FAILPOINTS}
@@ -130,7 +137,10 @@ class Chaos:
     and the faults include PARTITIONS."""
 
     def __init__(self, workdir: Path, etcd, seed: int, faults: int = 0, log=print, keep_checkpoints: bool = False,
-                 rebalance: bool = False, cover: bool = False, partitions: bool = False):
+                 rebalance: bool = False, cover: bool = False, partitions: bool = False,
+                 host_aggregation: bool = False):
+        self.host_aggregation = host_aggregation
+        self.worker_failpoints = WORKER_FAILPOINTS + (HOST_GROUP_FAILPOINTS if host_aggregation else ())
         self.keep_checkpoints = keep_checkpoints  # every chain kept: a divergence can be found step by step
         self.rebalance = rebalance
         self.partitions = partitions
@@ -187,7 +197,8 @@ class Chaos:
         """A worker's environment: held before each step not allowed yet; ``failpoint``: one more
         SHARDLINE_FAILPOINTS entry."""
         return {**train_model.held_env(self.held, also=failpoint), "SHARDLINE_TEST_LOG_LEVEL": "INFO",
-                **(self.cluster.worker_env if self.partitions else {})}
+                **(self.cluster.worker_env if self.partitions else {}),
+                **({"SHARDLINE_TEST_HOST_AGGREGATION": "1"} if self.host_aggregation else {})}
 
     def allow(self, steps: int) -> None:
         """Let training run up to ``steps`` (each fault gets a few steps around it)."""
@@ -328,7 +339,7 @@ class Chaos:
 
     def _worker_failpoint(self, point: str | None = None) -> str:
         rank = self.rng.randrange(2)
-        point = point or self.rng.choice(WORKER_FAILPOINTS)
+        point = point or self.rng.choice(self.worker_failpoints)
         at = self.progress() + self.rng.randint(2, 4)
         self.restart_worker(rank, failpoint=f"{point}@{at}")
         self.armed[rank] = (point, at)  # it fires when training gets there, maybe during the next faults
@@ -436,12 +447,16 @@ def main(argv=None) -> int:
                     help="every kind and every failpoint once (make test's schedule) instead of --faults draws")
     ap.add_argument("--rebalance", action="store_true",
                     help=f"the dispatchers rebalance the ring every {REBALANCE_INTERVAL:g} s meanwhile")
+    ap.add_argument("--host-aggregation", action="store_true",
+                    help="the workers aggregate their pushes as one host (host_aggregation=True) and the "
+                         "host group's failpoints join the worker failpoints")
     ap.add_argument("--partitions", action="store_true",
                     help="run every daemon and worker on an emulated host and cut the network too (needs root, "
                          "iproute2 and nftables)")
     args = ap.parse_args(argv)
     reports = []
-    options = dict(rebalance=args.rebalance, cover=args.cover, partitions=args.partitions)
+    options = dict(rebalance=args.rebalance, cover=args.cover, partitions=args.partitions,
+                   host_aggregation=args.host_aggregation)
     with contextlib.nullcontext() if args.partitions else EtcdServer() as etcd:   # partitions: one per cluster
         for seed in (int(s) for s in args.seeds.split(",")):
             if args.keep:
