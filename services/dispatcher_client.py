@@ -153,6 +153,12 @@ class DispatcherClient:
         for channel in channels:
             channel.close()
 
+    def __enter__(self) -> "DispatcherClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def reconnect(self) -> None:
         """Close every channel; the next call dials afresh. After calls that got no answer (a
         network that was cut): a new connection gets through as soon as the network is back, where

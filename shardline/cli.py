@@ -369,11 +369,8 @@ def render_hot(data: dict) -> str:
 def _status_hot(args: argparse.Namespace) -> int:
     if args.limit < 0:
         raise _UsageError(f"--limit must be >= 0, got {args.limit!r}")
-    client = _connect_dispatcher(args)
-    try:
+    with _connect_dispatcher(args) as client:
         data = hot_dict(client.hot_shards(args.limit, args.job or ""), args.cluster)
-    finally:
-        client.close()
     if args.json:
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -385,11 +382,8 @@ def _status_hot(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     if args.hot:
         return _status_hot(args)
-    client = _connect_dispatcher(args)
-    try:
+    with _connect_dispatcher(args) as client:
         status = client.cluster_status()
-    finally:
-        client.close()
     data = status_dict(status, args.cluster, node_progress(status, args.timeout, args.token, args.tls_ca))
     if args.json:
         json.dump(data, sys.stdout, indent=1)
@@ -404,12 +398,9 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    client = _connect_dispatcher(args)
-    try:
+    with _connect_dispatcher(args) as client:
         started = time.monotonic()
         reply = client.checkpoint_job(args.job, args.wait)
-    finally:
-        client.close()
     print(f"job {args.job}: step {reply.step} durable on {len(reply.nodes)} node(s) ({', '.join(reply.nodes)}) "
           f"in {time.monotonic() - started:.2f} s")
     return EXIT_OK
@@ -420,11 +411,8 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _job_delete(args: argparse.Namespace) -> int:
-    client = _connect_dispatcher(args)
-    try:
+    with _connect_dispatcher(args) as client:
         reply = client.delete_job(args.name)
-    finally:
-        client.close()
     if reply is None:
         raise ShardlineError(f"no job named {args.name!r}")
     pending = f"; pending on {', '.join(reply.pending_on)} (dropped when they next heartbeat)" if reply.pending_on else ""
@@ -434,8 +422,7 @@ def _job_delete(args: argparse.Namespace) -> int:
 
 
 def _drain(args: argparse.Namespace) -> int:
-    client = _connect_dispatcher(args)
-    try:
+    with _connect_dispatcher(args) as client:
         reply = client.drain_node(args.node_id)
         print(f"draining {args.node_id}: its blocks move to the other nodes (pending ring of epoch {reply.epoch})",
               flush=True)
@@ -458,8 +445,6 @@ def _drain(args: argparse.Namespace) -> int:
                 raise ShardlineError(f"{args.node_id!r} is still draining after {args.wait:g} s (nodes still "
                                      f"bringing its blocks in sync); see shardline status")
             time.sleep(0.2)
-    finally:
-        client.close()
 
 
 def cmd_fit_cost(args: argparse.Namespace) -> int:
@@ -512,12 +497,9 @@ def _job_tensors(args: argparse.Namespace) -> tuple[int, dict, str]:
         raise _UsageError("--step applies to --checkpoint-dir exports (a running cluster exports its current step)")
     from shardline.worker.client import connect
 
-    dispatcher = _connect_dispatcher(args)
-    try:
+    with _connect_dispatcher(args) as dispatcher:
         if dispatcher.get_job(args.job) is None:
             raise ShardlineError(f"no job named {args.job!r} on the cluster at {args.cluster}")
-    finally:
-        dispatcher.close()
     client = connect(args.cluster, job=args.job, cluster_token=args.token, tls_ca=args.tls_ca,
                      connect_timeout=args.timeout)
     try:
