@@ -245,9 +245,24 @@ def _sign_block_problem(header: FrameHeader, ref: BlockRef) -> str | None:
 def recv_exactly_into(sock, view: memoryview, deadline: float | None = None) -> None:
     """Fill ``view`` from ``sock``. Raises ConnectionError if the peer closes first and, with a
     ``deadline`` (``time.monotonic()`` value), TimeoutError once it has passed: however slowly the
-    bytes trickle in, the read ends then (the socket's timeout is left changed)."""
+    bytes trickle in, the read ends then (the socket's timeout is left changed).
+
+    With a ``deadline``, a large read from a TCP socket loops in C (``recv_f32``, its check left
+    unused): a payload arriving in many small pieces (a slow or shaped link) costs one Python call,
+    not one per piece."""
     n = len(view)
+    if deadline is not None and n >= C_RECV_MIN_BYTES and receives_checked(sock):
+        got, _finite = recv_f32(sock.fileno(), view, deadline)
+        if got < n:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{got} of {n} bytes arrived in time")
+            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        return
     _fill(sock, n, deadline, lambda got: sock.recv_into(view[got:], n - got))
+
+
+# recv_exactly_into reads at least this many bytes with a deadline in C (a header, in Python).
+C_RECV_MIN_BYTES = 64 * 1024
 
 
 def recv_checked_into(sock, view: memoryview, deadline: float | None = None) -> bool:

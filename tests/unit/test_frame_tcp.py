@@ -158,3 +158,30 @@ def test_only_sockets_receive_checked(pair):
 
     assert not frame.receives_checked(NotASocket())
     assert frame.receives_checked(pair[0]) is (recv_f32 is not None)
+
+
+@needs_helper
+def test_a_large_read_with_a_deadline_arrives_whole_in_pieces_or_ends_the_read(pair):
+    """recv_exactly_into with a deadline reads a large payload in C (recv_f32): any bytes, whole
+    however they are cut, and the same errors as the Python loop for a stall or an early close."""
+    a, b = pair
+    n = frame.C_RECV_MIN_BYTES * 3 + 5
+    data = bytes(np.random.default_rng(0).integers(0, 256, n, dtype=np.uint8))   # NaN patterns included
+
+    def trickle():
+        for i in range(0, n, 50_001):
+            a.sendall(data[i:i + 50_001])
+            time.sleep(0.002)
+
+    sender = _sender(trickle)
+    buf = bytearray(n)
+    frame.recv_exactly_into(b, memoryview(buf), time.monotonic() + 10)
+    sender.join()
+    assert bytes(buf) == data
+    a.sendall(b"\0" * 8)
+    with pytest.raises(TimeoutError, match=f"8 of {n} bytes"):
+        frame.recv_exactly_into(b, memoryview(buf), time.monotonic() + 0.2)
+    a.sendall(b"\0" * 4)
+    a.close()
+    with pytest.raises(ConnectionError, match=f"after 4 of {n} bytes"):
+        frame.recv_exactly_into(b, memoryview(buf), time.monotonic() + 10)
