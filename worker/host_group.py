@@ -7,18 +7,20 @@ shared memory, so that the host sends one push per block to the PS nodes instead
 
                    BOUND                BEGIN                  SUMMED
         JOINING ------------> LEADING -----------> COLLECTING -----------> AGGREGATED
-         | | ^ ^                ^  ^                   |                       |
-         | | | |                |  +------ ALONE ------+                       |
-         | | | |                +------------------- FINISHED -----------------+
+         | | ^ ^               ^ ^ ^                   |                    |     |
+         | | | |               | | +------ ALONE ------+                    |     | PULL_OWED
+         | | | |               | +----------------- FINISHED ---------------+     v
+         | | | |               +-------------------- PULL_SENT ----------------- SHARING
          | | | |
          | | | +-- UNREACHED (no answer within join_timeout: tried again at the next step)
          | | |
-         | | +------------ LEADER_LOST (from MEMBER and from WAITING) ------------+
+         | | +------------ LEADER_LOST (from MEMBER, WAITING and PULL_AWAITED) -----+
          | |                                                                      |
          | |      JOINED               READY_SENT                                 |
          | +-------------> MEMBER -------------------> WAITING - - - - - - - - - -+
-         |                   ^                            |
-         |                   +-------- ANSWERED ----------+
+         |                  ^  ^                        |     |
+         |                  |  +-------- ANSWERED ------+     | PULL_DUE
+         |                  +---------- PULL_TAKEN ------- PULL_AWAITED
          |
          +-- REFUSED --> SOLO (pushes alone for good)
 
@@ -30,7 +32,10 @@ shared memory, so that the host sends one push per block to the PS nodes instead
     were included and summed; ALONE: none was; FINISHED: LeaderStep.finish told them the outcome;
     READY_SENT: a member's gradients are in its region and READY went out; ANSWERED: PUSHED, FAILED
     or EXCLUDED came back; LEADER_LOST: the leader's connection ended, or no answer came within
-    leader_timeout.
+    leader_timeout. The shared pull: PULL_OWED: finish() told PUSHED to members whose READY asked
+    for the step's pull (SHARES_PULL); PULL_SENT: share_pull() sent them PULLED, or decline_pull()
+    NOT_PULLED; PULL_DUE: such a member was told PUSHED; PULL_TAKEN: take_pull() got PULLED (and
+    answered COPIED) or NOT_PULLED.
 
 Membership. ``group_key`` names the group: its digest names an abstract-namespace Unix socket
 (per network namespace: emulated hosts in namespaces of their own form groups of their own). The
@@ -38,8 +43,18 @@ first worker to bind it leads; the others connect, each sending a HELLO (group d
 digest, rank, incarnation) with the fd of its gradient region: a sealed memfd holding its float32
 gradients flat in layout order, each tensor on a 64-byte boundary, which the leader maps read-only.
 Both ends check the peer's uid (SO_PEERCRED). Per step only fixed structs travel on the socket:
-READY(step, weight, which tensors have a gradient) from a member, PUSHED, FAILED or EXCLUDED(step)
-back, and the group's ranks (ROSTER) whenever they change.
+READY(step, weight, which tensors have a gradient; flag SHARES_PULL) from a member, PUSHED, FAILED
+or EXCLUDED(step) back, and the group's ranks (ROSTER) whenever they change; where the pull is
+shared, PULLED or NOT_PULLED(step) from the leader and COPIED(step) back.
+
+The shared pull. Once the leader's own pull of a step completed, ``share_pull`` writes the blocks
+whose version changed into its pull region (PullLayout: header, per-block version table, values;
+a sealed memfd whose fd goes with the first PULLED a member gets), then tells each sharing member
+PULLED; ``take_pull`` copies the blocks whose version differs from the member's, adopts the
+leader's versions and answers COPIED. Region reuse: the leader rewrites the region only while no
+member is between a PULLED and its COPIED; otherwise it tells that step's sharers NOT_PULLED
+(each pulls itself). A member cut off by the leader mid-copy notices the hang-up after copying
+and keeps none of it.
 
 A step. The leader waits until every member sent READY for the step, until ``member_timeout``
 after its own call (the late ones are excluded from the step with a WARNING; their READY is
@@ -79,6 +94,12 @@ a peer of another uid                         the leader closes the connection; 
 a rank a live process already holds           REFUSED (RANK_TAKEN): SOLO, WARNING naming both incarnations
 a lying HELLO (no fd, region not a sealed     the connection closes / REFUSED (REGION)
 memfd of the layout's size), a bad message
+the leader dies before PULLED                 take_pull() returns None at once (EOF): the member pulls itself
+no PULLED within leader_timeout of PUSHED     the member hangs up, take_pull() returns None: it pulls itself
+a member has not answered COPIED              the leader does not rewrite the region: NOT_PULLED to the step's
+                                              sharers, who pull themselves
+another pull layout (digest), or a region of  take_pull() returns None (INFO naming why): the member pulls itself
+another size
 ============================================  ==================================================================
 """
 
