@@ -88,6 +88,7 @@ class TransferStats:
     placed_blocks: int = 0   # of pulled_blocks: copied by the node straight into this client's cache (shm)
     taken_blocks: int = 0    # pushed blocks the node copied straight out of a gradient_buffer (shm)
     carried_steps: int = 0   # steps whose blocks came with this worker's commit (pull_on_commit): no pull sent
+    shared_steps: int = 0    # steps whose blocks came from the host's leader (adopt_host_pull): no pull sent
 
 
 class CarriedPull(NamedTuple):
@@ -721,11 +722,13 @@ class Client:
                                        f"which rank {self.rank}'s own gradients have")
         return sent, flats
 
-    def commit(self, *, weight: float = 1.0) -> int:
-        """BSP/SSP: declare this worker's pushes for the current step complete. Returns the new step."""
+    def commit(self, *, weight: float = 1.0, carry_pull: bool = True) -> int:
+        """BSP/SSP: declare this worker's pushes for the current step complete. Returns the new step.
+        ``carry_pull=False``: this commit carries no pull even with ``pull_on_commit`` (the step's
+        values come otherwise: the host's shared pull)."""
         if not self._collects:
             raise ShardlineStateError(f"commit() is for BSP and SSP jobs; job {self.job!r} is {self.sync!r}")
-        self._commit(weight)
+        self._commit(weight, carry_pull=carry_pull)
         return self.step
 
     def step_sync(self, grads: dict[str, torch.Tensor | None], *, weight: float = 1.0, pull_names=None) -> int:
@@ -742,6 +745,26 @@ class Client:
             self._pull(names, min_step=None, timeout=None)
         if self._inflight and self.step is not None:
             # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
+            self._inflight.forget_before(self.step - self.staleness)
+
+    def reads_cross_hosts(self) -> bool:
+        """Whether a BSP pull of a new step would read some block of the job from a node on
+        another host (its nearest holder is not on this one)."""
+        route = self._route(dp.OP_PULL, max(self.step or 0, 1))
+        return any(not self.on_this_host(route(key)) for key in self._job_keys())
+
+    def host_pull_state(self) -> tuple[dict[str, torch.Tensor], dict[tuple[str, int], int]]:
+        """The caches (name -> flat tensor) and their block versions, as the host's shared pull
+        reads them (the leader) or writes them (a member: ``adopt_host_pull`` then)."""
+        return self._values, self._versions
+
+    def adopt_host_pull(self, held_step: int) -> None:
+        """BSP: the caches hold this client's step, copied from the host's leader's pull of it
+        (worker/host_step.py), whose oldest node step was ``held_step``: what ``pull_changed``
+        would have left, without a request."""
+        self.held_step = held_step
+        self.stats.shared_steps += 1
+        if self._inflight and self.step is not None:
             self._inflight.forget_before(self.step - self.staleness)
 
     def _took_carried_pull(self) -> bool:
@@ -956,7 +979,7 @@ class Client:
             _check_finite(name, g)
         self._unchecked.clear()
 
-    def _commit(self, weight: float) -> None:
+    def _commit(self, weight: float, *, carry_pull: bool = True) -> None:
         step = self._current_step()
         if failpoints.armed("worker.commit_partial", step):
             first = sorted(self.routing.nodes)[0]
@@ -966,7 +989,7 @@ class Client:
                 log.info("worker.commit_partial: the commit to %s failed (%s)", first, exc)
             failpoints.hit("worker.commit_partial", step)
         self._inflight.record(step, weight, self.staleness).committed = True
-        keys = self._carried_pull_keys()
+        keys = self._carried_pull_keys() if carry_pull else []
         self._carried = None
         answered: dict[str, list] = {}
         node_steps = self._scatter(dp.OP_COMMIT, keys, step=step, weight=weight, all_nodes=True, carried=answered)

@@ -7,18 +7,20 @@ shared memory, so that the host sends one push per block to the PS nodes instead
 
                    BOUND                BEGIN                  SUMMED
         JOINING ------------> LEADING -----------> COLLECTING -----------> AGGREGATED
-         | | ^ ^                ^  ^                   |                       |
-         | | | |                |  +------ ALONE ------+                       |
-         | | | |                +------------------- FINISHED -----------------+
+         | | ^ ^               ^ ^ ^                   |                    |     |
+         | | | |               | | +------ ALONE ------+                    |     | PULL_OWED
+         | | | |               | +----------------- FINISHED ---------------+     v
+         | | | |               +-------------------- PULL_SENT ----------------- SHARING
          | | | |
          | | | +-- UNREACHED (no answer within join_timeout: tried again at the next step)
          | | |
-         | | +------------ LEADER_LOST (from MEMBER and from WAITING) ------------+
+         | | +------------ LEADER_LOST (from MEMBER, WAITING and PULL_AWAITED) -----+
          | |                                                                      |
          | |      JOINED               READY_SENT                                 |
          | +-------------> MEMBER -------------------> WAITING - - - - - - - - - -+
-         |                   ^                            |
-         |                   +-------- ANSWERED ----------+
+         |                  ^  ^                        |     |
+         |                  |  +-------- ANSWERED ------+     | PULL_DUE
+         |                  +---------- PULL_TAKEN ------- PULL_AWAITED
          |
          +-- REFUSED --> SOLO (pushes alone for good)
 
@@ -30,7 +32,10 @@ shared memory, so that the host sends one push per block to the PS nodes instead
     were included and summed; ALONE: none was; FINISHED: LeaderStep.finish told them the outcome;
     READY_SENT: a member's gradients are in its region and READY went out; ANSWERED: PUSHED, FAILED
     or EXCLUDED came back; LEADER_LOST: the leader's connection ended, or no answer came within
-    leader_timeout.
+    leader_timeout. The shared pull: PULL_OWED: finish() told PUSHED to members whose READY asked
+    for the step's pull (SHARES_PULL); PULL_SENT: share_pull() sent them PULLED, or decline_pull()
+    NOT_PULLED; PULL_DUE: such a member was told PUSHED; PULL_TAKEN: take_pull() got PULLED (and
+    answered COPIED) or NOT_PULLED.
 
 Membership. ``group_key`` names the group: its digest names an abstract-namespace Unix socket
 (per network namespace: emulated hosts in namespaces of their own form groups of their own). The
@@ -38,8 +43,18 @@ first worker to bind it leads; the others connect, each sending a HELLO (group d
 digest, rank, incarnation) with the fd of its gradient region: a sealed memfd holding its float32
 gradients flat in layout order, each tensor on a 64-byte boundary, which the leader maps read-only.
 Both ends check the peer's uid (SO_PEERCRED). Per step only fixed structs travel on the socket:
-READY(step, weight, which tensors have a gradient) from a member, PUSHED, FAILED or EXCLUDED(step)
-back, and the group's ranks (ROSTER) whenever they change.
+READY(step, weight, which tensors have a gradient; flag SHARES_PULL) from a member, PUSHED, FAILED
+or EXCLUDED(step) back, and the group's ranks (ROSTER) whenever they change; where the pull is
+shared, PULLED or NOT_PULLED(step) from the leader and COPIED(step) back.
+
+The shared pull. Once the leader's own pull of a step completed, ``share_pull`` writes the blocks
+whose version changed into its pull region (PullLayout: header, per-block version table, values;
+a sealed memfd whose fd goes with the first PULLED a member gets), then tells each sharing member
+PULLED; ``take_pull`` copies the blocks whose version differs from the member's, adopts the
+leader's versions and answers COPIED. Region reuse: the leader rewrites the region only while no
+member is between a PULLED and its COPIED; otherwise it tells that step's sharers NOT_PULLED
+(each pulls itself). A member cut off by the leader mid-copy notices the hang-up after copying
+and keeps none of it.
 
 A step. The leader waits until every member sent READY for the step, until ``member_timeout``
 after its own call (the late ones are excluded from the step with a WARNING; their READY is
@@ -79,6 +94,12 @@ a peer of another uid                         the leader closes the connection; 
 a rank a live process already holds           REFUSED (RANK_TAKEN): SOLO, WARNING naming both incarnations
 a lying HELLO (no fd, region not a sealed     the connection closes / REFUSED (REGION)
 memfd of the layout's size), a bad message
+the leader dies before PULLED                 take_pull() returns None at once (EOF): the member pulls itself
+no PULLED within leader_timeout of PUSHED     the member hangs up, take_pull() returns None: it pulls itself
+a member has not answered COPIED              the leader does not rewrite the region: NOT_PULLED to the step's
+                                              sharers, who pull themselves
+another pull layout (digest), or a region of  take_pull() returns None (INFO naming why): the member pulls itself
+another size
 ============================================  ==================================================================
 """
 
@@ -120,15 +141,19 @@ MAX_TENSORS = 1 << 20       # layout entries: a READY's presence bitmap is 128 K
 ALIGNMENT = 64              # each tensor of a region starts on a cache line
 JOIN_RETRY_INTERVAL = 0.01  # s between tries while the socket is bound but not yet listening
 
-_MAGIC, _VERSION = b"SLHG", 1
+_MAGIC, _VERSION = b"SLHG", 2
 # HELLO, member -> leader, the region's fd on it: magic, version, rank, tensors, region bytes,
 # group digest, layout digest, incarnation (NUL-padded)
 _HELLO = struct.Struct("<4sIIIQ32s32s64s")
-# every other message: kind, argument, step, value; some kinds carry a tail (_tail_bytes)
-_MESSAGE = struct.Struct("<B3xIQd")
-WELCOME, REFUSED, ROSTER, READY, PUSHED, FAILED, EXCLUDED = range(1, 8)
+# every other message: kind, flags, argument, step, value; some kinds carry a tail (_tail_bytes)
+_MESSAGE = struct.Struct("<BB2xIQd")
+WELCOME, REFUSED, ROSTER, READY, PUSHED, FAILED, EXCLUDED, PULLED, NOT_PULLED, COPIED = range(1, 11)
 _KIND_NAMES = {WELCOME: "WELCOME", REFUSED: "REFUSED", ROSTER: "ROSTER", READY: "READY", PUSHED: "PUSHED",
-               FAILED: "FAILED", EXCLUDED: "EXCLUDED"}
+               FAILED: "FAILED", EXCLUDED: "EXCLUDED", PULLED: "PULLED", NOT_PULLED: "NOT_PULLED", COPIED: "COPIED"}
+SHARES_PULL = 1             # READY's flag: the member takes the step's pull from the leader (PULLED)
+# the pull region's header: magic, version, step, held step, pull layout digest
+_PULL_HEADER = struct.Struct("<4sIQQ32s")
+_PULL_MAGIC = b"SLPR"
 _POLL_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 
 
@@ -160,6 +185,10 @@ class HostGroupEvent(enum.Enum):
     READY_SENT = "a member's gradients are in its region and READY went out"
     ANSWERED = "the leader answered a member's READY (PUSHED, FAILED or EXCLUDED)"
     LEADER_LOST = "the leader's connection ended, or it did not answer within leader_timeout"
+    PULL_OWED = "the leader told members PUSHED, some of which share its pull: it owes them PULLED"
+    PULL_SENT = "the leader told the sharing members PULLED (the region holds the step) or NOT_PULLED"
+    PULL_DUE = "PUSHED came to a member that shares the pull: it awaits PULLED"
+    PULL_TAKEN = "PULLED (copied) or NOT_PULLED came to the member"
     CLOSE = "close()"
 
 
@@ -168,8 +197,10 @@ class HostGroupState(enum.Enum):
     LEADING = "leading"        # holds the socket: members join it; between steps
     COLLECTING = "collecting"  # the leader's begin_step: waiting for the members' READY
     AGGREGATED = "aggregated"  # the leader returned a LeaderStep: pushing; finish() answers the members
+    SHARING = "sharing"        # the leader owes its sharing members the step's pull (share_pull, decline_pull)
     MEMBER = "member"          # joined a leader; between steps
     WAITING = "waiting"        # READY sent: the region is the leader's until its answer
+    PULL_AWAITED = "pull_awaited"   # PUSHED came, the member shares the pull: take_pull() awaits PULLED
     SOLO = "solo"              # refused: pushes alone for good
     CLOSED = "closed"
 
@@ -191,10 +222,15 @@ _TRANSITIONS = {
     (_S.COLLECTING, _E.ALONE): _S.LEADING,
     (_S.COLLECTING, _E.SUMMED): _S.AGGREGATED,
     (_S.AGGREGATED, _E.FINISHED): _S.LEADING,
+    (_S.AGGREGATED, _E.PULL_OWED): _S.SHARING,
+    (_S.SHARING, _E.PULL_SENT): _S.LEADING,
     (_S.MEMBER, _E.READY_SENT): _S.WAITING,
     (_S.WAITING, _E.ANSWERED): _S.MEMBER,
+    (_S.WAITING, _E.PULL_DUE): _S.PULL_AWAITED,
+    (_S.PULL_AWAITED, _E.PULL_TAKEN): _S.MEMBER,
     (_S.MEMBER, _E.LEADER_LOST): _S.JOINING,
     (_S.WAITING, _E.LEADER_LOST): _S.JOINING,
+    (_S.PULL_AWAITED, _E.LEADER_LOST): _S.JOINING,
     **{(state, _E.CLOSE): _S.CLOSED for state in _S if state is not _S.CLOSED},
 }
 
@@ -249,7 +285,8 @@ class HostGroup:
     """
 
     def __init__(self, group_key: str, rank: int, layout: Sequence[tuple[str, int]], *, incarnation: str,
-                 member_timeout: float = 10.0, leader_timeout: float = 60.0, join_timeout: float = 5.0) -> None:
+                 member_timeout: float = 10.0, leader_timeout: float = 60.0, join_timeout: float = 5.0,
+                 pull_layout: PullLayout | None = None) -> None:
         if not isinstance(group_key, str) or not group_key:
             raise ShardlineConfigError(f"host group: group_key must be a non-empty string, got {group_key!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 2 ** 32:
@@ -262,6 +299,7 @@ class HostGroup:
         self.join_timeout = _checked_timeout("join_timeout", join_timeout)
         self.group_key, self.rank, self.incarnation = group_key, rank, incarnation
         self._layout = _Layout(layout)
+        self.pull_layout = pull_layout   # None: this worker neither shares nor takes the host's pull
         self._group_digest = hashlib.sha256(group_key.encode()).digest()
         self._name = socket_name(group_key)
         self._state = HostGroupState.JOINING
@@ -274,7 +312,9 @@ class HostGroup:
         self._roster: frozenset[int] = frozenset()
         self._region: SharedRegion | None = None
         self._region_views: list[torch.Tensor] = []
-        self._waiting_step, self._ready_at = -1, 0.0
+        self._waiting_step, self._ready_at, self._answered_at = -1, 0.0, 0.0
+        self._sharing_step = False        # the READY sent asked for the step's pull (SHARES_PULL)
+        self._pull_map: mmap.mmap | None = None   # the leader's pull region, mapped read-only
         # leader side: the connection thread and the training thread share these under _cond
         self._cond = threading.Condition()
         self._listener: socket.socket | None = None
@@ -288,6 +328,9 @@ class HostGroup:
         self._retired: list[_Peer] = []     # gone; their regions unmapped by the training thread
         self._current, self._open = -1, False   # the step collected (or last collected), and whether still
         self._included: list[_Peer] = []
+        self._sharers: list[_Peer] = []     # the included members the leader owes the step's pull (SHARING)
+        self._pull_region: SharedRegion | None = None   # the leader's pull region
+        self._pull_written: list[int] = []  # the version of each block the pull region holds
         self._join()
 
     # -- public ------------------------------------------------------------------------------------
@@ -296,18 +339,25 @@ class HostGroup:
     def state(self) -> HostGroupState:
         return self._state
 
-    def begin_step(self, step: int, weight: float,
-                   grads: Mapping[str, torch.Tensor | None]) -> LeaderStep | MemberStep | None:
+    def begin_step(self, step: int, weight: float, grads: Mapping[str, torch.Tensor | None], *,
+                   share_pull: bool = False) -> LeaderStep | MemberStep | None:
         """Offer this worker's gradients of ``step`` (float32 CPU tensors of the layout's sizes, any
         shape; None or absent: no gradient) with ``weight`` (finite, > 0) to the group. Returns a
         LeaderStep (this worker pushes the sums; call its ``finish``), a MemberStep (the leader has
         them; call its ``wait``), or None: push alone (no member included, not in a group, or a
-        step already begun)."""
+        step already begun). ``share_pull`` (needs a ``pull_layout``): as a member, take the
+        step's pull from the leader (``take_pull``) once it answers PUSHED."""
         step = _checked_step(step)
         weight = _checked_weight(weight)
         flat = self._layout.flat(grads)
+        if share_pull and self.pull_layout is None:
+            raise ShardlineConfigError("host group: share_pull needs the group's pull_layout")
         if self._state is HostGroupState.CLOSED:
             raise ShardlineStateError("host group: begin_step after close()")
+        if self._state is HostGroupState.SHARING:
+            self.decline_pull(f"step {step} began before the pull of step {self._current} was shared")
+        if self._state is HostGroupState.PULL_AWAITED:
+            self._lose_leader(f"step {step} began before the pull of step {self._waiting_step} was taken")
         if self._state is HostGroupState.WAITING:
             raise ShardlineStateError(f"host group: begin_step({step}) before step {self._waiting_step}'s "
                                       f"MemberStep.wait(): the leader may still read this worker's region")
@@ -332,14 +382,105 @@ class HostGroup:
                 return self._lead(step, weight, flat)
             if self._state is not HostGroupState.MEMBER:
                 return None             # SOLO, or still JOINING
-            sent = self._contribute(step, weight, flat)
+            sent = self._contribute(step, weight, flat, share_pull)
             if sent is not None:
                 return sent
         return None
 
+    @property
+    def pull_owed(self) -> bool:
+        """The leader told members that share its pull PUSHED: call ``share_pull`` once its pull of
+        the step is done, or ``decline_pull``."""
+        return self._state is HostGroupState.SHARING
+
+    @property
+    def pull_awaited(self) -> bool:
+        """The leader pushed this member's gradients and owes it the step's pull: call ``take_pull``."""
+        return self._state is HostGroupState.PULL_AWAITED
+
+    def share_pull(self, held_step: int, versions: Mapping[tuple[str, int], int],
+                   values: Mapping[str, torch.Tensor]) -> bool:
+        """SHARING: the leader's caches hold the step (its pull completed): ``values`` (name -> the
+        flat cache, float32 or bfloat16) at ``versions`` ((name, index) -> block version), with
+        ``held_step``. Writes the blocks whose version changed into the pull region, then tells
+        each sharing member PULLED. The region is rewritten only while no member is between a
+        PULLED and its COPIED (every member told PULLED answered it, or left): otherwise, or where
+        ``values`` are not the pull layout's, the members are told NOT_PULLED. True if PULLED went
+        out."""
+        if self._state is not HostGroupState.SHARING:
+            raise ShardlineStateError(f"host group: share_pull() in state {self._state.value}")
+        layout = self.pull_layout
+        if len(values) != len(layout.names) or any(
+                name not in values or values[name].numel() != numel or str(values[name].dtype) != dtype
+                for name, numel, dtype in zip(layout.names, layout.numels, layout.dtypes)):
+            self.decline_pull("the job's tensors are no longer the pull layout's")
+            return False
+        with self._cond:
+            sharers = [p for p in self._sharers if not p.closed]
+            reading = sorted(p.rank for p in self._peers.values() if p.pull_unacked is not None)
+        if reading:
+            self.decline_pull(f"rank(s) {reading} did not answer COPIED to the last PULLED yet (the region is theirs)")
+            return False
+        if not sharers:
+            self.decline_pull("no sharing member is left")
+            return False
+        self._write_pull(held_step, versions, values)
+        with self._cond:
+            for peer in self._sharers:
+                if not peer.closed:
+                    self._send(peer, PULLED, self._current, fd=None if peer.pull_fd_sent else self._pull_region.fd)
+                    peer.pull_fd_sent = True
+                    peer.pull_unacked = self._current
+            self._sharers = []
+        self._on(HostGroupEvent.PULL_SENT)
+        return True
+
+    def decline_pull(self, why: str) -> None:
+        """SHARING: tell the sharing members NOT_PULLED (each pulls the step itself), naming ``why``."""
+        if self._state is not HostGroupState.SHARING:
+            raise ShardlineStateError(f"host group: decline_pull() in state {self._state.value}")
+        with self._cond:
+            ranks = sorted(p.rank for p in self._sharers if not p.closed)
+            for peer in self._sharers:
+                if not peer.closed:
+                    self._send(peer, NOT_PULLED, self._current)
+            self._sharers = []
+        log.info("host group %r: the pull of step %d is not shared (%s): rank(s) %s pull it themselves",
+                 self.group_key, self._current, why, ranks)
+        self._on(HostGroupEvent.PULL_SENT)
+
+    def take_pull(self, versions: dict[tuple[str, int], int], values: Mapping[str, torch.Tensor]) -> int | None:
+        """PULL_AWAITED: wait for the leader's PULLED of the step (until leader_timeout after its
+        PUSHED), copy into ``values`` (name -> flat cache) the blocks whose version in the region
+        differs from ``versions``, adopt the leader's versions into ``versions``, answer COPIED.
+        Returns the leader's held step, or None: pull the step yourself (NOT_PULLED, another
+        layout, the leader gone or silent; the blocks copied, if any, lose their version)."""
+        if self._state is not HostGroupState.PULL_AWAITED:
+            raise ShardlineStateError(f"host group: take_pull() in state {self._state.value}")
+        step = self._waiting_step
+        answer = self._await_reply(step, (PULLED, NOT_PULLED), self._answered_at, f"the pull of step {step}")
+        if answer is None:
+            return None
+        self._on(HostGroupEvent.PULL_TAKEN)
+        if answer == NOT_PULLED:
+            log.debug("host group %r: leader rank %d did not share the pull of step %d: rank %d pulls it",
+                      self.group_key, self._leader, step, self.rank)
+            return None
+        try:
+            held, copied, why = self._copy_pull(step, versions, values)
+        finally:
+            self._answer_copied(step)
+        if why is not None:
+            log.info("host group %r: rank %d cannot take leader rank %d's pull of step %d (%s): pulling it itself",
+                     self.group_key, self.rank, self._leader, step, why)
+            return None
+        log.debug("host group %r: rank %d took %d changed block(s) of step %d from leader rank %d", self.group_key,
+                  self.rank, copied, step, self._leader)
+        return held
+
     def close(self) -> None:
         """Leave the group: a leader closes its socket (its members see the end and re-form), a
-        member its connection; the region is freed. Again: nothing."""
+        member its connection; the regions are freed. Again: nothing."""
         if self._state is HostGroupState.CLOSED:
             return
         self._stop_leading()
@@ -347,6 +488,7 @@ class HostGroup:
             self._conn.close()
             self._conn = None
         self._free_region()
+        self._unmap_pull()
         self._on(HostGroupEvent.CLOSE)
 
     def _free_region(self) -> None:
@@ -421,7 +563,7 @@ class HostGroup:
         self._selector.register(sock, selectors.EVENT_READ, self._accept)
         self._selector.register(self._wake[0], selectors.EVENT_READ, None)
         with self._cond:
-            self._peers, self._hellos, self._retired, self._included = {}, [], [], []
+            self._peers, self._hellos, self._retired, self._included, self._sharers = {}, [], [], [], []
             self._awaited, self._inherited = set(self._inherited), set()
             self._current, self._open = self._last_step, False
         self._stopping = False
@@ -455,7 +597,7 @@ class HostGroup:
                                 self._group_digest, self._layout.digest, self.incarnation.encode())
             socket.send_fds(sock, [hello], [self._region.fd])
             inbox = bytearray()
-            while not (messages := _take_messages(inbox)):
+            while (first := _next_message(inbox)) is None:
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 data = sock.recv(65536)
                 if not data:
@@ -464,7 +606,6 @@ class HostGroup:
         except BaseException:
             sock.close()
             raise
-        first = messages[0]
         if first.kind == REFUSED:
             sock.close()
             self._refused(first, pid)
@@ -475,7 +616,7 @@ class HostGroup:
         sock.settimeout(None)
         self._conn, self._leader, self._inbox = sock, first.argument, inbox
         self._roster = frozenset({self._leader, self.rank})
-        self._take_replies(messages[1:], None)
+        self._take_replies(-1, ())
         self._on(HostGroupEvent.JOINED)
         log.info("host group %r: rank %d joined leader rank %d (pid %d)", self.group_key, self.rank, self._leader, pid)
         return True
@@ -500,14 +641,18 @@ class HostGroup:
 
     # -- member ------------------------------------------------------------------------------------
 
-    def _contribute(self, step: int, weight: float, flat: list[torch.Tensor | None]) -> MemberStep | None:
-        """Copy the gradients into the region and send READY: the MemberStep, or None (JOINING)
-        if the leader's connection failed."""
+    def _contribute(self, step: int, weight: float, flat: list[torch.Tensor | None],
+                    share_pull: bool) -> MemberStep | None:
+        """Copy the gradients into the region and send READY (flagged SHARES_PULL where this
+        member takes the step's pull from the leader): the MemberStep, or None (JOINING) if the
+        leader's connection failed."""
         with torch.no_grad():
             for view, grad in zip(self._region_views, flat):
                 if grad is not None:
                     view.copy_(grad)
-        message = _message(READY, len(flat), step, weight, _bitmap([g is not None for g in flat]))
+        message = _message(READY, len(flat), step, weight, _bitmap([g is not None for g in flat]),
+                           flags=SHARES_PULL if share_pull else 0)
+        self._sharing_step = share_pull
         try:
             self._conn.settimeout(self.leader_timeout)
             self._conn.sendall(message)
@@ -522,35 +667,129 @@ class HostGroup:
     def _await_answer(self, step: int) -> bool:
         if self._state is not HostGroupState.WAITING or self._waiting_step != step:
             return False   # closed (or the leader lost) meanwhile: nobody pushed it
-        deadline = self._ready_at + self.leader_timeout
+        answer = self._await_reply(step, (PUSHED, FAILED, EXCLUDED), self._ready_at, f"step {step}")
+        if answer is None:
+            return False
+        self._answered_at = time.monotonic()
+        if answer == PUSHED and self._sharing_step:
+            self._on(HostGroupEvent.PULL_DUE)
+            return True
+        self._on(HostGroupEvent.ANSWERED)
+        if answer == EXCLUDED:
+            log.info("host group %r: leader rank %d excluded rank %d from step %d (it came late): pushing "
+                     "alone", self.group_key, self._leader, self.rank, step)
+        return answer == PUSHED
+
+    def _await_reply(self, step: int, kinds: tuple[int, ...], since: float, what: str) -> int | None:
+        """The leader's answer of one of ``kinds`` for ``step``, within leader_timeout of ``since``;
+        None once the leader is lost (JOINING: its connection ended or broke the protocol, or no
+        answer came in time)."""
+        deadline = since + self.leader_timeout
         while True:
             try:
-                answer = self._take_replies(_take_messages(self._inbox), step)
+                answer = self._take_replies(step, kinds)
             except HostGroupProtocolError as exc:
                 self._lose_leader(str(exc))
-                return False
+                return None
             if answer is not None:
-                self._on(HostGroupEvent.ANSWERED)
-                if answer == EXCLUDED:
-                    log.info("host group %r: leader rank %d excluded rank %d from step %d (it came late): pushing "
-                             "alone", self.group_key, self._leader, self.rank, step)
-                return answer == PUSHED
+                return answer
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                self._lose_leader(f"no answer for step {step} within leader_timeout {self.leader_timeout:g} s")
-                return False
+                self._lose_leader(f"no answer for {what} within leader_timeout {self.leader_timeout:g} s")
+                return None
             try:
                 self._conn.settimeout(remaining)
-                data = self._conn.recv(65536)
+                data = self._receive()
             except TimeoutError:
                 continue
             except OSError as exc:
                 self._lose_leader(f"its connection failed ({exc})")
-                return False
+                return None
             if not data:
                 self._lose_leader("its connection ended")
-                return False
+                return None
             self._inbox += data
+
+    def _receive(self) -> bytes:
+        """Bytes from the leader; an fd that comes with them is its pull region (with the first
+        PULLED this member gets), mapped at once."""
+        data, fds, _flags, _ = socket.recv_fds(self._conn, 65536, 4, socket.MSG_CMSG_CLOEXEC)
+        for fd in fds:
+            try:
+                self._map_pull(fd)
+            finally:
+                os.close(fd)
+        return data
+
+    def _map_pull(self, fd: int) -> None:
+        self._unmap_pull()
+        if self.pull_layout is None:
+            return
+        try:
+            self._pull_map = _map_region(fd, self.pull_layout.region_bytes)
+        except (OSError, HostGroupProtocolError) as exc:   # another layout: PULLED is then not taken
+            log.info("host group %r: rank %d cannot map leader rank %d's pull region: %s", self.group_key,
+                     self.rank, self._leader, exc)
+
+    def _unmap_pull(self) -> None:
+        if self._pull_map is not None:
+            try:
+                self._pull_map.close()
+            except BufferError:   # a view escaped: the mapping goes with it
+                log.debug("host group %r: pull region still viewed as it is unmapped", self.group_key)
+            self._pull_map = None
+
+    def _copy_pull(self, step: int, versions: dict, values: Mapping[str, torch.Tensor]) -> tuple[int, int, str | None]:
+        """Copy the changed blocks of the leader's pull region (PULLED of ``step`` came): (held
+        step, blocks copied, None), or (0, 0, why not) where nothing was adopted."""
+        layout, region = self.pull_layout, self._pull_map
+        if region is None:
+            return 0, 0, "no pull region of this layout's size came"
+        magic, version, got_step, held, digest = _PULL_HEADER.unpack_from(region, 0)
+        if (magic, version) != (_PULL_MAGIC, _VERSION) or digest != layout.digest:
+            return 0, 0, "the leader's pull layout is another (tensors, sizes or cache dtypes differ)"
+        if got_step != step:
+            return 0, 0, f"the region holds step {got_step}"
+        if len(values) != len(layout.names) or any(
+                name not in values or values[name].numel() != numel or str(values[name].dtype) != dtype
+                for name, numel, dtype in zip(layout.names, layout.numels, layout.dtypes)):
+            return 0, 0, "this worker's tensors are no longer the pull layout's"
+        keys = layout.keys()
+        table = torch.frombuffer(region, dtype=torch.int64, count=len(keys), offset=layout.versions_offset).tolist()
+        if min(table, default=0) < 0:
+            return 0, 0, "the leader holds no version of some block"
+        copied = []
+        block = layout.block_elements
+        with torch.no_grad():
+            k = 0
+            for name, numel, count, offset in zip(layout.names, layout.numels, layout.blocks, layout.offsets):
+                source = torch.frombuffer(region, dtype=torch.float32, count=numel, offset=offset)
+                target = values[name]
+                for index in range(count):
+                    if versions.get((name, index)) != table[k]:
+                        start = index * block
+                        target[start:start + block].copy_(source[start:start + block])
+                        copied.append(((name, index), table[k]))
+                    k += 1
+                del source
+        poller = select.poll()
+        poller.register(self._conn, _POLL_HUNG_UP)
+        if any(events & _POLL_HUNG_UP for _fd, events in poller.poll(0)):
+            # the leader cut this member off: it may have rewritten the region during the copy
+            for key, _version in copied:
+                versions.pop(key, None)
+            return 0, 0, "the leader hung up during the copy"
+        for key, version in copied:
+            versions[key] = version
+        return held, len(copied), None
+
+    def _answer_copied(self, step: int) -> None:
+        """COPIED: the region is the leader's again."""
+        try:
+            self._conn.settimeout(self.leader_timeout)
+            self._conn.sendall(_message(COPIED, 0, step, 0.0))
+        except OSError as exc:
+            self._lose_leader(f"its connection failed ({exc})")
 
     def _drain(self) -> None:
         """MEMBER, between steps: take what the leader sent since (rosters); its connection ended
@@ -558,33 +797,37 @@ class HostGroup:
         try:
             self._conn.setblocking(False)
             while True:
-                data = self._conn.recv(65536)
+                data = self._receive()
                 if not data:
                     self._lose_leader("its connection ended")
                     return
                 self._inbox += data
-                self._take_replies(_take_messages(self._inbox), None)
+                self._take_replies(-1, ())
         except BlockingIOError:
             pass
         except (OSError, HostGroupProtocolError) as exc:
             self._lose_leader(str(exc))
 
-    def _take_replies(self, messages: list[_Message], step: int | None) -> int | None:
-        """Note rosters; the kind of the answer for ``step`` (None if not among ``messages``).
-        Answers of other steps are stale (a step this worker gave up on) and dropped."""
-        answer = None
-        for message in messages:
+    def _take_replies(self, step: int, kinds: tuple[int, ...]) -> int | None:
+        """Take the inbox's messages up to the answer of one of ``kinds`` for ``step`` (its kind;
+        the messages after it stay), noting rosters; None if it is not in. Answers of other steps
+        are stale (a step this worker gave up on) and dropped; a stale PULLED is answered COPIED
+        (nothing of it was read)."""
+        while (message := _next_message(self._inbox)) is not None:
             if message.kind == ROSTER:
                 self._roster = frozenset(struct.unpack(f"<{message.argument}I", message.tail))
-            elif message.kind in (PUSHED, FAILED, EXCLUDED):
-                if message.step == step and answer is None:
-                    answer = message.kind
-                else:
-                    log.debug("host group %r: stale %s of step %d", self.group_key, _kind_name(message.kind),
-                              message.step)
+            elif message.kind in (PUSHED, FAILED, EXCLUDED, PULLED, NOT_PULLED):
+                if message.step == step and message.kind in kinds:
+                    return message.kind
+                log.debug("host group %r: stale %s of step %d", self.group_key, _kind_name(message.kind),
+                          message.step)
+                if message.kind == PULLED:
+                    self._answer_copied(message.step)
+                    if self._conn is None:
+                        return None
             else:
                 raise HostGroupProtocolError(f"the leader sent {_kind_name(message.kind)} to a member")
-        return answer
+        return None
 
     def _lose_leader(self, why: str) -> None:
         """The leader is gone (or given up on): hang up, and remember its group's other ranks."""
@@ -593,6 +836,7 @@ class HostGroup:
         self._inherited = set(self._roster) - {self._leader, self.rank}
         self._conn.close()
         self._conn, self._inbox, self._leader = None, bytearray(), -1
+        self._unmap_pull()   # the next leader sends its own
         self._on(HostGroupEvent.LEADER_LOST)
 
     # -- leader: the training thread ---------------------------------------------------------------
@@ -643,7 +887,8 @@ class HostGroup:
             included = sorted((p for p in self._peers.values() if p.ready is not None and p.ready.step == step),
                               key=lambda p: p.rank)
             for peer in included:
-                peer.weight, peer.present, peer.ready = peer.ready.weight, peer.ready.present, None
+                peer.weight, peer.present, peer.shares_pull = peer.ready.weight, peer.ready.present, peer.ready.shares_pull
+                peer.ready = None
             never_joined, self._awaited = sorted(self._awaited), set()
         if late:
             log.warning("host group %r: rank(s) %s sent no gradients for step %d within member_timeout %g s: "
@@ -675,9 +920,45 @@ class HostGroup:
             for peer in self._included:
                 if not peer.closed:
                     self._send(peer, PUSHED if pushed else FAILED, step)
+            self._sharers = [p for p in self._included if pushed and p.shares_pull and not p.closed]
             self._included = []
-        self._on(HostGroupEvent.FINISHED)
+        self._on(HostGroupEvent.PULL_OWED if self._sharers else HostGroupEvent.FINISHED)
         self._unmap_retired()
+
+    def _write_pull(self, held_step: int, versions: Mapping[tuple[str, int], int],
+                    values: Mapping[str, torch.Tensor]) -> None:
+        """(SHARING, no member reading the region) The blocks whose version changed since the
+        region's last write, the version table, then the header."""
+        layout = self.pull_layout
+        if self._pull_region is None:
+            self._pull_region = SharedRegion(layout.region_bytes)
+            self._pull_written = [-1] * sum(layout.blocks)
+        written, block, k = self._pull_written, layout.block_elements, 0
+        with torch.no_grad():
+            for name, numel, count, offset in zip(layout.names, layout.numels, layout.blocks, layout.offsets):
+                target = self._pull_region.tensor(torch.float32, offset, numel)
+                source = values[name].reshape(-1)
+                for index in range(count):
+                    version = versions.get((name, index), -1)
+                    if version != written[k]:
+                        if version >= 0:
+                            start = index * block
+                            target[start:start + block].copy_(source[start:start + block])
+                        written[k] = version
+                    k += 1
+            self._pull_region.tensor(torch.int64, layout.versions_offset, len(written)).copy_(
+                torch.tensor(written, dtype=torch.int64))
+        _PULL_HEADER.pack_into(self._pull_region.memory, 0, _PULL_MAGIC, _VERSION, self._current, held_step,
+                               layout.digest)
+
+    def _free_pull(self) -> None:
+        if self._pull_region is not None:
+            self._pull_region.close()
+            try:
+                self._pull_region.memory.close()
+            except BufferError:   # a view escaped: the mapping goes with it
+                log.debug("host group %r: pull region still viewed as it is freed", self.group_key)
+            self._pull_region, self._pull_written = None, []
 
     def _abandon(self, step: int) -> None:
         """The leader's begin_step raised: the included members push alone (FAILED), a READY
@@ -724,8 +1005,9 @@ class HostGroup:
                 self._retired.append(peer)
             for hello in self._hellos:
                 hello.close()
-            self._peers, self._hellos, self._included = {}, [], []
+            self._peers, self._hellos, self._included, self._sharers = {}, [], [], []
         self._unmap_retired()
+        self._free_pull()
 
     # -- leader: the connection thread -------------------------------------------------------------
 
@@ -896,7 +1178,12 @@ class HostGroup:
 
     def _on_ready(self, peer: _Peer, message: _Message) -> None:
         """(under _cond) A member's READY: kept for the step collected (or a later one), answered
-        EXCLUDED if that step was summed already."""
+        EXCLUDED if that step was summed already; its COPIED: the pull region is the leader's again."""
+        if message.kind == COPIED:
+            if peer.pull_unacked != message.step:
+                raise HostGroupProtocolError(f"COPIED of step {message.step}, PULLED was of step {peer.pull_unacked}")
+            peer.pull_unacked = None
+            return
         if message.kind != READY:
             raise HostGroupProtocolError(f"a member sent {_kind_name(message.kind)}")
         if message.argument != len(self._layout.names):
@@ -907,7 +1194,8 @@ class HostGroup:
         if peer.ready is not None:
             raise HostGroupProtocolError(f"READY for step {message.step} before step {peer.ready.step}'s answer")
         if message.step > self._current or (message.step == self._current and self._open):
-            peer.ready = _Ready(message.step, message.value, _present(message.tail, message.argument))
+            peer.ready = _Ready(message.step, message.value, _present(message.tail, message.argument),
+                                bool(message.flags & SHARES_PULL) and self.pull_layout is not None)
             self._cond.notify_all()
         else:
             log.info("host group %r: rank %d's READY for step %d came after it was summed: EXCLUDED",
@@ -934,11 +1222,16 @@ class HostGroup:
         log.info("host group %r: rank %d left (%s); ranks %s", self.group_key, peer.rank, why,
                  sorted([self.rank, *self._peers]))
 
-    def _send(self, peer: _Peer, kind: int, step: int, *, argument: int = 0, tail: bytes = b"") -> None:
-        """(under _cond) One message to ``peer``; a member that cannot take it (its buffer full:
-        stopped for long) is cut off: the connection thread then sees it end and drops it."""
+    def _send(self, peer: _Peer, kind: int, step: int, *, argument: int = 0, tail: bytes = b"",
+              fd: int | None = None) -> None:
+        """(under _cond) One message to ``peer`` (with ``fd``, if given); a member that cannot take
+        it (its buffer full: stopped for long) is cut off: the connection thread then sees it end
+        and drops it."""
         try:
-            peer.sock.send(_message(kind, argument, step, 0.0, tail))
+            if fd is None:
+                peer.sock.send(_message(kind, argument, step, 0.0, tail))
+            else:
+                socket.send_fds(peer.sock, [_message(kind, argument, step, 0.0, tail)], [fd])
         except OSError as exc:
             log.warning("host group %r: could not send %s to rank %d (%s): cutting it off", self.group_key,
                         _kind_name(kind), peer.rank, exc)
@@ -970,6 +1263,7 @@ class _Message:
     step: int
     value: float
     tail: bytes
+    flags: int = 0
 
 
 @dataclass(frozen=True)
@@ -977,6 +1271,7 @@ class _Ready:
     step: int
     weight: float
     present: tuple[bool, ...]
+    shares_pull: bool = False
 
 
 class _Hello:
@@ -1005,6 +1300,9 @@ class _Peer:
         self.inbox = bytearray()
         self.ready: _Ready | None = None
         self.weight, self.present = 0.0, ()   # of the step it is included in
+        self.shares_pull = False              # ... and whether it takes that step's pull (SHARES_PULL)
+        self.pull_fd_sent = False             # it has the pull region's fd
+        self.pull_unacked: int | None = None  # the step of a PULLED it has not answered COPIED yet
         self.closed = False
 
     def gradients(self) -> list[torch.Tensor | None]:
@@ -1016,6 +1314,43 @@ class _Peer:
             self.region.close()
         except BufferError:   # a view escaped: the mapping goes with it
             pass
+
+
+class PullLayout:
+    """What the host's shared pull carries (the pull region): every tensor of the job as ``(name,
+    numel, cache dtype)`` in one order, cut in blocks of ``block_elements``. The region is, from
+    offset 0: the header (_PULL_HEADER: magic, version, the step, the leader's held step, this
+    layout's digest), the version table at offset 64 (one int64 per block, tensors in order, blocks
+    in index order; -1: the leader holds no version of it), then each tensor's values as float32
+    (a bfloat16 cache's values convert exactly), each on a 64-byte boundary. A member takes the
+    region only where its own layout's digest is the leader's."""
+
+    def __init__(self, tensors: Sequence[tuple[str, int, str]], block_elements: int):
+        if isinstance(block_elements, bool) or not isinstance(block_elements, int) or block_elements <= 0:
+            raise ShardlineConfigError(f"host group: block_elements must be an integer > 0, got {block_elements!r}")
+        digest = hashlib.sha256(b"shardline-host-pull-layout/1\0" + struct.pack("<Q", block_elements))
+        names, numels, blocks, dtypes = [], [], [], []
+        for name, numel, dtype in tensors:
+            dtypes.append(str(dtype))
+            encoded = f"{name}\0{dtype}".encode()
+            digest.update(struct.pack("<I", len(encoded)) + encoded + struct.pack("<Q", numel))
+            names.append(name)
+            numels.append(int(numel))
+            blocks.append(-(-int(numel) // block_elements))
+        self.names, self.numels, self.blocks, self.dtypes = tuple(names), tuple(numels), tuple(blocks), tuple(dtypes)
+        self.block_elements = block_elements
+        self.digest = digest.digest()
+        self.versions_offset = ALIGNMENT
+        offset = _aligned(self.versions_offset + 8 * sum(blocks))
+        self.offsets = []
+        for numel in numels:
+            self.offsets.append(offset)
+            offset = _aligned(offset + 4 * numel)
+        self.region_bytes = offset
+
+    def keys(self) -> list[tuple[str, int]]:
+        """Every block as (tensor, index), in the version table's order."""
+        return [(name, index) for name, count in zip(self.names, self.blocks) for index in range(count)]
 
 
 class _Layout:
@@ -1115,8 +1450,8 @@ def _map_region(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, prot=mmap.PROT_READ)
 
 
-def _message(kind: int, argument: int, step: int, value: float, tail: bytes = b"") -> bytes:
-    return _MESSAGE.pack(kind, argument, step, value) + tail
+def _message(kind: int, argument: int, step: int, value: float, tail: bytes = b"", *, flags: int = 0) -> bytes:
+    return _MESSAGE.pack(kind, flags, argument, step, value) + tail
 
 
 def _tail_bytes(kind: int, argument: int) -> int:
@@ -1130,7 +1465,7 @@ def _tail_bytes(kind: int, argument: int) -> int:
         return 4 * argument
     if kind == REFUSED:
         return 32
-    if kind in (WELCOME, PUSHED, FAILED, EXCLUDED):
+    if kind in (WELCOME, PUSHED, FAILED, EXCLUDED, PULLED, NOT_PULLED, COPIED):
         return 0
     raise HostGroupProtocolError(f"unknown message kind {kind}")
 
@@ -1138,14 +1473,22 @@ def _tail_bytes(kind: int, argument: int) -> int:
 def _take_messages(buffer: bytearray) -> list[_Message]:
     """The whole messages at the start of ``buffer``, removed from it (a partial one stays)."""
     messages = []
-    while len(buffer) >= _MESSAGE.size:
-        kind, argument, step, value = _MESSAGE.unpack_from(buffer)
-        end = _MESSAGE.size + _tail_bytes(kind, argument)
-        if len(buffer) < end:
-            break
-        messages.append(_Message(kind, argument, step, value, bytes(buffer[_MESSAGE.size:end])))
-        del buffer[:end]
+    while (message := _next_message(buffer)) is not None:
+        messages.append(message)
     return messages
+
+
+def _next_message(buffer: bytearray) -> _Message | None:
+    """The whole message at the start of ``buffer``, removed from it; None if it is not whole yet."""
+    if len(buffer) < _MESSAGE.size:
+        return None
+    kind, flags, argument, step, value = _MESSAGE.unpack_from(buffer)
+    end = _MESSAGE.size + _tail_bytes(kind, argument)
+    if len(buffer) < end:
+        return None
+    message = _Message(kind, argument, step, value, bytes(buffer[_MESSAGE.size:end]), flags)
+    del buffer[:end]
+    return message
 
 
 def _kind_name(kind: int) -> str:

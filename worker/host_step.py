@@ -15,6 +15,21 @@ resends them alone (a node ignores a rank's push of a block it already holds fro
                                       \\--wait() False (told, excluded, leader gone)--> push alone --> commit
     alone:   begin_step -> None --> push --> commit
 
+The pull that follows (:func:`pull_step`, ``prefetch_window=0``) is shared too where this worker's
+reads cross hosts (:func:`pull_shared`): a member that asked for it in its READY (and was told
+PUSHED) commits without a carried pull and takes the step's changed blocks, with their versions,
+from the leader's pull region once the leader's own pull completed (PULLED); told NOT_PULLED, or
+the leader gone or silent past leader_timeout, it pulls the step itself. So the host's cross-host
+pull bytes per step are one worker's, whatever its number of workers.
+
+::
+
+    leader:  push_step --> pull (pull_changed) --> share_pull: changed blocks into the region, PULLED
+                                         \\--its pull raised--> decline_pull: NOT_PULLED, then raise
+    member:  push_step (READY with SHARES_PULL; PUSHED; commit without a carried pull)
+             --> take_pull: PULLED, copy, COPIED --> adopt_host_pull
+                       \\--NOT_PULLED, leader gone or silent--> pull_changed
+
 When it applies (:func:`aggregation_wanted`): BSP, no compression (a compressed push carries each
 rank's error feedback), no overlap (those pushes leave during backward, per bucket), and, unless
 the script asked for it, only where a push crosses hosts: on one host every node is reached over
@@ -46,20 +61,31 @@ def aggregation_wanted(asked: bool | None, *, sync: str, compression: str | None
     return asked is True or any(not is_local(node) for node in nodes)
 
 
-def push_step(client: Client, group: HostGroup | None, grads: dict[str, torch.Tensor | None], weight: float) -> None:
+def pull_shared(client: Client, group: HostGroup | None, prefetch_window: int) -> bool:
+    """Whether this step's pull is to come from the host's leader (decided once per step): BSP in
+    a group with a pull layout, the plain step (``prefetch_window`` 0), and this worker's reads
+    would cross hosts (where a node on this host holds every block, they are local already)."""
+    return (group is not None and group.pull_layout is not None and prefetch_window == 0
+            and client.sync == "bsp" and client.reads_cross_hosts())
+
+
+def push_step(client: Client, group: HostGroup | None, grads: dict[str, torch.Tensor | None], weight: float, *,
+              share_pull: bool = False) -> None:
     """Push this rank's ``grads`` for the client's current step and commit it (``Client.push``'s
-    contract), through ``group`` when there is one."""
+    contract), through ``group`` when there is one. ``share_pull``: as a member, take the step's
+    pull from the leader (``pull_step`` then); its commit carries no pull."""
     if group is None:
         client.push(grads, weight=weight)
         return
     client.check_finite(grads)   # a NaN fails this rank's step, not its host's push
-    role = group.begin_step(client.step, weight, grads)
+    role = group.begin_step(client.step, weight, grads, share_pull=share_pull)
     if isinstance(role, LeaderStep):
         _lead(client, role, grads, weight)
     elif isinstance(role, MemberStep):
         if role.wait():
             client.record_pushed(grads, weight=weight)
-            client.commit(weight=weight)
+            # a carried pull would fetch every block across hosts: the leader's pull brings them
+            client.commit(weight=weight, carry_pull=not group.pull_awaited)
         else:
             client.push(grads, weight=weight)
     else:
@@ -93,3 +119,27 @@ def _lead(client: Client, role: LeaderStep, grads: dict, weight: float) -> None:
         if not told:
             role.finish(False)
         raise
+
+
+def pull_step(client: Client, group: HostGroup | None) -> None:
+    """Bring the caches to the client's step after ``push_step`` (``Client.pull_changed``'s
+    contract): a member the leader owes the step's pull takes it from the leader's region (or,
+    where it cannot, pulls itself); a leader that owes its members the pull shares it once its
+    own completed, or tells them NOT_PULLED if it raised."""
+    if group is not None and group.pull_awaited:
+        values, versions = client.host_pull_state()
+        held_step = group.take_pull(versions, values)
+        if held_step is not None:
+            client.adopt_host_pull(held_step)
+            return
+        client.pull_changed()
+        return
+    try:
+        client.pull_changed()
+    except BaseException:
+        if group is not None and group.pull_owed:
+            group.decline_pull("the leader's own pull failed")
+        raise
+    if group is not None and group.pull_owed:
+        values, versions = client.host_pull_state()
+        group.share_pull(client.held_step or 0, versions, values)

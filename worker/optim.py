@@ -31,8 +31,8 @@ from shardline.worker.options import (ConnectionOptions, JobOptions, Performance
 from shardline.worker.flat_params import FlatGroup, flat_layout, groups_that_could_be_flat, is_flat_name
 from shardline.worker.overlap import DEFAULT_BUCKET_CAP_MB, BackwardPusher, FlatBackwardPusher, bucket_cap_bytes
 from shardline.worker.priority_pull import PriorityPull
-from shardline.worker.host_group import HostGroup
-from shardline.worker.host_step import aggregation_wanted, push_step
+from shardline.worker.host_group import HostGroup, PullLayout
+from shardline.worker.host_step import aggregation_wanted, pull_shared, pull_step, push_step
 from shardline.services.compression import compression_of
 
 log = logging.getLogger("shardline.worker")
@@ -373,8 +373,12 @@ class PSOptimizer(torch.optim.Optimizer):
                                   is_local=self.client.on_this_host):
             return None
         layout = [(t.name, math.prod(self.client.shape_of(t.name))) for t in spec.tensors if t.trainable]
+        # the host's shared pull (pull_step): every tensor of the job, as this worker caches it
+        caches, _ = self.client.host_pull_state()
+        pull_layout = PullLayout([(t.name, caches[t.name].numel(), str(caches[t.name].dtype)) for t in spec.tensors],
+                                 int(spec.block_elements))
         return HostGroup(f"{cluster}|{spec.name}|{self.client.uid}", self.rank, layout,
-                         incarnation=self.client.incarnation)
+                         incarnation=self.client.incarnation, pull_layout=pull_layout)
 
     def _attach_cache(self, name: str, p: torch.Tensor, *, same_contents: bool) -> None:
         """Make pulls of ``name`` land in parameter ``p``. An fp32 parameter takes the client's
@@ -630,7 +634,8 @@ class PSOptimizer(torch.optim.Optimizer):
                 grads = self.client.stage_gradients(
                     {n: p.grad for n, p in self.params if p.requires_grad and p.grad is not None})
             self.client.lr = lrs
-            push_step(self.client, self._host_group, grads, weight or declared or 1.0)
+            push_step(self.client, self._host_group, grads, weight or declared or 1.0,
+                      share_pull=pull_shared(self.client, self._host_group, self.prefetch_window))
         else:
             self._check_sent(*sent, declared if weight is None else weight)
             if not self._pusher.commits:   # flat groups: the commit goes from here, and brings the pull
@@ -639,9 +644,13 @@ class PSOptimizer(torch.optim.Optimizer):
                 self.client.commit(weight=sent[0])
         if self.prefetch_window == 0:
             started = time.perf_counter()
-            self._pull()
+            pull_step(self.client, self._host_group)   # the host's leader shares it, where it does
+            self._sync_copies()
+            self._metrics.transferred(self.client.stats, self.version)
             self._metrics.waited(time.perf_counter() - started)
         else:
+            if self._host_group is not None and self._host_group.pull_owed:
+                self._host_group.decline_pull("the leader prefetches its pull (prefetch_window 1)")
             # The pull of the new version runs while the caller prepares the next batch; whatever
             # reads the parameters next (a module's forward, zero_grad, step, wait) waits for it first.
             with self._pending_lock:

@@ -103,3 +103,34 @@ def test_on_two_emulated_machines_the_defaults_aggregate_each_hosts_pushes(tmp_p
         train_model.assert_equals_reference(results, STEPS, world_size=4, tol=1e-5)
         covered = sum(aggregated_ranks(cluster.http_get(f"http://{node.metrics}/metrics"), job) for node in nodes)
         assert covered > 0
+
+
+def test_where_the_nodes_run_on_other_machines_each_hosts_workers_share_one_pull(tmp_path):
+    """The PS nodes on machines of their own, two workers on each of two worker machines, every
+    option at its default: every read crosses machines, so each host's leader pulls the step and
+    its member takes it from the leader's region. The run equals torch.optim; a member pulled no
+    block after joining (its steps came from its leader), its leader pulled every step."""
+    from emulated_cluster import EmulatedCluster
+
+    hosts = {0: "wa", 1: "wa", 2: "wb", 3: "wb"}
+    with EmulatedCluster(tmp_path / "c", ["disp", "pa", "pb", "wa", "wb"]) as cluster:
+        cluster.start_dispatcher("disp")
+        nodes = [cluster.add_node(h, wait=False) for h in ("pa", "pb")]
+        for node in nodes:
+            cluster.wait_ready(node)
+        cluster.wait_for_nodes(2, timeout=60)
+        job = "host-pull-machines"
+        workers = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, world=4, steps=STEPS,
+                                            env=cluster.worker_env,
+                                            wrap=lambda rank, argv: cluster.on_host(hosts[rank], argv))
+        results = train_model.finish_workers(workers, timeout=240)
+        train_model.assert_equals_reference(results, STEPS, world_size=4, tol=1e-5)
+    for host in ("wa", "wb"):
+        ranks = [r for r, h in hosts.items() if h == host]
+        shared = {r: int(results[r]["_shared_steps"]) for r in ranks}
+        pulled = {r: int(results[r]["_pulled_blocks"]) for r in ranks}
+        leader = min(ranks, key=lambda r: shared[r])
+        member = next(r for r in ranks if r != leader)
+        assert shared[leader] == 0 and shared[member] >= STEPS - 1, (host, shared)
+        # the member's blocks: the join's, and at most one step's of its own (before the group formed)
+        assert pulled[member] < pulled[leader], (host, pulled)

@@ -307,6 +307,7 @@ def main(argv):
     state["_losses"] = torch.tensor(losses)
     state["_eval"] = torch.tensor([eval_first, eval_last])
     state["_pulled_blocks"] = torch.tensor([stats.pulled_blocks])
+    state["_shared_steps"] = torch.tensor([stats.shared_steps])   # steps pulled from the host's leader
     state["_version"] = torch.tensor([opt.version])
     state["_start_version"] = torch.tensor([start_version])
     save_file(state, out)

@@ -34,6 +34,9 @@ from shardline.worker.host_group import HostGroup, HostGroupEvent, HostGroupStat
 LAYOUT = [("w", 96), ("b", 7), ("emb", 1000)]
 SHAPES = {"w": (12, 8), "b": (7,), "emb": (10, 100)}   # w goes in transposed: not contiguous
 OTHER_LAYOUT = [("w", 96), ("b", 8), ("emb", 1000)]
+PULL_BLOCK = 64   # elements per block of the shared pull's tensors
+PULL_LAYOUT = hg.PullLayout([("w", 96, "torch.float32"), ("b", 7, "torch.float32"), ("emb", 1000, "torch.float32")],
+                            PULL_BLOCK)
 BOOT_TIMEOUT = 120.0   # s: a spawned worker imports torch (two cores, shared)
 REPLY_TIMEOUT = 20.0
 
@@ -63,6 +66,23 @@ def reference(seed: int, step: int, ranks, weights, none: dict | None = None) ->
             out = weight * grad if out is None else out.add_(grad, alpha=weight)
         sums[name] = None if out is None else out.numpy().tobytes()
     return sums
+
+
+def pulled_caches(seed: int, step: int) -> tuple[dict, dict]:
+    """The leader's caches once it pulled ``step`` (values by name, versions by block): a block
+    changes at step 0 and at each step ``s`` with ``(index + s) % 2 == 0``, taking values drawn
+    from (seed, name, index, s) and version ``s + 1``; the others keep theirs."""
+    values, versions = {}, {}
+    for name, numel, _dtype in zip(PULL_LAYOUT.names, PULL_LAYOUT.numels, PULL_LAYOUT.dtypes):
+        flat = torch.empty(numel)
+        for index in range(-(-numel // PULL_BLOCK)):
+            changed = max(s for s in range(step + 1) if s == 0 or (index + s) % 2 == 0)
+            generator = torch.Generator().manual_seed(seed * 7919 + PULL_LAYOUT.names.index(name) * 131_071 + index * 17 + changed)
+            block = flat[index * PULL_BLOCK:(index + 1) * PULL_BLOCK]
+            block.copy_(torch.randn(block.numel(), generator=generator))
+            versions[(name, index)] = changed + 1
+        values[name] = flat
+    return values, versions
 
 
 # -- the worker processes --------------------------------------------------------------------------
@@ -107,6 +127,7 @@ def _worker_main(conn) -> None:
     logger.addHandler(records)
     logger.setLevel(logging.INFO)
     group = pending = before = layout = None
+    caches, versions = {}, {}   # a member's, as the shared pull leaves them
     conn.send(("ready", os.getpid(), 0.0))
     while True:
         try:
@@ -121,10 +142,13 @@ def _worker_main(conn) -> None:
                 before = _resources()
                 key, rank, layout, options = args
                 group = HostGroup(key, rank, layout, **options)   # the layout its gradients follow
+                caches = {n: torch.zeros(numel) for n, numel in zip(PULL_LAYOUT.names, PULL_LAYOUT.numels)}
+                versions = {}
                 result = group.state.value
             elif command == "begin":
-                step, weight, seed, none = args
-                pending = group.begin_step(step, weight, gradients(seed, group.rank, step, none, layout))
+                step, weight, seed, none, *share = args
+                pending = group.begin_step(step, weight, gradients(seed, group.rank, step, none, layout),
+                                           share_pull=bool(share and share[0]))
                 if isinstance(pending, hg.LeaderStep):
                     result = ("leader", pending.step, pending.ranks, pending.weights,
                               {n: None if s is None else s.numpy().tobytes() for n, s in pending.sums.items()})
@@ -137,6 +161,14 @@ def _worker_main(conn) -> None:
                 result = None
             elif command == "wait":
                 result = (pending.wait(), group.state.value)
+            elif command == "share":
+                seed, step = args
+                values, leader_versions = pulled_caches(seed, step)
+                result = (group.share_pull(step + 1000, leader_versions, values), group.state.value)
+            elif command == "take":
+                held = group.take_pull(versions, caches)
+                result = (held, {n: t.numpy().tobytes() for n, t in caches.items()}, dict(versions),
+                          group.state.value)
             elif command == "state":
                 result = group.state.value
             elif command == "logs":
@@ -346,6 +378,11 @@ EXPECTED = {
     (S.WAITING, E.ANSWERED): S.MEMBER,
     (S.MEMBER, E.LEADER_LOST): S.JOINING,
     (S.WAITING, E.LEADER_LOST): S.JOINING,
+    (S.AGGREGATED, E.PULL_OWED): S.SHARING,
+    (S.SHARING, E.PULL_SENT): S.LEADING,
+    (S.WAITING, E.PULL_DUE): S.PULL_AWAITED,
+    (S.PULL_AWAITED, E.PULL_TAKEN): S.MEMBER,
+    (S.PULL_AWAITED, E.LEADER_LOST): S.JOINING,
     **{(state, E.CLOSE): S.CLOSED for state in S if state is not S.CLOSED},
 }
 
@@ -424,7 +461,7 @@ def test_bad_options_are_refused_quoting_them(option, value):
         HostGroup(group_key("options"), 0, LAYOUT, **options)
 
 
-def _raw_hello(group: HostGroup, fds: list[int], *, rank=5, version=1, group_digest=None, layout_digest=None,
+def _raw_hello(group: HostGroup, fds: list[int], *, rank=5, version=hg._VERSION, group_digest=None, layout_digest=None,
                incarnation=b"raw"):
     """Connect to ``group``'s socket like a member would, with the HELLO's fields as given and ``fds``
     on it: the socket and the first message back (None if the leader closed without answering)."""
@@ -458,7 +495,7 @@ def test_a_hello_of_another_group_layout_version_or_region_is_refused(caplog, no
         wrong_size = hg.SharedRegion(group._layout.region_bytes + 64)
         region = hg.SharedRegion(group._layout.region_bytes)
         cases = [
-            ([region.fd], dict(version=2), hg.Refusal.VERSION),
+            ([region.fd], dict(version=hg._VERSION + 1), hg.Refusal.VERSION),
             ([region.fd], dict(group_digest=b"\1" * 32), hg.Refusal.GROUP),
             ([region.fd], dict(layout_digest=other_digest), hg.Refusal.LAYOUT),
             ([region.fd], dict(rank=0), hg.Refusal.RANK_TAKEN),                 # the leader's own rank
@@ -482,7 +519,7 @@ def test_a_hello_of_another_group_layout_version_or_region_is_refused(caplog, no
             second.close()
             assert (refused.kind, refused.argument) == (hg.REFUSED, hg.Refusal.RANK_TAKEN)
             # a member that sends garbage is dropped; the group serves on
-            sock.sendall(hg._MESSAGE.pack(99, 0, 0, 0.0))
+            sock.sendall(hg._MESSAGE.pack(99, 0, 0, 0, 0.0))
             sock.settimeout(5)
             data = b""
             while chunk := sock.recv(4096):   # the roster(s), then the end
@@ -766,3 +803,103 @@ def test_reference_sum_is_the_documented_fold():
     sums = hg._weighted_sums([n for n, _ in LAYOUT], contributions)
     ranks, weights = zip(*[(r, w) for r, w, _ in contributions])
     assert {n: s.numpy().tobytes() for n, s in sums.items()} == reference(1, 1, ranks, weights)
+
+
+# -- the host's shared pull ------------------------------------------------------------------------
+
+def as_bytes(caches: dict) -> dict:
+    return {name: t.numpy().tobytes() for name, t in caches.items()}
+
+
+def shared_step(by_rank: dict[int, Worker], leader: int, step: int, seed: int, sharing=None) -> None:
+    """A step whose members (those in ``sharing``: all by default) share the pull: begin, finish,
+    each member's wait (True, and the sharing ones now await the pull)."""
+    sharing = set(by_rank) - {leader} if sharing is None else set(sharing)
+    for rank in sorted(by_rank, key=lambda r: r == leader):
+        if rank != leader:
+            by_rank[rank].send("begin", step, 1.0, seed, (), rank in sharing)
+            assert by_rank[rank].reply() == ("member", step, leader)
+        else:
+            by_rank[rank].send("begin", step, 1.0, seed, ())
+    assert by_rank[leader].reply()[0] == "leader"
+    by_rank[leader].call("finish", True)
+    for rank in set(by_rank) - {leader}:
+        assert by_rank[rank].call("wait") == (True, "pull_awaited" if rank in sharing else "member")
+    assert by_rank[leader].call("state") == ("sharing" if sharing else "leading")
+
+
+def test_sharing_members_adopt_the_leaders_pulled_values_and_versions_bitwise(take):
+    """Three steps: the leader writes only the blocks that changed into its region, each member
+    copies only what differs from its own versions, and ends with the leader's caches bit for bit
+    and its versions, a non-sharing member is not told PULLED."""
+    workers = take(4)
+    by_rank = dict(zip((0, 1, 2, 3), workers))
+    open_group(workers, group_key("pull"), [0, 1, 2, 3], pull_layout=PULL_LAYOUT)
+    for step in range(3):
+        shared_step(by_rank, 0, step, seed=5, sharing={1, 2})
+        assert by_rank[0].call("share", 5, step) == (True, "leading")
+        values, versions = pulled_caches(5, step)
+        for rank in (1, 2):
+            held, got, got_versions, state = by_rank[rank].call("take")
+            assert (held, state) == (step + 1000, "member")
+            assert got == as_bytes(values) and got_versions == versions
+        assert by_rank[3].call("state") == "member"
+
+
+def test_a_member_whose_leader_dies_before_pulled_pulls_itself_at_once(take):
+    workers = take(2)
+    by_rank = dict(zip((0, 1), workers))
+    open_group(workers, group_key("pull-killed"), [0, 1], pull_layout=PULL_LAYOUT, leader_timeout=60)
+    shared_step(by_rank, 0, 1, seed=6)
+    by_rank[1].send("take")
+    time.sleep(0.3)
+    by_rank[0].kill()
+    held, got, versions, state = by_rank[1].reply()
+    assert (held, versions, state) == (None, {}, "joining")
+    assert by_rank[1].seconds < 10   # the connection's end, not leader_timeout
+    assert any("its connection ended" in line for line in logs(by_rank[1]))
+
+
+def test_a_member_whose_leader_stalls_pulls_itself_after_leader_timeout(take):
+    workers = take(2)
+    by_rank = dict(zip((0, 1), workers))
+    open_group(workers, group_key("pull-stalled"), [0, 1], pull_layout=PULL_LAYOUT, leader_timeout=2)
+    shared_step(by_rank, 0, 1, seed=7)
+    by_rank[0].stop()
+    held, _, versions, state = by_rank[1].call("take")
+    assert (held, versions, state) == (None, {}, "joining")
+    assert 1.0 <= by_rank[1].seconds < 10
+    assert any("no answer for the pull of step 1 within leader_timeout" in line for line in logs(by_rank[1]))
+    by_rank[0].resume()
+    # the member hung up: nobody is left to share with
+    assert by_rank[0].call("share", 7, 1) == (False, "leading")
+
+
+def test_the_region_is_not_rewritten_while_a_member_has_not_answered_copied(take):
+    """Rank 2 is stopped between PULLED of step 0 and its copy; step 1 goes on without it (excluded
+    after member_timeout): the leader tells rank 1 NOT_PULLED instead of rewriting the region, and
+    rank 2, resumed, still copies step 0's values whole."""
+    workers = take(3)
+    by_rank = dict(zip((0, 1, 2), workers))
+    open_group(workers, group_key("pull-reuse"), [0, 1, 2], pull_layout=PULL_LAYOUT, member_timeout=1,
+               leader_timeout=60)
+    shared_step(by_rank, 0, 0, seed=8)
+    assert by_rank[0].call("share", 8, 0) == (True, "leading")
+    by_rank[2].stop()
+    assert by_rank[1].call("take")[0] == 1000
+    shared_step({0: by_rank[0], 1: by_rank[1]}, 0, 1, seed=8)
+    assert by_rank[0].call("share", 8, 1) == (False, "leading")
+    assert any("rank(s) [2] did not answer COPIED" in line for line in logs(by_rank[0], "INFO"))
+    held, _, versions, state = by_rank[1].call("take")
+    assert (held, state) == (None, "member")
+    by_rank[2].resume()
+    values, step0_versions = pulled_caches(8, 0)
+    held, got, versions, state = by_rank[2].call("take")
+    assert (held, state) == (1000, "member")
+    assert got == as_bytes(values) and versions == step0_versions
+    # COPIED came: the next step is shared again
+    shared_step({0: by_rank[0], 1: by_rank[1]}, 0, 2, seed=8)
+    assert by_rank[0].call("share", 8, 2) == (True, "leading")
+    _, got, versions, _ = by_rank[1].call("take")
+    values, step2_versions = pulled_caches(8, 2)
+    assert got == as_bytes(values) and versions == step2_versions

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardline.services.errors import ErrorCode, RemoteError
+from shardline.services.errors import ErrorCode, RemoteError, ShardlineConnectionError
 from shardline.worker.host_group import LeaderStep, MemberStep
-from shardline.worker.host_step import aggregation_wanted, push_step
+from shardline.worker.host_step import aggregation_wanted, pull_step, push_step
 
 
 def wanted(asked=None, sync="bsp", compression="none", overlap=False, remote=True):
@@ -55,17 +55,39 @@ class FakeClient:
     def record_pushed(self, grads, *, weight):
         self.calls.append(("record_pushed", weight))
 
-    def commit(self, *, weight):
-        self.calls.append(("commit", weight))
+    def commit(self, *, weight, carry_pull=True):
+        self.calls.append(("commit", weight) if carry_pull else ("commit", weight, "no carried pull"))
+
+    def pull_changed(self):
+        self.calls.append(("pull_changed",))
+
+    def host_pull_state(self):
+        return {"w": "values"}, {("w", 0): 1}
+
+    def adopt_host_pull(self, held_step):
+        self.calls.append(("adopt_host_pull", held_step))
 
 
 class FakeGroup:
-    def __init__(self, role):
-        self.role = role
+    pull_owed = pull_awaited = False
 
-    def begin_step(self, step, weight, grads):
+    def __init__(self, role=None, *, owed=False, awaited=False, taken=None):
+        self.role, self.pull_owed, self.pull_awaited, self.taken = role, owed, awaited, taken
+        self.calls = []
+
+    def begin_step(self, step, weight, grads, *, share_pull=False):
         assert step == FakeClient.step
         return self.role
+
+    def take_pull(self, versions, values):
+        self.calls.append(("take_pull", versions, values))
+        return self.taken
+
+    def share_pull(self, held_step, versions, values):
+        self.calls.append(("share_pull", held_step))
+
+    def decline_pull(self, why):
+        self.calls.append(("decline_pull", why))
 
 
 class Leader(LeaderStep):
@@ -124,3 +146,32 @@ def test_a_worker_without_a_group_or_alone_this_step_pushes_alone():
         client = FakeClient()
         push_step(client, group, GRADS, 1.0)
         assert client.calls == [*checked, ("push", 1.0, True, None), ("commit", 1.0)]
+
+
+@pytest.mark.parametrize("taken, calls", [(7, [("adopt_host_pull", 7)]), (None, [("pull_changed",)])])
+def test_a_member_owed_the_pull_takes_it_from_the_leader_or_pulls_itself(taken, calls):
+    client, group = FakeClient(), FakeGroup(awaited=True, taken=taken)
+    pull_step(client, group)
+    assert group.calls == [("take_pull", {("w", 0): 1}, {"w": "values"})] and client.calls == calls
+
+
+def test_a_leader_shares_its_pull_once_done_and_declines_if_it_raised():
+    client, group = FakeClient(), FakeGroup(owed=True)
+    client.held_step = 4
+    pull_step(client, group)
+    assert client.calls == [("pull_changed",)] and group.calls == [("share_pull", 4)]
+
+    class Failing(FakeClient):
+        def pull_changed(self):
+            raise ShardlineConnectionError("gone")
+
+    group = FakeGroup(owed=True)
+    with pytest.raises(ShardlineConnectionError):
+        pull_step(Failing(), group)
+    assert group.calls == [("decline_pull", "the leader's own pull failed")]
+
+
+def test_a_member_that_shares_the_pull_commits_without_a_carried_one():
+    client, group = FakeClient(), FakeGroup(Member(True), awaited=True)
+    push_step(client, group, {"w": torch.ones(2, 2)}, 2.0, share_pull=True)
+    assert client.calls[-1] == ("commit", 2.0, "no carried pull")
