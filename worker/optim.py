@@ -644,9 +644,7 @@ class PSOptimizer(torch.optim.Optimizer):
                 self.client.commit(weight=sent[0])
         if self.prefetch_window == 0:
             started = time.perf_counter()
-            pull_step(self.client, self._host_group)   # the host's leader shares it, where it does
-            self._sync_copies()
-            self._metrics.transferred(self.client.stats, self.version)
+            self._pull()
             self._metrics.waited(time.perf_counter() - started)
         else:
             if self._host_group is not None and self._host_group.pull_owed:
@@ -740,7 +738,7 @@ class PSOptimizer(torch.optim.Optimizer):
             self.forward_wait_seconds += time.perf_counter() - started
 
     def _pull(self) -> None:
-        self.client.pull_changed()
+        pull_step(self.client, self._host_group)   # from the host's leader, where it shares its pull
         self._sync_copies()
         self._metrics.transferred(self.client.stats, self.version)
 
