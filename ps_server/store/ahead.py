@@ -2,8 +2,10 @@
 
 A block takes pushes (and the node commits) of steps up to ``job step + staleness``, each step
 ahead collected in its own :class:`~shardline.ps_server.store.blocks.Collection`
-(``Primary.ahead``); steps are applied in order, each once every rank committed it, and a block
-that reaches a step takes what was collected ahead for it (``Primary.applied``). A push or commit
+(``Primary.ahead``) and folded in rank order as the block's own step is (a push that arrives
+before a lower rank's is parked there; pushes.py); steps are applied in order, each once every
+rank committed it, and a block that reaches a step takes what was collected ahead for it, parked
+contributions included (``Primary.applied``). A push or commit
 beyond ``job step + staleness`` is refused (STALE_STEP): a worker following the pull rule (it
 computes step v on parameters of version >= v - s) never sends one. Pulls may be served while a
 step is applied, so they wait until the replicas hold each block's newest step.
@@ -14,11 +16,8 @@ The design: docs/architecture.md, "Block store".
 
 from __future__ import annotations
 
-import torch
-
 from shardline.ps_server.store.blocks import Block
 from shardline.ps_server.store.common import StoreError
-from shardline.ps_server.store.pushes import PushRef, PushTicket
 from shardline.services.errors import ErrorCode
 
 # How long a pull, once wait_for_step let it through, waits for a step applied just then to be
@@ -37,15 +36,6 @@ class AheadSteps:
         bound = (f" (SSP: at most staleness {self.staleness} steps after it, up to step "
                  f"{self.step + self.staleness})") if self.staleness else ""
         raise StoreError(ErrorCode.STALE_STEP, refusal + bound)
-
-    @staticmethod
-    def _collect_ahead(block: Block, ticket: PushTicket, ref: PushRef, grad: torch.Tensor | None) -> None:
-        """Finish a push of a step after ``block``'s own: into that step's collection (every rank
-        of an aggregated push counts as received). Lock held."""
-        ahead = block.role.collector(ticket.step, block.step)
-        ahead.received.update(ticket.ranks)
-        if grad is not None:
-            ahead.add(block.value, ref, grad, ticket.factor)
 
     def _wait_visible(self, blocks: list[Block]) -> None:
         """A step may be applied while a pull is served; wait until every primary of ``blocks`` is

@@ -77,6 +77,8 @@ class Applying:
             role = block.role
             keep, replay = role.kept, None
             if role.collecting.pushed_by:
+                if role.collecting.parked:   # every rank committed: nothing parked waits any longer
+                    self._fold_all(block)
                 keeps = self.keeps_previous and not (keep is not None and keep[:2] == (block.version, step + 1))
                 before = None if role.collecting.staged is None else self._install_early(block, step, total, lrs, coef)
                 if before is not None:   # the value just replaced is the one to keep: no copy
@@ -169,6 +171,8 @@ class Applying:
         share = 0.0
         for _key, block in ready:
             collecting = block.role.collecting
+            if collecting.parked:   # the norm is the folded sum's, as the step will be
+                self._fold_all(block)
             if collecting.pushed_by and collecting.has_grad:
                 share += float(collecting.grad_buf.double().square().sum()) / (total * total)
         self.norm_shares[step] = share

@@ -94,13 +94,30 @@ class Staged:
         self.value, self.state, self.replay = value, state, replay
 
 
+class Parked(NamedTuple):
+    """A contribution to a step's sum that arrived before a lower rank's (see Collection): the
+    gradient of ``ranks`` in fp32 as sent (not yet weighted; a compressed one decoded), in a buffer
+    of its own, and the ``factor`` it enters the sum with."""
+
+    ranks: tuple
+    grad: torch.Tensor
+    factor: float
+
+
 @dataclass(eq=False, slots=True)
 class Collection:
     """A primary's gradients of one step: the sum of weight * gradient in ``grad_buf`` (the buffer
     outlives the step; it holds data only while ``has_grad``), the ranks that claimed a push
-    (``pushed_by``) and whose push finished here (``received``), the rank receiving straight into
-    ``grad_buf`` (``receiving``), the ranks whose gradient came by a handover (``handed``: their
-    commits count at any epoch) and the block stepped ahead of the commits (``staged``)."""
+    (``pushed_by``) and whose push finished here and is in the sum (``received``), the rank
+    receiving straight into ``grad_buf`` (``receiving``), the ranks whose gradient came by a
+    handover (``handed``: their commits count at any epoch) and the block stepped ahead of the
+    commits (``staged``).
+
+    The sum is folded in ascending rank order, whatever order the pushes arrive in: a
+    contribution (one rank's push, or an aggregate's, at its lowest rank) is folded only once
+    every rank below it is settled (``settled_below``); until then it is ``parked`` (lowest rank
+    -> :class:`Parked`) and folded by ``fold_parked`` when its turn comes. ``frontier``: every rank
+    below it is known settled (docs/architecture.md, "Rank order")."""
 
     grad_buf: torch.Tensor | None = None
     has_grad: bool = False
@@ -109,10 +126,31 @@ class Collection:
     receiving: int | None = None
     handed: frozenset = frozenset()
     staged: Staged | None = None
+    parked: dict | None = None
+    frontier: int = 0
+
+    def settled_below(self, rank: int, record: dict | None, since_epoch: int) -> bool:
+        """Whether every rank below ``rank`` is settled for this step: its contribution is in the
+        sum (a zero flag counts: ``received``), or it can no longer contribute: it committed the
+        step (``record``: rank -> (weight, epoch), its commit counting at ``since_epoch``) without
+        pushing the block (a rank's pushes of a step precede its commit). ``record`` None: the
+        commits completed the step, every rank is settled."""
+        if record is None:
+            return True
+        k, received, pushed_by = self.frontier, self.received, self.pushed_by
+        while k < rank:
+            if k not in received:
+                commit = record.get(k)
+                if commit is None or commit[1] < since_epoch or k in pushed_by:
+                    break
+            k += 1
+        self.frontier = k
+        return k >= rank
 
     def receive_into(self, rank: int, like: torch.Tensor) -> torch.Tensor:
-        """``rank``'s push of the step's first gradient goes straight into the buffer (made on
-        first use, shaped like ``like``); other pushes wait until it ends (``end_receiving``)."""
+        """``rank``'s push of the step's first gradient in rank order goes straight into the
+        buffer (made on first use, shaped like ``like``); other pushes wait until it ends
+        (``end_receiving``) before they fold anything."""
         if self.grad_buf is None:
             self.grad_buf = torch.empty_like(like)
         self.receiving = rank
@@ -150,6 +188,37 @@ class Collection:
         if factor != 1.0:
             self.grad_buf.mul_(factor)
         self.has_grad = True
+
+    def park(self, ranks: tuple, grad: torch.Tensor, factor: float) -> None:
+        """A contribution of ``ranks`` that arrived before a lower rank's settled: ``grad`` (fp32,
+        a buffer of its own) waits for its turn in the fold."""
+        if self.parked is None:
+            self.parked = {}
+        self.parked[ranks[0]] = Parked(ranks, grad, factor)
+
+    def fold_parked(self, record: dict | None, since_epoch: int) -> list:
+        """Fold the parked contributions whose turn came (``settled_below``; ``record`` None:
+        all of them), in ascending rank order, each as the push would have been: the first copied
+        and weighted, later ones added times their factor. Returns the buffers they held."""
+        freed = []
+        parked = self.parked
+        while parked:
+            low = min(parked)
+            if not self.settled_below(low, record, since_epoch):
+                break
+            ranks, grad, factor = parked.pop(low)
+            if self.has_grad:
+                self.grad_buf.add_(grad, alpha=factor)
+            else:
+                if self.grad_buf is None:
+                    self.grad_buf = torch.empty_like(grad)
+                self.grad_buf.copy_(grad)
+                if factor != 1.0:
+                    self.grad_buf.mul_(factor)
+                self.has_grad = True
+            self.received.update(ranks)
+            freed.append(grad)
+        return freed
 
     def stage(self, step: int, total: float, lrs: tuple) -> Staged:
         """The block is being stepped ahead of the commits (pipelined apply) with these totals."""
@@ -259,8 +328,9 @@ class Primary:
         taken = self.ahead.get(step)
         if taken is None:
             return Collection(buffer, receiving=receiving), later
+        # What it parked goes with it, folded in rank order into whichever buffer it takes.
         return Collection(taken.grad_buf if taken.has_grad else buffer, taken.has_grad, taken.pushed_by,
-                          taken.received, receiving), later
+                          taken.received, receiving, parked=taken.parked), later
 
     def applied(self, next_step: int, *, keep_epoch: bool, kept: Kept | None, replay: Replay | None) -> Primary:
         """Its step was applied at the commits: it collects ``next_step`` (SSP: with what came

@@ -57,6 +57,8 @@ class Commits:
             self._check_commit(rank, step, weight, lr, record, previous)
             self.step_lrs.setdefault(step, lr)
             record[rank] = (weight, max(epoch, previous[1] if previous else 0))
+            if self.parking_blocks:
+                self._fold_settled()
             self._apply_ready(step)
             return self.step
 
@@ -86,6 +88,8 @@ class Commits:
                     record[rank] = (weight, epoch)
             if step not in self.step_lrs:
                 self.step_lrs[step] = self.group_lrs(lr)
+            if self.parking_blocks:
+                self._fold_settled()
             self._apply_ready(step)
             return self.step
 

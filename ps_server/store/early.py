@@ -30,9 +30,10 @@ class EarlySteps:
     """The pipelined-apply half of JobStore (see the module docstring)."""
 
     def all_pushed(self, block: Block, step: int) -> bool:
-        """Whether every rank's gradient (or zero flag) of ``step`` for ``block`` arrived here: none
-        is still being received, none came by a handover (its weight is another node's). Call with
-        the lock held."""
+        """Whether every rank's gradient (or zero flag) of ``step`` for ``block`` arrived here and is
+        in the sum (once every rank's arrived none is parked: the sum is the fold in rank order):
+        none is still being received, none came by a handover (its weight is another node's). Call
+        with the lock held."""
         if not block.primary or block.step != step or block.role.awaits_handover:
             return False
         collecting = block.role.collecting

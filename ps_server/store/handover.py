@@ -26,7 +26,9 @@ from shardline.ps_server.store.common import clone_state
 @dataclass(frozen=True)
 class Handover:
     """What a block's previous primary collected for the step in flight when it lost the block:
-    ``grad`` is the sum of weight * gradient of ``ranks`` (None: no gradient, or only zeros).
+    ``grad`` is the sum of weight * gradient of ``ranks`` (None: no gradient, or only zeros), as
+    folded so far in rank order: a contribution parked behind a lower rank's is in neither (its
+    ranks resend it at the new epoch, and the new primary folds it in its turn).
     ``version`` is its copy's version; ``copy`` its (value, state) when its last step changed it:
     an apply of the old primary that crossed the switch (its copy reached the new primary after
     the new primary took the block over, and was refused) is taken from here. ``previous`` is

@@ -101,6 +101,11 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         self.step_lrs: dict[int, LRs] = {}   # lr override named by each step's commits
         self.push_weights: dict[int, dict[int, float]] = {}
         self.push_lrs: dict[int, dict[int, tuple]] = {}   # BSP: step -> rank -> the lrs its pushes named
+        # Blocks with a contribution parked (a push that came before a lower rank's: Collection),
+        # and the fp32 buffers parked contributions were freed from, by size (pushes.py).
+        self.parking_blocks: set = set()
+        self.grad_pool: dict[int, list] = {}
+        self.grad_pool_bytes = 0
         # Global gradient clipping (max_grad_norm > 0): this node's share of a step's squared norm
         # once every block it applies can take the step, and the clip coefficient once every
         # primary's share is known (ps_server/grad_norm.py gathers them).

@@ -3,10 +3,13 @@
 A push is begun (validated, destinations chosen), its blocks are received one by one and checked
 as each arrives (so the check overlaps the rest of the transfer), then finished (BSP/SSP: added to
 each block's :class:`~shardline.ps_server.store.blocks.Collection`; ASP: applied) or aborted,
-leaving nothing behind. A block's first BSP gradient of a step is received straight into the
-collection's buffer; later ones (to be added) go to the connection's scratch buffer, as do
-compressed (sign) blocks, decoded into the sum when the push finishes. A rank's push of a block
-it already pushed in the step (or of a step already applied) is received and ignored: a resend.
+leaving nothing behind. A block's gradients of a BSP step are summed in ascending rank order,
+whatever order they arrive in (:class:`~shardline.ps_server.store.blocks.Collection`): the first
+in that order is received straight into the collection's buffer; later ones (to be added) go to
+the connection's scratch buffer, as do compressed (sign) blocks, decoded into the sum when the
+push finishes; one that arrives before a lower rank's is received into a buffer of its own (or
+copied there from scratch) and parked until its turn. A rank's push of a block it already pushed
+in the step (or of a step already applied) is received and ignored: a resend.
 
 An aggregated push (:class:`Aggregate`: a host's leader sends one push on behalf of several
 ranks, its payload their weighted sum) counts, block by block, as a push of every one of its
@@ -29,7 +32,7 @@ import torch
 
 from shardline.ps_server.store.blocks import Block, Kept
 from shardline.ps_server.store.common import LRs, StoreError
-from shardline.services.compression import padding_problem, sign_nbytes
+from shardline.services.compression import decode_signs, padding_problem, sign_nbytes
 from shardline.services.errors import ErrorCode
 from shardline.services.frame import aggregate_problem
 from shardline.services.tensor_checks import CONCAT_BELOW_BYTES, first_nonfinite
@@ -37,6 +40,7 @@ from shardline.services.tensor_checks import CONCAT_BELOW_BYTES, first_nonfinite
 # How long a push waits for another rank's in-flight push of the same block (only a stalled
 # sender holds one that long; the data plane also times out stalled payloads).
 RESERVATION_TIMEOUT_SECONDS = 60.0
+NO_COMMITS: dict = {}   # the commit record of a step nobody committed yet
 # A push's blocks smaller than CHECK_ALONE_BYTES are checked for NaN/Inf together, up to
 # CHECK_BATCH_BYTES at a time (still cache-hot), instead of one call each (~10 us apiece); larger
 # ones are checked alone as they land.
@@ -83,6 +87,7 @@ class PushTicket:
     blocks: list = field(default_factory=list)
     dests: list = field(default_factory=list)    # tensor to receive each block into (None: zero flag)
     direct: list = field(default_factory=list)   # True: dest is the block's own gradient buffer
+    own: list = field(default_factory=list)      # True: dest is a buffer of the push's own (to be parked)
     resent: list = field(default_factory=list)   # True: the rank already pushed this block this step (ignored)
     error: "StoreError | None" = None
     done: bool = False
@@ -254,13 +259,19 @@ class Pushes:
 
     def _choose_dests(self, ticket: PushTicket, scratch: bytearray | None) -> None:
         """Where each block's bytes go: the block's own gradient buffer (its first fp32 gradient
-        of the step), else the scratch buffer at its payload offset; None for a zero flag."""
+        of the step in rank order: nothing folded yet, every lower rank settled), a buffer of the
+        push's own (an fp32 gradient that arrived before a lower rank's: it will be parked), else
+        the scratch buffer at its payload offset; None for a zero flag."""
         offset = 0
+        record = self.commits.get(ticket.step, NO_COMMITS)
         for ref, block, resent in zip(ticket.refs, ticket.blocks, ticket.resent):
-            direct, dest = False, None
+            direct, own, dest = False, False, None
             if not ref.zero:
                 collecting = block.role.collecting
-                if (self.collects and ref.dtype == torch.float32 and not collecting.has_grad
+                if (self.collects and ref.dtype == torch.float32 and not resent and block.step == ticket.step
+                        and not collecting.settled_below(ticket.ranks[0], record, block.role.since_epoch)):
+                    dest, own = self._grad_buffer(block.value), True
+                elif (self.collects and ref.dtype == torch.float32 and not collecting.has_grad
                         and collecting.receiving is None and not resent and block.step == ticket.step):
                     dest, direct = collecting.receive_into(ticket.rank, block.value), True
                 else:
@@ -268,6 +279,7 @@ class Pushes:
                     dest = torch.frombuffer(scratch, dtype=ref.dtype, count=count, offset=offset)
                 offset += dest.numel() * dest.element_size()
             ticket.direct.append(direct)
+            ticket.own.append(own)
             ticket.dests.append(dest)
 
     def _keep_previous(self, keeping: list, step: int) -> None:
@@ -367,37 +379,117 @@ class Pushes:
         return job_step
 
     def _take_block(self, ticket: PushTicket, n: int) -> None:
-        """Add block ``n`` of a received BSP/SSP push to what its block collects. Lock held."""
-        ref, block, dest, resent = ticket.refs[n], ticket.blocks[n], ticket.dests[n], ticket.resent[n]
+        """Fold block ``n`` of a received BSP/SSP push into what its block collects, or park it
+        until the ranks below it settle. Lock held."""
+        block, dest, resent = ticket.blocks[n], ticket.dests[n], ticket.resent[n]
         # Not primary: lost while an earlier block of the push waited (the lock released); its
         # collection went with the role, and the worker resends the step at the new epoch.
         if resent or not block.primary:
             return
         if block.step < ticket.step:  # SSP: a step after the one the block collects
-            self._collect_ahead(block, ticket, ref, dest)
+            self._contribute(block, block.role.collector(ticket.step, block.step), ticket, n)
             return
         collecting = block.role.collecting
-        if dest is None:
-            if block.step == ticket.step:
-                collecting.received.update(ticket.ranks)
-            return
-        if ticket.direct[n]:
+        if ticket.direct[n]:   # the first in rank order, received straight into the sum
             collecting.received_into(ticket.rank, ticket.ranks, ticket.factor)
+            self._fold_parked(block, collecting, ticket.step)
             return
-        # Another rank may still be receiving this block's first gradient into the buffer.
-        if not self.cond.wait_for(lambda: not block.primary or block.role.collecting.receiving is None,
-                                  timeout=RESERVATION_TIMEOUT_SECONDS):
-            self._release(ticket)
-            raise StoreError(ErrorCode.TIMEOUT, f"rank {block.role.collecting.receiving} did not finish sending block "
-                                                f"gradients within {RESERVATION_TIMEOUT_SECONDS:g} s")
-        if not block.primary:   # lost during the wait: as above
-            return
-        collecting = block.role.collecting   # the wait released the lock
-        collecting.add(block.value, ref, dest, ticket.factor)
-        # Received only once added: the wait above releases the lock, and a handover or an early
-        # step taken meanwhile must not count a rank whose gradient is not in the sum.
-        if block.step == ticket.step:
-            collecting.received.update(ticket.ranks)
+        # Its turn in the fold, but another push may still be receiving into the buffer (one of an
+        # applied step, still arriving): the sum waits for it.
+        if dest is not None and collecting.receiving is not None and self._in_order(block, collecting, ticket):
+            if not self.cond.wait_for(lambda: not block.primary or block.role.collecting.receiving is None,
+                                      timeout=RESERVATION_TIMEOUT_SECONDS):
+                self._release(ticket)
+                raise StoreError(ErrorCode.TIMEOUT, f"rank {block.role.collecting.receiving} did not finish sending "
+                                                    f"block gradients within {RESERVATION_TIMEOUT_SECONDS:g} s")
+            if not block.primary or block.step != ticket.step:   # lost (as above) or applied during the wait
+                return
+            collecting = block.role.collecting   # the wait released the lock
+        self._contribute(block, collecting, ticket, n)
+
+    def _in_order(self, block: Block, collection, ticket: PushTicket) -> bool:
+        """Whether the push's contribution (at its lowest rank) may be folded into ``collection``
+        now: every rank below it is settled (Collection.settled_below). Lock held."""
+        return collection.settled_below(ticket.ranks[0], self.commits.get(ticket.step, NO_COMMITS),
+                                        block.role.since_epoch)
+
+    def _contribute(self, block: Block, collection, ticket: PushTicket, n: int) -> None:
+        """Block ``n`` of the push into ``collection`` (the step's): a zero flag settles its ranks;
+        a gradient is folded into the sum if its turn came and nobody receives into the buffer,
+        else parked in a buffer of its own. Then whatever it let through is folded. The ranks count
+        as received only once in the sum: a handover or an early step taken while the lock is
+        released must not count a rank whose gradient is not in it. Lock held."""
+        ref, dest = ticket.refs[n], ticket.dests[n]
+        if dest is None:
+            collection.received.update(ticket.ranks)
+        elif collection.receiving is None and self._in_order(block, collection, ticket):
+            collection.add(block.value, ref, dest, ticket.factor)
+            collection.received.update(ticket.ranks)
+            if ticket.own[n]:
+                ticket.own[n] = False
+                self._free_grads([dest])
+        else:
+            if ticket.own[n]:
+                ticket.own[n] = False   # the collection holds it from now on
+                grad = dest
+            else:   # from scratch (reused by the connection's next frame): a copy in fp32
+                grad = self._grad_buffer(block.value)
+                if ref.scale is None:
+                    grad.copy_(dest)
+                else:
+                    decode_signs(dest, ref.numel, ref.scale, out=grad)
+            collection.park(ticket.ranks, grad, ticket.factor)
+            self.parking_blocks.add(block)
+        self._fold_parked(block, collection, ticket.step)
+
+    def _fold_parked(self, block: Block, collection, step: int) -> None:
+        """Fold the parked contributions of ``collection`` (``block``'s of ``step``) whose turn came,
+        unless a push still receives into its buffer (that push's end folds them). Lock held."""
+        if collection.parked and collection.receiving is None:
+            self._free_grads(collection.fold_parked(self.commits.get(step, NO_COMMITS), block.role.since_epoch))
+
+    def _fold_settled(self) -> None:
+        """A commit may settle ranks that pushed nothing of a block: fold what was parked behind
+        them. Lock held."""
+        for block in list(self.parking_blocks):
+            role = block.role
+            if not role.primary:
+                self.parking_blocks.discard(block)
+                continue
+            waiting = False
+            for step, collection in ((block.step, role.collecting), *role.ahead.items()):
+                self._fold_parked(block, collection, step)
+                waiting = waiting or bool(collection.parked)
+            if not waiting:
+                self.parking_blocks.discard(block)
+
+    def _fold_all(self, block: Block) -> None:
+        """The commits completed ``block``'s step: every rank is settled, whatever is parked is
+        folded (in rank order). Lock held."""
+        role = block.role
+        self._free_grads(role.collecting.fold_parked(None, 0))
+        if not any(c.parked for c in role.ahead.values()):
+            self.parking_blocks.discard(block)
+
+    def _grad_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        """An fp32 buffer shaped like ``like`` for a contribution to park (from the pool). Lock held."""
+        pool = self.grad_pool.get(like.numel())
+        if pool:
+            buffer = pool.pop()
+            self.grad_pool_bytes -= buffer.numel() * 4
+            return buffer
+        return torch.empty_like(like)
+
+    def _free_grads(self, buffers: list) -> None:
+        """Parked buffers no longer needed: kept for the next ones while the pool holds less than
+        ``world_size`` blocks' worth, else freed. Lock held."""
+        limit = self.world_size * self.block_elements * 4
+        for buffer in buffers:
+            nbytes = buffer.numel() * 4
+            if self.grad_pool_bytes + nbytes > limit:
+                return
+            self.grad_pool.setdefault(buffer.numel(), []).append(buffer)
+            self.grad_pool_bytes += nbytes
 
     def step_early(self, ticket: PushTicket) -> None:
         """Step the blocks ``finish_push(ticket, defer_early=True)`` staged (once)."""
@@ -431,6 +523,7 @@ class Pushes:
                 ticket.resent[i] = True   # ignored as a resend from here on (its claim went with the catch-up)
                 if ticket.direct[i]:
                     role.collecting.end_receiving(ticket.rank)
+                    self._fold_parked(block, role.collecting, block.step)
             elif ticket.dests[i] is not None:  # applied here while the push was in flight
                 self._release(ticket)
                 raise StoreError(ErrorCode.STALE_STEP,
@@ -454,6 +547,7 @@ class Pushes:
                 continue
             if direct:
                 role.collecting.end_receiving(rank)
+                self._fold_parked(block, role.collecting, block.step)   # what waited for the buffer
             if self.collects and not resent:
                 role.collector(step, block.step).pushed_by.difference_update(ranks)
         for r in ranks if self.collects else ():

@@ -127,14 +127,17 @@ def test_no_store_module_writes_a_role_field_by_hand():
 
 
 def test_a_push_waiting_for_another_rank_receiving_ends_when_the_block_is_lost_meanwhile():
-    """Rank 1 waits for rank 0, still receiving into the buffer; the block moves away: rank 1's
-    push ends (the block's collection went with its role, the worker resends at the new epoch)
-    and rank 0's, received into that collection, is refused NOT_OWNER."""
+    """A push of step 1 waits for a push of step 0 still receiving into the buffer (the step was
+    applied without it); the block moves away: the waiting push ends (the block's collection went
+    with its role, the worker resends at the new epoch) and the other, received into that
+    collection, is refused NOT_OWNER."""
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
     refs, flat = push_refs("a", torch.ones(4, 5))
     t0 = store.begin_push(0, 0, 1.0, refs, bytearray(80))
-    t1 = store.begin_push(1, 0, 1.0, refs, bytearray(80))
+    store.commit(0, 0, 1.0)
+    store.commit(1, 0, 1.0)
+    t1 = store.begin_push(0, 1, 1.0, refs, bytearray(80))
     receive_all(store, t1, flat)
     done = {}
     finisher = threading.Thread(target=lambda: done.setdefault("step", store.finish_push(t1)))
@@ -143,7 +146,7 @@ def test_a_push_waiting_for_another_rank_receiving_ends_when_the_block_is_lost_m
     assert finisher.is_alive()
     store.set_primary({key for key in store.blocks if key[0] != "a"}, epoch=2)
     finisher.join(10)
-    assert done == {"step": 0} and all(b.role is COPY for k, b in store.blocks.items() if k[0] == "a")
+    assert done == {"step": 1} and all(b.role is COPY for k, b in store.blocks.items() if k[0] == "a")
     receive_all(store, t0, flat)
     with pytest.raises(StoreError) as e:
         store.finish_push(t0)

@@ -210,8 +210,9 @@ def receive_all(store, ticket, flat):
 
 
 def test_interleaved_pushes_of_two_ranks_sum_correctly():
-    """Rank 0 receives straight into the gradient buffers; rank 1, arriving meanwhile, goes through
-    scratch and waits for rank 0's blocks before adding."""
+    """Rank 0 receives straight into the gradient buffers; rank 1, arriving meanwhile, receives into
+    buffers of its own and parks there (its push ends at once) until rank 0's gradient is in the
+    sum: then it is added, in rank order."""
     a0 = torch.randn(4, 5)
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
@@ -220,17 +221,13 @@ def test_interleaved_pushes_of_two_ranks_sum_correctly():
     _, flat1 = push_refs("a", g1)
     t0 = store.begin_push(0, 0, 1.0, refs, bytearray(80))
     t1 = store.begin_push(1, 0, 3.0, refs, bytearray(80))
-    assert all(t0.direct) and not any(t1.direct)
+    assert all(t0.direct) and not any(t1.direct) and all(t1.own)
     receive_all(store, t1, flat1)
-    done = {}
-    finisher = threading.Thread(target=lambda: done.setdefault("step", store.finish_push(t1)))
-    finisher.start()
-    finisher.join(0.2)
-    assert finisher.is_alive(), "rank 1 must wait while rank 0 is still receiving into the buffers"
+    assert store.finish_push(t1) == 0
+    assert all(c.parked.keys() == {1} and not c.received for c in collections(store) if c.pushed_by)
     receive_all(store, t0, flat0)
     store.finish_push(t0)
-    finisher.join(10)
-    assert done["step"] == 0
+    assert all(not c.parked and c.received == {0, 1} for c in collections(store) if c.pushed_by)
     store.commit(0, 0, 1.0)
     store.commit(1, 0, 3.0)
     torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + 3 * g1) / 4, rtol=0, atol=1e-6)
@@ -306,6 +303,9 @@ def test_a_push_in_flight_while_its_block_takes_the_step_from_its_previous_prima
 
 
 def test_stalled_reservation_times_out(monkeypatch):
+    """A push still receiving into a block's buffer after its step was applied holds the buffer:
+    the next step's first gradient in rank order waits for it before it is summed, and a stalled
+    one times out."""
     import shardline.ps_server.store.pushes as store_module
 
     monkeypatch.setattr(store_module, "RESERVATION_TIMEOUT_SECONDS", 0.1)
@@ -313,7 +313,10 @@ def test_stalled_reservation_times_out(monkeypatch):
     init_store(store, {"a": torch.zeros(4, 5), "b": torch.zeros(3), "frozen": torch.zeros(2)})
     refs, flat = push_refs("a", torch.ones(4, 5))
     store.begin_push(0, 0, 1.0, refs, bytearray(80))  # never finished
-    t1 = store.begin_push(1, 0, 1.0, refs, bytearray(80))
+    store.commit(0, 0, 1.0)
+    store.commit(1, 0, 1.0)   # step 0 applied without it: it still holds the buffer
+    t1 = store.begin_push(0, 1, 1.0, refs, bytearray(80))
+    assert not any(t1.direct) and not any(t1.own)
     receive_all(store, t1, flat)
     with pytest.raises(StoreError) as e:
         store.finish_push(t1)
