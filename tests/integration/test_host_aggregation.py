@@ -82,27 +82,36 @@ def test_a_worker_killed_mid_aggregation_restarts_and_loses_nothing(cluster, tmp
         assert int(results[r]["_start_version"]) in (KILL_STEP, KILL_STEP + 1)
 
 
+def train_on_machines(tmp_path, job: str, ps_hosts: tuple[str, ...], rank_hosts: dict[int, str]):
+    """Train ``job`` on emulated machines (network namespaces, tests/emulated_cluster.py): a PS
+    node on each of ``ps_hosts``, rank r on ``rank_hosts[r]``, every option at its default.
+    Returns the workers' results, checked equal to torch.optim, and what the nodes' metrics
+    say of aggregated pushes (ranks covered)."""
+    from emulated_cluster import EmulatedCluster
+
+    machines = ["disp", *dict.fromkeys([*ps_hosts, *rank_hosts.values()])]
+    with EmulatedCluster(tmp_path / "c", machines) as cluster:
+        cluster.start_dispatcher("disp")
+        nodes = [cluster.add_node(h, wait=False) for h in ps_hosts]
+        for node in nodes:
+            cluster.wait_ready(node)
+        cluster.wait_for_nodes(len(nodes), timeout=60)
+        workers = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, world=len(rank_hosts),
+                                            steps=STEPS, env=cluster.worker_env,
+                                            wrap=lambda rank, argv: cluster.on_host(rank_hosts[rank], argv))
+        results = train_model.finish_workers(workers, timeout=240)
+        train_model.assert_equals_reference(results, STEPS, world_size=len(rank_hosts), tol=1e-5)
+        covered = sum(aggregated_ranks(cluster.http_get(f"http://{node.metrics}/metrics"), job) for node in nodes)
+    return results, covered
+
+
 def test_on_two_emulated_machines_the_defaults_aggregate_each_hosts_pushes(tmp_path):
     """Two machines (network namespaces), a PS node and two workers on each, every option at its
     default: a push crosses machines, so each host's workers aggregate by themselves; the run
     equals torch.optim and the nodes saw aggregated pushes."""
-    from emulated_cluster import EmulatedCluster
-
-    hosts = {0: "ha", 1: "ha", 2: "hb", 3: "hb"}
-    with EmulatedCluster(tmp_path / "c", ["disp", "ha", "hb"]) as cluster:
-        cluster.start_dispatcher("disp")
-        nodes = [cluster.add_node(h, wait=False) for h in ("ha", "hb")]
-        for node in nodes:
-            cluster.wait_ready(node)
-        cluster.wait_for_nodes(2, timeout=60)
-        job = "host-aggregation-machines"
-        workers = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, world=4, steps=STEPS,
-                                            env=cluster.worker_env,
-                                            wrap=lambda rank, argv: cluster.on_host(hosts[rank], argv))
-        results = train_model.finish_workers(workers, timeout=240)
-        train_model.assert_equals_reference(results, STEPS, world_size=4, tol=1e-5)
-        covered = sum(aggregated_ranks(cluster.http_get(f"http://{node.metrics}/metrics"), job) for node in nodes)
-        assert covered > 0
+    _results, covered = train_on_machines(tmp_path, "host-aggregation-machines", ("ha", "hb"),
+                                           {0: "ha", 1: "ha", 2: "hb", 3: "hb"})
+    assert covered > 0
 
 
 def test_where_the_nodes_run_on_other_machines_each_hosts_workers_share_one_pull(tmp_path):
@@ -110,21 +119,8 @@ def test_where_the_nodes_run_on_other_machines_each_hosts_workers_share_one_pull
     option at its default: every read crosses machines, so each host's leader pulls the step and
     its member takes it from the leader's region. The run equals torch.optim; a member pulled no
     block after joining (its steps came from its leader), its leader pulled every step."""
-    from emulated_cluster import EmulatedCluster
-
     hosts = {0: "wa", 1: "wa", 2: "wb", 3: "wb"}
-    with EmulatedCluster(tmp_path / "c", ["disp", "pa", "pb", "wa", "wb"]) as cluster:
-        cluster.start_dispatcher("disp")
-        nodes = [cluster.add_node(h, wait=False) for h in ("pa", "pb")]
-        for node in nodes:
-            cluster.wait_ready(node)
-        cluster.wait_for_nodes(2, timeout=60)
-        job = "host-pull-machines"
-        workers = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, world=4, steps=STEPS,
-                                            env=cluster.worker_env,
-                                            wrap=lambda rank, argv: cluster.on_host(hosts[rank], argv))
-        results = train_model.finish_workers(workers, timeout=240)
-        train_model.assert_equals_reference(results, STEPS, world_size=4, tol=1e-5)
+    results, _covered = train_on_machines(tmp_path, "host-pull-machines", ("pa", "pb"), hosts)
     for host in ("wa", "wb"):
         ranks = [r for r, h in hosts.items() if h == host]
         shared = {r: int(results[r]["_shared_steps"]) for r in ranks}
