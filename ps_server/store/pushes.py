@@ -7,8 +7,9 @@ leaving nothing behind. A block's gradients of a BSP step are summed in ascendin
 whatever order they arrive in (:class:`~shardline.ps_server.store.blocks.Collection`): the first
 in that order is received straight into the collection's buffer; later ones (to be added) go to
 the connection's scratch buffer, as do compressed (sign) blocks, decoded into the sum when the
-push finishes; one that arrives before a lower rank's is received into a buffer of its own (or
-copied there from scratch) and parked until its turn. A rank's push of a block it already pushed
+push finishes; one that arrives before a lower rank's is copied from scratch into a buffer of its
+own when the push finishes, and parked until its turn (so a push that never finishes holds no
+memory past its connection's scratch). A rank's push of a block it already pushed
 in the step (or of a step already applied) is received and ignored: a resend.
 
 An aggregated push (:class:`Aggregate`: a host's leader sends one push on behalf of several
@@ -87,7 +88,6 @@ class PushTicket:
     blocks: list = field(default_factory=list)
     dests: list = field(default_factory=list)    # tensor to receive each block into (None: zero flag)
     direct: list = field(default_factory=list)   # True: dest is the block's own gradient buffer
-    own: list = field(default_factory=list)      # True: dest is a buffer of the push's own (to be parked)
     resent: list = field(default_factory=list)   # True: the rank already pushed this block this step (ignored)
     error: "StoreError | None" = None
     done: bool = False
@@ -259,27 +259,24 @@ class Pushes:
 
     def _choose_dests(self, ticket: PushTicket, scratch: bytearray | None) -> None:
         """Where each block's bytes go: the block's own gradient buffer (its first fp32 gradient
-        of the step in rank order: nothing folded yet, every lower rank settled), a buffer of the
-        push's own (an fp32 gradient that arrived before a lower rank's: it will be parked), else
-        the scratch buffer at its payload offset; None for a zero flag."""
+        of the step in rank order: nothing folded yet, every lower rank settled), else the scratch
+        buffer at its payload offset (one that arrived before a lower rank's is copied into a
+        parked buffer when the push finishes); None for a zero flag."""
         offset = 0
         record = self.commits.get(ticket.step, NO_COMMITS)
         for ref, block, resent in zip(ticket.refs, ticket.blocks, ticket.resent):
-            direct, own, dest = False, False, None
+            direct, dest = False, None
             if not ref.zero:
                 collecting = block.role.collecting
-                if (self.collects and ref.dtype == torch.float32 and not resent and block.step == ticket.step
-                        and not collecting.settled_below(ticket.ranks[0], record, block.role.since_epoch)):
-                    dest, own = self._grad_buffer(block.value), True
-                elif (self.collects and ref.dtype == torch.float32 and not collecting.has_grad
-                        and collecting.receiving is None and not resent and block.step == ticket.step):
+                if (self.collects and ref.dtype == torch.float32 and not collecting.has_grad
+                        and collecting.receiving is None and not resent and block.step == ticket.step
+                        and collecting.settled_below(ticket.ranks[0], record, block.role.since_epoch)):
                     dest, direct = collecting.receive_into(ticket.rank, block.value), True
                 else:
                     count = ref.numel if ref.scale is None else sign_nbytes(ref.numel)
                     dest = torch.frombuffer(scratch, dtype=ref.dtype, count=count, offset=offset)
                 offset += dest.numel() * dest.element_size()
             ticket.direct.append(direct)
-            ticket.own.append(own)
             ticket.dests.append(dest)
 
     def _keep_previous(self, keeping: list, step: int) -> None:
@@ -425,19 +422,12 @@ class Pushes:
         elif collection.receiving is None and self._in_order(block, collection, ticket):
             collection.add(block.value, ref, dest, ticket.factor)
             collection.received.update(ticket.ranks)
-            if ticket.own[n]:
-                ticket.own[n] = False
-                self._free_grads([dest])
-        else:
-            if ticket.own[n]:
-                ticket.own[n] = False   # the collection holds it from now on
-                grad = dest
-            else:   # from scratch (reused by the connection's next frame): a copy in fp32
-                grad = self._grad_buffer(block.value)
-                if ref.scale is None:
-                    grad.copy_(dest)
-                else:
-                    decode_signs(dest, ref.numel, ref.scale, out=grad)
+        else:   # from scratch (reused by the connection's next frame): a copy in fp32
+            grad = self._grad_buffer(block.value)
+            if ref.scale is None:
+                grad.copy_(dest)
+            else:
+                decode_signs(dest, ref.numel, ref.scale, out=grad)
             collection.park(ticket.ranks, grad, ticket.factor)
             self.parking_blocks.add(block)
         self._fold_parked(block, collection, ticket.step)

@@ -211,8 +211,8 @@ def receive_all(store, ticket, flat):
 
 def test_interleaved_pushes_of_two_ranks_sum_correctly():
     """Rank 0 receives straight into the gradient buffers; rank 1, arriving meanwhile, receives into
-    buffers of its own and parks there (its push ends at once) until rank 0's gradient is in the
-    sum: then it is added, in rank order."""
+    its scratch buffer and, when its push ends (at once), is copied into a parked buffer until rank
+    0's gradient is in the sum: then it is added, in rank order."""
     a0 = torch.randn(4, 5)
     store = JobStore(make_job(kind="sgd", lr=1.0))
     init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
@@ -221,7 +221,7 @@ def test_interleaved_pushes_of_two_ranks_sum_correctly():
     _, flat1 = push_refs("a", g1)
     t0 = store.begin_push(0, 0, 1.0, refs, bytearray(80))
     t1 = store.begin_push(1, 0, 3.0, refs, bytearray(80))
-    assert all(t0.direct) and not any(t1.direct) and all(t1.own)
+    assert all(t0.direct) and not any(t1.direct)
     receive_all(store, t1, flat1)
     assert store.finish_push(t1) == 0
     assert all(c.parked.keys() == {1} and not c.received for c in collections(store) if c.pushed_by)
@@ -316,7 +316,7 @@ def test_stalled_reservation_times_out(monkeypatch):
     store.commit(0, 0, 1.0)
     store.commit(1, 0, 1.0)   # step 0 applied without it: it still holds the buffer
     t1 = store.begin_push(0, 1, 1.0, refs, bytearray(80))
-    assert not any(t1.direct) and not any(t1.own)
+    assert not any(t1.direct)
     receive_all(store, t1, flat)
     with pytest.raises(StoreError) as e:
         store.finish_push(t1)
