@@ -94,6 +94,16 @@ class Staged:
         self.value, self.state, self.replay = value, state, replay
 
 
+class _Fp32Block(NamedTuple):
+    """What ``Collection.add`` needs of a PushRef for an fp32 gradient held here (a parked one):
+    nothing to decode."""
+
+    scale: None = None
+
+
+_FP32_BLOCK = _Fp32Block()
+
+
 class Parked(NamedTuple):
     """A contribution to a step's sum that arrived before a lower rank's (see Collection): the
     gradient of ``ranks`` in fp32 as sent (not yet weighted; a compressed one decoded), in a buffer
@@ -207,15 +217,7 @@ class Collection:
             if not self.settled_below(low, record, since_epoch):
                 break
             ranks, grad, factor = parked.pop(low)
-            if self.has_grad:
-                self.grad_buf.add_(grad, alpha=factor)
-            else:
-                if self.grad_buf is None:
-                    self.grad_buf = torch.empty_like(grad)
-                self.grad_buf.copy_(grad)
-                if factor != 1.0:
-                    self.grad_buf.mul_(factor)
-                self.has_grad = True
+            self.add(grad, _FP32_BLOCK, grad, factor)
             self.received.update(ranks)
             freed.append(grad)
         return freed

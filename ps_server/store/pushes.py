@@ -233,11 +233,7 @@ class Pushes:
             role = block.role
             if keep and block.step == step and not role.collecting.pushed_by:
                 keeping.append((block, block.version, block.value, self.previous_buffer(block)))
-            pushed_by = role.collector(step, block.step).pushed_by
-            if ticket.aggregate is None:
-                pushed_by.add(rank)
-            else:
-                pushed_by.update(ticket.aggregate.ranks)
+            role.collector(step, block.step).pushed_by.update(ticket.ranks)
         return keeping
 
     @staticmethod
