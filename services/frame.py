@@ -247,16 +247,12 @@ def recv_exactly_into(sock, view: memoryview, deadline: float | None = None) -> 
     ``deadline`` (``time.monotonic()`` value), TimeoutError once it has passed: however slowly the
     bytes trickle in, the read ends then (the socket's timeout is left changed).
 
-    With a ``deadline``, a large read from a TCP socket loops in C (``recv_f32``, its check left
-    unused): a payload arriving in many small pieces (a slow or shaped link) costs one Python call,
-    not one per piece."""
+    With a ``deadline``, a large read from a TCP socket loops in C (``recv_f32_checked``, its
+    check left unused): a payload arriving in many small pieces (a slow or shaped link) costs one
+    Python call, not one per piece."""
     n = len(view)
     if deadline is not None and n >= C_RECV_MIN_BYTES and receives_checked(sock):
-        got, _finite = recv_f32(sock.fileno(), view, deadline)
-        if got < n:
-            if time.monotonic() >= deadline:
-                raise TimeoutError(f"{got} of {n} bytes arrived in time")
-            raise ConnectionError(f"peer closed the connection after {got} of {n} bytes")
+        recv_f32_checked(sock, view, deadline)
         return
     _fill(sock, n, deadline, lambda got: sock.recv_into(view[got:], n - got))
 

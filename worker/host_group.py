@@ -107,7 +107,6 @@ from __future__ import annotations
 
 import enum
 import errno
-import fcntl
 import functools
 import hashlib
 import logging
@@ -119,7 +118,6 @@ import os
 import select
 import selectors
 import socket
-import stat
 import struct
 import threading
 import time
@@ -131,7 +129,7 @@ import torch
 
 from shardline.services import failpoints
 from shardline.services.errors import ShardlineConfigError, ShardlineConnectionError, ShardlineStateError
-from shardline.services.transport.shm import SharedRegion
+from shardline.services.transport.shm import SharedRegion, ShmProtocolError, check_sealed_file
 
 log = logging.getLogger("shardline.worker")
 
@@ -1436,17 +1434,12 @@ def _take_read_only_warning() -> None:
 
 
 def _map_region(fd: int, size: int) -> mmap.mmap:
-    """A member's region, mapped read-only: a regular file of ``size`` bytes sealed against
-    shrinking and growing (a region that could shrink would fault the leader's reads)."""
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-        raise HostGroupProtocolError(f"its region is not a file of {size} bytes ({st.st_size} bytes)")
+    """A peer's region (a SharedRegion), mapped read-only: a regular file of ``size`` bytes sealed
+    against resizing (a region that could shrink would fault the reads), as shm checks its peers'."""
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = 0
-    if seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) != fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW:
-        raise HostGroupProtocolError("its region is not sealed against resizing")
+        check_sealed_file(fd, size, "region")
+    except ShmProtocolError as exc:
+        raise HostGroupProtocolError(str(exc)) from None
     return mmap.mmap(fd, size, prot=mmap.PROT_READ)
 
 

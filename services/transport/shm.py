@@ -536,7 +536,7 @@ class ShmConnection:
             if not MIN_RING_BYTES <= size <= MAX_PEER_RING_BYTES:
                 raise ShmProtocolError(f"peer segment of {size} bytes is not a ring of "
                                        f"[{MIN_RING_BYTES}, {MAX_PEER_RING_BYTES}] bytes")
-            _check_sealed_file(fds[0], size, "segment")
+            check_sealed_file(fds[0], size, "segment")
             segment = mmap.mmap(fds[0], size, prot=mmap.PROT_READ)
         finally:
             _close_fds(fds)
@@ -569,7 +569,7 @@ class ShmConnection:
                 raise ShmProtocolError(f"region {region_id} of {size} bytes refused ({len(self._peer_regions)} "
                                        f"regions of {mapped} bytes mapped; at most {MAX_PEER_REGIONS} of "
                                        f"{MAX_PEER_REGION_BYTES} bytes, ids unique and > 0)")
-            _check_sealed_file(fds[0], size, "region")
+            check_sealed_file(fds[0], size, "region")
             region = mmap.mmap(fds[0], size, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             _close_fds(fds)
@@ -742,7 +742,7 @@ def _libc_mmap(address: int, size: int, prot: int, flags: int, fd: int, offset: 
     return -1 if result is None or result == ctypes.c_void_p(-1).value else result
 
 
-def _check_sealed_file(fd: int, size: int, what: str) -> None:
+def check_sealed_file(fd: int, size: int, what: str) -> None:
     """``fd`` is a regular file of ``size`` bytes sealed against resizing: a mapping of it can
     never fault on pages the peer took away."""
     st = os.fstat(fd)
