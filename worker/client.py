@@ -127,6 +127,12 @@ class _NonFiniteGradient(ShardlineConfigError):
     """A gradient block held NaN or Inf (found by this client, or by the node it was pushed to)."""
 
 
+def _check_weight(weight: float) -> None:
+    """A rank's weight in a step's mean (a push's, or one the host's leader pushed for it)."""
+    if not (math.isfinite(weight) and weight > 0):
+        raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+
+
 def _check_finite(name: str, grad: torch.Tensor) -> None:
     if not all_finite(grad):
         raise _NonFiniteGradient(f"gradient for tensor {name!r} contains NaN or Inf; not pushed")
@@ -673,8 +679,7 @@ class Client:
         spec = self._require_spec()
         if not self._collects:
             raise ShardlineStateError(f"record_pushed() is for BSP and SSP jobs; job {self.job!r} is {spec.sync!r}")
-        if not (math.isfinite(weight) and weight > 0):
-            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        _check_weight(weight)
         self._check_aggregates(spec)
         payload, _flats = self._push_payload(spec, grads, None)
         self.start_lease()
@@ -743,8 +748,12 @@ class Client:
         names = self._names(names)
         if not self._took_carried_pull():
             self._pull(names, min_step=None, timeout=None)
+        self._forget_pulled_steps()
+
+    def _forget_pulled_steps(self) -> None:
+        """The caches hold the client's step: every block holds the steps before the pull's
+        min_step, replicas included, so nothing of them is resent."""
         if self._inflight and self.step is not None:
-            # Every block holds the steps before the pull's min_step, replicas included: nothing to resend.
             self._inflight.forget_before(self.step - self.staleness)
 
     def reads_cross_hosts(self) -> bool:
@@ -764,8 +773,7 @@ class Client:
         would have left, without a request."""
         self.held_step = held_step
         self.stats.shared_steps += 1
-        if self._inflight and self.step is not None:
-            self._inflight.forget_before(self.step - self.staleness)
+        self._forget_pulled_steps()
 
     def _took_carried_pull(self) -> bool:
         """Whether this worker's last commit brought the step it made: every block of the job came
@@ -912,8 +920,7 @@ class Client:
     def _push(self, grads: dict[str, torch.Tensor | None], weight: float, blocks: dict | None = None,
               aggregate: HostAggregate | None = None) -> None:
         spec = self._require_spec()
-        if not (math.isfinite(weight) and weight > 0):
-            raise ShardlineConfigError(f"weight must be a finite number > 0, got {weight!r}")
+        _check_weight(weight)
         payload, flats = self._push_payload(spec, grads, blocks)
         # An aggregated push sends the sums (``sent``) and records this rank's own blocks (``payload``).
         sent = payload

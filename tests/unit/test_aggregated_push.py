@@ -409,6 +409,13 @@ def node_values(node: PSNode) -> dict:
     return {"w": torch.cat([job.blocks[("w", i)].value for i in (0, 1)]), "b": job.blocks[("b", 0)].value}
 
 
+def assert_node_equals_torch(node: PSNode, initial: dict, grads: list[dict], weights) -> None:
+    """The node's values after the step equal torch.optim's on the weighted mean (node_reference)."""
+    want = node_reference(initial, grads, weights)
+    for n, v in node_values(node).items():
+        torch.testing.assert_close(v, want[n], **ROUND_OFF)
+
+
 def sums_of(grads: list[dict], weights) -> dict:
     return {n: sum(w * g[n] for g, w in zip(grads[:2], weights[:2]) if g[n] is not None) for n in ("w", "b")}
 
@@ -455,9 +462,7 @@ def test_a_client_pushes_an_aggregate_over_the_data_plane(transport, offline_cli
         leader.commit(weight=weights[0])
         member.commit(weight=weights[1])
         assert node.store.get("j").step == 1 and node.store.get("j").aggregated_ranks == 2
-        want = node_reference(initial, grads, weights)
-        for n, v in node_values(node).items():
-            torch.testing.assert_close(v, want[n], **ROUND_OFF)
+        assert_node_equals_torch(node, initial, grads, weights)
     finally:
         for s in served:
             s.close()
@@ -489,9 +494,7 @@ def test_a_node_recovered_within_an_aggregate_gets_the_leaders_record_alone_then
         leader.push(grads[0], weight=weights[0])   # alone: a resend where the record went already
         member.push(grads[1], weight=weights[1])
         other.push(grads[2], weight=weights[2])
-        want = node_reference(initial, grads, weights)
-        for n, v in node_values(node).items():
-            torch.testing.assert_close(v, want[n], **ROUND_OFF)
+        assert_node_equals_torch(node, initial, grads, weights)
     finally:
         for s in served:
             s.close()
