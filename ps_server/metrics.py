@@ -193,7 +193,12 @@ class NodeCollector(Collector):
         aggregated = CounterMetricFamily("shardline_ps_aggregated_push_ranks",
                                          "BSP/SSP: ranks whose gradients came summed in a host's aggregated push "
                                          "(one push for several ranks; resends not counted)", labels=["job_name"])
-        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads, diverged, aggregated]
+        before_acks = CounterMetricFamily("shardline_ps_blocks_read_before_acks",
+                                          "Primary, BSP with replayed gradients: blocks of workers' reads served at a "
+                                          "step its copy holders had not acknowledged yet (the workers keep that "
+                                          "step's gradients to resend)", labels=["job_name"])
+        families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads, diverged, aggregated,
+                    before_acks]
         if node is not None:
             for job in node.store.jobs():
                 name = job.name
@@ -208,6 +213,7 @@ class NodeCollector(Collector):
                 copy_reads.add_metric([name], getattr(job, "copy_reads", 0))
                 diverged.add_metric([name], getattr(job, "replica_divergences", 0))
                 aggregated.add_metric([name], getattr(job, "aggregated_ranks", 0))
+                before_acks.add_metric([name], getattr(job, "reads_before_acks_served", 0))
             families.append(GaugeMetricFamily("shardline_ps_ring_epoch", "Ring epoch this node routes with",
                                               value=node.routing.epoch))
             if self.last_heartbeat is not None:

@@ -672,6 +672,7 @@ class PSNode:
             else:  # barrier and optimizer apply time (the last commit of a step applies it)
                 reply.step = self.metrics.timed_commit(
                     job.name, header.step, lambda: job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch))
+            self._say_durable(job, header, reply)
             if reply.step <= header.step:
                 return reply, []
             self.heat.record_apply(time.perf_counter() - started)  # this commit applied the step (or it was before)
@@ -681,11 +682,14 @@ class PSNode:
                 job.wait_for_step(header.step + 1, CARRIED_PULL_WAIT_SECONDS,
                                   [(ref.tensor, ref.index) for ref in header.blocks],
                                   interrupted=lambda: self._routing.epoch > header.epoch,
-                                  copies=self._read_copies(job, header), copies_within=CARRIED_PULL_WAIT_SECONDS)
+                                  copies=self._read_copies(job, header), copies_within=CARRIED_PULL_WAIT_SECONDS,
+                                  reader_resends=header.resends_previous_step)
             except StoreError:
                 return reply, []  # (a slow copy holder, the routing moved): the worker's own pull waits
             reply.pull_applied = True
-            return reply, self._pull_reply(job, header, reply, placements, regions)
+            payloads = self._pull_reply(job, header, reply, placements, regions)
+            self._say_durable(job, header, reply)
+            return reply, payloads
         # OP_PULL
         placements = _placements(job, header, regions)
         timeout = min(header.wait_timeout_seconds or 60.0, MAX_PULL_WAIT_SECONDS)
@@ -698,7 +702,8 @@ class PSNode:
             job.wait_for_step(min_step, timeout, keys,
                               interrupted=lambda: self._routing.epoch > header.epoch or (
                                   cancelled is not None and cancelled.is_set()),
-                              copies=self._read_copies(job, header), copies_within=COPY_READ_TIMEOUT_SECONDS)
+                              copies=self._read_copies(job, header), copies_within=COPY_READ_TIMEOUT_SECONDS,
+                              reader_resends=header.resends_previous_step and not header.subscriber)
         except StoreError:
             if cancelled is not None and cancelled.is_set():
                 raise ConnectionAbortedError("the client closed the connection while its pull waited") from None
@@ -706,7 +711,17 @@ class PSNode:
         finally:
             if self.metrics is not None:
                 self.metrics.pull_wait(job.name, time.perf_counter() - started)
-        return reply, self._pull_reply(job, header, reply, placements, regions, min_step=min_step)
+        payloads = self._pull_reply(job, header, reply, placements, regions, min_step=min_step)
+        self._say_durable(job, header, reply)
+        return reply, payloads
+
+    @staticmethod
+    def _say_durable(job: JobStore, header: frame.FrameHeader, reply: frame.FrameHeader) -> None:
+        """A reply to a worker that resends its previous step names the step its records may be
+        forgotten before (JobStore.durable_step), read after the reply's blocks were chosen."""
+        if header.resends_previous_step and job.collects:
+            reply.resends_previous_step = True   # the durable_step counts (0 included)
+            reply.durable_step = job.durable_step()
 
     def _pull_reply(self, job: JobStore, header: frame.FrameHeader, reply: frame.FrameHeader, placements: dict,
                     regions, min_step: int = 0) -> list:

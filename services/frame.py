@@ -173,6 +173,11 @@ def validate_header(header: FrameHeader, limits: FrameLimits = DEFAULT_LIMITS) -
         problem = aggregate_problem(header.rank, header.weight or 1.0, header.agg_ranks, header.agg_weights)
         if problem:
             raise FrameError(problem)
+    if header.resends_previous_step and header.op not in (dp.OP_PULL, dp.OP_COMMIT, dp.OP_REPLY):
+        raise FrameError(f"{dp.Op.Name(header.op)} frame says resends_previous_step (only pulls, commits and "
+                         f"their replies do)")
+    if header.durable_step and header.op != dp.OP_REPLY:
+        raise FrameError(f"{dp.Op.Name(header.op)} frame names a durable_step (only replies do)")
 
 
 def aggregate_problem(rank: int, weight: float, ranks: Sequence[int], weights: Sequence[float]) -> str | None:

@@ -225,6 +225,7 @@ class Client:
         # The BSP/SSP steps in flight, kept until every node applied them, and their replay after
         # the routing moved under them (worker/recovery.py)
         self._inflight = StepsInFlight()
+        self._durable_steps: dict[str, int] = {}   # BSP: node -> its replies' durable_step (_note_durable)
         self._replay = Replay(self._inflight)
         self.incarnation = uuid.uuid4().hex[:16]       # this process's identity as its rank
         self.cluster_token, self.tls_ca = client_credentials(cluster_token, tls_ca)
@@ -378,6 +379,12 @@ class Client:
         """SSP: how many steps the parameters a step is computed on may lag it (0: BSP, ASP)."""
         spec = self._require_spec()
         return int(spec.staleness) if spec.sync == "ssp" else 0
+
+    @property
+    def _resends_previous(self) -> bool:
+        """BSP: a step's record stays until the nodes call it durable, and is resent after a
+        failover: reads of a new step need not wait for the copy holders' acknowledgement."""
+        return self.spec is not None and self.spec.sync == "bsp"
 
     @property
     def _collects(self) -> bool:
@@ -751,10 +758,24 @@ class Client:
         self._forget_pulled_steps()
 
     def _forget_pulled_steps(self) -> None:
-        """The caches hold the client's step: every block holds the steps before the pull's
-        min_step, replicas included, so nothing of them is resent."""
-        if self._inflight and self.step is not None:
+        """The caches hold the client's step. SSP: every block holds the steps before the pull's
+        min_step, replicas included, so nothing of them is resent. BSP: the nodes may have served
+        the step before their copy holders acknowledged it; the records of steps no reply called
+        durable yet stay (at most the previous step), in memory of their own, since the next step
+        writes the gradient buffers they were sent from (docs/architecture.md, "Reads before the
+        acknowledgement")."""
+        if not self._inflight or self.step is None:
+            return
+        if not self._resends_previous:
             self._inflight.forget_before(self.step - self.staleness)
+            return
+        self._inflight.forget_before(min(self.step, self.durable_step()))
+        self._inflight.detach_before(self.step)
+
+    def durable_step(self) -> int:
+        """BSP: the nodes' replies said every step before this one is held by every copy holder
+        (the least over the nodes of the routing; 0 for a node that did not say yet)."""
+        return min((self._durable_steps.get(node, 0) for node in self.routing.nodes), default=0)
 
     def reads_cross_hosts(self) -> bool:
         """Whether a BSP pull of a new step would read some block of the job from a node on
@@ -767,11 +788,13 @@ class Client:
         reads them (the leader) or writes them (a member: ``adopt_host_pull`` then)."""
         return self._values, self._versions
 
-    def adopt_host_pull(self, held_step: int) -> None:
+    def adopt_host_pull(self, held_step: int, durable_step: int = 0) -> None:
         """BSP: the caches hold this client's step, copied from the host's leader's pull of it
-        (worker/host_step.py), whose oldest node step was ``held_step``: what ``pull_changed``
-        would have left, without a request."""
+        (worker/host_step.py), whose oldest node step was ``held_step`` and whose replies called
+        the steps before ``durable_step`` durable: what ``pull_changed`` would have left, without
+        a request."""
         self.held_step = held_step
+        self._durable_steps = dict.fromkeys(self.routing.nodes, durable_step)
         self.stats.shared_steps += 1
         self._forget_pulled_steps()
 
@@ -1130,7 +1153,22 @@ class Client:
         old = self.routing
         self.routing = RoutingView.from_proto(self.dispatcher.get_routing())
         if self.routing.epoch != old.epoch:
+            self._forget_moved_primaries(old)
             self._replay.epoch_moved()
+
+    def _forget_moved_primaries(self, old: RoutingView) -> None:
+        """BSP: blocks whose primary changed are pulled whole next time. This worker may hold a step
+        its old primary served before the copy holders had it; the new primary recomputes that step
+        from the resent records, in rank order as the first time, but a host's aggregated push is
+        resent rank by rank (another grouping of the sum: float32 round-off), and no cache may keep
+        bits the cluster no longer has."""
+        if not self._resends_previous or not self._versions:
+            return
+        if not old.nodes or not self.routing.nodes:   # no ring to compare with: pull everything whole
+            self._forget_versions(list(self._versions))
+            return
+        job, before, now = self.job, old.owner, self.routing.owner
+        self._forget_versions([key for key in list(self._versions) if before(job, *key) != now(job, *key)])
 
     def _replay_after_epoch_change(self) -> bool:
         """The epoch changed while a BSP step (SSP: steps) was in flight: push each step's blocks
@@ -1359,6 +1397,10 @@ class Client:
         header.subscriber = op == dp.OP_PULL and self.subscriber_pulls
         header.at_step = op == dp.OP_PULL and self._pulling_at_step
         header.pull_applied = op == dp.OP_COMMIT and bool(keys)
+        # BSP: this worker keeps its previous step's record until the nodes say it is durable, so a
+        # primary may serve a read of a new step before its holders acknowledged it
+        header.resends_previous_step = self._resends_previous and (
+            header.pull_applied or (op == dp.OP_PULL and min_step > 0 and not header.subscriber and not header.at_step))
         if op == dp.OP_PULL and self._reads.rack:
             header.reader_rack = self._reads.rack  # where this job's reads come from (ps_server/heat.py)
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
@@ -1466,10 +1508,14 @@ class Client:
             if receiving and op == dp.OP_PULL:
                 self._receive_blocks(conn, key, reply, expected, placed)
                 self._oldest[node_id] = reply.oldest_step
+                if header.resends_previous_step:
+                    self._note_durable(node_id, header.min_step, reply)
             elif receiving and op == dp.OP_COMMIT:  # the blocks of the pull it carried, if the node applied the step
                 self._receive_blocks(conn, key, reply, expected if reply.pull_applied else {}, placed)
                 if header.pull_applied and reply.pull_applied and carried is not None:
                     carried.setdefault(node_id, []).extend((ref.tensor, ref.index) for ref in header.blocks)
+                if header.resends_previous_step and reply.pull_applied:
+                    self._note_durable(node_id, header.step + 1, reply)
         except (OSError, ConnectionError) as exc:
             if receiving and isinstance(exc, ShardlineError):
                 raise   # an unexpected block: named, and its connection closed already
@@ -1494,6 +1540,14 @@ class Client:
                 self._conns.pop(key, None)
             raise RemoteError(code, reply.message, epoch=reply.epoch, step=reply.step)
         return reply.step
+
+    def _note_durable(self, node_id: str, read_step: int, reply) -> None:
+        """``node_id`` served a read of ``read_step`` to this worker, which resends its previous
+        step: the steps before its reply's ``durable_step`` are held by every copy holder there
+        (a node that served the read strictly, e.g. through a rack cache, echoes no
+        ``resends_previous_step``: then before ``read_step``). One entry per node: a dict
+        assignment, safe from the scatter's threads."""
+        self._durable_steps[node_id] = reply.durable_step if reply.resends_previous_step else read_step
 
     def _forget_versions(self, keys) -> None:
         """The cached bytes of ``keys`` are unknown now (a node's copy into them broke off): the

@@ -123,7 +123,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 
@@ -139,7 +139,7 @@ MAX_TENSORS = 1 << 20       # layout entries: a READY's presence bitmap is 128 K
 ALIGNMENT = 64              # each tensor of a region starts on a cache line
 JOIN_RETRY_INTERVAL = 0.01  # s between tries while the socket is bound but not yet listening
 
-_MAGIC, _VERSION = b"SLHG", 2
+_MAGIC, _VERSION = b"SLHG", 3
 # HELLO, member -> leader, the region's fd on it: magic, version, rank, tensors, region bytes,
 # group digest, layout digest, incarnation (NUL-padded)
 _HELLO = struct.Struct("<4sIIIQ32s32s64s")
@@ -149,8 +149,8 @@ WELCOME, REFUSED, ROSTER, READY, PUSHED, FAILED, EXCLUDED, PULLED, NOT_PULLED, C
 _KIND_NAMES = {WELCOME: "WELCOME", REFUSED: "REFUSED", ROSTER: "ROSTER", READY: "READY", PUSHED: "PUSHED",
                FAILED: "FAILED", EXCLUDED: "EXCLUDED", PULLED: "PULLED", NOT_PULLED: "NOT_PULLED", COPIED: "COPIED"}
 SHARES_PULL = 1             # READY's flag: the member takes the step's pull from the leader (PULLED)
-# the pull region's header: magic, version, step, held step, pull layout digest
-_PULL_HEADER = struct.Struct("<4sIQQ32s")
+# the pull region's header: magic, version, step, held step, durable step, pull layout digest
+_PULL_HEADER = struct.Struct("<4sIQQQ32s")
 _PULL_MAGIC = b"SLPR"
 _POLL_HUNG_UP = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0x2000)
 
@@ -231,6 +231,14 @@ _TRANSITIONS = {
     (_S.PULL_AWAITED, _E.LEADER_LOST): _S.JOINING,
     **{(state, _E.CLOSE): _S.CLOSED for state in _S if state is not _S.CLOSED},
 }
+
+
+class SharedPull(NamedTuple):
+    """What a member took from its leader's pull (take_pull): the leader's held step and the step
+    its replies called every step before durable (Client.adopt_host_pull)."""
+
+    held_step: int
+    durable_step: int
 
 
 @dataclass
@@ -397,10 +405,10 @@ class HostGroup:
         return self._state is HostGroupState.PULL_AWAITED
 
     def share_pull(self, held_step: int, versions: Mapping[tuple[str, int], int],
-                   values: Mapping[str, torch.Tensor]) -> bool:
+                   values: Mapping[str, torch.Tensor], durable_step: int = 0) -> bool:
         """SHARING: the leader's caches hold the step (its pull completed): ``values`` (name -> the
         flat cache, float32 or bfloat16) at ``versions`` ((name, index) -> block version), with
-        ``held_step``. Writes the blocks whose version changed into the pull region, then tells
+        ``held_step`` and the ``durable_step`` its replies named (Client.durable_step). Writes the blocks whose version changed into the pull region, then tells
         each sharing member PULLED. The region is rewritten only while no member is between a
         PULLED and its COPIED (every member told PULLED answered it, or left): otherwise, or where
         ``values`` are not the pull layout's, the members are told NOT_PULLED. True if PULLED went
@@ -422,7 +430,7 @@ class HostGroup:
         if not sharers:
             self.decline_pull("no sharing member is left")
             return False
-        self._write_pull(held_step, versions, values)
+        self._write_pull(held_step, durable_step, versions, values)
         with self._cond:
             for peer in self._sharers:
                 if not peer.closed:
@@ -447,11 +455,12 @@ class HostGroup:
                  self.group_key, self._current, why, ranks)
         self._on(HostGroupEvent.PULL_SENT)
 
-    def take_pull(self, versions: dict[tuple[str, int], int], values: Mapping[str, torch.Tensor]) -> int | None:
+    def take_pull(self, versions: dict[tuple[str, int], int],
+                  values: Mapping[str, torch.Tensor]) -> SharedPull | None:
         """PULL_AWAITED: wait for the leader's PULLED of the step (until leader_timeout after its
         PUSHED), copy into ``values`` (name -> flat cache) the blocks whose version in the region
         differs from ``versions``, adopt the leader's versions into ``versions``, answer COPIED.
-        Returns the leader's held step, or None: pull the step yourself (NOT_PULLED, another
+        Returns the leader's held and durable steps, or None: pull the step yourself (NOT_PULLED, another
         layout, the leader gone or silent; the blocks copied, if any, lose their version)."""
         if self._state is not HostGroupState.PULL_AWAITED:
             raise ShardlineStateError(f"host group: take_pull() in state {self._state.value}")
@@ -465,7 +474,7 @@ class HostGroup:
                       self.group_key, self._leader, step, self.rank)
             return None
         try:
-            held, copied, why = self._copy_pull(step, versions, values)
+            held, copied, why = self._copy_pull(step, versions, values)   # held: a SharedPull
         finally:
             self._answer_copied(step)
         if why is not None:
@@ -737,25 +746,26 @@ class HostGroup:
                 log.debug("host group %r: pull region still viewed as it is unmapped", self.group_key)
             self._pull_map = None
 
-    def _copy_pull(self, step: int, versions: dict, values: Mapping[str, torch.Tensor]) -> tuple[int, int, str | None]:
-        """Copy the changed blocks of the leader's pull region (PULLED of ``step`` came): (held
-        step, blocks copied, None), or (0, 0, why not) where nothing was adopted."""
+    def _copy_pull(self, step: int, versions: dict,
+                   values: Mapping[str, torch.Tensor]) -> tuple[SharedPull | None, int, str | None]:
+        """Copy the changed blocks of the leader's pull region (PULLED of ``step`` came): (its
+        held and durable steps, blocks copied, None), or (None, 0, why not) where nothing was adopted."""
         layout, region = self.pull_layout, self._pull_map
         if region is None:
-            return 0, 0, "no pull region of this layout's size came"
-        magic, version, got_step, held, digest = _PULL_HEADER.unpack_from(region, 0)
+            return None, 0, "no pull region of this layout's size came"
+        magic, version, got_step, held, durable, digest = _PULL_HEADER.unpack_from(region, 0)
         if (magic, version) != (_PULL_MAGIC, _VERSION) or digest != layout.digest:
-            return 0, 0, "the leader's pull layout is another (tensors, sizes or cache dtypes differ)"
+            return None, 0, "the leader's pull layout is another (tensors, sizes or cache dtypes differ)"
         if got_step != step:
-            return 0, 0, f"the region holds step {got_step}"
+            return None, 0, f"the region holds step {got_step}"
         if len(values) != len(layout.names) or any(
                 name not in values or values[name].numel() != numel or str(values[name].dtype) != dtype
                 for name, numel, dtype in zip(layout.names, layout.numels, layout.dtypes)):
-            return 0, 0, "this worker's tensors are no longer the pull layout's"
+            return None, 0, "this worker's tensors are no longer the pull layout's"
         keys = layout.keys()
         table = torch.frombuffer(region, dtype=torch.int64, count=len(keys), offset=layout.versions_offset).tolist()
         if min(table, default=0) < 0:
-            return 0, 0, "the leader holds no version of some block"
+            return None, 0, "the leader holds no version of some block"
         copied = []
         block = layout.block_elements
         with torch.no_grad():
@@ -776,10 +786,10 @@ class HostGroup:
             # the leader cut this member off: it may have rewritten the region during the copy
             for key, _version in copied:
                 versions.pop(key, None)
-            return 0, 0, "the leader hung up during the copy"
+            return None, 0, "the leader hung up during the copy"
         for key, version in copied:
             versions[key] = version
-        return held, len(copied), None
+        return SharedPull(held, durable), len(copied), None
 
     def _answer_copied(self, step: int) -> None:
         """COPIED: the region is the leader's again."""
@@ -923,7 +933,7 @@ class HostGroup:
         self._on(HostGroupEvent.PULL_OWED if self._sharers else HostGroupEvent.FINISHED)
         self._unmap_retired()
 
-    def _write_pull(self, held_step: int, versions: Mapping[tuple[str, int], int],
+    def _write_pull(self, held_step: int, durable_step: int, versions: Mapping[tuple[str, int], int],
                     values: Mapping[str, torch.Tensor]) -> None:
         """(SHARING, no member reading the region) The blocks whose version changed since the
         region's last write, the version table, then the header."""
@@ -947,7 +957,7 @@ class HostGroup:
             self._pull_region.tensor(torch.int64, layout.versions_offset, len(written)).copy_(
                 torch.tensor(written, dtype=torch.int64))
         _PULL_HEADER.pack_into(self._pull_region.memory, 0, _PULL_MAGIC, _VERSION, self._current, held_step,
-                               layout.digest)
+                               durable_step, layout.digest)
 
     def _free_pull(self) -> None:
         if self._pull_region is not None:
@@ -1317,8 +1327,8 @@ class _Peer:
 class PullLayout:
     """What the host's shared pull carries (the pull region): every tensor of the job as ``(name,
     numel, cache dtype)`` in one order, cut in blocks of ``block_elements``. The region is, from
-    offset 0: the header (_PULL_HEADER: magic, version, the step, the leader's held step, this
-    layout's digest), the version table at offset 64 (one int64 per block, tensors in order, blocks
+    offset 0: the header (_PULL_HEADER: magic, version, the step, the leader's held and durable
+    steps, this layout's digest), the version table at offset 64 (one int64 per block, tensors in order, blocks
     in index order; -1: the leader holds no version of it), then each tensor's values as float32
     (a bfloat16 cache's values convert exactly), each on a 64-byte boundary. A member takes the
     region only where its own layout's digest is the leader's."""

@@ -128,9 +128,9 @@ def pull_step(client: Client, group: HostGroup | None) -> None:
     own completed, or tells them NOT_PULLED if it raised."""
     if group is not None and group.pull_awaited:
         values, versions = client.host_pull_state()
-        held_step = group.take_pull(versions, values)
-        if held_step is not None:
-            client.adopt_host_pull(held_step)
+        taken = group.take_pull(versions, values)
+        if taken is not None:
+            client.adopt_host_pull(taken.held_step, taken.durable_step)
             return
         client.pull_changed()
         return
@@ -142,4 +142,4 @@ def pull_step(client: Client, group: HostGroup | None) -> None:
         raise
     if group is not None and group.pull_owed:
         values, versions = client.host_pull_state()
-        group.share_pull(client.held_step or 0, versions, values)
+        group.share_pull(client.held_step or 0, versions, values, client.durable_step())

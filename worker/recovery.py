@@ -41,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+import torch
+
 from shardline.services.errors import (ErrorCode, RemoteError, ShardlineConnectionError, ShardlineStateError,
                                        ShardlineTimeoutError)
 from shardline.services.pb import dataplane_pb2 as dp
@@ -56,34 +58,72 @@ BUSY_CODES = (ErrorCode.UNAVAILABLE, ErrorCode.RESOURCE_EXHAUSTED)
 
 @dataclass
 class InflightStep:
-    """What this worker sent for one step, kept until every node applied it."""
+    """What this worker sent for one step, kept until every node applied it (BSP: until every
+    copy holder holds it too)."""
 
     step: int
     weight: float
     grads: dict = field(default_factory=dict)   # (tensor, index) -> the block as sent (None: a zero block)
     committed: bool = False
+    own: list | None = None   # the buffers of its own its tensors were copied into (detach), by dtype
+
+    def detach(self, take: Callable[[torch.dtype, int], torch.Tensor]) -> None:
+        """Copy the blocks into buffers of the record's own (``take(dtype, numel)``), one per
+        dtype: they were sent from tensors the caller writes again (the gradient buffers, a
+        parameter's ``.grad``), and the record outlives the step they held."""
+        if self.own is not None:
+            return
+        by_dtype: dict[torch.dtype, list] = {}
+        for key, block in self.grads.items():
+            if isinstance(block, torch.Tensor):
+                by_dtype.setdefault(block.dtype, []).append(key)
+        self.own = []
+        for dtype, keys in by_dtype.items():
+            sources = [self.grads[key] for key in keys]
+            buffer = take(dtype, sum(t.numel() for t in sources))
+            copies = list(buffer[:sum(t.numel() for t in sources)].split([t.numel() for t in sources]))
+            torch._foreach_copy_(copies, sources)
+            self.grads.update(zip(keys, copies))
+            self.own.append(buffer)
 
 
 class StepsInFlight:
-    """The steps in flight, by step: BSP holds one, SSP up to ``staleness + 1``."""
+    """The steps in flight, by step: BSP holds the current one and the one before until the nodes
+    call that durable, SSP up to ``staleness + 1``."""
 
     def __init__(self) -> None:
         self._steps: dict[int, InflightStep] = {}
+        self._spare: list[torch.Tensor] = []   # buffers of forgotten detached records, reused
 
     def record(self, step: int, weight: float, staleness: int) -> InflightStep:
-        """The record of ``step``, begun on its first push. A step more than ``staleness`` before
-        it was applied (the nodes take no push of ``step`` before that), so it is forgotten here at
-        the latest, as BSP forgets the last step."""
+        """The record of ``step``, begun on its first push. A step more than ``max(staleness, 1)``
+        before it is held by every node and copy holder (the nodes take no push of ``step`` before
+        the pull of its parameters, which waited for that), so it is forgotten here at the latest."""
         record = self._steps.get(step)
         if record is None:
-            self.forget_before(step - staleness)
+            self.forget_before(step - max(staleness, 1))
             record = self._steps[step] = InflightStep(step, weight)
         return record
 
     def forget_before(self, step: int) -> None:
         """Every node applied the steps before ``step``: nothing of them is resent."""
         for old in [s for s in self._steps if s < step]:
-            del self._steps[old]
+            record = self._steps.pop(old)
+            if record.own:
+                self._spare = (self._spare + record.own)[-4:]
+
+    def detach_before(self, step: int) -> None:
+        """The records of the steps before ``step`` outlive them: each takes its blocks into memory
+        of its own (InflightStep.detach), from the spare buffers when one fits."""
+        for old, record in self._steps.items():
+            if old < step:
+                record.detach(self._take)
+
+    def _take(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        for i, buffer in enumerate(self._spare):
+            if buffer.dtype == dtype and buffer.numel() >= numel:
+                return self._spare.pop(i)
+        return torch.empty(numel, dtype=dtype)
 
     def oldest_first(self) -> list[InflightStep]:
         return [self._steps[s] for s in sorted(self._steps)]

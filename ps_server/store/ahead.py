@@ -30,8 +30,12 @@ class AheadSteps:
 
     def _check_ahead(self, step: int, refusal: str) -> None:
         """A push or commit of ``step``, after the step its block (or this node) collects: SSP takes
-        steps up to ``job step + staleness``; anything else is refused with ``refusal``."""
-        if self.staleness and step <= self.step + self.staleness:
+        steps up to ``job step + staleness``; BSP up to the job step (a block taken over lags it
+        by the steps its previous primary applied and its holders had not: the workers resend
+        them, oldest first, and the next one's pushes may come before the last commit of the one
+        before: docs/architecture.md, "Reads before the acknowledgement"); anything else is
+        refused with ``refusal``."""
+        if step <= self.step + self.staleness and (self.staleness or self.collects):
             return
         bound = (f" (SSP: at most staleness {self.staleness} steps after it, up to step "
                  f"{self.step + self.staleness})") if self.staleness else ""

@@ -40,15 +40,16 @@ class Applying:
             if coef is None:
                 self._share_norm(step, ready, total)
                 return
-        self._apply_blocks(step, ready, total, coef)
+        lagging = step < self.step   # blocks taken over catch up on the steps the workers resent
+        self._apply_blocks(step, ready, total, coef, keep_epoch=bool(self.staleness) or lagging)
         self._publish(step, ready)
         if step == self.step:
             self.step = step + 1
             self._run_boundary_hooks()
         self._forget_old_steps()
         self.cond.notify_all()
-        if self.staleness:
-            self._apply_ready(step + 1)  # SSP: the next step may have been complete already
+        if self.staleness or lagging:
+            self._apply_ready(step + 1)  # SSP, a block catching up: the next step may be complete already
 
     def _ready_for(self, step: int, record: dict) -> list:
         """The primary blocks that collect ``step`` and count every rank's commit ``record``."""
@@ -65,10 +66,12 @@ class Applying:
 
         return [(k, b) for k, b in self.blocks.items() if b.primary and b.step == step and counts(b)]
 
-    def _apply_blocks(self, step: int, ready: list, total: float, coef: float) -> None:
+    def _apply_blocks(self, step: int, ready: list, total: float, coef: float, *, keep_epoch: bool) -> None:
         """Step the ``ready`` blocks that got a push of ``step`` (installing a copy stepped early
         where it was stepped with this weight total and these lrs); every ready block then
-        collects ``step + 1``. Lock held."""
+        collects ``step + 1``, counting commits from its ``since_epoch`` still with ``keep_epoch``
+        (SSP, and a block behind the job step: commits of its next step counted before the
+        takeover went with pushes to its previous primary). Lock held."""
         lrs = self.step_lrs.get(step)
         stepping = []   # (group, value, mean gradient, state): stepped together below
         keeping, kept = [], []   # where the values stepped in place are kept (blocks.Kept), and those values
@@ -90,7 +93,7 @@ class Applying:
                         kept.append(block.value)
                     replay = self._stepping(key, block, total, coef, lrs, stepping)
                 block.version = step + 1
-            next_roles.append((block, role.applied(step + 1, keep_epoch=bool(self.staleness), kept=keep,
+            next_roles.append((block, role.applied(step + 1, keep_epoch=keep_epoch, kept=keep,
                                                    replay=replay)))
         if kept:
             torch._foreach_copy_(keeping, kept)

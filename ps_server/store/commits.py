@@ -123,5 +123,7 @@ class Commits:
         oldest = min((b.step for b in self.blocks.values() if b.primary), default=self.step)
         oldest = min(oldest, self.step)
         for table in (self.commits, self.step_lrs, self.push_weights, self.push_lrs, self.norm_shares, self.clip_coefs):
-            for s in [s for s in table if s < oldest - 1]:  # keep the last applied step's record for adoption
+            # keep the last two applied steps' records: adoption, and a block taken over may recompute
+            # them (the workers may have read a step its holders did not acknowledge yet)
+            for s in [s for s in table if s < oldest - 2]:
                 del table[s]

@@ -119,6 +119,7 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         self.copies_ahead = 0     # copy holder: copies installed from frames sent before the commits
         self.steps_replayed = 0   # copy holder: blocks stepped here from their primary's gradient
         self.copy_reads = 0       # copy holder: blocks of BSP reads served from copies held here
+        self.reads_before_acks_served = 0   # primary: blocks of BSP reads served before their holders acked the step
         self.replica_divergences = 0   # copy holder: replayed blocks whose checksum differed from the primary's
 
     def _init_hooks(self) -> None:

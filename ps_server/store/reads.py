@@ -26,7 +26,7 @@ class Reads:
 
     def wait_for_step(self, min_step: int, timeout: float, keys=None,
                       interrupted: Callable[[], bool] | None = None, copies=frozenset(),
-                      copies_within: float = 0.0) -> int:
+                      copies_within: float = 0.0, reader_resends: bool = False) -> int:
         """Block until the job step is >= ``min_step`` and every block of ``keys`` is visible at it
         (SSP: and at its newest step; see changed_blocks) (no busy polling). Raises StoreError:
         TIMEOUT naming the ranks that did not commit; NOT_OWNER when ``interrupted()`` (the
@@ -38,8 +38,15 @@ class Reads:
         primary, which applied it first). After the job step is reached they are waited for at
         most ``copies_within`` more seconds; a copy still behind (its primary dropped this node
         from its in-sync holders, or it is slow), or one this node lacks, is COPY_BEHIND: the
-        reader asks the primary instead."""
+        reader asks the primary instead.
+
+        ``reader_resends`` (a BSP worker that keeps its previous step's gradients until a reply's
+        ``durable_step`` passes it, and resends them after a failover): in a job that replays
+        gradients a primary's block counts once it applied ``min_step`` and its holders
+        acknowledged the step before (``visible >= min_step - 1``), not ``min_step`` itself
+        (docs/architecture.md, "Reads before the acknowledgement")."""
         keys = keys or []
+        lag = 1 if reader_resends and self.reads_before_acks else 0
         absent = next((key for key in keys if key in copies and key not in self.blocks), None)
         if absent is not None:
             raise StoreError(ErrorCode.COPY_BEHIND, f"node holds no copy of block {absent[0]}[{absent[1]}] "
@@ -50,8 +57,9 @@ class Reads:
                 return self.failed is not None or bool(interrupted and interrupted())
 
             def ready() -> bool:
-                return stopped() or (self.step >= min_step and all(not b.primary or (b.visible >= min_step and (
-                    not self.staleness or b.visible >= b.step)) for b in blocks))
+                return stopped() or (self.step >= min_step and all(not b.primary or (
+                    b.visible >= min_step - lag and b.step >= min_step and (
+                        not self.staleness or b.visible >= b.step)) for b in blocks))
 
             if not self.cond.wait_for(ready, timeout=timeout):
                 missing = self.missing_ranks(self.step)
@@ -77,7 +85,23 @@ class Reads:
                     raise StoreError(ErrorCode.COPY_BEHIND, f"the copy of block {key[0]}[{key[1]}] of job "
                                                             f"{self.name!r} changed under the read: read it again")
             self.copy_reads += len(read)
+            if lag:
+                self.reads_before_acks_served += sum(1 for b in blocks if b.primary and b.visible < min_step)
             return self.step
+
+    @property
+    def reads_before_acks(self) -> bool:
+        """Whether a reader that resends its previous step may read a primary's newest step before
+        its copy holders acknowledged it: BSP jobs that replay gradients (a copy of value and
+        state in flight would be changed under its frame by the next step's apply)."""
+        return self.sync == "bsp" and self.replays_gradients
+
+    def durable_step(self) -> int:
+        """The steps before this one are held by every in-sync copy holder of every block this
+        node applies (the least ``visible`` of its primaries; the job step if it applies none):
+        a worker forgets its records of them (worker/recovery.py)."""
+        with self.cond:
+            return min((b.visible for b in self.blocks.values() if b.primary), default=self.step)
 
     def changed_blocks(self, wanted: list[tuple[str, int, int | None]], *, copy: bool,
                        dtypes: list[torch.dtype] | None = None,

@@ -13,6 +13,7 @@ import pytest
 
 import train_model
 from shardline.local_cluster import LocalCluster
+from shardline.services import failpoints
 from shardline.worker.client import connect
 from shardline.worker.flat_params import is_flat_name
 
@@ -137,6 +138,49 @@ def test_a_node_killed_between_a_steps_apply_and_its_holders_apply_loses_nothing
         train_model.assert_equals_reference(results, STEPS)
 
 
+def test_a_primary_killed_after_the_workers_read_a_step_its_holders_lacked_loses_nothing(tmp_path):
+    """Every node's copy holder pauses before replaying step 5 (``ps.holder_replay@5=pause``):
+    no holder acknowledges it. The primaries serve the workers that step anyway (they keep its
+    gradients to resend), the workers push and commit step 6 on it, and only the read of step 7
+    waits. ps1 is killed there; once the survivors route without it, their holders go on: the
+    frames of the dead primary are refused, its blocks are taken over two steps behind the job,
+    and the workers' resends of steps 5 and 6 recompute them. The run equals torch.optim."""
+    paused = tmp_path / "failpoints"
+    paused.mkdir()
+    env = {failpoints.ENV: "ps.holder_replay@5=pause(120)", failpoints.DIR_ENV: str(paused)}
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3, node_flags={"env": env})
+        try:
+            workers = train_model.start_workers(cluster.address, "read-before-acks", "adamw", "bsp", tmp_path,
+                                                steps=STEPS, step_sleep=0.05)
+            train_model.wait_for_steps(workers, 6)   # step 5's values read: no holder has them
+            deadline = time.monotonic() + 30
+            while min(metric(n, "shardline_ps_job_step") for n in nodes) < 7:   # step 6 committed everywhere
+                assert time.monotonic() < deadline, "the workers did not commit step 6"
+                time.sleep(0.05)
+            assert train_model.steps_done(workers[0][2]) == 6   # the read of step 7 waits for the acks
+            assert sum(metric(n, "shardline_ps_blocks_read_before_acks_total") for n in nodes) > 0
+            epoch = metric(nodes[0], "shardline_ps_ring_epoch")
+            cluster.kill(nodes[1])
+            deadline = time.monotonic() + 30
+            while min(metric(n, "shardline_ps_ring_epoch") for n in (nodes[0], nodes[2])) == epoch:
+                assert time.monotonic() < deadline, "the survivors did not route without ps1"
+                time.sleep(0.05)
+        finally:
+            failpoints.release(paused, "ps.holder_replay")
+        results = train_model.finish_workers(workers)
+        train_model.assert_equals_reference(results, STEPS)
+
+
+def metric(node, name: str) -> float:
+    """The sum of ``name``'s samples on ``node``'s metrics endpoint."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
 def test_a_replica_that_diverged_is_resynced_and_a_failover_after_it_equals_torch(tmp_path):
     """Replay with the divergence check every 2 steps (--replica-check-interval 2); failpoint
     ps.replay_diverge makes each node's first replayed copy from step 3 on differ by one ulp. The
@@ -177,19 +221,11 @@ def test_a_flat_job_survives_a_killed_primary(tmp_path):
 
 
 def replayed_blocks(node) -> int:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("shardline_ps_blocks_replayed_total{")))
+    return int(metric(node, "shardline_ps_blocks_replayed_total"))
 
 
 def divergences(node) -> int:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://{node.metrics}/metrics", timeout=10).read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("shardline_ps_replica_divergence_total{")))
+    return int(metric(node, "shardline_ps_replica_divergence_total"))
 
 
 def test_add_a_fourth_ps_mid_run(tmp_path):

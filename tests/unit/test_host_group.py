@@ -164,9 +164,12 @@ def _worker_main(conn) -> None:
             elif command == "share":
                 seed, step = args
                 values, leader_versions = pulled_caches(seed, step)
-                result = (group.share_pull(step + 1000, leader_versions, values), group.state.value)
+                result = (group.share_pull(step + 1000, leader_versions, values, durable_step=step + 500),
+                          group.state.value)
             elif command == "take":
-                held = group.take_pull(versions, caches)
+                taken = group.take_pull(versions, caches)
+                assert taken is None or taken.durable_step == taken.held_step - 500, taken
+                held = None if taken is None else taken.held_step
                 result = (held, {n: t.numpy().tobytes() for n, t in caches.items()}, dict(versions),
                           group.state.value)
             elif command == "state":

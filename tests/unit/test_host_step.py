@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from shardline.services.errors import ErrorCode, RemoteError, ShardlineConnectionError
-from shardline.worker.host_group import LeaderStep, MemberStep
+from shardline.worker.host_group import LeaderStep, MemberStep, SharedPull
 from shardline.worker.host_step import aggregation_wanted, pull_step, push_step
 
 
@@ -64,8 +64,11 @@ class FakeClient:
     def host_pull_state(self):
         return {"w": "values"}, {("w", 0): 1}
 
-    def adopt_host_pull(self, held_step):
-        self.calls.append(("adopt_host_pull", held_step))
+    def adopt_host_pull(self, held_step, durable_step):
+        self.calls.append(("adopt_host_pull", held_step, durable_step))
+
+    def durable_step(self):
+        return 5
 
 
 class FakeGroup:
@@ -83,8 +86,8 @@ class FakeGroup:
         self.calls.append(("take_pull", versions, values))
         return self.taken
 
-    def share_pull(self, held_step, versions, values):
-        self.calls.append(("share_pull", held_step))
+    def share_pull(self, held_step, versions, values, durable_step):
+        self.calls.append(("share_pull", held_step, durable_step))
 
     def decline_pull(self, why):
         self.calls.append(("decline_pull", why))
@@ -148,7 +151,7 @@ def test_a_worker_without_a_group_or_alone_this_step_pushes_alone():
         assert client.calls == [*checked, ("push", 1.0, True, None), ("commit", 1.0)]
 
 
-@pytest.mark.parametrize("taken, calls", [(7, [("adopt_host_pull", 7)]), (None, [("pull_changed",)])])
+@pytest.mark.parametrize("taken, calls", [(SharedPull(7, 6), [("adopt_host_pull", 7, 6)]), (None, [("pull_changed",)])])
 def test_a_member_owed_the_pull_takes_it_from_the_leader_or_pulls_itself(taken, calls):
     client, group = FakeClient(), FakeGroup(awaited=True, taken=taken)
     pull_step(client, group)
@@ -159,7 +162,7 @@ def test_a_leader_shares_its_pull_once_done_and_declines_if_it_raised():
     client, group = FakeClient(), FakeGroup(owed=True)
     client.held_step = 4
     pull_step(client, group)
-    assert client.calls == [("pull_changed",)] and group.calls == [("share_pull", 4)]
+    assert client.calls == [("pull_changed",)] and group.calls == [("share_pull", 4, 5)]
 
     class Failing(FakeClient):
         def pull_changed(self):
