@@ -43,6 +43,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from shardline.services import failpoints
 from shardline.services.errors import (ErrorCode, RemoteError, ShardlineConnectionError, ShardlineStateError,
                                        ShardlineTimeoutError)
 from shardline.services.pb import dataplane_pb2 as dp
@@ -230,6 +231,7 @@ class Replay:
             # the pushes); a node that still holds a push ignores the resend.
             if record.grads:
                 push(record)
+            failpoints.hit("worker.replay_resend", record.step)   # a step's blocks resent, not its commit
             if self.state is ReplayState.MOVED_WHILE_REPLAYING:
                 return   # moved again: pushes at the newer epoch first
             if record.committed:

@@ -12,6 +12,7 @@ The design: docs/architecture.md, "Block store".
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -19,6 +20,8 @@ import torch
 from shardline.ps_server.store.blocks import Block
 from shardline.ps_server.store.common import StoreError, clone_state
 from shardline.services.errors import ErrorCode
+
+log = logging.getLogger("shardline.ps.store")
 
 
 class Reads:
@@ -128,6 +131,11 @@ class Reads:
             for (tensor, index, have), dtype in zip(wanted, dtypes):
                 block = self._block(tensor, index)
                 version, value = (block.version, block.value) if at_step is None else self.value_at(block, at_step)
+                if at_step is not None and version > at_step and self.keeps_previous:
+                    log.warning("job %s: a restarted rank redoes step %d, but block %s[%d] changed twice since "
+                                "(version %d) and its value of step %d is not held here: the redo is not exact "
+                                "(a PS node and a worker failed within one step; restore a checkpoint for "
+                                "exactness)", self.name, at_step, tensor, index, version, at_step)
                 if have is None or version > have:
                     value = value.to(dtype, copy=True) if copy else value
                     changed.append((tensor, index, version, value, dtype))

@@ -172,6 +172,43 @@ def test_a_primary_killed_after_the_workers_read_a_step_its_holders_lacked_loses
         train_model.assert_equals_reference(results, STEPS)
 
 
+def test_a_worker_killed_while_it_resends_after_a_failover_restarts_and_the_run_equals_torch(tmp_path):
+    """As above, the holders lack step 5 and the workers read it; both then pause after pushing
+    step 6 (``worker.after_push@6=pause``). ps1 is killed; rank 1 exits (as kill -9 would) while
+    it resends: its step 5's blocks went out again, not its commit (``worker.replay_resend@5``).
+    Restarted, it resumes at step 5, where the blocks taken over from ps1 still are, and redoes
+    it on the values kept for it; the run equals torch.optim."""
+    paused = tmp_path / "failpoints"
+    paused.mkdir()
+    node_env = {failpoints.ENV: "ps.holder_replay@5=pause(120)", failpoints.DIR_ENV: str(paused)}
+    held = "worker.after_push@6=pause(120)"
+    env = {0: {failpoints.ENV: held, failpoints.DIR_ENV: str(paused)},
+           1: {failpoints.ENV: f"{held},worker.replay_resend@5", failpoints.DIR_ENV: str(paused)}}
+    with LocalCluster(tmp_path / "c") as cluster:
+        nodes = start(cluster, 3, node_flags={"env": node_env})
+        try:
+            workers = train_model.start_workers(cluster.address, "resend-crash", "adamw", "bsp", tmp_path,
+                                                steps=STEPS, env=env)
+            failpoints.wait_paused(paused, "worker.after_push", processes=2, timeout=60)
+            epoch = metric(nodes[0], "shardline_ps_ring_epoch")
+            cluster.kill(nodes[1])
+            deadline = time.monotonic() + 30
+            while min(metric(n, "shardline_ps_ring_epoch") for n in (nodes[0], nodes[2])) == epoch:
+                assert time.monotonic() < deadline, "the survivors did not route without ps1"
+                time.sleep(0.05)
+        finally:
+            failpoints.release(paused, "ps.holder_replay")
+            failpoints.release(paused, "worker.after_push")
+        crashed = workers[1][0]
+        crashed.wait(60)
+        assert crashed.returncode == 137, crashed.communicate()[0]
+        restarted = train_model.start_workers(cluster.address, "resend-crash", "adamw", "bsp", tmp_path,
+                                              steps=STEPS, ranks=[1])
+        results = train_model.finish_workers([workers[0], *restarted])
+        train_model.assert_equals_reference(results, STEPS)
+        assert int(results[1]["_start_version"]) == 5
+
+
 def metric(node, name: str) -> float:
     """The sum of ``name``'s samples on ``node``'s metrics endpoint."""
     import urllib.request
