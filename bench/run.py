@@ -370,7 +370,7 @@ TPUT_ROWS = {
     "raw_push_chunked": ("raw push, 1 MiB sendalls", "as raw_push_one, sent as 64 sendall calls of 1 MiB"),
     "ps1_pull": ("shardline pull, 1 PS", "client.pull(['w'], copy=False) right after a push changed every block: 64 blocks of 1 MiB move into the client cache"),
     "ps1_push": ("shardline push, 1 PS", "client.push({'w': dense grad}, commit=False): client checks, transfer, server checks and accumulation; the commit is not timed"),
-    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests); the job keeps a copy of each block on the other node (replication 2), and a pull of the step waits until those copies are acknowledged"),
+    "ps2_pull": ("shardline pull, 2 PS", "as ps1_pull, blocks spread over 2 PS nodes by the ring (parallel requests); the job keeps a copy of each block on the other node (replication 2, gradients replayed), and a pull of the step waits until the copies hold the step before (reads before the acknowledgement)"),
     "ps2_push": ("shardline push, 2 PS", "as ps1_push, over 2 PS nodes"),
     "shm1_pull": ("shardline pull, shm, 1 PS", "as ps1_pull over transport shm (the PS on this host copies the blocks straight into the client's shared cache)"),
     "shm1_push": ("shardline push, shm, 1 PS", "as ps1_push over transport shm"),

@@ -111,7 +111,7 @@ class StepsInFlight:
         for old in [s for s in self._steps if s < step]:
             record = self._steps.pop(old)
             if record.own:
-                self._spare = (self._spare + record.own)[-4:]
+                self._spare = (self._spare + record.own)[-2:]
 
     def detach_before(self, step: int) -> None:
         """The records of the steps before ``step`` outlive them: each takes its blocks into memory

@@ -160,12 +160,7 @@ def test_a_primary_killed_after_the_workers_read_a_step_its_holders_lacked_loses
                 time.sleep(0.05)
             assert train_model.steps_done(workers[0][2]) == 6   # the read of step 7 waits for the acks
             assert sum(metric(n, "shardline_ps_blocks_read_before_acks_total") for n in nodes) > 0
-            epoch = metric(nodes[0], "shardline_ps_ring_epoch")
-            cluster.kill(nodes[1])
-            deadline = time.monotonic() + 30
-            while min(metric(n, "shardline_ps_ring_epoch") for n in (nodes[0], nodes[2])) == epoch:
-                assert time.monotonic() < deadline, "the survivors did not route without ps1"
-                time.sleep(0.05)
+            kill_and_wait_for_the_survivors(cluster, nodes, 1)
         finally:
             failpoints.release(paused, "ps.holder_replay")
         results = train_model.finish_workers(workers)
@@ -190,23 +185,35 @@ def test_a_worker_killed_while_it_resends_after_a_failover_restarts_and_the_run_
             workers = train_model.start_workers(cluster.address, "resend-crash", "adamw", "bsp", tmp_path,
                                                 steps=STEPS, env=env)
             failpoints.wait_paused(paused, "worker.after_push", processes=2, timeout=60)
-            epoch = metric(nodes[0], "shardline_ps_ring_epoch")
-            cluster.kill(nodes[1])
-            deadline = time.monotonic() + 30
-            while min(metric(n, "shardline_ps_ring_epoch") for n in (nodes[0], nodes[2])) == epoch:
-                assert time.monotonic() < deadline, "the survivors did not route without ps1"
-                time.sleep(0.05)
+            kill_and_wait_for_the_survivors(cluster, nodes, 1)
         finally:
             failpoints.release(paused, "ps.holder_replay")
             failpoints.release(paused, "worker.after_push")
-        crashed = workers[1][0]
-        crashed.wait(60)
-        assert crashed.returncode == 137, crashed.communicate()[0]
-        restarted = train_model.start_workers(cluster.address, "resend-crash", "adamw", "bsp", tmp_path,
-                                              steps=STEPS, ranks=[1])
-        results = train_model.finish_workers([workers[0], *restarted])
-        train_model.assert_equals_reference(results, STEPS)
+        results = rank_1_restarted(cluster, "resend-crash", workers, tmp_path)
         assert int(results[1]["_start_version"]) == 5
+
+
+def rank_1_restarted(cluster, job: str, workers, tmp_path) -> list:
+    """Rank 1 of ``workers`` exited as kill -9 does (137): start it again, finish both, check the
+    run equals torch.optim's; returns both ranks' results."""
+    crashed = workers[1][0]
+    crashed.wait(60)
+    assert crashed.returncode == 137, crashed.communicate()[0]
+    restarted = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, steps=STEPS, ranks=[1])
+    results = train_model.finish_workers([workers[0], *restarted])
+    train_model.assert_equals_reference(results, STEPS)
+    return results
+
+
+def kill_and_wait_for_the_survivors(cluster, nodes, victim: int) -> None:
+    """SIGKILL ``nodes[victim]`` and wait until every other node routes with a newer epoch."""
+    survivors = [n for i, n in enumerate(nodes) if i != victim]
+    epoch = metric(survivors[0], "shardline_ps_ring_epoch")
+    cluster.kill(nodes[victim])
+    deadline = time.monotonic() + 30
+    while min(metric(n, "shardline_ps_ring_epoch") for n in survivors) == epoch:
+        assert time.monotonic() < deadline, f"the survivors did not route without {nodes[victim].node_id}"
+        time.sleep(0.05)
 
 
 def metric(node, name: str) -> float:
@@ -346,12 +353,7 @@ def test_a_worker_killed_mid_step_restarts_and_redoes_it(two_nodes, tmp_path, fa
     cluster, job = two_nodes, f"worker-crash-{failpoint.split('.')[-1]}"
     env = {1: {"SHARDLINE_FAILPOINTS": f"{failpoint}@6"}}
     workers = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, steps=STEPS, env=env)
-    crashed = workers[1][0]
-    crashed.wait(60)
-    assert crashed.returncode == 137, crashed.communicate()[0]
-    restarted = train_model.start_workers(cluster.address, job, "adamw", "bsp", tmp_path, steps=STEPS, ranks=[1])
-    results = train_model.finish_workers([workers[0], *restarted])
-    train_model.assert_equals_reference(results, STEPS)
+    results = rank_1_restarted(cluster, job, workers, tmp_path)
     assert int(results[1]["_start_version"]) in (6, 7)
 
 
@@ -388,14 +390,9 @@ def test_a_half_committed_rank_and_a_dead_primary_of_its_blocks(tmp_path):
         env = {1: {"SHARDLINE_FAILPOINTS": "worker.commit_partial@6"}}
         workers = train_model.start_workers(cluster.address, "half-commit-dead-primary", "adamw", "bsp", tmp_path,
                                             steps=STEPS, env=env)
-        crashed = workers[1][0]
-        crashed.wait(60)
+        workers[1][0].wait(60)
         cluster.kill(nodes[1])   # well inside the relay's delay: ps1 never learns rank 1's commit
-        assert crashed.returncode == 137, crashed.communicate()[0]
-        restarted = train_model.start_workers(cluster.address, "half-commit-dead-primary", "adamw", "bsp", tmp_path,
-                                              steps=STEPS, ranks=[1])
-        results = train_model.finish_workers([workers[0], *restarted])
-        train_model.assert_equals_reference(results, STEPS)
+        results = rank_1_restarted(cluster, "half-commit-dead-primary", workers, tmp_path)
         assert int(results[1]["_start_version"]) == 6
 
 

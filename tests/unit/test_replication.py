@@ -266,6 +266,16 @@ def run_steps(cluster, grads):
         cluster.wait_visible()
 
 
+def finish_and_compare(cluster, initial, grads, done: int) -> None:
+    """Run the steps of ``grads`` after the first ``done``; the values equal torch.optim's on all of
+    them and every copy its primary's."""
+    run_steps(cluster, grads[done:])
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
+    cluster.assert_copies_equal()
+
+
 def test_replicas_equal_their_primaries_bitwise(initial, push_lr, replicate):
     bus, cluster = start(initial=initial)
     grads = gradients(4)
@@ -399,11 +409,7 @@ def test_a_drain_hands_the_step_in_flight_over_so_a_dead_rank_loses_nothing(init
     cluster.push(1, wrong)                           # restarted rank 1 redoes the step: ignored everywhere
     cluster.commit(1)
     cluster.wait_visible()
-    run_steps(cluster, grads[3:])
-    want = reference(initial, grads)
-    for name in ("a", "b"):
-        torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
-    cluster.assert_copies_equal()
+    finish_and_compare(cluster, initial, grads, 3)
 
 
 def test_a_step_no_copy_holder_holds_yet_stays_invisible_until_one_synced(initial):
