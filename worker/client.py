@@ -208,6 +208,8 @@ class Client:
     # pull_changed() then asks nothing. PSOptimizer turns it on where it pulls whole steps.
     pull_on_commit = False
     _carried: CarriedPull | None = None   # the last commit's carried pull, until pull_changed() looks at it
+    _resent = None   # the InflightStep being resent: its lrs go with the requests (_resending)
+    lr = None        # the current step's lrs (PSOptimizer sets them before each step's pushes)
 
     def __init__(self, cluster: str, job: str, *, rank: int = 0, transport: str = "auto",
                  rpc_timeout: float = 10.0, pull_timeout: float = 600.0, connect_timeout: float = 60.0,
@@ -693,7 +695,7 @@ class Client:
         step = self._current_step()
         if self._compressor is not None:
             payload = self._compressor.encode(payload, step)
-        self._inflight.record(step, weight, self.staleness).grads.update(payload)
+        self._inflight.record(step, weight, self.staleness, self.lr).grads.update(payload)
 
     def check_finite(self, grads: dict[str, torch.Tensor | None]) -> None:
         """Raise what a push of ``grads`` would for a NaN/Inf among them (unless the job allows
@@ -970,7 +972,7 @@ class Client:
             sent = payload if aggregate is None else self._compressor.encode(sent, step)
         if aggregate is not None:
             sent = _AggregatedBlocks(sent, aggregate)
-        record = self._inflight.record(step, weight, self.staleness).grads if self._collects else {}
+        record = self._inflight.record(step, weight, self.staleness, self.lr).grads if self._collects else {}
         replaced = {key: record[key] for key in payload if key in record}
         record.update(payload)
         if node_checks:
@@ -1018,7 +1020,7 @@ class Client:
             except (RemoteError, ShardlineConnectionError) as exc:  # the routing moved on: die all the same
                 log.info("worker.commit_partial: the commit to %s failed (%s)", first, exc)
             failpoints.hit("worker.commit_partial", step)
-        self._inflight.record(step, weight, self.staleness).committed = True
+        self._inflight.record(step, weight, self.staleness, self.lr).committed = True
         keys = self._carried_pull_keys() if carry_pull else []
         self._carried = None
         answered: dict[str, list] = {}
@@ -1176,8 +1178,10 @@ class Client:
         True if it did (worker/recovery.py)."""
         return self._replay.run(
             self.spec is not None and self._collects,
-            push=lambda r: self._scatter(dp.OP_PUSH, list(r.grads), step=r.step, weight=r.weight, grads=r.grads),
-            commit=lambda r: self._scatter(dp.OP_COMMIT, [], step=r.step, weight=r.weight, all_nodes=True),
+            push=lambda r: self._resending(r, lambda: self._scatter(dp.OP_PUSH, list(r.grads), step=r.step,
+                                                                    weight=r.weight, grads=r.grads)),
+            commit=lambda r: self._resending(r, lambda: self._scatter(dp.OP_COMMIT, [], step=r.step, weight=r.weight,
+                                                                      all_nodes=True)),
             epoch=lambda: self.routing.epoch)
 
     def _scatter(self, op: int, keys: list[tuple[str, int]], *, step: int = 0, weight: float = 1.0, grads=None,
@@ -1329,7 +1333,8 @@ class Client:
             log.info("PS node %r is back at step %d", node_id, node_step)
             return node_step
         return resend_to_node(self._inflight, node_id, node_step, lambda key: self.routing.owner(self.job, *key),
-                              lambda *request: self._exchange(*request, 0, 0.0))
+                              lambda *request: self._resending(self._inflight[request[3]],
+                                                               lambda: self._exchange(*request, 0, 0.0)))
 
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and
@@ -1405,12 +1410,22 @@ class Client:
             header.reader_rack = self._reads.rack  # where this job's reads come from (ps_server/heat.py)
         # Pushes carry the lrs under BSP too: a node that steps a block once every rank pushed it
         # needs them before the commits arrive.
-        if self.lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):
-            if isinstance(self.lr, tuple):
-                header.group_lrs.extend(self.lr)
+        lr = self.lr if self._resent is None else self._resent.lr
+        if lr is not None and op in (dp.OP_COMMIT, dp.OP_PUSH):
+            if isinstance(lr, tuple):
+                header.group_lrs.extend(lr)
             else:
-                header.has_lr, header.lr = True, self.lr
+                header.has_lr, header.lr = True, lr
         return header
+
+    def _resending(self, record, send: Callable[[], int]) -> int:
+        """``send()`` a resend of ``record`` (a replay or a node's recovery): its requests carry the
+        lrs the record was sent with, not the current step's (an lr schedule moved on since)."""
+        outer, self._resent = self._resent, record
+        try:
+            return send()
+        finally:
+            self._resent = outer
 
     def _exchange_once(self, node_id: str, keys: list, op: int, step: int, weight: float, grads, min_step: int,
                        timeout: float, carried: dict | None = None, via=None) -> int:

@@ -66,6 +66,7 @@ class InflightStep:
     weight: float
     grads: dict = field(default_factory=dict)   # (tensor, index) -> the block as sent (None: a zero block)
     committed: bool = False
+    lr: object = None         # the lrs its pushes and commit carried (a resend carries them again)
     own: list | None = None   # the buffers of its own its tensors were copied into (detach), by dtype
 
     def detach(self, take: Callable[[torch.dtype, int], torch.Tensor]) -> None:
@@ -96,14 +97,14 @@ class StepsInFlight:
         self._steps: dict[int, InflightStep] = {}
         self._spare: list[torch.Tensor] = []   # buffers of forgotten detached records, reused
 
-    def record(self, step: int, weight: float, staleness: int) -> InflightStep:
+    def record(self, step: int, weight: float, staleness: int, lr=None) -> InflightStep:
         """The record of ``step``, begun on its first push. A step more than ``max(staleness, 1)``
         before it is held by every node and copy holder (the nodes take no push of ``step`` before
         the pull of its parameters, which waited for that), so it is forgotten here at the latest."""
         record = self._steps.get(step)
         if record is None:
             self.forget_before(step - max(staleness, 1))
-            record = self._steps[step] = InflightStep(step, weight)
+            record = self._steps[step] = InflightStep(step, weight, lr=lr)
         return record
 
     def forget_before(self, step: int) -> None:

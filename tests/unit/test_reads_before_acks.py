@@ -249,3 +249,25 @@ def test_a_node_that_serves_strictly_says_so_by_not_echoing_and_the_read_step_is
     assert client.durable_step() == 6
     client._note_durable("ps1", 8, reply(0, echoed=False))
     assert client.durable_step() == 7
+
+
+def test_a_resend_carries_the_lrs_its_record_was_sent_with():
+    """The previous step's record is resent after the lr schedule moved on: its pushes and commit
+    carry its own lrs (a node refuses a commit whose lr differs from the step's pushes)."""
+    client = bsp_client()
+    client.routing = type("OneNode", (), {"nodes": {"ps0": None}, "owner": lambda self, job, t, i: "ps0"})()
+    for step, lr in ((4, 0.1), (5, 0.2)):
+        record = client._inflight.record(step, 1.0, 0, lr)
+        record.grads[("w", 0)] = torch.ones(2)
+        record.committed = True
+    client.lr = 0.3   # the step after: what a request of this worker carries now
+    seen = []
+
+    def exchange(node_id, keys, op, step, weight, grads, min_step, timeout):
+        seen.append((dp.Op.Name(op), step, client._resent.lr))
+        return step + 1 if op == dp.OP_COMMIT else step
+
+    client._exchange = exchange
+    client._resend_inflight("ps0", 4)
+    assert seen == [("OP_PUSH", 4, 0.1), ("OP_COMMIT", 4, 0.1), ("OP_PUSH", 5, 0.2), ("OP_COMMIT", 5, 0.2)]
+    assert client._resent is None
