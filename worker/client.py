@@ -1334,7 +1334,8 @@ class Client:
             return node_step
         return resend_to_node(self._inflight, node_id, node_step, lambda key: self.routing.owner(self.job, *key),
                               lambda *request: self._resending(self._inflight[request[3]],
-                                                               lambda: self._exchange(*request, 0, 0.0)))
+                                                               lambda: self._exchange(*request, 0, 0.0)),
+                              oldest_step=self._oldest.get(node_id))   # the probe's answer (_recover)
 
     def _exchange(self, node_id: str, keys: list, op: int, *args) -> int:
         """One request to ``node_id``; a pull goes through the rack's cache when there is one, and

@@ -242,14 +242,18 @@ class Replay:
 
 
 def resend_to_node(steps: StepsInFlight, node_id: str, node_step: int, owner: Callable[[tuple], str],
-                   send: Callable[..., int]) -> int:
+                   send: Callable[..., int], oldest_step: int | None = None) -> int:
     """``node_id`` answers again at ``node_step``: send it this worker's pushes (and commit) of each
-    step in flight it does not hold, oldest first (RESENDING). ``owner(key)``: the node owning a
-    block; ``send(node_id, keys, op, step, weight, grads)``: one request, returning the node's job
-    step. Returns the node's job step; ShardlineStateError if the node is behind every step in
-    flight (it restored an older checkpoint and no replica holds what it lost)."""
+    step in flight it does not hold, oldest first (RESENDING): from its job step, or from
+    ``oldest_step`` (the oldest step a block it applies still collects: a block taken over lags
+    the job step; one awaiting its handover refused the push) where that is lower.
+    ``owner(key)``: the node owning a block; ``send(node_id, keys, op, step, weight, grads)``: one
+    request, returning the node's job step. Returns the node's job step; ShardlineStateError if
+    the node is behind every step in flight (it restored an older checkpoint and no replica holds
+    what it lost)."""
     held = steps.oldest_first()
-    if not held or node_step > held[-1].step:
+    since = node_step if oldest_step is None else min(node_step, oldest_step)
+    if not held or since > held[-1].step:
         log.info("PS node %r is back at step %d", node_id, node_step)
         return node_step
     if node_step < held[0].step:
@@ -257,7 +261,7 @@ def resend_to_node(steps: StepsInFlight, node_id: str, node_step: int, owner: Ca
             f"PS node {node_id!r} came back at step {node_step}, behind the job's step {held[0].step}: its updates "
             f"of steps {node_step}..{held[0].step - 1} are lost (it restored an older checkpoint and no replica "
             f"holds them)")
-    for record in [r for r in held if r.step >= node_step]:
+    for record in [r for r in held if r.step >= since]:
         keys = [key for key in record.grads if owner(key) == node_id]
         if keys:
             node_step = send(node_id, keys, dp.OP_PUSH, record.step, record.weight, record.grads)

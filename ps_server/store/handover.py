@@ -50,7 +50,10 @@ def handover_of(key: tuple, block: Block) -> Handover:
     collecting = block.role.collecting
     grad = collecting.grad_buf.clone() if collecting.has_grad and collecting.received else None
     copy = None
-    if block.version == block.step > 0:  # changed by its last step: maybe not at the new primary yet
+    # Changed by one of its last two steps: maybe not at the new primary yet (a BSP primary serves
+    # a step once its holders hold the one before: docs/architecture.md, "Reads before the
+    # acknowledgement"; the new primary may lack both).
+    if block.version > 0 and block.version >= block.step - 1:
         copy = (block.value.clone(), clone_state(block.state))
     kept = block.role.kept
     previous = (kept.before, kept.value) if kept is not None and kept.after == block.version else None

@@ -21,7 +21,7 @@ def bare_client(sync="ssp", staleness=2):
     client = Client.__new__(Client)
     client.job, client.rank = "j", 0
     client.spec = common_pb2.JobSpec(name="j", sync=sync, staleness=staleness, world_size=2)
-    client._inflight, client.routing = StepsInFlight(), OneNode()
+    client._inflight, client.routing, client._oldest = StepsInFlight(), OneNode(), {}
     client._replay = Replay(client._inflight)
     client.sent = []
 

@@ -211,7 +211,7 @@ def bsp_client():
     client = Client.__new__(Client)
     client.job, client.rank, client.step = "j", 0, None
     client.spec = common_pb2.JobSpec(name="j", sync="bsp", world_size=2)
-    client._inflight, client.routing = StepsInFlight(), TwoNodes()
+    client._inflight, client.routing, client._oldest = StepsInFlight(), TwoNodes(), {}
     client._replay = Replay(client._inflight)
     client._durable_steps = {}
     return client
@@ -271,3 +271,39 @@ def test_a_resend_carries_the_lrs_its_record_was_sent_with():
     client._resend_inflight("ps0", 4)
     assert seen == [("OP_PUSH", 4, 0.1), ("OP_COMMIT", 4, 0.1), ("OP_PUSH", 5, 0.2), ("OP_COMMIT", 5, 0.2)]
     assert client._resent is None
+
+
+def test_a_node_whose_taken_over_block_lags_its_job_step_gets_the_steps_from_that_block_on():
+    """A node answered a push busy (its block awaited the handover) and its probe says job step 6,
+    oldest step a block still collects 4: both records this worker holds go to it again, not
+    none (a push refused while the block waited would otherwise count as delivered)."""
+    client = bsp_client()
+    client.routing = type("OneNode", (), {"nodes": {"ps0": None}, "owner": lambda self, job, t, i: "ps0"})()
+    for step in (4, 5):
+        record = client._inflight.record(step, 1.0, 0)
+        record.grads[("w", 0)] = torch.ones(2)
+        record.committed = True
+    seen = []
+
+    def exchange(node_id, keys, op, step, weight, grads, min_step, timeout):
+        seen.append((dp.Op.Name(op), step))
+        return 6
+
+    client._exchange = exchange
+    assert client._resend_inflight("ps0", 6) == 6 and seen == []   # what the job step alone says
+    client._oldest["ps0"] = 4
+    client._resend_inflight("ps0", 6)
+    assert seen == [("OP_PUSH", 4), ("OP_COMMIT", 4), ("OP_PUSH", 5), ("OP_COMMIT", 5)]
+
+
+def test_a_handover_carries_the_copy_of_a_block_changed_by_either_of_its_last_two_steps():
+    """The new primary may lack both steps a worker could have read (a planned ring change right
+    after a read before the acknowledgement): the previous primary's handover carries its copy
+    if either changed the block, so the new one catches up instead of keeping a stale copy."""
+    from shardline.ps_server.store.blocks import Block
+    from shardline.ps_server.store.handover import handover_of
+
+    for version, carried in ((9, True), (8, True), (7, False)):
+        block = Block(torch.zeros(4), {}, step=9, visible=7)
+        block.version = version
+        assert (handover_of(("w", 0), block).copy is not None) == carried, version
