@@ -111,6 +111,17 @@ class Spool:
     def __init__(self, directory: Path):
         self.directory, self.offsets, self.pending = directory, {}, []
 
+    def wait_for_engines(self, timeout: float, engines) -> None:
+        """Until every engine has written a sample (it is serving the policy): a trainer that
+        started on the first engine's samples alone could finish before a slow one starts."""
+        deadline = time.monotonic() + timeout
+        while sum(1 for path in self.directory.glob("rollout-*.jsonl") if path.stat().st_size) < len(engines):
+            dead = [p for p in engines if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise SystemExit(f"not every rollout engine served within {timeout:g} s; exited: "
+                                 f"{[p.args[-1] for p in dead]}")
+            time.sleep(0.05)
+
     def take(self, n: int, timeout: float, engines) -> list[dict]:
         deadline = time.monotonic() + timeout
         while len(self.pending) < n:
@@ -148,6 +159,7 @@ def trainer(args) -> int:
     engines = [subprocess.Popen([*me, "--index", str(i)], stdout=subprocess.PIPE, text=True)
                for i in range(args.rollouts)]
     try:
+        spool.wait_for_engines(args.timeout, engines)
         for step in range(opt.version, args.steps):
             samples = spool.take(args.batch, args.timeout, engines)
             prompts = torch.tensor([s["prompt"] for s in samples])
