@@ -672,7 +672,6 @@ class PSNode:
             else:  # barrier and optimizer apply time (the last commit of a step applies it)
                 reply.step = self.metrics.timed_commit(
                     job.name, header.step, lambda: job.commit(header.rank, header.step, weight, lr=lr, epoch=epoch))
-            self._say_durable(job, header, reply)
             if reply.step <= header.step:
                 return reply, []
             self.heat.record_apply(time.perf_counter() - started)  # this commit applied the step (or it was before)

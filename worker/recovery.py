@@ -82,8 +82,9 @@ class InflightStep:
         self.own = []
         for dtype, keys in by_dtype.items():
             sources = [self.grads[key] for key in keys]
-            buffer = take(dtype, sum(t.numel() for t in sources))
-            copies = list(buffer[:sum(t.numel() for t in sources)].split([t.numel() for t in sources]))
+            sizes = [t.numel() for t in sources]
+            buffer = take(dtype, sum(sizes))
+            copies = list(buffer[:sum(sizes)].split(sizes))
             torch._foreach_copy_(copies, sources)
             self.grads.update(zip(keys, copies))
             self.own.append(buffer)

@@ -12,6 +12,8 @@ from shardline.worker.recovery import Replay, StepsInFlight
 
 
 class OneNode:
+    nodes = {"ps0": None}
+
     def owner(self, job, tensor, index):
         return "ps0"
 
@@ -22,7 +24,7 @@ def bare_client(sync="ssp", staleness=2):
     client.job, client.rank = "j", 0
     client.spec = common_pb2.JobSpec(name="j", sync=sync, staleness=staleness, world_size=2)
     client._inflight, client.routing, client._oldest = StepsInFlight(), OneNode(), {}
-    client._replay = Replay(client._inflight)
+    client._replay, client._durable_steps = Replay(client._inflight), {}
     client.sent = []
 
     def exchange(node_id, keys, op, step, weight, grads, min_step, timeout):

@@ -19,12 +19,10 @@ import torch
 from shardline.ps_server.store import PushItem, StoreError
 from shardline.services import frame
 from shardline.services.errors import ErrorCode
-from shardline.services.pb import common_pb2
 from shardline.services.pb import dataplane_pb2 as dp
 from shardline.services.placement import place
-from shardline.worker.client import Client
-from shardline.worker.recovery import Replay, StepsInFlight
 import test_replication
+from test_client_ssp import OneNode, bare_client
 from test_replication import FakeConnection, blocks_of, finish_and_compare, gradients, run_steps, start
 
 
@@ -207,13 +205,9 @@ class TwoNodes:
     nodes = {"ps0": None, "ps1": None}
 
 
-def bsp_client():
-    client = Client.__new__(Client)
-    client.job, client.rank, client.step = "j", 0, None
-    client.spec = common_pb2.JobSpec(name="j", sync="bsp", world_size=2)
-    client._inflight, client.routing, client._oldest = StepsInFlight(), TwoNodes(), {}
-    client._replay = Replay(client._inflight)
-    client._durable_steps = {}
+def bsp_client(routing=TwoNodes):
+    client = bare_client(sync="bsp", staleness=0)
+    client.step, client.routing = None, routing()
     return client
 
 
@@ -254,8 +248,7 @@ def test_a_node_that_serves_strictly_says_so_by_not_echoing_and_the_read_step_is
 def test_a_resend_carries_the_lrs_its_record_was_sent_with():
     """The previous step's record is resent after the lr schedule moved on: its pushes and commit
     carry its own lrs (a node refuses a commit whose lr differs from the step's pushes)."""
-    client = bsp_client()
-    client.routing = type("OneNode", (), {"nodes": {"ps0": None}, "owner": lambda self, job, t, i: "ps0"})()
+    client = bsp_client(OneNode)
     for step, lr in ((4, 0.1), (5, 0.2)):
         record = client._inflight.record(step, 1.0, 0, lr)
         record.grads[("w", 0)] = torch.ones(2)
@@ -277,8 +270,7 @@ def test_a_node_whose_taken_over_block_lags_its_job_step_gets_the_steps_from_tha
     """A node answered a push busy (its block awaited the handover) and its probe says job step 6,
     oldest step a block still collects 4: both records this worker holds go to it again, not
     none (a push refused while the block waited would otherwise count as delivered)."""
-    client = bsp_client()
-    client.routing = type("OneNode", (), {"nodes": {"ps0": None}, "owner": lambda self, job, t, i: "ps0"})()
+    client = bsp_client(OneNode)
     for step in (4, 5):
         record = client._inflight.record(step, 1.0, 0)
         record.grads[("w", 0)] = torch.ones(2)
