@@ -403,7 +403,9 @@ class PSNode:
         """The pending ring's epoch once every copy this node holds under it is in sync (the
         dispatcher switches when all nodes report it), else 0."""
         view = self._routing
-        if not view.pending_epoch or self._jobs_listed_epoch != view.pending_epoch or (
+        # roles_epoch: the thread that set this view may still be assigning its roles (a frame or an
+        # ack that met the newer epoch refreshed it first): the syncs it asks for are not due yet.
+        if not view.pending_epoch or self._jobs_listed_epoch != view.pending_epoch or self.roles_epoch < view.epoch or (
                 self.replicator is not None and not self.replicator.ready()):
             return 0
         if self.settle_commits is not None and self._settled_epoch != view.pending_epoch:

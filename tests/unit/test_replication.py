@@ -352,6 +352,58 @@ def test_join_through_a_pending_ring_switches_with_every_block_in_sync(initial):
     cluster.assert_copies_equal()
 
 
+def test_a_node_back_from_a_partition_reports_the_pending_ring_ready_only_after_its_roles_are_assigned(initial):
+    """n2 is cut off from the dispatcher, declared dead and left behind; back, its registration
+    starts a pending ring, and a thread that met the new epoch first (a peer's frame, an ack)
+    is still assigning its roles when the heartbeat thread, finding the epoch unchanged, asks
+    for its readiness. It is not ready until the syncs that thread asks for completed (it was,
+    and the ring switched with n2 the primary of stale blocks: a push of the current step was
+    refused STALE_STEP against a block still at the step of the partition)."""
+    import threading
+
+    bus, cluster = start(initial=initial)
+    grads = gradients(6)
+    run_steps(cluster, grads[:2])
+    stale = bus.nodes["n2"]
+    bus.down.add("n2")                              # cut off: it never learns it was declared dead
+    bus.serving.remove("n2")
+    bus.publish()
+    bus.settle()
+    run_steps(cluster, grads[2:4])
+    bus.down.discard("n2")
+    bus.serving.append("n2")
+    bus.pending, bus.serving = list(bus.serving), [n for n in bus.serving if n != "n2"]
+    bus.epoch += 1
+    entered, release = threading.Event(), threading.Event()
+    resync = stale.replicator.resync
+
+    def stalled_resync(*args, **kwargs):
+        entered.set()
+        release.wait(10)
+        return resync(*args, **kwargs)
+
+    stale.replicator.resync = stalled_resync
+    learner = threading.Thread(target=stale.update_routing, args=(bus.table(),))
+    learner.start()
+    try:
+        assert entered.wait(10)
+        for name in ("n0", "n1"):
+            bus.nodes[name].update_routing(bus.table())
+            assert bus.nodes[name].hold_jobs(["job"])
+        stale.update_routing(bus.table())           # the heartbeat thread: the epoch it holds already
+        assert stale.hold_jobs(["job"])
+        assert stale.ready_epoch() == 0, "ready before its roles were assigned and its syncs asked for"
+    finally:
+        release.set()
+        learner.join(10)
+    bus.settle()
+    assert all(n.ready_epoch() == bus.epoch for n in bus.nodes.values())
+    bus.serving, bus.pending = bus.pending, None
+    bus.publish()                                   # switch: n2 applies blocks again
+    bus.settle()
+    finish_and_compare(cluster, initial, grads, 4)
+
+
 def test_a_deposed_primary_is_fenced(initial):
     bus, cluster = start(initial=initial)
     run_steps(cluster, gradients(1))
