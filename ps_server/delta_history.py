@@ -73,6 +73,14 @@ class DeltaHistory:
                 for version in list(self._versions[key]):
                     self._drop(key, version)
 
+    def job_bytes(self) -> dict[tuple[str, str], int]:
+        """Bytes of the images held, by job incarnation (uid, job)."""
+        totals: dict[tuple[str, str], int] = {}
+        with self._lock:
+            for (key, _version), image in self._images.items():
+                totals[key[:2]] = totals.get(key[:2], 0) + image.numel() * image.element_size()
+        return totals
+
     def __len__(self) -> int:
         return len(self._images)
 

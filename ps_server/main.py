@@ -396,6 +396,7 @@ def main(argv=None) -> int:
         listener.close()
         return 2
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
+    node.payload_budget = policy.budget
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
     node.delta_history = DeltaHistory(args.delta_history_bytes)
     node.replicator = Replicator(node, PeerLinks(lambda peer: node.routing.address_of(peer), transport, cluster_token),

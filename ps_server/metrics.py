@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from shardline.ps_server.memory_report import job_reports, process_memory
 from shardline.services.errors import ErrorCode
 
 # Data-plane requests: ~150 µs ping-pong on loopback up to pulls that wait for a BSP barrier.
@@ -197,9 +198,26 @@ class NodeCollector(Collector):
                                           "Primary, BSP with replayed gradients: blocks of workers' reads served at a "
                                           "step its copy holders had not acknowledged yet (the workers keep that "
                                           "step's gradients to resend)", labels=["job_name"])
+        memory = GaugeMetricFamily("shardline_ps_memory_bytes",
+                                   "Bytes of a job's tensors on this node by kind (values, optimizer_state, gradients, "
+                                   "parked_gradients, replay_spares, kept_values, staging, held_copies, "
+                                   "delta_history): docs/operations.md, \"Memory\"", labels=["job_name", "kind"])
+        held = GaugeMetricFamily("shardline_ps_memory_parameters",
+                                 "Parameters of the blocks a job holds on this node (primaries and copies): "
+                                 "shardline_ps_memory_bytes per parameter is counted against these",
+                                 labels=["job_name"])
         families = [blocks, nbytes, step, world, committed, early, unused, replayed, copy_reads, diverged, aggregated,
-                    before_acks]
+                    before_acks, memory, held]
         if node is not None:
+            for report in job_reports(node):
+                held.add_metric([report.name], report.parameters)
+                for kind, value in report.bytes.items():
+                    memory.add_metric([report.name, kind], value)
+            anon = process_memory()[1]
+            if anon:
+                families.append(GaugeMetricFamily("shardline_ps_process_anon_bytes",
+                                                  "Anonymous resident memory of this process (RssAnon: the heap, "
+                                                  "not files nor shared memory)", value=anon))
             for job in node.store.jobs():
                 name = job.name
                 blocks.add_metric([name], len(job.blocks))

@@ -161,6 +161,7 @@ class PSNode:
         self.roles_epoch = 0
         # bf16 images sent to subscribers, the bases of their element-level deltas (delta_history_bytes)
         self.delta_history = DeltaHistory(DEFAULT_MAX_BYTES)
+        self.payload_budget = None   # services/payload_budget.py: the data plane's receive buffers (memory reports)
         self.grad_norms = None   # ps_server/grad_norm.py GradNormExchange: jobs with max_grad_norm
         self.settle_commits: Callable[[], object] | None = None   # the commit relay's settle()
         self._settled_epoch = 0

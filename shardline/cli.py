@@ -83,30 +83,45 @@ def format_table(headers: list[str], rows: list[list[Any]], right: set[int] | No
 
 # -- status ---------------------------------------------------------------------------------------
 
-def node_progress(status, timeout: float, cluster_token: bytes | None = None,
-                  tls_ca: bytes | None = None) -> dict[str, dict[str, int]]:
-    """Ask every alive PS node for its job steps: {node_id: {job: step}} (unreachable nodes left out).
-
-    The dispatcher does not see training progress; the nodes that apply the steps do.
-    """
+def node_reports(status, timeout: float, cluster_token: bytes | None = None, tls_ca: bytes | None = None) -> dict:
+    """Ask every alive PS node for its status (``GetNodeStatus``): {node_id: NodeStatus}
+    (unreachable nodes left out). The dispatcher does not see training progress nor memory; the
+    nodes that hold the blocks do."""
     from shardline.services.daemon import grpc_channel
     from shardline.services.pb import ps_pb2, ps_pb2_grpc
 
-    progress = {}
+    reports = {}
     for n in status.all_nodes:
         if n.state != "alive":
             continue
         try:
             with grpc_channel(n.grpc_address, cluster_token, tls_ca=tls_ca) as channel:
-                reply = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(ps_pb2.GetNodeStatusRequest(), timeout=timeout)
+                reports[n.node_id] = ps_pb2_grpc.ParameterServerStub(channel).GetNodeStatus(
+                    ps_pb2.GetNodeStatusRequest(), timeout=timeout)
         except Exception:  # noqa: BLE001 - a node that cannot answer is shown without progress
             continue
-        progress[n.node_id] = {j.job: int(j.step) for j in reply.jobs}
-    return progress
+    return reports
 
 
-def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None = None) -> dict:
-    """A JSON-ready view of a ClusterStatus (protobuf) and the nodes' job steps (``node_progress``).
+def node_progress(reports: dict) -> dict[str, dict[str, int]]:
+    """{node_id: {job: step}} of ``node_reports``."""
+    return {node: {j.job: int(j.step) for j in reply.jobs} for node, reply in reports.items()}
+
+
+def node_memory(reports: dict) -> dict[str, dict]:
+    """{node_id: {"rss_bytes", "anon_bytes", "receive_buffer_bytes", "jobs": {job: {"parameters",
+    "bytes": {kind: bytes}}}}} of ``node_reports`` (ps_server/store/memory.py names the kinds)."""
+    return {node: {"rss_bytes": int(reply.rss_bytes), "anon_bytes": int(reply.anon_bytes),
+                   "receive_buffer_bytes": int(reply.receive_buffer_bytes),
+                   "jobs": {j.job: {"parameters": int(j.parameters), "bytes": {m.kind: int(m.bytes) for m in j.memory}}
+                            for j in reply.jobs}}
+            for node, reply in reports.items()}
+
+
+def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None = None,
+                memory: dict[str, dict] | None = None) -> dict:
+    """A JSON-ready view of a ClusterStatus (protobuf), the nodes' job steps (``node_progress``)
+    and their memory (``node_memory``).
 
     A job's ``step`` is the lowest step over the nodes that hold it (BSP nodes agree; under ASP
     each node counts its own updates, see ``steps_by_node``).
@@ -168,7 +183,7 @@ def status_dict(status, cluster: str, progress: dict[str, dict[str, int]] | None
         "dispatchers": [{"address": d.address, "role": d.role} for d in status.dispatchers],
         "alive_nodes": sum(1 for n in nodes if n["state"] == "alive"),
         "pending_epoch": int(status.routing.pending_epoch) or None,  # a ring change in progress
-        "nodes": nodes, "jobs": jobs,
+        "nodes": nodes, "jobs": jobs, "memory": memory or {},
         "caches": [{"cache_id": c.cache_id, "rack": c.rack, "data": c.data_address, "grpc": c.grpc_address,
                     "capacity_bytes": int(c.capacity_bytes), "resident_bytes": int(c.resident_bytes),
                     "hits": int(c.hits), "misses": int(c.misses),
@@ -232,6 +247,9 @@ def render_status(data: dict) -> str:
         lines.append(f"rack cache {c['cache_id']}: rack {c['rack']}, data {c['data']}, "
                      f"{human_bytes(c['resident_bytes'])} of {human_bytes(c['capacity_bytes'])}, {hit_rate}, "
                      f"heartbeat {c['heartbeat_age_seconds']:.1f}s")
+    memory = render_memory(data.get("memory") or {})
+    if memory:
+        lines += ["", "memory:", memory]
     if data["jobs"]:
         rows = [[j["name"], f"ssp, s={j['staleness']}" if j.get("staleness") else j["sync"], j["optimizer"], j["world_size"], "-" if j["step"] is None else j["step"],
                  "-" if j.get("checkpoint_step") is None else j["checkpoint_step"],
@@ -254,6 +272,36 @@ def render_status(data: dict) -> str:
     else:
         lines += ["", "jobs: none"]
     return "\n".join(lines)
+
+
+# ``shardline status``'s short names of the memory kinds (ps_server/store/memory.py).
+MEMORY_COLUMNS = {"values": "VALUES", "optimizer_state": "OPT STATE", "gradients": "GRADS", "parked_gradients": "PARKED",
+                  "replay_spares": "SPARES", "kept_values": "KEPT", "staging": "STAGING", "held_copies": "HELD",
+                  "delta_history": "DELTAS"}
+
+
+def render_memory(memory: dict[str, dict]) -> str:
+    """Each node's resident memory and each job's bytes on it by kind (kinds no row holds left
+    out), with bytes per parameter held. '' if no node reported."""
+    if not memory:
+        return ""
+    kinds = [k for k in MEMORY_COLUMNS if any(j["bytes"].get(k) for n in memory.values() for j in n["jobs"].values())]
+    node_rows, job_rows = [], []
+    for node, report in sorted(memory.items()):
+        accounted = sum(sum(j["bytes"].values()) for j in report["jobs"].values())
+        node_rows.append([node, human_bytes(report["rss_bytes"]), human_bytes(report["anon_bytes"]),
+                          human_bytes(accounted), human_bytes(report["receive_buffer_bytes"])])
+        for job, j in sorted(report["jobs"].items()):
+            total = sum(j["bytes"].values())
+            per = f"{total / j['parameters']:.1f}" if j["parameters"] else "-"
+            job_rows.append([node, job, f"{j['parameters']:,}", *(human_bytes(j["bytes"].get(k, 0)) for k in kinds),
+                             human_bytes(total), per])
+    text = format_table(["NODE", "RSS", "ANONYMOUS", "JOBS' TENSORS", "RECEIVE BUFFERS"], node_rows,
+                        right={1, 2, 3, 4})
+    if job_rows:
+        text += "\n\n" + format_table(["NODE", "JOB", "PARAMS", *(MEMORY_COLUMNS[k] for k in kinds), "TOTAL", "B/PARAM"],
+                                       job_rows, right=set(range(2, len(kinds) + 5)))
+    return text
 
 
 def render_workers(jobs: list[dict]) -> str:
@@ -384,7 +432,8 @@ def _status(args: argparse.Namespace) -> int:
         return _status_hot(args)
     with _connect_dispatcher(args) as client:
         status = client.cluster_status()
-    data = status_dict(status, args.cluster, node_progress(status, args.timeout, args.token, args.tls_ca))
+    reports = node_reports(status, args.timeout, args.token, args.tls_ca)
+    data = status_dict(status, args.cluster, node_progress(reports), node_memory(reports))
     if args.json:
         json.dump(data, sys.stdout, indent=1)
         sys.stdout.write("\n")
