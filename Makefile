@@ -75,6 +75,7 @@ bench: protos
 	$(PY) bench/rack_cache.py --out bench/results/rack_cache.json
 	$(PY) bench/rack_cache.py --subscribers --out bench/results/rack_cache_subscribers.json
 	$(PY) bench/subscriber.py --out bench/results/subscriber.json
+	$(PY) bench/ps_memory.py --model 25m --out bench/results/ps_memory.json
 	$(PY) bench/vs_ddp.py --link 2gbit --ps 2 --ps-on-ranks --modes ddp,ddp_balanced,shardline_default,shardline,shardline_plain --out bench/results/vs_ddp_link.json
 
 # Longer seeded fault schedules than make test's (tests/fault/chaos.py): kills, pauses, restarts

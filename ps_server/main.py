@@ -30,6 +30,7 @@ from shardline.ps_server.replication import PeerLinks, Replicator
 from shardline.ps_server.restore import restore_all
 from shardline.ps_server.server import create_server
 from shardline.services import build_fingerprint, failpoints, frame, sdnotify
+from shardline.services.allocator import bound_freed_memory
 from shardline.services.config import log_configuration, parse_daemon_args
 from shardline.services.dataplane_server import ConnectionPolicy, serve_connection
 from shardline.services.daemon import (add_common_args, format_host_port, exit_after_stop, install_stop_handlers, parse_host_port,
@@ -351,6 +352,11 @@ def main(argv=None) -> int:
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
         return 2
+
+    if args.malloc == "bounded":
+        tuned = bound_freed_memory()
+        if tuned:
+            log.debug("malloc: %s", ", ".join(f"{k}={v}" for k, v in tuned.items()))
 
     import torch
 

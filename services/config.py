@@ -408,6 +408,11 @@ OPTIONS: tuple[Option, ...] = (
            "weight subscribers, the bases of element-level deltas (docs/architecture.md, \"Weight subscribers\"); "
            "a subscriber whose base is no longer held gets dense blocks. 0 = keep none.", ("ps",),
            default=256 * 1024 ** 2, minimum=0),
+    Option("malloc", "choice", "How the node's C allocator (glibc malloc) gives freed memory back: `bounded` "
+           "maps every allocation of 128 KiB or more on its own (freed: back to the kernel at once) and keeps two "
+           "arenas; `system` leaves glibc's defaults (a freed buffer of a step may stay in the process). "
+           "MALLOC_MMAP_THRESHOLD_ and MALLOC_ARENA_MAX in the environment win over either (docs/operations.md, "
+           "\"Memory\").", ("ps",), default="bounded", choices=("bounded", "system")),
     Option("shm_ring_bytes", "size", "Size of the shared-memory ring the node sends through on each shm "
            "data-plane connection (transport auto/shm, local peers): it bounds the node's shared memory to "
            "this times the open shm connections.", ("ps",), default=DEFAULT_SHM_RING_BYTES, minimum=64 * 1024,

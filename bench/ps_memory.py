@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""PS memory per parameter: what a node's jobs account for (shardline_ps_memory_bytes) against
+what the process took (its anonymous memory above an idle node), for the cluster a user gets.
+
+Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT's
+parameters (``--model``: tiny 0.92 M, 25m 25.7 M), two ranks pushing random gradients and
+pulling each step as a worker does. Each node's ``RssAnon`` is read before the job (idle) and
+after ``--steps`` steps; the accounting comes from its metrics. ``--malloc`` runs the same with
+the PS daemons' ``malloc`` option at each value (each on a fresh cluster, in the same run):
+``system`` leaves glibc's defaults, under which freed buffers of a step stay in the process.
+
+    python bench/ps_memory.py --model 25m --out bench/results/ps_memory.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import re
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from host_counters import status_mib  # noqa: E402
+
+MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0),
+          "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0)}
+# The PS daemons' malloc option: bounded (the default: freed large buffers go back to the kernel
+# at once, two arenas) or glibc's own defaults.
+MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
+JOB = "ps-memory"
+
+
+def tensors(model: str) -> dict:
+    import torch
+
+    from shardline.jobs.models.tinygpt import TinyGPT
+
+    cfg = dict(MODELS[model])
+    torch.manual_seed(cfg.pop("seed"))
+    return {name: p.detach().clone() for name, p in TinyGPT(**cfg).named_parameters()}
+
+
+def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
+    import torch
+
+    from shardline import connect
+
+    values = tensors(model)
+    client = connect(address, job=JOB, rank=rank)
+    client.init(values, optimizer="adamw", lr=1e-3, weight_decay=0.01, world_size=2)
+    generator = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        client.push({name: torch.randn(v.shape, generator=generator) * 1e-3 for name, v in values.items()})
+        client.pull()
+    client.close()
+    queue.put(rank)
+
+
+def scrape(metrics_address: str) -> dict:
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=10).read().decode()
+    kinds = {m.group(1): float(m.group(2)) for m in re.finditer(
+        rf'^shardline_ps_memory_bytes{{job_name="{JOB}",kind="([a-z_]+)"}} (\S+)$', text, re.M)}
+    params = re.search(rf'^shardline_ps_memory_parameters{{job_name="{JOB}"}} (\S+)$', text, re.M)
+    return {"kinds": kinds, "parameters": float(params.group(1)) if params else 0.0}
+
+
+def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
+    from shardline.local_cluster import LocalCluster
+
+    with tempfile.TemporaryDirectory(prefix="shardline-psmem-") as work, LocalCluster(Path(work) / "daemons") as cluster:
+        cluster.start_dispatcher()
+        nodes = [cluster.add_node(wait=False, env=env) for _ in range(2)]
+        for node in nodes:
+            cluster.wait_ready(node)
+        cluster.wait_for_nodes(2, timeout=60)
+        time.sleep(1.0)
+        idle = {n.node_id: status_mib(n.pid, "RssAnon") for n in nodes}
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        started = time.monotonic()
+        ranks = [ctx.Process(target=rank_main, args=(cluster.address, model, r, steps, queue)) for r in range(2)]
+        for p in ranks:
+            p.start()
+        for p in ranks:
+            p.join(timeout=900)
+            if p.exitcode != 0:
+                raise RuntimeError(f"rank process exited with {p.exitcode}")
+        seconds = time.monotonic() - started
+        out = {"variant": name, "env": env, "seconds": round(seconds, 1), "nodes": {}}
+        for n in nodes:
+            report = scrape(n.metrics)
+            params = report["parameters"]
+            anon_mib = status_mib(n.pid, "RssAnon")
+            above_idle = (anon_mib - idle[n.node_id]) * 2 ** 20
+            accounted = sum(report["kinds"].values())
+            out["nodes"][n.node_id] = {
+                "parameters_held": int(params), "idle_anon_mib": round(idle[n.node_id], 1),
+                "anon_mib": round(anon_mib, 1), "peak_rss_mib": round(status_mib(n.pid, "VmHWM"), 1),
+                "accounted_mib": round(accounted / 2 ** 20, 1),
+                "kinds_mib": {k: round(v / 2 ** 20, 1) for k, v in report["kinds"].items() if v},
+                "accounted_bytes_per_parameter": round(accounted / params, 2) if params else None,
+                "anon_above_idle_bytes_per_parameter": round(above_idle / params, 2) if params else None,
+            }
+        return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=tuple(MODELS), default="tiny")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--malloc", default="bounded,system", help="comma-separated, from " + ", ".join(MALLOC_VARIANTS))
+    ap.add_argument("--out", help="write the JSON here")
+    args = ap.parse_args(argv)
+    variants = [v for v in args.malloc.split(",") if v]
+    unknown = [v for v in variants if v not in MALLOC_VARIANTS]
+    if unknown:
+        ap.error(f"--malloc: unknown variant(s) {unknown}; known: {sorted(MALLOC_VARIANTS)}")
+    results = [run_variant(v, MALLOC_VARIANTS[v], args.model, args.steps) for v in variants]
+    result = {"bench": "ps_memory", "model": args.model, "steps": args.steps,
+              "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "runs": results}
+    for run in results:
+        for node, r in run["nodes"].items():
+            print(f"{run['variant']:8s} {node}: {r['parameters_held']:,} parameters held, accounted "
+                  f"{r['accounted_bytes_per_parameter']} B/param, anonymous above idle "
+                  f"{r['anon_above_idle_bytes_per_parameter']} B/param (idle {r['idle_anon_mib']} MiB, now "
+                  f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB) {r['kinds_mib']}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
