@@ -2,9 +2,9 @@
 """PS memory per parameter: what a node's jobs account for (shardline_ps_memory_bytes) against
 what the process took (its anonymous memory above an idle node), for the cluster a user gets.
 
-Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT's
-parameters (``--model``: tiny 0.92 M, 25m 25.7 M), two ranks pushing random gradients and
-pulling each step as a worker does. Each node's ``RssAnon`` is read before the job (idle) and
+Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT
+(``--model``: tiny 0.92 M, 25m 25.7 M parameters), two ranks on this host training it with
+``PSOptimizer`` at its defaults on random tokens. Each node's ``RssAnon`` is read before the job (idle) and
 after ``--steps`` steps; the accounting comes from its metrics. ``--malloc`` runs the same with
 the PS daemons' ``malloc`` option at each value (each on a fresh cluster, in the same run):
 ``system`` leaves glibc's defaults, under which freed buffers of a step stay in the process.
@@ -36,29 +36,28 @@ MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
 JOB = "ps-memory"
 
 
-def tensors(model: str) -> dict:
+def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
+    """One rank as a user runs it: TinyGPT, PSOptimizer with every option at its default, a
+    forward and backward of random tokens per step."""
     import torch
 
     from shardline.jobs.models.tinygpt import TinyGPT
+    from shardline.worker.optim import PSOptimizer
 
     cfg = dict(MODELS[model])
     torch.manual_seed(cfg.pop("seed"))
-    return {name: p.detach().clone() for name, p in TinyGPT(**cfg).named_parameters()}
-
-
-def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
-    import torch
-
-    from shardline import connect
-
-    values = tensors(model)
-    client = connect(address, job=JOB, rank=rank)
-    client.init(values, optimizer="adamw", lr=1e-3, weight_decay=0.01, world_size=2)
+    net = TinyGPT(**cfg)
+    opt = PSOptimizer(net.named_parameters(), address, JOB, optimizer="adamw", lr=1e-3, weight_decay=0.01,
+                      world_size=2, rank=rank)
     generator = torch.Generator().manual_seed(rank)
     for _ in range(steps):
-        client.push({name: torch.randn(v.shape, generator=generator) * 1e-3 for name, v in values.items()})
-        client.pull()
-    client.close()
+        ids = torch.randint(0, cfg["vocab_size"], (2, 128), generator=generator)
+        logits = net(ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    opt.close()
     queue.put(rank)
 
 
@@ -67,7 +66,9 @@ def scrape(metrics_address: str) -> dict:
     kinds = {m.group(1): float(m.group(2)) for m in re.finditer(
         rf'^shardline_ps_memory_bytes{{job_name="{JOB}",kind="([a-z_]+)"}} (\S+)$', text, re.M)}
     params = re.search(rf'^shardline_ps_memory_parameters{{job_name="{JOB}"}} (\S+)$', text, re.M)
-    return {"kinds": kinds, "parameters": float(params.group(1)) if params else 0.0}
+    receive = re.search(r'^shardline_ps_inflight_payload_bytes (\S+)$', text, re.M)
+    return {"kinds": kinds, "parameters": float(params.group(1)) if params else 0.0,
+            "receive_buffers": float(receive.group(1)) if receive else 0.0}
 
 
 def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
@@ -103,6 +104,7 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
                 "parameters_held": int(params), "idle_anon_mib": round(idle[n.node_id], 1),
                 "anon_mib": round(anon_mib, 1), "peak_rss_mib": round(status_mib(n.pid, "VmHWM"), 1),
                 "accounted_mib": round(accounted / 2 ** 20, 1),
+                "receive_buffers_mib": round(report["receive_buffers"] / 2 ** 20, 1),
                 "kinds_mib": {k: round(v / 2 ** 20, 1) for k, v in report["kinds"].items() if v},
                 "accounted_bytes_per_parameter": round(accounted / params, 2) if params else None,
                 "anon_above_idle_bytes_per_parameter": round(above_idle / params, 2) if params else None,
@@ -129,7 +131,8 @@ def main(argv=None) -> int:
             print(f"{run['variant']:8s} {node}: {r['parameters_held']:,} parameters held, accounted "
                   f"{r['accounted_bytes_per_parameter']} B/param, anonymous above idle "
                   f"{r['anon_above_idle_bytes_per_parameter']} B/param (idle {r['idle_anon_mib']} MiB, now "
-                  f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB) {r['kinds_mib']}")
+                  f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB, receive buffers "
+                  f"{r['receive_buffers_mib']} MiB) {r['kinds_mib']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
