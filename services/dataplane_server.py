@@ -52,6 +52,19 @@ MAX_HANDSHAKES = 64
 IDLE_BUFFER_SECONDS = 30.0
 
 
+# A kept payload buffer larger than this and more than OVERSIZE_FACTOR times each of the last
+# OVERSIZE_FRAMES frames with a payload is made the frame's size (reallocated: zero-filled, ~0.4 s
+# per GiB; a connection whose frames alternate large and small keeps the large one).
+OVERSIZE_MIN_BYTES = 16 * 1024 * 1024
+OVERSIZE_FACTOR = 2
+OVERSIZE_FRAMES = 4
+
+
+def oversized(held: int, needed: int) -> bool:
+    """Whether a connection holding a ``held``-byte buffer gives it back for a ``needed``-byte frame."""
+    return held > OVERSIZE_MIN_BYTES and held > OVERSIZE_FACTOR * max(needed, 1)
+
+
 class RequestHandler(Protocol):
     """What the loop calls for each frame: a PS node (ps_server/node.py PSNode) or a rack cache
     (rack_cache/server.py CacheFrontend). Each raises RequestError to refuse a request.
@@ -125,6 +138,7 @@ class _Connection:
         self.capabilities = capabilities_of(sock)
         self.regions = sock if self.capabilities.shares_memory else None  # a shm connection: its peer's regions
         self.buffer = bytearray(0)   # payload buffer, reused between frames (reserved from the budget)
+        self.smaller_frames = 0      # frames in a row with a payload the buffer is oversized for
 
     # --- the payload buffer -----------------------------------------------------------------
     def drop_buffer(self) -> None:
@@ -133,9 +147,17 @@ class _Connection:
         self.buffer = bytearray(0)
 
     def ensure_buffer(self, nbytes: int) -> bool:
-        """A buffer of at least ``nbytes``; False if the node's budget could not grant it in time."""
+        """A buffer of at least ``nbytes``; False if the node's budget could not grant it in time.
+        One kept from a frame much larger than the last OVERSIZE_FRAMES frames with a payload (a
+        job's INIT, a replica's initial sync: once) is given back and made this frame's size: a
+        connection holds what its frames need from step to step, not its largest frame ever."""
         if nbytes <= len(self.buffer):
-            return True
+            if not nbytes:
+                return True     # a frame without a payload (a pull) says nothing of the buffer's size
+            self.smaller_frames = self.smaller_frames + 1 if oversized(len(self.buffer), nbytes) else 0
+            if self.smaller_frames < OVERSIZE_FRAMES:
+                return True
+        self.smaller_frames = 0
         self.drop_buffer()  # never hold two
         budget = self.policy.budget
         if budget is not None and not budget.reserve(nbytes, timeout=self.policy.payload_timeout):

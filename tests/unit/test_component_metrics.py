@@ -75,9 +75,21 @@ def watched():
 
 
 def test_node_state_is_read_at_scrape_time(watched):
-    job = SimpleNamespace(name="unit-node", blocks={("w", 0): None, ("w", 1): None}, bytes=128, step=7, world_size=4,
-                          committed={0: 1.0, 2: 1.0})
-    node = SimpleNamespace(store=SimpleNamespace(jobs=lambda: [job]), routing=SimpleNamespace(epoch=9))
+    import torch
+
+    from shardline.ps_server.delta_history import DeltaHistory
+    from shardline.ps_server.optimizer import OptimizerConfig
+    from shardline.ps_server.store import JobStore
+    from shardline.services.pb import common_pb2
+
+    spec = common_pb2.JobSpec(name="unit-node", sync="bsp", world_size=4, block_elements=16,
+                              optimizer=OptimizerConfig.from_kwargs("sgd", lr=0.1).to_proto())
+    spec.tensors.add(name="w", shape=[32], dtype="float32", trainable=True)
+    job = JobStore(spec)
+    job.init_blocks([("w", 0, torch.zeros(16)), ("w", 1, torch.zeros(16))])
+    job.step, job.commits = 7, {7: {0: (1.0, 0), 2: (1.0, 0)}}
+    node = SimpleNamespace(store=SimpleNamespace(jobs=lambda: [job]), routing=SimpleNamespace(epoch=9),
+                           delta_history=DeltaHistory(0))
     assert REGISTRY.get_sample_value("shardline_ps_ring_epoch") is None  # nothing before a node is watched
     PM.watch_node(node, "unit-ps", "r1")
     PM.heartbeat(ok=True)
@@ -86,6 +98,9 @@ def test_node_state_is_read_at_scrape_time(watched):
     assert sample("shardline_ps_job_step", job_name="unit-node") == 7
     assert sample("shardline_ps_job_world_size", job_name="unit-node") == 4
     assert sample("shardline_ps_bsp_committed_workers", job_name="unit-node") == 2
+    assert sample("shardline_ps_memory_bytes", job_name="unit-node", kind="values") == 128
+    assert sample("shardline_ps_memory_bytes", job_name="unit-node", kind="gradients") == 0
+    assert sample("shardline_ps_memory_parameters", job_name="unit-node") == 32
     assert sample("shardline_ps_ring_epoch") == 9
     assert sample("shardline_ps_info", node_id="unit-ps", rack="r1") == 1
     assert 0 <= sample("shardline_ps_heartbeat_age_seconds") < 5
