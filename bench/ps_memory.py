@@ -5,7 +5,9 @@ what the process took (its anonymous memory above an idle node), for the cluster
 Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT
 (``--model``: tiny 0.92 M, 25m 25.7 M parameters), two ranks on this host training it with
 ``PSOptimizer`` at its defaults on random tokens. Each node's ``RssAnon`` is read before the job (idle) and
-after ``--steps`` steps; the accounting comes from its metrics. ``--malloc`` runs the same with
+after ``--steps`` steps, its peak RSS over the steps after the first two (``VmHWM`` reset then:
+the job's creation and the copies' initial sync happen once); the accounting comes from its
+metrics. ``--malloc`` runs the same with
 the PS daemons' ``malloc`` option at each value (each on a fresh cluster, in the same run):
 ``system`` leaves glibc's defaults, under which freed buffers of a step stay in the process.
 
@@ -26,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from host_counters import status_mib  # noqa: E402
+from host_counters import reset_peak_rss, status_mib  # noqa: E402
 
 MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0),
           "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0)}
@@ -34,6 +36,7 @@ MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_s
 # at once, two arenas) or glibc's own defaults.
 MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
 JOB = "ps-memory"
+WARM_STEPS = 2   # steps before the peak RSS is measured from
 
 
 def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
@@ -50,7 +53,9 @@ def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
     opt = PSOptimizer(net.named_parameters(), address, JOB, optimizer="adamw", lr=1e-3, weight_decay=0.01,
                       world_size=2, rank=rank)
     generator = torch.Generator().manual_seed(rank)
-    for _ in range(steps):
+    for step in range(steps):
+        if step == WARM_STEPS:
+            queue.put(("warm", rank))
         ids = torch.randint(0, cfg["vocab_size"], (2, 128), generator=generator)
         logits = net(ids[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
@@ -58,7 +63,7 @@ def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
         loss.backward()
         opt.step()
     opt.close()
-    queue.put(rank)
+    queue.put(("done", rank))
 
 
 def scrape(metrics_address: str) -> dict:
@@ -82,12 +87,17 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
         cluster.wait_for_nodes(2, timeout=60)
         time.sleep(1.0)
         idle = {n.node_id: status_mib(n.pid, "RssAnon") for n in nodes}
+        idle_rss = {n.node_id: status_mib(n.pid, "VmRSS") for n in nodes}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         started = time.monotonic()
         ranks = [ctx.Process(target=rank_main, args=(cluster.address, model, r, steps, queue)) for r in range(2)]
         for p in ranks:
             p.start()
+        # the peak of the steps after the first WARM_STEPS (the job's creation and initial sync are once)
+        warm = [queue.get(timeout=900) for _ in ranks]
+        assert all(kind == "warm" for kind, _ in warm), warm
+        peaks_reset = all([reset_peak_rss(n.pid) for n in nodes])
         for p in ranks:
             p.join(timeout=900)
             if p.exitcode != 0:
@@ -103,11 +113,14 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
             out["nodes"][n.node_id] = {
                 "parameters_held": int(params), "idle_anon_mib": round(idle[n.node_id], 1),
                 "anon_mib": round(anon_mib, 1), "peak_rss_mib": round(status_mib(n.pid, "VmHWM"), 1),
+                "peak_rss_after_warm_up": peaks_reset,
                 "accounted_mib": round(accounted / 2 ** 20, 1),
                 "receive_buffers_mib": round(report["receive_buffers"] / 2 ** 20, 1),
                 "kinds_mib": {k: round(v / 2 ** 20, 1) for k, v in report["kinds"].items() if v},
                 "accounted_bytes_per_parameter": round(accounted / params, 2) if params else None,
                 "anon_above_idle_bytes_per_parameter": round(above_idle / params, 2) if params else None,
+                "peak_rss_above_idle_bytes_per_parameter": round(
+                    (status_mib(n.pid, "VmHWM") - idle_rss[n.node_id]) * 2 ** 20 / params, 2) if params else None,
             }
         return out
 
@@ -115,7 +128,7 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=tuple(MODELS), default="tiny")
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6, help=f"steps per rank (the peak RSS: after the first {WARM_STEPS})")
     ap.add_argument("--malloc", default="bounded,system", help="comma-separated, from " + ", ".join(MALLOC_VARIANTS))
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
@@ -131,7 +144,8 @@ def main(argv=None) -> int:
             print(f"{run['variant']:8s} {node}: {r['parameters_held']:,} parameters held, accounted "
                   f"{r['accounted_bytes_per_parameter']} B/param, anonymous above idle "
                   f"{r['anon_above_idle_bytes_per_parameter']} B/param (idle {r['idle_anon_mib']} MiB, now "
-                  f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB, receive buffers "
+                  f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB = "
+                  f"{r['peak_rss_above_idle_bytes_per_parameter']} B/param above idle, receive buffers "
                   f"{r['receive_buffers_mib']} MiB) {r['kinds_mib']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -600,9 +600,12 @@ class PSNode:
     def _reply(self, header: frame.FrameHeader) -> frame.FrameHeader:
         return frame.FrameHeader(op=dp.OP_REPLY, request_id=header.request_id, job=header.job, epoch=self._routing.epoch)
 
-    def begin_push(self, header: frame.FrameHeader, scratch: bytearray, regions=None) -> tuple[JobStore, PushTicket]:
+    def begin_push(self, header: frame.FrameHeader, scratch: bytearray | None,
+                   regions=None) -> tuple[JobStore, PushTicket]:
         """Start a prechecked PUSH: returns where each block's payload goes (see JobStore.begin_push).
-        ``scratch`` holds the payload and the blocks taken from ``regions`` (the shm connection)."""
+        ``scratch`` receives the blocks, payload or taken from ``regions`` (the shm connection),
+        that do not go straight into a gradient buffer; None: the caller binds it later
+        (``PushTicket.bind_scratch``, ``ticket.scratch_bytes`` of it)."""
         _check_sources(header, regions)
         job = self.job(header.job)
         refs = [PushRef(ref.tensor, ref.index, ref.zero, ref.numel, torch.uint8, ref.scale) if ref.dtype == dp.SIGN1

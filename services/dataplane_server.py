@@ -197,22 +197,26 @@ class _Connection:
                 continue
             try:
                 node.precheck(header)
-                # a push's blocks taken from the client's regions need room in the buffer too
+                # a push's blocks taken from the client's regions are received too
                 received = header.payload_bytes + (frame.sourced_bytes(header) if header.op == dp.OP_PUSH else 0)
-                if not self.ensure_buffer(received):
-                    raise RequestError(ErrorCode.RESOURCE_EXHAUSTED,
-                                       f"node {node.node_id!r} holds its limit of payload bytes in flight "
-                                     f"({policy.budget.limit_bytes} bytes, max_inflight_bytes); retry shortly")
+                if header.op != dp.OP_PUSH and not self.ensure_buffer(received):
+                    raise self.budget_exhausted()
             except RequestError as exc:
                 self.refuse(header, exc, op, deadline)
                 continue
             try:
                 if header.op == dp.OP_PUSH:
+                    # A push's blocks go straight into their gradient buffers where they can: the
+                    # buffer holds only the others (a host's one push of a step needs none).
                     try:
-                        job, ticket = node.begin_push(header, self.buffer, self.regions)
+                        job, ticket = node.begin_push(header, None, self.regions)
+                        if not self.ensure_buffer(ticket.scratch_bytes):
+                            job.abort_push(ticket)
+                            raise self.budget_exhausted()
                     except RequestError as exc:
                         self.refuse(header, exc, op, deadline)
                         continue
+                    ticket.bind_scratch(self.buffer)
                     reply, payloads, pushed = self.receive_push(header, job, ticket, deadline), [], (header, job, ticket)
                 else:
                     pushed = None
@@ -240,6 +244,11 @@ class _Connection:
                 placed = sum(ref.nbytes for ref in reply.blocks if ref.placed)
                 metrics.request(op, ErrorCode.OK, seconds=time.perf_counter() - started,
                                 bytes_in=received, bytes_out=reply.payload_bytes + placed)
+
+    def budget_exhausted(self) -> RequestError:
+        return RequestError(ErrorCode.RESOURCE_EXHAUSTED,
+                            f"node {self.node.node_id!r} holds its limit of payload bytes in flight "
+                            f"({self.policy.budget.limit_bytes} bytes, max_inflight_bytes); retry shortly")
 
     def run(self, header, view):
         """``node.handle``; a pull that waits is cancelled when the client hangs up meanwhile."""

@@ -97,6 +97,10 @@ class PushTicket:
     unchecked: list = field(default_factory=list)   # received small blocks (indices) not yet checked
     unchecked_bytes: int = 0
     aggregate: Aggregate | None = None   # the ranks (and weights) the push sums; None: ``rank``'s alone
+    # The blocks received into the scratch buffer (not straight into a gradient buffer), packed in
+    # payload order: their bytes, and (index, offset, count, dtype) of each while not bound yet.
+    scratch_bytes: int = 0
+    unbound: list = field(default_factory=list)
     # Set from the above once (read per block): the ranks whose gradients the push carries, and what
     # its payload is multiplied by on its way into a block's sum (the rank's weight; 1 for an
     # aggregate, whose payload is weighted already).
@@ -107,6 +111,13 @@ class PushTicket:
         aggregate = self.aggregate
         self.ranks = (self.rank,) if aggregate is None else aggregate.ranks
         self.factor = self.weight if aggregate is None else 1.0
+
+    def bind_scratch(self, scratch: bytearray) -> None:
+        """begin_push(scratch=None): the blocks that go through the scratch buffer are received
+        into ``scratch`` (at least ``scratch_bytes``), packed in payload order."""
+        for i, offset, count, dtype in self.unbound:
+            self.dests[i] = torch.frombuffer(scratch, dtype=dtype, count=count, offset=offset)
+        self.unbound = []
 
     def rank_weights(self):
         """(rank, weight) of every rank the push carries."""
@@ -121,8 +132,10 @@ class Pushes:
                    aggregate: Aggregate | None = None) -> PushTicket:
         """Validate a push and reserve where each block's bytes go. Nothing is visible until finish_push.
 
-        ``refs`` are in payload order; ``scratch`` must hold the whole payload (blocks received
-        into it sit at their payload offsets). BSP: each block takes gradients for its own step;
+        ``refs`` are in payload order. A block not received straight into its gradient buffer
+        goes through ``scratch``, packed in payload order: it must hold ``ticket.scratch_bytes``
+        (the whole payload always does); None: bind it later (``PushTicket.bind_scratch``), once
+        the caller knows how much it needs. BSP: each block takes gradients for its own step;
         a block already past ``step`` (the step was applied: a resend) or pushed by this rank in
         an earlier frame receives the bytes and ignores them.
 
@@ -256,11 +269,11 @@ class Pushes:
     def _choose_dests(self, ticket: PushTicket, scratch: bytearray | None) -> None:
         """Where each block's bytes go: the block's own gradient buffer (its first fp32 gradient
         of the step in rank order: nothing folded yet, every lower rank settled), else the scratch
-        buffer at its payload offset (one that arrived before a lower rank's is copied into a
+        buffer, packed in payload order (one that arrived before a lower rank's is copied into a
         parked buffer when the push finishes); None for a zero flag."""
         offset = 0
         record = self.commits.get(ticket.step, NO_COMMITS)
-        for ref, block, resent in zip(ticket.refs, ticket.blocks, ticket.resent):
+        for i, (ref, block, resent) in enumerate(zip(ticket.refs, ticket.blocks, ticket.resent)):
             direct, dest = False, None
             if not ref.zero:
                 collecting = block.role.collecting
@@ -270,10 +283,14 @@ class Pushes:
                     dest, direct = collecting.receive_into(ticket.rank, block.value), True
                 else:
                     count = ref.numel if ref.scale is None else sign_nbytes(ref.numel)
-                    dest = torch.frombuffer(scratch, dtype=ref.dtype, count=count, offset=offset)
-                offset += dest.numel() * dest.element_size()
+                    if scratch is None:
+                        ticket.unbound.append((i, offset, count, ref.dtype))
+                    else:
+                        dest = torch.frombuffer(scratch, dtype=ref.dtype, count=count, offset=offset)
+                    offset += count * ref.dtype.itemsize
             ticket.direct.append(direct)
             ticket.dests.append(dest)
+        ticket.scratch_bytes = offset
 
     def _keep_previous(self, keeping: list, step: int) -> None:
         """Copy the values kept by _claim (no step changes them before this rank commits, after

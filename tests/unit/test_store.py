@@ -233,6 +233,34 @@ def test_interleaved_pushes_of_two_ranks_sum_correctly():
     torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + 3 * g1) / 4, rtol=0, atol=1e-6)
 
 
+def test_a_push_needs_scratch_only_for_the_blocks_not_received_straight_into_their_buffers():
+    """The data plane binds the scratch buffer after begin_push (scratch=None), sized to what the
+    push needs: nothing for rank 0's push (every block straight into its gradient buffer), the
+    blocks packed in payload order for rank 1's (rank 0 is receiving into those buffers); the sum
+    is torch's."""
+    a0 = torch.randn(4, 5)
+    store = JobStore(make_job(kind="sgd", lr=1.0))
+    init_store(store, {"a": a0, "b": torch.zeros(3), "frozen": torch.zeros(2)})
+    g0, g1 = torch.randn(4, 5), torch.randn(4, 5)
+    g1[1] = 0   # not a zero flag: a block of zeros still takes its bytes
+    refs, flat0 = push_refs("a", g0)
+    _, flat1 = push_refs("a", g1)
+    t0 = store.begin_push(0, 0, 1.0, refs, None)
+    t1 = store.begin_push(1, 0, 3.0, refs, None)
+    assert all(t0.direct) and t0.scratch_bytes == 0 and not t0.unbound
+    assert not any(t1.direct) and t1.scratch_bytes == 4 * 20 and all(d is None for d in t1.dests)
+    t0.bind_scratch(bytearray(0))
+    t1.bind_scratch(bytearray(t1.scratch_bytes))
+    assert [d.numel() for d in t1.dests] == [7, 7, 6] and not t1.unbound
+    receive_all(store, t1, flat1)
+    store.finish_push(t1)
+    receive_all(store, t0, flat0)
+    store.finish_push(t0)
+    store.commit(0, 0, 1.0)
+    store.commit(1, 0, 3.0)
+    torch.testing.assert_close(values(store, "a", (4, 5)), a0 - (g0 + 3 * g1) / 4, rtol=0, atol=1e-6)
+
+
 def test_aborted_push_leaves_nothing_and_frees_the_buffers():
     a0 = torch.randn(4, 5)
     store = JobStore(make_job(kind="sgd", lr=1.0, world_size=1))
