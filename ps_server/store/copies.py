@@ -22,6 +22,10 @@ from shardline.services import failpoints
 from shardline.services.errors import ErrorCode
 
 REPLAY_DIVERGE = "ps.replay_diverge"   # failpoint: a replayed copy made to differ (tests)
+# A frame's replayed copies are stepped in batches of at most this many elements: each batch's
+# private clones of value and state are installed before the next is made, so the transient of a
+# large job's replay is a batch's, not every copy's (AdamW: 12 bytes per element).
+REPLAY_BATCH_ELEMENTS = 4 * 1024 * 1024
 
 
 class CopyHolder:
@@ -80,9 +84,41 @@ class CopyHolder:
         is not counts in ``replica_divergences`` and is left at the version it was stepped from
         (so a sync brings a full copy) and answered like a missing one."""
         self._check_replays(items)
-        with self.cond:
-            if not ahead:
+        if not ahead:
+            with self.cond:
                 self._follow_copies(step for _t, _i, _v, step, _b, _lr, _g, _c in items)
+        missing, diverged = [], []
+        for batch in self._replay_batches(items):
+            batch_missing, batch_diverged = self._replay_batch(batch, ahead, verify)
+            missing += batch_missing
+            diverged += batch_diverged
+        if (missing or diverged) and not ahead:
+            why = []
+            if diverged:
+                why.append(f"blocks {diverged[:4]} of job {self.name!r} replayed here differ from their primary's "
+                           f"(divergence check)")
+            if missing:
+                why.append(f"blocks {missing[:4]} of job {self.name!r} are not at the version their primary "
+                           f"stepped them from (a step this node did not get)")
+            raise lacking(missing + diverged, "; ".join(why))
+
+    def _replay_batches(self, items: list):
+        """``items`` in payload order, in batches of at most REPLAY_BATCH_ELEMENTS elements (a
+        larger block alone)."""
+        batch, elements = [], 0
+        for item in items:
+            numel = self.expected_numel(item[0], item[1])
+            if batch and elements + numel > REPLAY_BATCH_ELEMENTS:
+                yield batch
+                batch, elements = [], 0
+            batch.append(item)
+            elements += numel
+        if batch:
+            yield batch
+
+    def _replay_batch(self, items: list, ahead: bool, verify) -> tuple[list, list]:
+        """Step and install (or hold) one batch of replay_steps; returns (missing, diverged) keys."""
+        with self.cond:
             taken, missing = self._replays_due(items)
         # Stepped outside the lock (the clones are private) as the primary steps: one multi-tensor
         # call per group and lr (BlockOptimizer.step_many).
@@ -100,15 +136,7 @@ class CopyHolder:
         with self.cond:
             self.replica_divergences += len(diverged)
             self._install_replayed(taken, ahead)
-        if (missing or diverged) and not ahead:
-            why = []
-            if diverged:
-                why.append(f"blocks {diverged[:4]} of job {self.name!r} replayed here differ from their primary's "
-                           f"(divergence check)")
-            if missing:
-                why.append(f"blocks {missing[:4]} of job {self.name!r} are not at the version their primary "
-                           f"stepped them from (a step this node did not get)")
-            raise lacking(missing + diverged, "; ".join(why))
+        return missing, diverged
 
     def _check_replays(self, items: list) -> None:
         for tensor, index, _version, _step, _base, lr, grad, _checksum in items:

@@ -296,6 +296,23 @@ def test_replicas_equal_their_primaries_bitwise(initial, push_lr, replicate):
     assert replayed == (4 * trained if replicate else 0)
 
 
+def test_a_frame_replayed_in_batches_of_a_few_blocks_equals_torch_and_its_primary(initial, monkeypatch):
+    """A copy holder steps a large frame's replayed copies in batches (REPLAY_BATCH_ELEMENTS: the
+    transient is a batch's clones, not every copy's); forced here to a block or two per batch."""
+    from shardline.ps_server.store import copies
+
+    monkeypatch.setattr(copies, "REPLAY_BATCH_ELEMENTS", BLOCK + 1)
+    bus, cluster = start(initial=initial)
+    grads = gradients(4)
+    run_steps(cluster, grads)
+    want = reference(initial, grads)
+    for name in ("a", "b"):
+        torch.testing.assert_close(cluster.values(name), want[name], **ROUND_OFF)
+    cluster.assert_copies_equal()
+    if REPLICATE_GRADIENTS:
+        assert sum(node.job("job").steps_replayed for node in bus.nodes.values()) > 0
+
+
 def test_failover_to_the_replica_loses_no_step(initial):
     bus, cluster = start(initial=initial)
     grads = gradients(6)
