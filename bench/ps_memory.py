@@ -22,6 +22,7 @@ import multiprocessing as mp
 import re
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -37,6 +38,7 @@ MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_s
 MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
 JOB = "ps-memory"
 WARM_STEPS = 2   # steps before the peak RSS is measured from
+SAMPLE_SECONDS = 0.05
 
 
 def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
@@ -64,6 +66,42 @@ def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
         opt.step()
     opt.close()
     queue.put(("done", rank))
+
+
+class Sampler:
+    """Scrapes the nodes every SAMPLE_SECONDS while the ranks train: each kind's largest bytes,
+    and the largest anonymous memory with what the accounting said at that sample."""
+
+    def __init__(self, nodes):
+        self.nodes = nodes
+        self.max_kinds = {n.node_id: {} for n in nodes}
+        self.max_anon = {n.node_id: 0.0 for n in nodes}
+        self.accounted_at_max = {n.node_id: 0.0 for n in nodes}
+        self.max_shmem = {n.node_id: 0.0 for n in nodes}   # shared memory mapped: the workers' regions, rings
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_SECONDS):
+            for n in self.nodes:
+                try:
+                    report, anon = scrape(n.metrics), status_mib(n.pid, "RssAnon")
+                    self.max_shmem[n.node_id] = max(self.max_shmem[n.node_id], status_mib(n.pid, "RssShmem"))
+                except (OSError, LookupError):
+                    continue
+                kinds = self.max_kinds[n.node_id]
+                for kind, value in report["kinds"].items():
+                    kinds[kind] = max(kinds.get(kind, 0.0), value)
+                if anon > self.max_anon[n.node_id]:
+                    self.max_anon[n.node_id] = anon
+                    self.accounted_at_max[n.node_id] = sum(report["kinds"].values()) + report["receive_buffers"]
 
 
 def scrape(metrics_address: str) -> dict:
@@ -98,8 +136,12 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
         warm = [queue.get(timeout=900) for _ in ranks]
         assert all(kind == "warm" for kind, _ in warm), warm
         peaks_reset = all([reset_peak_rss(n.pid) for n in nodes])
+        sampler = Sampler(nodes)
+        sampler.start()
         for p in ranks:
             p.join(timeout=900)
+        sampler.stop()
+        for p in ranks:
             if p.exitcode != 0:
                 raise RuntimeError(f"rank process exited with {p.exitcode}")
         seconds = time.monotonic() - started
@@ -114,6 +156,15 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
                 "parameters_held": int(params), "idle_anon_mib": round(idle[n.node_id], 1),
                 "anon_mib": round(anon_mib, 1), "peak_rss_mib": round(status_mib(n.pid, "VmHWM"), 1),
                 "peak_rss_after_warm_up": peaks_reset,
+                # the largest each kind was at any sample during the steps after the warm-up, and
+                # the largest anonymous memory above idle a sample saw with the accounting then
+                "sampled_max_kinds_mib": {k: round(v / 2 ** 20, 1) for k, v in sampler.max_kinds[n.node_id].items()
+                                          if v},
+                "sampled_max_anon_above_idle_mib": round(sampler.max_anon[n.node_id] - idle[n.node_id], 1),
+                "sampled_accounted_at_max_anon_mib": round(sampler.accounted_at_max[n.node_id] / 2 ** 20, 1),
+                # resident shared memory (the workers' regions the node reads pushes from and places
+                # pulls into, the shm rings): in the peak RSS, not the node's own
+                "sampled_max_shmem_mib": round(sampler.max_shmem[n.node_id], 1),
                 "accounted_mib": round(accounted / 2 ** 20, 1),
                 "receive_buffers_mib": round(report["receive_buffers"] / 2 ** 20, 1),
                 "kinds_mib": {k: round(v / 2 ** 20, 1) for k, v in report["kinds"].items() if v},
@@ -146,7 +197,10 @@ def main(argv=None) -> int:
                   f"{r['anon_above_idle_bytes_per_parameter']} B/param (idle {r['idle_anon_mib']} MiB, now "
                   f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB = "
                   f"{r['peak_rss_above_idle_bytes_per_parameter']} B/param above idle, receive buffers "
-                  f"{r['receive_buffers_mib']} MiB) {r['kinds_mib']}")
+                  f"{r['receive_buffers_mib']} MiB) {r['kinds_mib']}; during the steps, at most "
+                  f"{r['sampled_max_anon_above_idle_mib']} MiB anonymous above idle (accounted then "
+                  f"{r['sampled_accounted_at_max_anon_mib']} MiB), shared memory mapped at most "
+                  f"{r['sampled_max_shmem_mib']} MiB, kinds at most {r['sampled_max_kinds_mib']}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
