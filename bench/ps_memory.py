@@ -3,7 +3,8 @@
 what the process took (its anonymous memory above an idle node), for the cluster a user gets.
 
 Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT
-(``--model``: tiny 0.92 M, 25m 25.7 M parameters), two ranks on this host training it with
+(``--model``: tiny 0.92 M, 25m 25.7 M, 100m 101.7 M parameters; ``--replication``: the
+job's, default the cluster's 2), two ranks on this host training it with
 ``PSOptimizer`` at its defaults on random tokens. Each node's ``RssAnon`` is read before the job (idle) and
 after ``--steps`` steps, its peak RSS over the steps after the first two (``VmHWM`` reset then:
 the job's creation and the copies' initial sync happen once); the accounting comes from its
@@ -32,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from host_counters import reset_peak_rss, status_mib  # noqa: E402
 
 MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0),
-          "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0)}
+          "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0),
+          "100m": dict(vocab_size=512, d_model=1024, n_layers=8, n_heads=16, max_seq_len=512, seed=0)}
 # The PS daemons' malloc option: bounded (the default: freed large buffers go back to the kernel
 # at once, two arenas) or glibc's own defaults.
 MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
@@ -41,7 +43,7 @@ WARM_STEPS = 2   # steps before the peak RSS is measured from
 SAMPLE_SECONDS = 0.05
 
 
-def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
+def rank_main(address: str, model: str, rank: int, steps: int, queue, replication: int | None = None) -> None:
     """One rank as a user runs it: TinyGPT, PSOptimizer with every option at its default, a
     forward and backward of random tokens per step."""
     import torch
@@ -53,7 +55,7 @@ def rank_main(address: str, model: str, rank: int, steps: int, queue) -> None:
     torch.manual_seed(cfg.pop("seed"))
     net = TinyGPT(**cfg)
     opt = PSOptimizer(net.named_parameters(), address, JOB, optimizer="adamw", lr=1e-3, weight_decay=0.01,
-                      world_size=2, rank=rank)
+                      world_size=2, rank=rank, replication=replication)
     generator = torch.Generator().manual_seed(rank)
     for step in range(steps):
         if step == WARM_STEPS:
@@ -114,7 +116,7 @@ def scrape(metrics_address: str) -> dict:
             "receive_buffers": float(receive.group(1)) if receive else 0.0}
 
 
-def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
+def run_variant(name: str, env: dict, model: str, steps: int, replication: int | None = None) -> dict:
     from shardline.local_cluster import LocalCluster
 
     with tempfile.TemporaryDirectory(prefix="shardline-psmem-") as work, LocalCluster(Path(work) / "daemons") as cluster:
@@ -129,7 +131,7 @@ def run_variant(name: str, env: dict, model: str, steps: int) -> dict:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         started = time.monotonic()
-        ranks = [ctx.Process(target=rank_main, args=(cluster.address, model, r, steps, queue)) for r in range(2)]
+        ranks = [ctx.Process(target=rank_main, args=(cluster.address, model, r, steps, queue, replication)) for r in range(2)]
         for p in ranks:
             p.start()
         # the peak of the steps after the first WARM_STEPS (the job's creation and initial sync are once)
@@ -181,14 +183,16 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=tuple(MODELS), default="tiny")
     ap.add_argument("--steps", type=int, default=6, help=f"steps per rank (the peak RSS: after the first {WARM_STEPS})")
     ap.add_argument("--malloc", default="bounded,system", help="comma-separated, from " + ", ".join(MALLOC_VARIANTS))
+    ap.add_argument("--replication", type=int, choices=(1, 2), default=None,
+                    help="the job's replication (default: the cluster's, 2)")
     ap.add_argument("--out", help="write the JSON here")
     args = ap.parse_args(argv)
     variants = [v for v in args.malloc.split(",") if v]
     unknown = [v for v in variants if v not in MALLOC_VARIANTS]
     if unknown:
         ap.error(f"--malloc: unknown variant(s) {unknown}; known: {sorted(MALLOC_VARIANTS)}")
-    results = [run_variant(v, MALLOC_VARIANTS[v], args.model, args.steps) for v in variants]
-    result = {"bench": "ps_memory", "model": args.model, "steps": args.steps,
+    results = [run_variant(v, MALLOC_VARIANTS[v], args.model, args.steps, args.replication) for v in variants]
+    result = {"bench": "ps_memory", "model": args.model, "steps": args.steps, "replication": args.replication,
               "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "runs": results}
     for run in results:
         for node, r in run["nodes"].items():
