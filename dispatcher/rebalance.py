@@ -7,7 +7,8 @@ stay within ``[min_factor, max_factor]`` times the capacity-derived ``base``; nu
 readers' racks are kept only within the balance band (capacity first, locality where it allows).
 Nothing moves while a ring change is pending, within the cool-down, when the cluster carries less
 than ``min_load`` bytes/s, when the measured max/mean is within ``tolerance`` of 1, or when the
-predicted max/mean does not improve by ``min_improvement``; a node's count within
+predicted max/mean after the move does not improve by ``min_improvement`` on both the model's
+ratio for the ring in use and the measured one; a node's count within
 ``hysteresis`` of its current one is kept.
 
 Design: docs/architecture.md, "Heatmap, rebalancing and reader racks".
@@ -230,6 +231,9 @@ def plan(base: Mapping[str, int], current: Mapping[str, int], node_load: Mapping
         best = toward_readers(model, best, base, max(best_ratio, 1.0 + tolerance), wanted)
     new = {n: best[n] if abs(best[n] - current[n]) > hysteresis * current[n] else current[n] for n in current}
     after = imbalance(model.predict(new))
-    if new == dict(current) or before - after < min_improvement:
+    # The gain counts against the lower of the model's ratio for the ring in use and the one
+    # measured: the model (block rates where the ring puts them) may be off by more than a
+    # marginal gain, and a move it mispredicts can leave the load worse than it was.
+    if new == dict(current) or min(before, measured) - after < min_improvement:
         return None
     return Plan(new, measured, before, after)
