@@ -135,7 +135,16 @@ def run_variant(name: str, env: dict, model: str, steps: int, replication: int |
         for p in ranks:
             p.start()
         # the peak of the steps after the first WARM_STEPS (the job's creation and initial sync are once)
-        warm = [queue.get(timeout=900) for _ in ranks]
+        warm = []
+        deadline = time.monotonic() + 900
+        while len(warm) < len(ranks):
+            failed = [p.exitcode for p in ranks if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                raise RuntimeError(f"a rank exited with {failed} (or none warmed up within 900 s)")
+            try:
+                warm.append(queue.get(timeout=1.0))
+            except Exception:  # noqa: BLE001 - queue.Empty: look at the ranks again
+                continue
         assert all(kind == "warm" for kind, _ in warm), warm
         peaks_reset = all([reset_peak_rss(n.pid) for n in nodes])
         sampler = Sampler(nodes)
