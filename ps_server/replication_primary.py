@@ -25,6 +25,20 @@ log = logging.getLogger("shardline.ps.replication")
 SYNC_BATCH_BYTES = 64 << 20
 
 
+def sync_batches(codec, items: list) -> list[list]:
+    """``items`` ((key, block)) in batches of about SYNC_BATCH_BYTES of packed copies, in order."""
+    batches, batch, size = [], [], 0
+    for key, block in items:
+        batch.append((key, block))
+        size += codec.packed_numel(block.value.numel()) * 4
+        if size >= SYNC_BATCH_BYTES:
+            batches.append(batch)
+            batch, size = [], 0
+    if batch:
+        batches.append(batch)
+    return batches
+
+
 class PrimarySide:
     """What a primary does for its copy holders: sends each applied step (and the copies stepped
     ahead) to the ``syncing``/``in_sync`` ones, makes the step visible once they acknowledged it,
@@ -173,16 +187,20 @@ class PrimarySide:
                     if peer != self.node.node_id:
                         by_peer.setdefault(peer, []).append((key, job.blocks[key]))
             waits = []
+            codec = self.codec(job)
             for peer, items in by_peer.items():
-                refs, payloads = copy_refs(self.codec(job), items)
-                payloads = [bytes(p) for p in payloads]
-                header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
-                                      replicate_kind=dp.REPLICATE_STEP, payload_bytes=sum(r.nbytes for r in refs))
                 round_ = (self._join(job.name, peer, HolderProgress.initialized) if holders is None or peer in holders
                           else None)
-                event = threading.Event()
-                self.links.link(peer).send(Send(header, payloads, self._init_done(job, peer, event, round_)))
-                waits.append(event)
+                # In frames of about SYNC_BATCH_BYTES, as a sync's: one frame of a large job's values
+                # and state (600 MB at 100 M parameters) could not arrive within replication_timeout.
+                for batch in sync_batches(codec, items):
+                    refs, payloads = copy_refs(codec, batch)
+                    payloads = [bytes(p) for p in payloads]
+                    header = self._header(dp.OP_REPLICATE, job, step=job.step, blocks=refs,
+                                          replicate_kind=dp.REPLICATE_STEP, payload_bytes=sum(r.nbytes for r in refs))
+                    event = threading.Event()
+                    self.links.link(peer).send(Send(header, payloads, self._init_done(job, peer, event, round_)))
+                    waits.append(event)
         for event in waits:
             event.wait(self.links.timeout * 2)
 
@@ -208,14 +226,7 @@ class PrimarySide:
                 if block is None or (ref.has and ref.version == block.version and ref.step == block.step):
                     continue
                 items.append((key, block))
-            batches, batch, size = [], [], 0
-            for key, block in items:
-                batch.append((key, block))
-                size += codec.packed_numel(block.value.numel()) * 4
-                if size >= SYNC_BATCH_BYTES:
-                    batches.append(batch)
-                    batch, size = [], 0
-            batches.append(batch)
+            batches = sync_batches(codec, items) or [[]]   # an empty answer still ends the sync
             round_ = self._join(job.name, requester, HolderProgress.sync_asked)
             link = self.links.link(requester)
             for n, batch in enumerate(batches):
