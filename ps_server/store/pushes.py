@@ -159,7 +159,9 @@ class Pushes:
             keeping = self._claim(ticket, commit_follows and self.keeps_previous) if self.collects else []
             if not self.collects:
                 ticket.resent = [False] * len(refs)
-            self._choose_dests(ticket, scratch)
+            self._choose_dests(ticket)
+            if scratch is not None:
+                ticket.bind_scratch(scratch)
         if keeping:
             self._keep_previous(keeping, step)
         return ticket
@@ -266,11 +268,12 @@ class Pushes:
                          f"not by {[r for r in ranks if r not in pushed_by]}: the aggregated push of ranks "
                          f"{list(ranks)} is refused whole; its ranks push alone")
 
-    def _choose_dests(self, ticket: PushTicket, scratch: bytearray | None) -> None:
+    def _choose_dests(self, ticket: PushTicket) -> None:
         """Where each block's bytes go: the block's own gradient buffer (its first fp32 gradient
         of the step in rank order: nothing folded yet, every lower rank settled), else the scratch
-        buffer, packed in payload order (one that arrived before a lower rank's is copied into a
-        parked buffer when the push finishes); None for a zero flag."""
+        buffer, packed in payload order (``ticket.unbound`` until ``bind_scratch``; one that
+        arrived before a lower rank's is copied into a parked buffer when the push finishes); None
+        for a zero flag."""
         offset = 0
         record = self.commits.get(ticket.step, NO_COMMITS)
         for i, (ref, block, resent) in enumerate(zip(ticket.refs, ticket.blocks, ticket.resent)):
@@ -283,10 +286,7 @@ class Pushes:
                     dest, direct = collecting.receive_into(ticket.rank, block.value), True
                 else:
                     count = ref.numel if ref.scale is None else sign_nbytes(ref.numel)
-                    if scratch is None:
-                        ticket.unbound.append((i, offset, count, ref.dtype))
-                    else:
-                        dest = torch.frombuffer(scratch, dtype=ref.dtype, count=count, offset=offset)
+                    ticket.unbound.append((i, offset, count, ref.dtype))
                     offset += count * ref.dtype.itemsize
             ticket.direct.append(direct)
             ticket.dests.append(dest)
