@@ -24,6 +24,7 @@ from shardline.ps_server.heat import HeatCounter
 from shardline.services.placement import place
 from shardline.ps_server.store import Aggregate, JobStore, NodeStore, PushRef, PushTicket, StoreError
 from shardline.services import frame
+from shardline.services.blocks import runs_of
 from shardline.services.copy_reads import COPY_READ_TIMEOUT_SECONDS, copies_may_serve
 from shardline.services.request_checks import check_want_dtypes, refuse_duplicates
 from shardline.services.errors import ErrorCode, NotOwnerError, ShardlineError
@@ -115,18 +116,8 @@ def _pieces(items: list, nbytes) -> tuple[list[list], bool]:
     """``items`` in order, in runs of about COPY_PIECE_BYTES (``nbytes(item)`` each; a larger item is
     a piece of its own): the pieces PSNode._share hands out; and whether the copy is large (two
     pieces or more, PARALLEL_PLACE_BYTES in all): shared with the helper thread."""
-    pieces, piece, piece_bytes, total = [], [], 0, 0
-    for item in items:
-        size = nbytes(item)
-        piece.append(item)
-        piece_bytes += size
-        total += size
-        if piece_bytes >= COPY_PIECE_BYTES:
-            pieces.append(piece)
-            piece, piece_bytes = [], 0
-    if piece:
-        pieces.append(piece)
-    return pieces, len(pieces) > 1 and total >= PARALLEL_PLACE_BYTES
+    pieces = runs_of(items, nbytes, COPY_PIECE_BYTES)
+    return pieces, len(pieces) > 1 and sum(nbytes(item) for item in items) >= PARALLEL_PLACE_BYTES
 
 
 class PSNode:

@@ -16,6 +16,7 @@ from shardline.ps_server.replication_links import Send
 from shardline.ps_server.replication_progress import HolderProgress, StepAcks, SyncWait, plan_step
 from shardline.ps_server.store import JobStore
 from shardline.services import failpoints
+from shardline.services.blocks import runs_of
 from shardline.services.errors import ErrorCode, RemoteError
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -27,16 +28,7 @@ SYNC_BATCH_BYTES = 64 << 20
 
 def sync_batches(codec, items: list) -> list[list]:
     """``items`` ((key, block)) in batches of about SYNC_BATCH_BYTES of packed copies, in order."""
-    batches, batch, size = [], [], 0
-    for key, block in items:
-        batch.append((key, block))
-        size += codec.packed_numel(block.value.numel()) * 4
-        if size >= SYNC_BATCH_BYTES:
-            batches.append(batch)
-            batch, size = [], 0
-    if batch:
-        batches.append(batch)
-    return batches
+    return runs_of(items, lambda item: codec.packed_numel(item[1].value.numel()) * 4, SYNC_BATCH_BYTES)
 
 
 class PrimarySide:

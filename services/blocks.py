@@ -8,10 +8,13 @@ with ``numel <= B`` is one block. Block keys on the ring are ``CityHash64("{job}
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
 
 import cityhash
 
 from shardline.services.errors import ShardlineConfigError
+
+T = TypeVar("T")
 
 DEFAULT_BLOCK_ELEMENTS = 262_144  # 1 MiB of fp32
 MAX_BLOCK_ELEMENTS = 64 * 1024 * 1024
@@ -67,3 +70,18 @@ def block_key(job: str, tensor: str, index: int) -> str:
 def block_hash(job: str, tensor: str, index: int) -> int:
     """The block's 64-bit position on the ring."""
     return cityhash.CityHash64(block_key(job, tensor, index))
+
+
+def runs_of(items: Sequence[T], size: Callable[[T], int], limit: int) -> list[list[T]]:
+    """``items`` in order, in runs of about ``limit`` (``size(item)`` each): a run ends once it
+    reaches ``limit`` (a frame of blocks, a piece of a copy); [] for no items."""
+    runs, run, run_size = [], [], 0
+    for item in items:
+        run.append(item)
+        run_size += size(item)
+        if run_size >= limit:
+            runs.append(run)
+            run, run_size = [], 0
+    if run:
+        runs.append(run)
+    return runs

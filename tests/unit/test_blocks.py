@@ -37,3 +37,11 @@ def test_block_key_and_hash():
 
     assert blocks.block_key("job", "layers.0.w", 3) == "job/layers.0.w/3"
     assert blocks.block_hash("job", "layers.0.w", 3) == cityhash.CityHash64("job/layers.0.w/3")
+
+
+def test_runs_of_end_once_they_reach_the_limit():
+    from shardline.services.blocks import runs_of
+
+    assert runs_of([], len, 4) == []
+    assert runs_of(["ab", "c", "d", "efgh", "i"], len, 4) == [["ab", "c", "d"], ["efgh"], ["i"]]
+    assert runs_of(["abcdefg", "h"], len, 4) == [["abcdefg"], ["h"]]   # a larger item is a run of its own
