@@ -31,15 +31,18 @@ class JobMemory:
         return self.total / self.parameters if self.parameters else 0.0
 
 
+def job_report(job, images: dict) -> JobMemory:
+    """``job`` accounted (a walk of its blocks under its lock); ``images``: the node's
+    ``delta_history.job_bytes()``."""
+    kinds = job_memory(job)
+    kinds["delta_history"] = images.get((job.uid, job.name), 0)
+    return JobMemory(job.name, held_parameters(job), kinds)
+
+
 def job_reports(node) -> list[JobMemory]:
-    """Every job ``node`` holds, accounted (each walks its blocks under the job's lock)."""
+    """Every job ``node`` holds, accounted."""
     images = node.delta_history.job_bytes()
-    reports = []
-    for job in node.store.jobs():
-        kinds = job_memory(job)
-        kinds["delta_history"] = images.get((job.uid, job.name), 0)
-        reports.append(JobMemory(job.name, held_parameters(job), kinds))
-    return reports
+    return [job_report(job, images) for job in node.store.jobs()]
 
 
 def receive_buffer_bytes(node) -> int:

@@ -6,7 +6,7 @@ import math
 
 import grpc
 
-from shardline.ps_server.memory_report import job_reports, process_memory, receive_buffer_bytes
+from shardline.ps_server.memory_report import job_report, process_memory, receive_buffer_bytes
 from shardline.ps_server.node import PSNode
 from shardline.ps_server.store import StoreError
 from shardline.services.daemon import create_grpc_server
@@ -33,15 +33,14 @@ class ParameterServerServicer(ps_pb2_grpc.ParameterServerServicer):
         rss, anon = process_memory()
         status = ps_pb2.NodeStatus(node_id=node.node_id, epoch=node.routing.epoch, blocks=blocks, bytes=nbytes,
                                    rss_bytes=rss, anon_bytes=anon, receive_buffer_bytes=receive_buffer_bytes(node))
-        memory = {report.name: report for report in job_reports(node)}
+        images = node.delta_history.job_bytes()
         for held, job in zip(node.held_jobs(), node.store.jobs()):
+            report = job_report(job, images)
             progress = status.jobs.add(job=held.job, step=held.step, blocks=len(job.blocks), bytes=job.bytes,
-                                       uid=held.uid, has_durable=held.has_durable, durable_step=held.durable_step)
-            report = memory.get(job.name)
-            if report is not None:
-                progress.parameters = report.parameters
-                for kind, value in report.bytes.items():
-                    progress.memory.add(kind=kind, bytes=value)
+                                       uid=held.uid, has_durable=held.has_durable, durable_step=held.durable_step,
+                                       parameters=report.parameters)
+            for kind, value in report.bytes.items():
+                progress.memory.add(kind=kind, bytes=value)
         return status
 
     def Checkpoint(self, request, context):
