@@ -149,6 +149,7 @@ class HeartbeatLoop(threading.Thread):
                 job.fail(ErrorCode.WORKER_LOST, why)
         if self.node.replicator is not None:
             self.node.replicator.retry_failed()
+            self.node.replicator.invite_dropped()
             self.node.replicator.sweep()
         for name in resp.unknown_jobs:  # the dispatcher lost its state: it learns the job back from us
             job = self.node.store.get(name)

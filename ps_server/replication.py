@@ -13,7 +13,8 @@ The primary's view of each copy holder of a job (``HolderProgress``, replication
      |   |   +-----------------------------------------------------------+
      |   |
      +---+-- a frame of its round failed or was refused (timeout, NOT_OWNER, lacks a step);
-             from syncing too
+             from syncing too; still routed and silent INVITE_AFTER_SECONDS later: invited to
+             sync (REPLICATE_RESYNC), again at that interval
 
 Contract: a step's blocks become visible only once every ``syncing``/``in_sync`` holder
 acknowledged its ``REPLICATE_STEP`` frame or was dropped; a failure of an older round drops
@@ -75,6 +76,7 @@ class Replicator(PrimarySide, CopyHolderSide):
     def attach(self, job: JobStore) -> None:
         job.apply_hooks.append(self.on_applied)
         job.stage_hooks.append(self.on_staged)
+        job.unacked_by = self.unacked_by
 
     def forget(self, name: str) -> None:
         with self._lock:

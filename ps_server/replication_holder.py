@@ -87,8 +87,18 @@ class CopyHolderSide:
         """REPLICATE_HANDOVER: what the blocks' previous primary collected of the step in flight."""
         job.accept_handover(header.node, read_handover(self.codec(job), job, header.blocks, payload))
 
+    def _on_resync(self, job: JobStore, header, _payload) -> None:
+        """REPLICATE_RESYNC: the sender dropped this node from its in-sync holders, maybe without
+        this node knowing (a frame that timed out): ask it for a sync of every copy this node
+        holds, or should hold, of its blocks."""
+        placement = self._placement(self.node.routing, job.spec)
+        _primary, replica, learner = placement.roles(self.node.node_id)
+        should = [key for key in replica | learner if placement.primary(key) == header.node]
+        self._ask_sync(job, header.node, self._held_from(job, header.node, should))
+
     _HANDLERS = {dp.REPLICATE_STEP: _on_step, dp.REPLICATE_STAGED: _on_staged, dp.REPLICATE_SYNC: _on_sync_answer,
-                 dp.REPLICATE_SYNC_LAST: _on_sync_answer, dp.REPLICATE_HANDOVER: _on_handover}
+                 dp.REPLICATE_SYNC_LAST: _on_sync_answer, dp.REPLICATE_HANDOVER: _on_handover,
+                 dp.REPLICATE_RESYNC: _on_resync}
 
     def _read_blocks(self, job: JobStore, header, payload, *, fenced: bool) -> tuple[list, list, list]:
         """The (copies, carried, replayed) of a STEP, STAGED or SYNC frame, checked: float32 runs

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from types import SimpleNamespace
 from typing import Callable
 
@@ -24,6 +25,9 @@ log = logging.getLogger("shardline.ps.replication")
 
 # Blocks per OP_REPLICATE frame of a sync (bounds a frame; the link sends them in order).
 SYNC_BATCH_BYTES = 64 << 20
+# A holder dropped this long ago that has not asked for a sync is invited to (REPLICATE_RESYNC),
+# again at this interval until it asks: it may not know it was dropped (a frame that timed out).
+INVITE_AFTER_SECONDS = 2.0
 
 
 def sync_batches(codec, items: list) -> list[list]:
@@ -75,7 +79,61 @@ class PrimarySide:
             if after is before:
                 return
             record.move(peer, after)
+            record.dropped[peer] = time.monotonic()
         log.warning("job %s: node %s dropped from the in-sync copy holders: %s", name, peer, why)
+
+    def unacked_by(self, job: JobStore, blocks: list) -> str:
+        """Who applied ``blocks`` not visible yet wait for (the job lock is held): a holder's sync
+        (none in sync), or the in-sync holders' acknowledgements."""
+        with self._lock:
+            record = self._jobs.get(job.name)
+            if record is None:
+                return ""
+            ids = {id(b) for b in blocks}
+            peers = sorted({p for wait in record.sync_waits if ids & {id(b) for b in wait.blocks} for p in wait.peers})
+            if peers:
+                return (f"no copy holder of it is in sync; it waits for a sync of node{'s' if len(peers) > 1 else ''} "
+                        f"{', '.join(peers)}")
+            holders = sorted(record.replicating())
+        if holders:
+            return f"it waits for the acknowledgement of copy holder{'s' if len(holders) > 1 else ''} {', '.join(holders)}"
+        return ""
+
+    def invite_dropped(self) -> None:
+        """Invite each dropped copy holder still in the routing to sync (REPLICATE_RESYNC), once
+        INVITE_AFTER_SECONDS passed without its own ask (from the heartbeat loop). A holder whose
+        frame timed out may have missed it without knowing: it would never ask, and steps no
+        other holder protects would wait for its sync for ever."""
+        with self._lock:
+            names = [name for name, record in self._jobs.items() if record.dropped]
+        for name in names:
+            job = self.node.store.get(name)
+            if job is None:
+                continue
+            placement = self._placement(self.node.routing, job.spec)
+            me = self.node.node_id
+            with job.cond:
+                primaries = [key for key, block in job.blocks.items() if block.primary]
+            holders = {peer for key in primaries for peer in placement.copies_of(key) if peer != me}
+            now = time.monotonic()
+            with self._lock:
+                record = self._jobs.get(name)
+                due = record.invitations_due(now, INVITE_AFTER_SECONDS, holders) if record is not None else []
+            for peer in due:
+                log.info("job %s: inviting node %s to sync (dropped from the in-sync copy holders, no ask since)",
+                         name, peer)
+                header = self._header(dp.OP_REPLICATE, job, replicate_kind=dp.REPLICATE_RESYNC)
+                self.links.link(peer).send(Send(header, [], self._invited(name, peer)))
+
+    def _invited(self, name: str, peer: str):
+        def done(error, _reply):
+            if error is not None:
+                log.info("job %s: could not invite node %s to sync (inviting again): %s", name, peer, error)
+            with self._lock:
+                record = self._jobs.get(name)
+                if record is not None:
+                    record.invited(peer, time.monotonic())
+        return done
 
     # stage hook (the job lock is held): send copies of blocks stepped ahead of the commits
     def on_staged(self, job: JobStore, items: list) -> None:

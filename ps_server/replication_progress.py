@@ -144,7 +144,8 @@ def plan_step(items: Iterable, copies_of: Callable[[Key], Iterable[str]], me: st
 class JobReplication:
     """Everything replication tracks for one job on this node.
 
-    As the primary: ``holders`` (copy holder -> HolderProgress) and ``sync_waits``. As a copy
+    As the primary: ``holders`` (copy holder -> HolderProgress), ``sync_waits`` and ``dropped``
+    (a holder dropped by a failed frame -> when; ``inviting``: invitations in flight). As a copy
     holder: ``asks`` (node -> SyncAsk), ``fetches`` (key -> Fetch), ``unowned`` (key -> when no
     role needed the copy any more: dropped after a grace period) and ``resync_due`` (a sync
     request could not be sent: the roles are assigned again, which asks again).
@@ -152,6 +153,8 @@ class JobReplication:
 
     holders: dict[str, HolderProgress] = field(default_factory=dict)
     sync_waits: list[SyncWait] = field(default_factory=list)
+    dropped: dict[str, float] = field(default_factory=dict)
+    inviting: set = field(default_factory=set)
     asks: dict[str, SyncAsk] = field(default_factory=dict)
     fetches: dict[Key, Fetch] = field(default_factory=dict)
     unowned: dict[Key, float] = field(default_factory=dict)
@@ -170,9 +173,28 @@ class JobReplication:
         before = self.progress(peer)
         if progress.replicating:
             self.holders[peer] = progress
+            self.dropped.pop(peer, None)
         else:
             self.holders.pop(peer, None)
         return before
+
+    def invitations_due(self, now: float, after: float, holders: set) -> list[str]:
+        """The dropped holders to invite to sync now (REPLICATE_RESYNC): dropped ``after`` seconds
+        ago or more (time for the holder's own ask, which a refusal makes at once), still copy
+        holders of this node's blocks (``holders``: the others are forgotten), none invited now.
+        They are marked as invited until ``invited``."""
+        for peer in [p for p in self.dropped if p not in holders]:
+            del self.dropped[peer]
+        due = [peer for peer, since in self.dropped.items() if now - since >= after and peer not in self.inviting]
+        self.inviting.update(due)
+        return due
+
+    def invited(self, peer: str, now: float) -> None:
+        """The invitation to ``peer`` went through or failed: if it has not asked by a full
+        interval later, the next is due."""
+        self.inviting.discard(peer)
+        if peer in self.dropped:
+            self.dropped[peer] = now
 
     def take_sent_ahead(self, keys: Iterable[Key]) -> dict[str, dict]:
         """The copies of ``keys`` sent ahead, per holder (key -> Staged), taken out of every round."""

@@ -61,7 +61,9 @@ class StragglerReport:
         if self.unreachable:
             parts.append(f"PS node{'s' if len(self.unreachable) > 1 else ''} {', '.join(self.unreachable)} "
                          f"did not answer")
-        return "; ".join(parts) if parts else f"every PS node applied step {self.step}"
+        return "; ".join(parts) if parts else (
+            f"every PS node applied step {self.step}; the blocks waited for are not visible yet: their copy "
+            f"holders have not acknowledged or synced it (a PS node's log says which)")
 
 
 def straggler_report(step: int, world_size: int, answers: list[NodeCommits],

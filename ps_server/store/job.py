@@ -134,6 +134,9 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         # hook(job, items) with blocks stepped ahead of their step's commits, as (key, Staged)
         # pairs (replication sends the copies ahead).
         self.stage_hooks: list[Callable[["JobStore", list], None]] = []
+        # unacked_by(job, blocks) -> who the applied, not yet visible ``blocks`` wait for (the
+        # replicator's answer), for the message of a read that timed out waiting for them.
+        self.unacked_by: Callable[["JobStore", list], str] | None = None
 
     def _add_tensors(self, spec: common_pb2.JobSpec) -> None:
         """The tensors of ``spec``: new ones added, known ones trainable in their (new) group."""

@@ -65,10 +65,7 @@ class Reads:
                         not self.staleness or b.visible >= b.step)) for b in blocks))
 
             if not self.cond.wait_for(ready, timeout=timeout):
-                missing = self.missing_ranks(self.step)
-                waiting = f"; ranks {missing} did not commit step {self.step}" if missing and self.collects else ""
-                raise StoreError(ErrorCode.TIMEOUT, f"job {self.name!r} did not reach step {min_step} within "
-                                                    f"{timeout:g} s (at {self.step}{waiting})")
+                raise StoreError(ErrorCode.TIMEOUT, self._timeout_message(min_step, timeout, keys, blocks, lag))
             read = [(key, b) for key, b in zip(keys, blocks) if key in copies]
             if read and not self.cond.wait_for(
                     lambda: stopped() or all(b.primary or b.step >= min_step for _k, b in read), timeout=copies_within):
@@ -91,6 +88,21 @@ class Reads:
             if lag:
                 self.reads_before_acks_served += sum(1 for b in blocks if b.primary and b.visible < min_step)
             return self.step
+
+    def _timeout_message(self, min_step: int, timeout: float, keys: list, blocks: list, lag: int) -> str:
+        """Why a read of ``min_step`` timed out (the lock held): the ranks that did not commit the
+        step, or, where it was applied, the blocks not visible yet and who they wait for."""
+        unacked = [(key, b) for key, b in zip(keys, blocks) if b.primary and b.step >= min_step
+                   and b.visible < min_step - lag]
+        if self.step >= min_step and unacked:
+            (t, i), _block = unacked[0]
+            more = f" and {len(unacked) - 1} more" if len(unacked) > 1 else ""
+            who = self.unacked_by(self, [b for _k, b in unacked]) if self.unacked_by is not None else ""
+            return (f"job {self.name!r} applied step {min_step} here, but block {t}[{i}]{more} did not become "
+                    f"visible within {timeout:g} s: {who or 'its copy holders have not acknowledged it'}")
+        missing = self.missing_ranks(self.step)
+        waiting = f"; ranks {missing} did not commit step {self.step}" if missing and self.collects else ""
+        return f"job {self.name!r} did not reach step {min_step} within {timeout:g} s (at {self.step}{waiting})"
 
     @property
     def reads_before_acks(self) -> bool:

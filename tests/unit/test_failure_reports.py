@@ -151,6 +151,12 @@ def test_straggler_report_when_every_rank_committed():
     assert "ps1 holds every commit of step 2 but has not applied it yet" in report.describe()
 
 
+def test_straggler_report_when_every_node_applied_the_step_says_the_wait_is_for_copy_holders():
+    report = straggler_report(2, 2, [NodeCommits("ps1", 3, frozenset()), NodeCommits("ps2", 3, frozenset())])
+    assert report.describe().startswith("every PS node applied step 2; ")
+    assert "copy holders have not acknowledged or synced it" in report.describe()
+
+
 def test_lease_text():
     never = dispatcher_pb2.WorkerLease(job="j", rank=1, incarnation="", state="alive", age_seconds=3)
     assert lease_text(never) == "never connected"

@@ -352,6 +352,71 @@ def test_initial_values_go_to_the_copy_holders_in_sync_sized_frames(initial, mon
     finish_and_compare(cluster, initial, gradients(3), 0)
 
 
+def beating(bus: Bus):
+    """A thread doing each live node's periodic replication work, as the PS daemon's heartbeat
+    loop does (ps_server/main.py): failed sync asks asked again, dropped holders invited."""
+    import threading
+
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.05):
+            for name, node in list(bus.nodes.items()):
+                if name not in bus.down:
+                    node.replicator.retry_failed()
+                    node.replicator.invite_dropped()
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return stop
+
+
+def test_a_holder_the_initial_values_did_not_reach_is_invited_to_sync_and_no_step_waits_forever(initial,
+                                                                                               monkeypatch):
+    """Issue 41's hang: a job's initial values did not reach a copy holder within
+    replication_timeout (one frame of a large job), so its primary dropped it; the holder never
+    learnt that and asked for nothing, and every later step of that primary waited for a holder's
+    sync (no holder in sync) while every node said it applied the step: a pull that waited
+    forever. A primary now invites a dropped holder still in the routing to sync (REPLICATE_RESYNC,
+    from its heartbeat loop); the holder asks for a sync of the copies it holds of it, and the
+    step becomes visible."""
+    from shardline.ps_server import replication_primary
+
+    monkeypatch.setattr(replication_primary, "INVITE_AFTER_SECONDS", 0.2)
+    failing = {"on": True}
+    original = FakeConnection.request
+
+    def request(self, header, payloads, *, timeout=None):
+        if failing["on"] and header.op == dp.OP_REPLICATE and header.replicate_kind == dp.REPLICATE_STEP \
+                and header.node == "n0":
+            # lost on the way, the holder never saw it (failed at once here, not after replication_timeout)
+            raise RemoteError(ErrorCode.TIMEOUT, "initial values lost")
+        return original(self, header, payloads, timeout=timeout)
+
+    monkeypatch.setattr(FakeConnection, "request", request)
+    bus, cluster = start(nodes=2, initial=initial)
+    failing["on"] = False
+    assert "n1" not in bus.nodes["n0"].replicator.in_sync("job")   # dropped: its initial values failed
+    grads = gradients(3)
+    g0, g1 = grads[0]
+    cluster.push(0, g0)
+    cluster.push(1, g1)
+    cluster.commit(0)
+    cluster.commit(1)
+    job = bus.nodes["n0"].job("job")
+    with pytest.raises(StoreError) as err:       # what a pull met: a timeout that names who it waits for
+        job.wait_for_step(1, timeout=0.3, keys=[k for k, b in job.blocks.items() if b.primary])
+    assert err.value.code == "TIMEOUT"
+    assert "applied step 1 here" in str(err.value) and "waits for a sync of node n1" in str(err.value), err.value
+    stop = beating(bus)
+    try:
+        cluster.wait_visible()
+        finish_and_compare(cluster, initial, grads, 1)
+    finally:
+        stop.set()
+    assert "n1" in bus.nodes["n0"].replicator.in_sync("job")
+
+
 def test_failover_to_the_replica_loses_no_step(initial):
     bus, cluster = start(initial=initial)
     grads = gradients(6)
@@ -764,7 +829,8 @@ def test_a_replicate_frame_carries_exactly_one_known_kind_and_no_other_frame_car
 
 def test_each_kind_of_replicate_frame_reaches_its_own_handler(initial):
     """Steps and copies sent ahead are fenced (only the blocks' primary at this epoch); a sync
-    answer is not (the receiver asked), and only its last frame ends the receiver's sync."""
+    answer is not (the receiver asked), and only its last frame ends the receiver's sync; an
+    invitation to sync makes the receiver ask the sender for every copy it holds of its blocks."""
     bus, primary, holder, job, block = a_stepped_copy(initial)
     other = next(n for n in bus.nodes if n not in (primary, holder))
     replicator = bus.nodes[holder].replicator
@@ -782,3 +848,13 @@ def test_each_kind_of_replicate_frame_reaches_its_own_handler(initial):
         header.blocks.append(carried)
         replicator.handle_replicate(job, header, b"")
     assert answered == [other]
+    asked = []
+    replicator.links.link = lambda peer: SimpleNamespace(send=lambda item: asked.append((peer, item.header)))
+    header = frame.FrameHeader(op=dp.OP_REPLICATE, job="job", epoch=bus.epoch, node=primary,
+                               replicate_kind=dp.REPLICATE_RESYNC)
+    replicator.handle_replicate(job, header, b"")     # an invitation: it asks the sender for a sync
+    (peer, sync), = asked
+    assert peer == primary and sync.op == dp.OP_SYNC
+    placement = place(bus.nodes[holder].routing, bus.spec)
+    assert {(r.tensor, r.index) for r in sync.blocks} == {
+        key for key, owners in placement.owners.items() if owners[0] == primary and holder in owners[1:]}

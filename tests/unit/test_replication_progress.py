@@ -56,6 +56,24 @@ def test_the_job_record_keeps_only_replicating_holders():
     assert record.progress("b") == HolderProgress()
 
 
+def test_a_dropped_holder_is_invited_after_a_while_once_at_a_time_until_it_joins_or_leaves():
+    record = JobReplication()
+    record.move("n1", HolderProgress().initialized(1))
+    record.move("n1", record.progress("n1").failed(1))
+    record.dropped["n1"] = 10.0                        # Replicator.drop_holder notes when
+    record.dropped["n2"] = 10.0
+    assert record.invitations_due(11.0, 2.0, {"n1", "n2"}) == []          # time for its own ask
+    assert record.invitations_due(12.0, 2.0, {"n1"}) == ["n1"]            # n2 holds nothing here now
+    assert "n2" not in record.dropped
+    assert record.invitations_due(20.0, 2.0, {"n1"}) == []                # one invitation in flight
+    record.invited("n1", 20.0)
+    assert record.invitations_due(21.0, 2.0, {"n1"}) == []                # it may be asking now
+    assert record.invitations_due(22.0, 2.0, {"n1"}) == ["n1"]            # it did not: again
+    record.invited("n1", 22.0)
+    record.move("n1", HolderProgress().sync_asked(2))                      # it asked: no longer dropped
+    assert record.dropped == {} and record.invitations_due(99.0, 2.0, {"n1"}) == []
+
+
 def test_copies_sent_ahead_are_taken_out_of_every_round_once_their_step_is_applied():
     record = JobReplication()
     record.move("b", HolderProgress().initialized(1))
