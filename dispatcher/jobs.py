@@ -415,13 +415,13 @@ class JobRegistry:
                     raise ShardlineStateError(f"job {spec.name!r} already exists with a different spec: "
                                               f"{difference}{extended}")
                 return existing.record(), False
+            if not spec.replication:
+                spec.replication = self.default_replication
             spec, why = replay_policy.resolve(spec, fingerprints or {})
             if why:  # a BSP/SSP job left to copies: say why (its steps cost three times the bytes for Adam)
                 (log.warning if replay_policy.copies_by_default(spec) else log.info)(
                     "job %s: replicate_gradients %s: %s", spec.name, spec.replicate_gradients, why)
             del spec.extensions[:]  # a new job starts at revision 0; extend() makes the others
-            if not spec.replication:
-                spec.replication = self.default_replication
             job = _Job(spec=spec, ready=False, created_ms=int(self._clock() * 1000), uid=self._new_uid(), holders={})
             self._put(job)
             return job.record(), True

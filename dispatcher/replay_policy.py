@@ -14,7 +14,9 @@ Rules, pure (the dispatcher's servicer applies them under one lock with membersh
   different fingerprints, or a node that reports none (not detected: not assumed). A spec that
   asks for replay (true, BSP or SSP) on a cluster of different fingerprints is refused with
   ShardlineConfigError naming the nodes and fingerprints; ``true`` on an ASP job is kept as asked
-  and means copies (as before the default). False stays false.
+  and means copies (as before the default). False stays false. A job of one copy per block
+  (``replication`` 1, resolved before) that leaves it unset gets false: no holder would replay,
+  and a primary that replays keeps each step's mean gradient for them (4 bytes per parameter).
 * ``check_registration`` (a node registering): while a job replays gradients, a node whose
   fingerprint differs from one a live node reported is refused (ShardlineConfigError naming
   both), so a replaying job never gets a copy holder that would step differently. With no
@@ -41,8 +43,8 @@ def replays(spec: common_pb2.JobSpec) -> bool:
 
 
 def copies_by_default(spec: common_pb2.JobSpec) -> bool:
-    """A BSP or SSP job that could replay but was decided to copies."""
-    return not spec.replicate_gradients and spec.sync in REPLAYING_SYNCS
+    """A BSP or SSP job with copy holders that could replay but was decided to copies."""
+    return not spec.replicate_gradients and spec.sync in REPLAYING_SYNCS and spec.replication != 1
 
 
 def describe(fingerprints: Mapping[str, str]) -> str:
@@ -75,6 +77,9 @@ def resolve(spec: common_pb2.JobSpec, fingerprints: Mapping[str, str]) -> tuple[
     if out.sync not in REPLAYING_SYNCS:
         out.replicate_gradients = False
         return out, f"sync {out.sync!r} replicates copies"
+    if out.replication == 1:
+        out.replicate_gradients = False
+        return out, "one copy of each block (replication 1): no copy holder to replay to"
     if mixed(fingerprints):
         out.replicate_gradients = False
         return out, f"the PS nodes report different build fingerprints ({describe(fingerprints)}): copies"

@@ -46,7 +46,7 @@ class FakeClock:
 
 @pytest.fixture
 def jobs() -> JobRegistry:
-    return JobRegistry(clock=FakeClock())
+    return JobRegistry(clock=FakeClock(), default_replication=2)   # the dispatcher's default
 
 
 def test_create_normalizes_and_records(jobs):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import platform
 
 import grpc
+import logging
+
 import pytest
 import torch
 
@@ -83,6 +85,23 @@ def test_a_job_that_does_not_say_gets_the_default(sync, prints, want):
     assert replay_policy.copies_by_default(out) is (sync != "asp" and not want)
 
 
+def test_a_job_of_one_copy_per_block_replicates_nothing_to_replay_unless_it_asks(caplog):
+    """Replication 1: no copy holder would replay, and a replaying primary keeps each step's mean
+    gradient for them (the replay spare, 4 bytes per parameter): a job that does not say gets false."""
+    one = spec("bsp")
+    one.replication = 1
+    out, why = replay_policy.resolve(one, {"ps0": A, "ps1": A})
+    assert out.HasField("replicate_gradients") and not out.replicate_gradients and "replication 1" in why
+    assert not replay_policy.copies_by_default(out)     # nothing lost by it: logged at INFO, not WARNING
+    one.replicate_gradients = True                       # asked for: kept as asked
+    assert replay_policy.resolve(one, {"ps0": A})[0].replicate_gradients
+    jobs = JobRegistry(default_replication=1)
+    with caplog.at_level(logging.INFO, logger="shardline.dispatcher"):
+        record, created = jobs.create(spec("bsp", name="single"), fingerprints={"ps0": A, "ps1": A})
+    assert created and record.spec.replication == 1 and not record.spec.replicate_gradients
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 def test_what_the_creator_says_stands():
     for sync in ("bsp", "ssp", "asp"):
         out, why = replay_policy.resolve(spec(sync, replicate=False), {"ps0": A, "ps1": A})
@@ -140,8 +159,8 @@ class Context:
 
 @pytest.fixture
 def dispatcher():
-    return DispatcherServicer(Membership(heartbeat_timeout=5.0), JobRegistry(), heartbeat_interval=0.5,
-                              clock=lambda: 0.0)
+    return DispatcherServicer(Membership(heartbeat_timeout=5.0), JobRegistry(default_replication=2),
+                              heartbeat_interval=0.5, clock=lambda: 0.0)
 
 
 def register(servicer, node_id, fingerprint):
