@@ -3,8 +3,9 @@
 what the process took (its anonymous memory above an idle node), for the cluster a user gets.
 
 Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT
-(``--model``: tiny 0.92 M, 25m 25.7 M, 100m 101.7 M parameters; ``--replication``: the
-job's, default the cluster's 2), two ranks on this host training it with
+(``--model``: tiny 0.92 M, 25m 25.7 M, 100m 101.7 M parameters; lora: a frozen bf16 base of
+104.9 M and a trainable adapter of 1.05 M; ``--replication``: the job's, default the
+cluster's 2), two ranks on this host training it with
 ``PSOptimizer`` at its defaults on random tokens. Each node's ``RssAnon`` is read before the job (idle) and
 after ``--steps`` steps, its peak RSS over the steps after the first two (``VmHWM`` reset then:
 the job's creation and the copies' initial sync happen once); the accounting comes from its
@@ -35,6 +36,9 @@ from host_counters import reset_peak_rss, status_mib  # noqa: E402
 MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0),
           "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0),
           "100m": dict(vocab_size=512, d_model=1024, n_layers=8, n_heads=16, max_seq_len=512, seed=0)}
+# --model lora: a frozen bf16 base of LORA_BASE parameters and a trainable fp32 adapter of
+# LORA_ADAPTER (the base is read once by each rank, as a LoRA job's is)
+LORA_BASE, LORA_ADAPTER = 100 * 2 ** 20, 2 ** 20
 # The PS daemons' malloc option: bounded (the default: freed large buffers go back to the kernel
 # at once, two arenas) or glibc's own defaults.
 MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
@@ -51,18 +55,31 @@ def rank_main(address: str, model: str, rank: int, steps: int, queue, replicatio
     from shardline.jobs.models.tinygpt import TinyGPT
     from shardline.worker.optim import PSOptimizer
 
-    cfg = dict(MODELS[model])
-    torch.manual_seed(cfg.pop("seed"))
-    net = TinyGPT(**cfg)
+    torch.manual_seed(0)
+    if model == "lora":
+        net = torch.nn.Module()
+        net.base = torch.nn.Parameter(torch.randn(LORA_BASE // 1024, 1024, dtype=torch.bfloat16), requires_grad=False)
+        net.adapter = torch.nn.Parameter(torch.randn(LORA_ADAPTER // 1024, 1024) * 0.01)
+
+        def loss_of(generator):
+            rows = torch.randint(0, LORA_BASE // 1024, (LORA_ADAPTER // 1024,), generator=generator)
+            return (net.adapter * net.base[rows].float()).sum().square() * 1e-6
+    else:
+        cfg = dict(MODELS[model])
+        cfg.pop("seed")
+        net = TinyGPT(**cfg)
+
+        def loss_of(generator):
+            ids = torch.randint(0, cfg["vocab_size"], (2, 128), generator=generator)
+            logits = net(ids[:, :-1])
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
     opt = PSOptimizer(net.named_parameters(), address, JOB, optimizer="adamw", lr=1e-3, weight_decay=0.01,
                       world_size=2, rank=rank, replication=replication)
     generator = torch.Generator().manual_seed(rank)
     for step in range(steps):
         if step == WARM_STEPS:
             queue.put(("warm", rank))
-        ids = torch.randint(0, cfg["vocab_size"], (2, 128), generator=generator)
-        logits = net(ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        loss = loss_of(generator)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -189,7 +206,7 @@ def run_variant(name: str, env: dict, model: str, steps: int, replication: int |
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", choices=tuple(MODELS), default="tiny")
+    ap.add_argument("--model", choices=(*MODELS, "lora"), default="tiny")
     ap.add_argument("--steps", type=int, default=6, help=f"steps per rank (the peak RSS: after the first {WARM_STEPS})")
     ap.add_argument("--malloc", default="bounded,system", help="comma-separated, from " + ", ".join(MALLOC_VARIANTS))
     ap.add_argument("--replication", type=int, choices=(1, 2), default=None,

@@ -2,8 +2,9 @@
 run (``BlockCodec``), and the BlockRefs of the frames that carry copies, gradients to replay or
 handovers.
 
-A copy travels as ``packed_numel(numel)`` float32 elements; a gradient to replay as ``numel``
-float32 elements (``BlockRef.replay``). docs/architecture.md, "Replication".
+A copy travels as ``packed_numel(numel)`` float32 elements, or, for a block that keeps no
+optimizer state (a frozen tensor's), as its ``numel`` value elements; a gradient to replay as
+``numel`` float32 elements (``BlockRef.replay``). docs/architecture.md, "Replication".
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class BlockCodec:
     """
 
     def __init__(self, job: JobStore):
+        self.job = job
         self.optimizer = job.optimizer
         template = job.optimizer.init_state(2)
         self.entries = []  # (key, kind, elements per block element or fixed count)
@@ -41,8 +43,19 @@ class BlockCodec:
     def packed_numel(self, numel: int) -> int:
         return numel + sum({"scalar": 1, "vector": numel, "int": 2}[kind] for _k, kind in self.entries)
 
+    def copy_numel(self, numel: int, state: dict) -> int:
+        """The float32 elements a copy of a block of ``numel`` with ``state`` travels as: its value
+        alone where it keeps no state (a frozen tensor's block)."""
+        return self.packed_numel(numel) if state else numel
+
+    def accepts(self, numel: int, sent: int) -> bool:
+        """Whether ``sent`` float32 elements can be a copy of a block of ``numel``."""
+        return sent in (numel, self.packed_numel(numel))
+
     def pack(self, value: torch.Tensor, state: dict) -> list[memoryview]:
         parts = [frame.tensor_bytes(value)]
+        if not state:
+            return parts
         for key, kind in self.entries:
             item = state[key]
             if kind == "int":
@@ -59,9 +72,14 @@ class BlockCodec:
             crc = zlib.crc32(part.cast("B") if part.format != "B" else part, crc)
         return crc or 1
 
-    def unpack(self, numel: int, flat: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats."""
+    def unpack(self, numel: int, flat: torch.Tensor, tensor: str) -> tuple[torch.Tensor, dict]:
+        """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats,
+        or of ``numel`` (a value alone: a block of ``tensor`` that kept no state, which gets the
+        state a new block of it gets here, JobStore.fresh_state: none while frozen, the fresh
+        one once unfrozen, as the sender's untouched state was)."""
         value = flat[:numel].clone()
+        if flat.numel() == numel:
+            return value, self.job.fresh_state(tensor, numel)
         offset = numel
         state = {}
         for key, kind in self.entries:
@@ -82,7 +100,7 @@ def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
     refs, payloads = [], []
     for (tensor, index), block in items:
         numel = block.value.numel()
-        packed = codec.packed_numel(numel)
+        packed = codec.copy_numel(numel, block.state)
         refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
                                 version=block.version, step=block.step))
         payloads.extend(codec.pack(block.value, block.state))
@@ -162,13 +180,13 @@ def read_handover(codec: BlockCodec, job: JobStore, refs, payload) -> list[Hando
         key = (ref.tensor, ref.index)
         numel = job.expected_numel(*key)
         if ref.copy:  # the previous primary's copy of the block named by the ref before it
-            if not items or items[-1].key != key or ref.numel != codec.packed_numel(numel) or ref.dtype != dp.FLOAT32:
+            if not items or items[-1].key != key or not codec.accepts(numel, ref.numel) or ref.dtype != dp.FLOAT32:
                 raise StoreError(ErrorCode.INVALID_ARGUMENT,
                                  f"handover copy of {ref.tensor}[{ref.index}] must follow its block's ref and hold "
-                                 f"{codec.packed_numel(numel)} float32")
+                                 f"{codec.packed_numel(numel)} (or, without state, {numel}) float32")
             flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
             offset += ref.nbytes
-            items[-1] = replace(items[-1], copy=codec.unpack(numel, flat))
+            items[-1] = replace(items[-1], copy=codec.unpack(numel, flat, ref.tensor))
             continue
         if ref.previous:  # the value from before the last step of the block named by the ref before it
             if not items or items[-1].key != key or ref.numel != numel or ref.dtype != dp.FLOAT32 \

@@ -139,12 +139,13 @@ class CopyHolderSide:
             if ref.zero:
                 carried.append((key, ref.version, ref.step))
                 continue
-            if ref.numel != codec.packed_numel(numel):
+            if not codec.accepts(numel, ref.numel):
                 raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {ref.tensor}[{ref.index}] has {ref.numel} "
-                                                             f"elements, expected {codec.packed_numel(numel)}")
+                                                             f"elements, expected {codec.packed_numel(numel)} "
+                                                             f"(or, without state, {numel})")
             flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
             offset += ref.nbytes
-            value, state = codec.unpack(numel, flat)
+            value, state = codec.unpack(numel, flat, ref.tensor)
             copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))
         return copies, carried, replayed
 

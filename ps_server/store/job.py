@@ -164,6 +164,9 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
             except ShardlineConfigError as exc:
                 raise StoreError(ErrorCode.INVALID_ARGUMENT, f"cannot extend job {self.name!r}: {exc}") from None
             self._add_tensors(spec)
+            for key, block in self.blocks.items():   # unfrozen: a fresh state (a frozen block keeps none)
+                if not block.state:
+                    block.state = self.fresh_state(key[0], block.value.numel())
             for group in spec.param_groups[len(self.group_optimizers):]:
                 self.group_optimizers.append(make_optimizer(OptimizerConfig.from_proto(group)))
             self.spec = common_pb2.JobSpec()
@@ -184,6 +187,12 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
                              f"rank {rank}'s {what} of step {step} is at revision {revision} of job {self.name!r}, "
                              f"which is at revision {self.revision} since step {missed.step}: every rank must add the "
                              f"same parameter group (add_param_group) before step {missed.step}")
+
+    def fresh_state(self, tensor: str, numel: int) -> dict:
+        """A new block's optimizer state: the optimizer's fresh one for a trainable tensor, none
+        for a frozen one (never stepped, so it would stay the fresh state: 8 bytes per parameter
+        for AdamW kept for nothing; unfreezing gives it the fresh one, ``extend``)."""
+        return self.optimizer.init_state(numel) if self.tensors[tensor].trainable else {}
 
     # --- validation -------------------------------------------------------------------------
     def expected_numel(self, tensor: str, index: int) -> int:
@@ -257,7 +266,7 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
                 if (tensor, index) in self.blocks:
                     continue
                 v = value.detach().to(torch.float32).clone()
-                self.blocks[(tensor, index)] = Block(v, self.optimizer.init_state(v.numel()), step=self.step,
+                self.blocks[(tensor, index)] = Block(v, self.fresh_state(tensor, v.numel()), step=self.step,
                                                      visible=self.step)
                 self.bytes += v.numel() * 4
                 created += 1

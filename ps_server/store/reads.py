@@ -205,6 +205,10 @@ class Reads:
             for key, (version, _value, state) in blocks.items():
                 block = self.blocks[key]
                 template = block.state
+                if not self.tensors[key[0]].trainable or not state:
+                    # a frozen block keeps no state (one checkpointed with its untouched state drops
+                    # it); one checkpointed while frozen and trainable now starts fresh
+                    state = template
                 if set(state) != set(template):
                     raise StoreError(ErrorCode.INVALID_ARGUMENT,
                                      f"checkpointed optimizer state of {key[0]}[{key[1]}] has {sorted(state)}, "

@@ -70,6 +70,9 @@ def test_periodic_incremental_chain_restores_the_store(tmp_path):
     for key, block in job.blocks.items():
         other = fresh.blocks[key]
         assert other.version == block.version and torch.equal(other.value, block.value)
+        if key[0] == "frozen":   # a frozen block keeps no optimizer state
+            assert other.state == block.state == {}
+            continue
         assert torch.equal(other.state["exp_avg"], block.state["exp_avg"])
         assert torch.equal(other.state["step"], block.state["step"])
     ckpt.close()
