@@ -7,7 +7,8 @@ get the existing job and ``wait_ready`` for it. A spec that differs from the reg
 conflict (two different models under one job name), reported with the first differing field.
 
 Specs are normalized before comparison and storage: ``block_elements`` 0 becomes
-``DEFAULT_BLOCK_ELEMENTS`` and an empty tensor dtype becomes ``"float32"``. Tensors are compared by
+``DEFAULT_BLOCK_ELEMENTS`` and an empty tensor dtype becomes ``"float32"`` (a frozen tensor may be
+``"bfloat16"``: stored so on the PS nodes). Tensors are compared by
 name, so the order in which workers list them does not matter. Pure and thread-safe.
 
 Incarnations and checkpoints. Each created job gets a random ``uid``; a job deleted and created
@@ -63,7 +64,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 MAX_REPLICATION = 16
 # Every step in flight holds a gradient accumulator per block on the PS nodes: s + 1 of them.
 MAX_STALENESS = 16
-DTYPES = ("float32",)
+DTYPES = ("float32", "bfloat16")   # bfloat16: frozen tensors only (a trainable one's master is fp32)
 _OPTIMIZER_FIELDS = (
     "kind", "lr", "momentum", "dampening", "nesterov", "weight_decay",
     "beta1", "beta2", "eps", "amsgrad", "maximize",
@@ -255,6 +256,11 @@ def normalize_spec(spec: common_pb2.JobSpec) -> common_pb2.JobSpec:
         if tensor.dtype not in DTYPES:
             raise ShardlineConfigError(
                 f"tensor {tensor.name!r} dtype must be one of {', '.join(DTYPES)}, got {tensor.dtype!r}"
+            )
+        if tensor.trainable and tensor.dtype != "float32":
+            raise ShardlineConfigError(
+                f"tensor {tensor.name!r} is trainable and {tensor.dtype!r}: the PS keeps a trainable tensor's "
+                f"master copy in float32 (only a frozen tensor is stored in its own dtype)"
             )
     return out
 

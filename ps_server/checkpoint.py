@@ -9,7 +9,7 @@ directories of every node of a cluster. Nothing here unpickles or evaluates anyt
 On-disk layout under ``root`` (the node's ``checkpoint_dir``)::
 
     NODE.json                                  {"node_id": ..., "format": 1}
-    <job>/<S>.values.safetensors               "{tensor}#{index}" -> 1-D float32 value
+    <job>/<S>.values.safetensors               "{tensor}#{index}" -> 1-D float32 value (bfloat16: frozen)
     <job>/<S>.state.safetensors                "{tensor}#{index}#{key}" -> optimizer state entry
     <job>/<S>.manifest.json                    written last: a checkpoint exists once this does
 
@@ -109,6 +109,8 @@ _DTYPES = {
     torch.uint8: "U8", torch.bool: "BOOL",
 }
 _TORCH_DTYPES = {name: dtype for dtype, name in _DTYPES.items()}
+# A block's value: float32, or bfloat16 for a frozen tensor stored in its own dtype.
+VALUE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class CheckpointError(ShardlineStateError):
@@ -125,7 +127,7 @@ class BlockSnapshot:
     tensor: str                  # no '#': it separates the parts of safetensors keys
     index: int
     version: int                 # job step that last changed the block
-    value: torch.Tensor          # 1-D float32
+    value: torch.Tensor          # 1-D float32 (bfloat16: a frozen tensor stored so)
     state: dict                  # optimizer state: str -> torch.Tensor (any shape, incl. 0-dim) | int
 
 
@@ -165,7 +167,7 @@ class CheckpointInfo:
 
 class LoadedBlock(NamedTuple):
     version: int
-    value: torch.Tensor          # 1-D float32, owns its storage
+    value: torch.Tensor          # 1-D float32 (bfloat16: a frozen tensor's), owns its storage
     state: dict                  # exactly the snapshotted keys and types
 
 
@@ -814,8 +816,9 @@ class CheckpointDir:
             if n and (blocks[n - 1].tensor, blocks[n - 1].index) == (b.tensor, b.index):
                 raise CheckpointError(f"{where}: block {key} is written twice")
             v = b.value
-            if not (isinstance(v, torch.Tensor) and v.dtype == torch.float32 and v.dim() == 1 and v.device.type == "cpu"):
-                raise CheckpointError(f"{where}: value of block {key} must be a 1-D float32 CPU tensor")
+            if not (isinstance(v, torch.Tensor) and v.dtype in VALUE_DTYPES and v.dim() == 1 and v.device.type == "cpu"):
+                raise CheckpointError(f"{where}: value of block {key} must be a 1-D float32 (or, frozen, bfloat16) "
+                                      f"CPU tensor")
             block_ints = []
             for k, s in b.state.items():
                 if not isinstance(k, str) or not k:
@@ -1123,8 +1126,8 @@ def _replay(jobdir: str, chain: list[_Manifest], verify: bool, with_state: bool,
         for key in wanted:
             value = values.get(key)
             path = os.path.join(jobdir, values_name)
-            if value is None or value.dtype != torch.float32 or value.dim() != 1:
-                raise CheckpointError(f"checkpoint file {path} lacks a 1-D float32 value for block {key}")
+            if value is None or value.dtype not in VALUE_DTYPES or value.dim() != 1:
+                raise CheckpointError(f"checkpoint file {path} lacks a 1-D float32 (or bfloat16) value for block {key}")
             entries = by_block[key]
             for k in m.blocks[key].get("int_state", []) if with_state else ():
                 t = entries.get(k)

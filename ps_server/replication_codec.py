@@ -3,8 +3,9 @@ run (``BlockCodec``), and the BlockRefs of the frames that carry copies, gradien
 handovers.
 
 A copy travels as ``packed_numel(numel)`` float32 elements, or, for a block that keeps no
-optimizer state (a frozen tensor's), as its ``numel`` value elements; a gradient to replay as
-``numel`` float32 elements (``BlockRef.replay``). docs/architecture.md, "Replication".
+optimizer state (a frozen tensor's), as its ``numel`` value elements in the dtype it is stored in
+(float32 or bfloat16); a gradient to replay as ``numel`` float32 elements (``BlockRef.replay``).
+docs/architecture.md, "Replication".
 """
 
 from __future__ import annotations
@@ -43,14 +44,17 @@ class BlockCodec:
     def packed_numel(self, numel: int) -> int:
         return numel + sum({"scalar": 1, "vector": numel, "int": 2}[kind] for _k, kind in self.entries)
 
-    def copy_numel(self, numel: int, state: dict) -> int:
-        """The float32 elements a copy of a block of ``numel`` with ``state`` travels as: its value
-        alone where it keeps no state (a frozen tensor's block)."""
-        return self.packed_numel(numel) if state else numel
+    def copy_nbytes(self, value: torch.Tensor, state: dict) -> int:
+        """The bytes a copy of a block of ``value`` with ``state`` travels as: its value alone where
+        it keeps no state (a frozen tensor's block)."""
+        return self.packed_numel(value.numel()) * 4 if state else value.nbytes
 
-    def accepts(self, numel: int, sent: int) -> bool:
-        """Whether ``sent`` float32 elements can be a copy of a block of ``numel``."""
-        return sent in (numel, self.packed_numel(numel))
+    def accepts(self, numel: int, ref) -> bool:
+        """Whether ``ref`` (its dtype and numel) can be a copy of a block of ``numel``: a packed
+        float32 run, or a value alone in float32 or bfloat16."""
+        if ref.numel == numel:
+            return ref.dtype in (dp.FLOAT32, dp.BFLOAT16)
+        return ref.numel == self.packed_numel(numel) and ref.dtype == dp.FLOAT32
 
     def pack(self, value: torch.Tensor, state: dict) -> list[memoryview]:
         parts = [frame.tensor_bytes(value)]
@@ -74,12 +78,13 @@ class BlockCodec:
 
     def unpack(self, numel: int, flat: torch.Tensor, tensor: str) -> tuple[torch.Tensor, dict]:
         """Private copies of (value, state) from a received run of ``packed_numel(numel)`` floats,
-        or of ``numel`` (a value alone: a block of ``tensor`` that kept no state, which gets the
-        state a new block of it gets here, JobStore.fresh_state: none while frozen, the fresh
-        one once unfrozen, as the sender's untouched state was)."""
-        value = flat[:numel].clone()
+        or of ``numel`` (a value alone, float32 or bfloat16: a block of ``tensor`` that kept no
+        state, stored here in the tensor's dtype, with the state a new block of it gets here,
+        JobStore.fresh_state: none while frozen, the fresh one once unfrozen, as the sender's
+        untouched state was)."""
         if flat.numel() == numel:
-            return value, self.job.fresh_state(tensor, numel)
+            return flat.to(self.job.tensors[tensor].dtype, copy=True), self.job.fresh_state(tensor, numel)
+        value = flat[:numel].clone()
         offset = numel
         state = {}
         for key, kind in self.entries:
@@ -100,9 +105,13 @@ def copy_refs(codec: BlockCodec, items) -> tuple[list, list]:
     refs, payloads = [], []
     for (tensor, index), block in items:
         numel = block.value.numel()
-        packed = codec.copy_numel(numel, block.state)
-        refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
-                                version=block.version, step=block.step))
+        if block.state:
+            packed = codec.packed_numel(numel)
+            refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=dp.FLOAT32, numel=packed, nbytes=packed * 4,
+                                    version=block.version, step=block.step))
+        else:   # the value alone, in its own dtype
+            refs.append(dp.BlockRef(tensor=tensor, index=index, dtype=frame.WIRE_DTYPE[block.value.dtype],
+                                    numel=numel, nbytes=block.value.nbytes, version=block.version, step=block.step))
         payloads.extend(codec.pack(block.value, block.state))
     return refs, payloads
 
@@ -180,11 +189,11 @@ def read_handover(codec: BlockCodec, job: JobStore, refs, payload) -> list[Hando
         key = (ref.tensor, ref.index)
         numel = job.expected_numel(*key)
         if ref.copy:  # the previous primary's copy of the block named by the ref before it
-            if not items or items[-1].key != key or not codec.accepts(numel, ref.numel) or ref.dtype != dp.FLOAT32:
+            if not items or items[-1].key != key or not codec.accepts(numel, ref):
                 raise StoreError(ErrorCode.INVALID_ARGUMENT,
                                  f"handover copy of {ref.tensor}[{ref.index}] must follow its block's ref and hold "
-                                 f"{codec.packed_numel(numel)} (or, without state, {numel}) float32")
-            flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
+                                 f"{codec.packed_numel(numel)} float32 (or, without state, its {numel} values)")
+            flat = torch.frombuffer(payload, dtype=frame.TORCH_DTYPE[ref.dtype], count=ref.numel, offset=offset)
             offset += ref.nbytes
             items[-1] = replace(items[-1], copy=codec.unpack(numel, flat, ref.tensor))
             continue

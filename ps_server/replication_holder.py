@@ -14,7 +14,7 @@ import torch
 from shardline.ps_server.replication_codec import read_handover
 from shardline.ps_server.replication_links import Send
 from shardline.ps_server.store import JobStore, StoreError
-from shardline.services import failpoints
+from shardline.services import failpoints, frame
 from shardline.services.errors import ErrorCode
 from shardline.services.pb import dataplane_pb2 as dp
 
@@ -109,8 +109,10 @@ class CopyHolderSide:
         placement = self._placement(view, job.spec)
         codec = self.codec(job)
         copies, carried, replayed = [], [], []
-        # copies and gradients travel as float32 runs; a run of another dtype would be misread
-        bad = next((ref for ref in header.blocks if ref.nbytes and ref.dtype != dp.FLOAT32), None)
+        # copies and gradients travel as float32 runs (a copy without state: its value, float32 or
+        # bfloat16, BlockCodec.accepts); a run of another dtype would be misread
+        bad = next((ref for ref in header.blocks if ref.nbytes and ref.dtype != dp.FLOAT32
+                    and (ref.replay or ref.dtype != dp.BFLOAT16)), None)
         if bad is not None:
             raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {bad.tensor}[{bad.index}] is not float32 "
                                                          f"(dtype {bad.dtype})")
@@ -139,11 +141,12 @@ class CopyHolderSide:
             if ref.zero:
                 carried.append((key, ref.version, ref.step))
                 continue
-            if not codec.accepts(numel, ref.numel):
+            if not codec.accepts(numel, ref):
                 raise StoreError(ErrorCode.INVALID_ARGUMENT, f"copy of {ref.tensor}[{ref.index}] has {ref.numel} "
-                                                             f"elements, expected {codec.packed_numel(numel)} "
-                                                             f"(or, without state, {numel})")
-            flat = torch.frombuffer(payload, dtype=torch.float32, count=ref.numel, offset=offset)
+                                                             f"elements of dtype {ref.dtype}, expected "
+                                                             f"{codec.packed_numel(numel)} float32 (or, without "
+                                                             f"state, its {numel} values)")
+            flat = torch.frombuffer(payload, dtype=frame.TORCH_DTYPE[ref.dtype], count=ref.numel, offset=offset)
             offset += ref.nbytes
             value, state = codec.unpack(numel, flat, ref.tensor)
             copies.append((ref.tensor, ref.index, ref.version, ref.step, value, state))

@@ -32,7 +32,7 @@ INVITE_AFTER_SECONDS = 2.0
 
 def sync_batches(codec, items: list) -> list[list]:
     """``items`` ((key, block)) in batches of about SYNC_BATCH_BYTES of packed copies, in order."""
-    return runs_of(items, lambda item: codec.copy_numel(item[1].value.numel(), item[1].state) * 4, SYNC_BATCH_BYTES)
+    return runs_of(items, lambda item: codec.copy_nbytes(item[1].value, item[1].state), SYNC_BATCH_BYTES)
 
 
 class PrimarySide:

@@ -69,6 +69,7 @@ def apply_extension(spec: common_pb2.JobSpec, ext: common_pb2.JobExtension) -> c
         if unfreeze.count(name) > 1:
             raise ShardlineConfigError(f"tensor {name!r} is unfrozen more than once")
         tensor.trainable, tensor.group = True, index
+        tensor.dtype = "float32"   # a trainable tensor's master copy (a frozen one may be stored as bfloat16)
     added = set()
     for tensor in ext.tensors:
         if tensor.name in existing:

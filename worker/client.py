@@ -127,6 +127,12 @@ class _NonFiniteGradient(ShardlineConfigError):
     """A gradient block held NaN or Inf (found by this client, or by the node it was pushed to)."""
 
 
+def storage_dtype(tensor: torch.Tensor, trainable: bool) -> str:
+    """The dtype a job stores ``tensor`` in on the PS nodes: a frozen bfloat16 tensor as it is (2
+    bytes per parameter, never stepped), everything else float32 (a trainable tensor's master)."""
+    return "bfloat16" if not trainable and tensor.dtype == torch.bfloat16 else "float32"
+
+
 def _check_weight(weight: float) -> None:
     """A rank's weight in a step's mean (a push's, or one the host's leader pushed for it)."""
     if not (math.isfinite(weight) and weight > 0):
@@ -452,7 +458,8 @@ class Client:
         if len(groups) > 1:
             spec.param_groups.extend(g.to_proto() for g in groups)
         for name, t in tensors.items():
-            spec.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True),
+            spec.tensors.add(name=name, shape=list(t.shape), dtype=storage_dtype(t, trainable.get(name, True)),
+                             trainable=trainable.get(name, True),
                              group=tensor_groups.get(name, 0) if len(groups) > 1 else 0)
         resp = self.dispatcher.create_job(spec)
         if resp.created and spec.compression == "sign" and opt.kind != "sgd":
@@ -523,7 +530,8 @@ class Client:
                                           **OptimizerConfig.from_proto(spec.optimizer).torch_kwargs(), **(group or {})
                                       }).to_proto())
         for name, t in tensors.items():
-            ext.tensors.add(name=name, shape=list(t.shape), dtype="float32", trainable=trainable.get(name, True))
+            ext.tensors.add(name=name, shape=list(t.shape), dtype=storage_dtype(t, trainable.get(name, True)),
+                            trainable=trainable.get(name, True))
         resp = self.dispatcher.extend_job(self.job, self.uid, ext)
         log.info("job %s: revision %d (a parameter group from step %d: %d new tensor(s), %d unfrozen) %s", self.job,
                  ext.revision, step, len(tensors), len(ext.unfreeze), "made" if resp.applied else "already made")

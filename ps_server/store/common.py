@@ -21,6 +21,10 @@ LRs = tuple[float, ...] | None
 StoreError = RequestError
 
 
+# JobSpec tensor dtype -> how a block's value is stored (bfloat16: a frozen tensor's, dispatcher/jobs.py)
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass
 class TensorMeta:
     name: str
@@ -29,6 +33,7 @@ class TensorMeta:
     trainable: bool
     blocks: int
     group: int = 0       # the parameter group whose hyperparameters step it
+    dtype: torch.dtype = torch.float32   # how its blocks' values are stored (bfloat16: a frozen one's)
 
 
 def total_weight(weights) -> float:

@@ -48,7 +48,7 @@ class CopyHolder:
                 if block is None:
                     self.blocks[(tensor, index)] = Block(value, dict(state), version=version, step=step,
                                                          visible=step, role=COPY)
-                    self.bytes += value.numel() * 4
+                    self.bytes += value.nbytes
                 elif not block.primary and step >= block.step:  # else this node applies it, or holds a newer copy
                     block.install(value, dict(state), version, step)   # readers of the old copy keep it
             self.cond.notify_all()

@@ -201,7 +201,7 @@ class Ownership:
             for key in keys:
                 block = self.blocks.pop(key, None)
                 if block is not None:
-                    self.bytes -= block.value.numel() * 4
+                    self.bytes -= block.value.nbytes
                     gone += 1
             self.cond.notify_all()
             return gone

@@ -32,7 +32,7 @@ from shardline.ps_server.store.ahead import AheadSteps
 from shardline.ps_server.store.apply import Applying
 from shardline.ps_server.store.blocks import Block
 from shardline.ps_server.store.commits import Commits
-from shardline.ps_server.store.common import LRs, StoreError, TensorMeta
+from shardline.ps_server.store.common import STORAGE_DTYPES, LRs, StoreError, TensorMeta
 from shardline.ps_server.store.copies import CopyHolder
 from shardline.ps_server.store.early import EarlySteps
 from shardline.ps_server.store.handover import Ownership
@@ -142,12 +142,13 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         """The tensors of ``spec``: new ones added, known ones trainable in their (new) group."""
         for t in spec.tensors:
             meta = self.tensors.get(t.name)
+            dtype = STORAGE_DTYPES[t.dtype or "float32"]
             if meta is None:
                 numel = math.prod(t.shape)
                 self.tensors[t.name] = TensorMeta(t.name, tuple(t.shape), numel, t.trainable,
-                                                  num_blocks(numel, self.block_elements), int(t.group))
+                                                  num_blocks(numel, self.block_elements), int(t.group), dtype)
             else:
-                meta.trainable, meta.group = t.trainable, int(t.group)
+                meta.trainable, meta.group, meta.dtype = t.trainable, int(t.group), dtype
 
     def extend(self, spec: common_pb2.JobSpec) -> bool:
         """Take the job's newer revision ``spec`` (the dispatcher's): its new tensors, its unfrozen
@@ -164,7 +165,11 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
             except ShardlineConfigError as exc:
                 raise StoreError(ErrorCode.INVALID_ARGUMENT, f"cannot extend job {self.name!r}: {exc}") from None
             self._add_tensors(spec)
-            for key, block in self.blocks.items():   # unfrozen: a fresh state (a frozen block keeps none)
+            for key, block in self.blocks.items():   # unfrozen: fp32 and a fresh state (a frozen block keeps none)
+                dtype = self.tensors[key[0]].dtype
+                if block.value.dtype != dtype:
+                    before, block.value = block.value, block.value.to(dtype)
+                    self.bytes += block.value.nbytes - before.nbytes
                 if not block.state:
                     block.state = self.fresh_state(key[0], block.value.numel())
             for group in spec.param_groups[len(self.group_optimizers):]:
@@ -265,10 +270,10 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
             for tensor, index, value in items:
                 if (tensor, index) in self.blocks:
                     continue
-                v = value.detach().to(torch.float32).clone()
+                v = value.detach().to(self.tensors[tensor].dtype, copy=True)
                 self.blocks[(tensor, index)] = Block(v, self.fresh_state(tensor, v.numel()), step=self.step,
                                                      visible=self.step)
-                self.bytes += v.numel() * 4
+                self.bytes += v.nbytes
                 created += 1
         return created
 

@@ -6,8 +6,9 @@ the replay gradient, counts where it is now, under the first kind that names it)
 that order:
 
 ===================  ===========================================================================
-values               the fp32 master copy of every block held (primaries and copies)
-optimizer_state      the optimizer's state of every block (AdamW: two moments)
+values               the fp32 master copy of every block held (primaries and copies; a frozen
+                     bf16 tensor's in bf16)
+optimizer_state      the optimizer's state of every trainable block (AdamW: two moments)
 gradients            a primary's buffer summing the pushes of the step it collects (SSP: and of
                      the steps ahead); allocated on a block's first push, kept for the job's life
 parked_gradients     pushes that arrived before a lower rank's (folded in rank order) and the

@@ -14,6 +14,7 @@ from shardline.ps_server.store.memory import job_memory
 from shardline.services.blocks import block_slices
 from shardline.services.extension import apply_extension
 from shardline.services.pb import common_pb2
+from shardline.services.pb import dataplane_pb2 as dp
 
 BLOCK = 8
 TRAINED, BASE = 20, 100
@@ -83,8 +84,13 @@ def test_a_frozen_blocks_copy_travels_as_its_value_alone_and_gets_the_receivers_
     trained = ("adapter", 0)
     refs, _ = copy_refs(codec, [(trained, job.blocks[trained])])
     assert refs[0].numel == codec.packed_numel(BLOCK) > BLOCK
-    assert codec.accepts(BLOCK, BLOCK) and codec.accepts(BLOCK, codec.packed_numel(BLOCK))
-    assert not codec.accepts(BLOCK, BLOCK + 1)
+    def ref(numel, dtype=dp.FLOAT32):
+        return dp.BlockRef(numel=numel, dtype=dtype)
+
+    assert codec.accepts(BLOCK, ref(BLOCK)) and codec.accepts(BLOCK, ref(codec.packed_numel(BLOCK)))
+    assert codec.accepts(BLOCK, ref(BLOCK, dp.BFLOAT16))
+    assert not codec.accepts(BLOCK, ref(BLOCK + 1)) and not codec.accepts(BLOCK, ref(codec.packed_numel(BLOCK),
+                                                                                     dp.BFLOAT16))
     # a holder that learnt the revision unfreezing the tensor gives the copy the fresh state: the
     # sender's, untouched while it was frozen, is that
     holder = started()
@@ -103,3 +109,102 @@ def test_a_checkpoint_that_kept_a_frozen_blocks_state_restores_without_it():
     fresh.restore(0, blocks)
     assert all(b.state == {} for (t, _i), b in fresh.blocks.items() if t == "base")
     assert all(b.state for (t, _i), b in fresh.blocks.items() if t == "adapter")
+
+
+# --- a frozen tensor in its own dtype (bfloat16: 2 bytes per parameter) --------------------------
+
+def bf16_spec() -> common_pb2.JobSpec:
+    s = spec()
+    s.tensors[1].dtype = "bfloat16"
+    return s
+
+
+def bf16_started() -> JobStore:
+    job = JobStore(bf16_spec())
+    base = initial()["base"].to(torch.bfloat16)   # what a worker holding a bf16 base sends
+    job.init_blocks([("adapter", s.index, initial()["adapter"][s.start:s.stop]) for s in block_slices(TRAINED, BLOCK)]
+                    + [("base", s.index, base[s.start:s.stop]) for s in block_slices(BASE, BLOCK)])
+    return job
+
+
+def test_a_frozen_bfloat16_tensor_is_stored_as_bfloat16_and_read_back_exactly():
+    job = bf16_started()
+    assert all(b.value.dtype == torch.bfloat16 for (t, _i), b in job.blocks.items() if t == "base")
+    assert job_memory(job)["values"] == 4 * TRAINED + 2 * BASE
+    want = initial()["base"].to(torch.bfloat16)
+    wanted = [("base", s.index, None) for s in block_slices(BASE, BLOCK)]
+    for dtype in (torch.bfloat16, torch.float32):   # a bf16 reader gets its bits, an fp32 reader their exact value
+        _step, got = job.changed_blocks(wanted, copy=False, dtypes=[dtype] * len(wanted))
+        assert torch.equal(torch.cat([v for _t, _i, _v, v in got]), want.to(dtype))
+
+
+def test_an_unfrozen_bfloat16_tensor_trains_in_float32_from_its_values_like_torch_optim():
+    job = bf16_started()
+    ext = common_pb2.JobExtension(revision=1, step=0, unfreeze=["base"],
+                                  group=OptimizerConfig.from_kwargs("adamw", lr=0.01, weight_decay=0.1).to_proto())
+    new = apply_extension(job.spec, ext)
+    assert next(t for t in new.tensors if t.name == "base").dtype == "float32"
+    assert job.extend(new)
+    assert all(b.value.dtype == torch.float32 for b in job.blocks.values())
+    param = initial()["base"].to(torch.bfloat16).float().requires_grad_()
+    opt = torch.optim.AdamW([param], lr=0.01, weight_decay=0.1)
+    grad = torch.randn(BASE, generator=torch.Generator().manual_seed(9))
+    job.push(0, 0, 1.0, [PushItem("base", s.index, grad[s.start:s.stop].clone()) for s in block_slices(BASE, BLOCK)])
+    job.commit(0, 0, 1.0)
+    param.grad = grad
+    opt.step()
+    got = torch.cat([job.blocks[("base", s.index)].value for s in block_slices(BASE, BLOCK)])
+    torch.testing.assert_close(got, param.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_bfloat16_blocks_copy_travels_in_bfloat16_and_lands_in_the_receivers_dtype():
+    job = bf16_started()
+    key = ("base", 2)
+    refs, payloads = copy_refs(BlockCodec(job), [(key, job.blocks[key])])
+    assert (refs[0].dtype, refs[0].numel, refs[0].nbytes) == (dp.BFLOAT16, BLOCK, 2 * BLOCK)
+    payload = bytearray(b"".join(bytes(p) for p in payloads))
+    flat = torch.frombuffer(payload, dtype=torch.bfloat16)
+    value, state = BlockCodec(bf16_started()).unpack(BLOCK, flat, "base")
+    assert value.dtype == torch.bfloat16 and torch.equal(value, job.blocks[key].value) and state == {}
+    unfrozen = bf16_started()
+    unfrozen.extend(apply_extension(unfrozen.spec, common_pb2.JobExtension(
+        revision=1, step=0, unfreeze=["base"], group=OptimizerConfig.from_kwargs("adamw", lr=0.01).to_proto())))
+    value, state = BlockCodec(unfrozen).unpack(BLOCK, flat, "base")
+    assert value.dtype == torch.float32 and torch.equal(value, job.blocks[key].value.float()) and state
+
+
+def test_a_checkpoint_keeps_a_frozen_tensor_in_bfloat16(tmp_path):
+    from google.protobuf import json_format
+
+    from shardline.ps_server.checkpoint import BlockSnapshot, CheckpointDir, JobSnapshot
+
+    job = bf16_started()
+    job.uid = "u1"
+    step, held, copies = job.snapshot()
+    ckdir = CheckpointDir(tmp_path / "ck", "n1")
+    ckdir.write(JobSnapshot(job="lora", uid="u1", node_id="n1", epoch=1, step=step,
+                            spec=json_format.MessageToDict(job.spec, preserving_proto_field_name=True), held=held,
+                            full=True, blocks=[BlockSnapshot(*copy) for copy in copies]))
+    loaded = ckdir.load("lora")
+    assert all(b.value.dtype == torch.bfloat16 for (t, _i), b in loaded.blocks.items() if t == "base")
+    fresh = JobStore(bf16_spec())
+    fresh.restore(loaded.step, {k: (b.version, b.value, b.state) for k, b in loaded.blocks.items()})
+    for key, block in job.blocks.items():
+        assert fresh.blocks[key].value.dtype == block.value.dtype and torch.equal(fresh.blocks[key].value, block.value)
+
+
+def test_the_dispatcher_stores_only_frozen_tensors_in_bfloat16():
+    import pytest
+
+    from shardline.dispatcher.jobs import normalize_spec
+    from shardline.services.errors import ShardlineConfigError
+    from shardline.worker.client import storage_dtype
+
+    assert normalize_spec(bf16_spec()).tensors[1].dtype == "bfloat16"
+    bad = bf16_spec()
+    bad.tensors[0].dtype = "bfloat16"
+    with pytest.raises(ShardlineConfigError, match="'adapter' is trainable and 'bfloat16'"):
+        normalize_spec(bad)
+    bf16 = torch.zeros(2, dtype=torch.bfloat16)
+    assert storage_dtype(bf16, trainable=False) == "bfloat16"
+    assert storage_dtype(bf16, trainable=True) == storage_dtype(bf16.float(), trainable=False) == "float32"
