@@ -45,6 +45,7 @@ MALLOC_VARIANTS = {"bounded": {}, "system": {"SHARDLINE_MALLOC": "system"}}
 JOB = "ps-memory"
 WARM_STEPS = 2   # steps before the peak RSS is measured from
 SAMPLE_SECONDS = 0.05
+SETTLE_SECONDS = 2.5   # after the ranks finish, before "after" is read: two PS heartbeats
 
 
 def rank_main(address: str, model: str, rank: int, steps: int, queue, replication: int | None = None) -> None:
@@ -120,7 +121,12 @@ class Sampler:
                     kinds[kind] = max(kinds.get(kind, 0.0), value)
                 if anon > self.max_anon[n.node_id]:
                     self.max_anon[n.node_id] = anon
-                    self.accounted_at_max[n.node_id] = sum(report["kinds"].values()) + report["receive_buffers"]
+                    self.accounted_at_max[n.node_id] = in_memory(report["kinds"]) + report["receive_buffers"]
+
+
+def in_memory(kinds: dict) -> float:
+    """Bytes of the kinds the process holds in memory (frozen values in files are page cache)."""
+    return sum(v for k, v in kinds.items() if k != "frozen_files")
 
 
 def scrape(metrics_address: str) -> dict:
@@ -145,6 +151,7 @@ def run_variant(name: str, env: dict, model: str, steps: int, replication: int |
         time.sleep(1.0)
         idle = {n.node_id: status_mib(n.pid, "RssAnon") for n in nodes}
         idle_rss = {n.node_id: status_mib(n.pid, "VmRSS") for n in nodes}
+        idle_file = {n.node_id: status_mib(n.pid, "RssFile") for n in nodes}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         started = time.monotonic()
@@ -173,13 +180,15 @@ def run_variant(name: str, env: dict, model: str, steps: int, replication: int |
             if p.exitcode != 0:
                 raise RuntimeError(f"rank process exited with {p.exitcode}")
         seconds = time.monotonic() - started
+        time.sleep(SETTLE_SECONDS)   # the steady state: a heartbeat drops read frozen pages from the resident set
         out = {"variant": name, "env": env, "seconds": round(seconds, 1), "nodes": {}}
         for n in nodes:
             report = scrape(n.metrics)
             params = report["parameters"]
             anon_mib = status_mib(n.pid, "RssAnon")
             above_idle = (anon_mib - idle[n.node_id]) * 2 ** 20
-            accounted = sum(report["kinds"].values())
+            rss_above_idle = (status_mib(n.pid, "VmRSS") - idle_rss[n.node_id]) * 2 ** 20
+            accounted = in_memory(report["kinds"])
             out["nodes"][n.node_id] = {
                 "parameters_held": int(params), "idle_anon_mib": round(idle[n.node_id], 1),
                 "anon_mib": round(anon_mib, 1), "peak_rss_mib": round(status_mib(n.pid, "VmHWM"), 1),
@@ -198,6 +207,11 @@ def run_variant(name: str, env: dict, model: str, steps: int, replication: int |
                 "kinds_mib": {k: round(v / 2 ** 20, 1) for k, v in report["kinds"].items() if v},
                 "accounted_bytes_per_parameter": round(accounted / params, 2) if params else None,
                 "anon_above_idle_bytes_per_parameter": round(above_idle / params, 2) if params else None,
+                # everything resident (anonymous, shared memory, mapped file pages) after the steps
+                "rss_above_idle_bytes_per_parameter": round(rss_above_idle / params, 2) if params else None,
+                "rss_file_mib": round(status_mib(n.pid, "RssFile"), 1),
+                "idle_rss_file_mib": round(idle_file[n.node_id], 1),
+                "rss_shmem_mib": round(status_mib(n.pid, "RssShmem"), 1),
                 "peak_rss_above_idle_bytes_per_parameter": round(
                     (status_mib(n.pid, "VmHWM") - idle_rss[n.node_id]) * 2 ** 20 / params, 2) if params else None,
             }
@@ -224,7 +238,9 @@ def main(argv=None) -> int:
         for node, r in run["nodes"].items():
             print(f"{run['variant']:8s} {node}: {r['parameters_held']:,} parameters held, accounted "
                   f"{r['accounted_bytes_per_parameter']} B/param, anonymous above idle "
-                  f"{r['anon_above_idle_bytes_per_parameter']} B/param (idle {r['idle_anon_mib']} MiB, now "
+                  f"{r['anon_above_idle_bytes_per_parameter']} B/param, RSS above idle "
+                  f"{r['rss_above_idle_bytes_per_parameter']} B/param (file pages {r['idle_rss_file_mib']} -> "
+                  f"{r['rss_file_mib']} MiB, shared memory {r['rss_shmem_mib']} MiB; idle {r['idle_anon_mib']} MiB, now "
                   f"{r['anon_mib']} MiB, peak RSS {r['peak_rss_mib']} MiB = "
                   f"{r['peak_rss_above_idle_bytes_per_parameter']} B/param above idle, receive buffers "
                   f"{r['receive_buffers_mib']} MiB) {r['kinds_mib']}; during the steps, at most "

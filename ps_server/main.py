@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import sys
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -89,6 +90,22 @@ def open_checkpoint_dir(path: str | None, node_id: str) -> CheckpointDir | None:
         raise ShardlineConfigError(f"checkpoint_dir: {exc}") from None
 
 
+def open_spill_dir(args) -> str | None:
+    """The directory of the node's frozen-value files (created if missing, checked writable), or
+    None where frozen values stay in memory (``frozen_values: memory``)."""
+    if args.frozen_values != "files":
+        return None
+    path = os.path.abspath(os.path.expanduser(args.spill_dir))
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise ShardlineConfigError(f"spill_dir {args.spill_dir!r} cannot hold the node's frozen-value files: {exc} "
+                                   f"(or set frozen_values: memory)") from None
+    return path
+
+
 class HeartbeatLoop(threading.Thread):
     """Heartbeats carry the node's storage and its held jobs (steps, durable checkpoints); replies
     tell it which jobs to drop and which checkpoint steps the cluster still needs. ``wake()`` sends
@@ -151,6 +168,7 @@ class HeartbeatLoop(threading.Thread):
             self.node.replicator.retry_failed()
             self.node.replicator.invite_dropped()
             self.node.replicator.sweep()
+        self.node.store.release_frozen_pages()
         for name in resp.unknown_jobs:  # the dispatcher lost its state: it learns the job back from us
             job = self.node.store.get(name)
             if job is not None:
@@ -398,11 +416,13 @@ def main(argv=None) -> int:
     node_id = args.node_id or f"{socket.gethostname()}-{listener.port}"
     try:
         ckdir = open_checkpoint_dir(args.checkpoint_dir, node_id)
+        spill_dir = open_spill_dir(args)
     except ShardlineConfigError as exc:
         print(f"shardline-ps: error: {exc}", file=sys.stderr)
         listener.close()
         return 2
     node = node_holder["node"] = PSNode(node_id, fetch_job, client.get_routing, metrics=ps_metrics)
+    node.store.spill_dir = spill_dir
     node.payload_budget = policy.budget
     node.serving.clear()  # frames get UNAVAILABLE until the checkpoints are restored
     node.delta_history = DeltaHistory(args.delta_history_bytes)

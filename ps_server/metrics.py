@@ -200,7 +200,7 @@ class NodeCollector(Collector):
                                           "step's gradients to resend)", labels=["job_name"])
         memory = GaugeMetricFamily("shardline_ps_memory_bytes",
                                    "Bytes of a job's tensors on this node by kind (values, optimizer_state, gradients, "
-                                   "parked_gradients, replay_spares, kept_values, staging, held_copies, "
+                                   "parked_gradients, replay_spares, kept_values, staging, held_copies, frozen_files, "
                                    "delta_history): docs/operations.md, \"Memory\"", labels=["job_name", "kind"])
         held = GaugeMetricFamily("shardline_ps_memory_parameters",
                                  "Parameters of the blocks a job holds on this node (primaries and copies): "

@@ -413,6 +413,13 @@ OPTIONS: tuple[Option, ...] = (
            "arenas; `system` leaves glibc's defaults (a freed buffer of a step may stay in the process). "
            "MALLOC_MMAP_THRESHOLD_ and MALLOC_ARENA_MAX in the environment win over either (docs/operations.md, "
            "\"Memory\").", ("ps",), default="bounded", choices=("bounded", "system")),
+    Option("frozen_values", "choice", "Where the node keeps frozen tensors' values (a LoRA job's base): `files` "
+           "in one unnamed file per job in `spill_dir`, mapped and served from the page cache, out of the "
+           "process's resident set between reads; `memory` in the process heap.", ("ps",), default="files",
+           choices=("files", "memory")),
+    Option("spill_dir", "path", "Directory of the node's frozen-value files (unnamed: freed when the node "
+           "exits, however it exits; never read by a later process). Created if missing and checked writable at "
+           "start. A tmpfs keeps them in memory, as shared memory.", ("ps",), default="/var/tmp"),
     Option("shm_ring_bytes", "size", "Size of the shared-memory ring the node sends through on each shm "
            "data-plane connection (transport auto/shm, local peers): it bounds the node's shared memory to "
            "this times the open shm connections.", ("ps",), default=DEFAULT_SHM_RING_BYTES, minimum=64 * 1024,

@@ -277,22 +277,29 @@ def render_status(data: dict) -> str:
 # ``shardline status``'s short names of the memory kinds (ps_server/store/memory.py).
 MEMORY_COLUMNS = {"values": "VALUES", "optimizer_state": "OPT STATE", "gradients": "GRADS", "parked_gradients": "PARKED",
                   "replay_spares": "SPARES", "kept_values": "KEPT", "staging": "STAGING", "held_copies": "HELD",
-                  "delta_history": "DELTAS"}
+                  "delta_history": "DELTAS", "frozen_files": "IN FILES"}
+# Kinds kept in files (the page cache), not the process's memory: out of TOTAL and B/PARAM.
+FILE_KINDS = ("frozen_files",)
+
+
+def _in_memory(by_kind: dict) -> int:
+    return sum(v for k, v in by_kind.items() if k not in FILE_KINDS)
 
 
 def render_memory(memory: dict[str, dict]) -> str:
     """Each node's resident memory and each job's bytes on it by kind (kinds no row holds left
-    out), with bytes per parameter held. '' if no node reported."""
+    out), with bytes per parameter held (of memory: frozen values in files are a column of their
+    own, not in TOTAL). '' if no node reported."""
     if not memory:
         return ""
     kinds = [k for k in MEMORY_COLUMNS if any(j["bytes"].get(k) for n in memory.values() for j in n["jobs"].values())]
     node_rows, job_rows = [], []
     for node, report in sorted(memory.items()):
-        accounted = sum(sum(j["bytes"].values()) for j in report["jobs"].values())
+        accounted = sum(_in_memory(j["bytes"]) for j in report["jobs"].values())
         node_rows.append([node, human_bytes(report["rss_bytes"]), human_bytes(report["anon_bytes"]),
                           human_bytes(accounted), human_bytes(report["receive_buffer_bytes"])])
         for job, j in sorted(report["jobs"].items()):
-            total = sum(j["bytes"].values())
+            total = _in_memory(j["bytes"])
             per = f"{total / j['parameters']:.1f}" if j["parameters"] else "-"
             job_rows.append([node, job, f"{j['parameters']:,}", *(human_bytes(j["bytes"].get(k, 0)) for k in kinds),
                              human_bytes(total), per])

@@ -46,10 +46,15 @@ class CopyHolder:
             for tensor, index, version, step, value, state in copies:
                 block = self.blocks.get((tensor, index))
                 if block is None:
+                    value = self.keep_value((tensor, index), value)
                     self.blocks[(tensor, index)] = Block(value, dict(state), version=version, step=step,
                                                          visible=step, role=COPY)
                     self.bytes += value.nbytes
                 elif not block.primary and step >= block.step:  # else this node applies it, or holds a newer copy
+                    if self.in_frozen_file(block.value) and torch.equal(block.value, value):
+                        value = block.value   # a frozen block sent again (a sync): its slot stays as it is
+                    else:
+                        value = self.keep_value((tensor, index), value)
                     block.install(value, dict(state), version, step)   # readers of the old copy keep it
             self.cond.notify_all()
 

@@ -21,6 +21,7 @@ leaves no partial update behind. The design: docs/architecture.md, "Block store"
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from typing import Callable
@@ -35,6 +36,7 @@ from shardline.ps_server.store.commits import Commits
 from shardline.ps_server.store.common import STORAGE_DTYPES, LRs, StoreError, TensorMeta
 from shardline.ps_server.store.copies import CopyHolder
 from shardline.ps_server.store.early import EarlySteps
+from shardline.ps_server.store.frozen_file import FrozenFile
 from shardline.ps_server.store.handover import Ownership
 from shardline.ps_server.store.pushes import Pushes
 from shardline.ps_server.store.reads import Reads
@@ -44,6 +46,8 @@ from shardline.services.errors import ErrorCode, ShardlineConfigError
 from shardline.services.extension import replay, revision_of
 from shardline.services.pb import common_pb2
 from shardline.services.tensor_checks import all_finite
+
+log = logging.getLogger("shardline.ps.store")
 
 
 class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ownership, Reads):
@@ -59,7 +63,10 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
     epoch changes).
     """
 
-    def __init__(self, spec: common_pb2.JobSpec, *, allow_nonfinite: bool | None = None):
+    def __init__(self, spec: common_pb2.JobSpec, *, allow_nonfinite: bool | None = None,
+                 spill_dir: str | None = None):
+        self.spill_dir = spill_dir   # frozen values in a file there (frozen_file.py); None: in memory
+        self.frozen_file: FrozenFile | None = None
         self.spec = common_pb2.JobSpec()
         self.spec.CopyFrom(spec)
         self.name = spec.name
@@ -83,6 +90,7 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
         self.optimizer = self.group_optimizers[0]
         self.tensors: dict[str, TensorMeta] = {}
         self._add_tensors(spec)
+        self._reserve_frozen()
         self.revision = revision_of(spec)   # the job revisions (extensions) this store holds
         self.blocks: dict[tuple[str, int], Block] = {}
         self.cond = threading.Condition()   # an RLock inside: hooks may call back into the store
@@ -165,10 +173,11 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
             except ShardlineConfigError as exc:
                 raise StoreError(ErrorCode.INVALID_ARGUMENT, f"cannot extend job {self.name!r}: {exc}") from None
             self._add_tensors(spec)
-            for key, block in self.blocks.items():   # unfrozen: fp32 and a fresh state (a frozen block keeps none)
-                dtype = self.tensors[key[0]].dtype
-                if block.value.dtype != dtype:
-                    before, block.value = block.value, block.value.to(dtype)
+            self._reserve_frozen()
+            for key, block in self.blocks.items():   # unfrozen: fp32 in the heap, a fresh state (a frozen block keeps none)
+                meta = self.tensors[key[0]]
+                if meta.trainable and (block.value.dtype != meta.dtype or self.in_frozen_file(block.value)):
+                    before, block.value = block.value, block.value.to(meta.dtype, copy=True)
                     self.bytes += block.value.nbytes - before.nbytes
                 if not block.state:
                     block.state = self.fresh_state(key[0], block.value.numel())
@@ -192,6 +201,45 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
                              f"rank {rank}'s {what} of step {step} is at revision {revision} of job {self.name!r}, "
                              f"which is at revision {self.revision} since step {missed.step}: every rank must add the "
                              f"same parameter group (add_param_group) before step {missed.step}")
+
+    def _reserve_frozen(self) -> None:
+        """Slots in the job's frozen file (frozen_file.py) for the blocks of frozen tensors that have
+        none, where the node keeps frozen values in files (``spill_dir``)."""
+        if self.spill_dir is None:
+            return
+        wanted = [((name, i), self.expected_numel(name, i), meta.dtype) for name, meta in self.tensors.items()
+                  if not meta.trainable for i in range(meta.blocks)]
+        if not wanted:
+            return
+        if self.frozen_file is None:
+            try:
+                self.frozen_file = FrozenFile(self.spill_dir, self.name)
+            except OSError as exc:
+                log.warning("job %s: cannot create a file for its frozen values in %s (%s): they stay in memory",
+                            self.name, self.spill_dir, exc)
+                self.spill_dir = None
+                return
+        self.frozen_file.reserve(wanted)
+
+    def in_frozen_file(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is a slot of the job's frozen file (it is never written in place)."""
+        return self.frozen_file is not None and self.frozen_file.holds(value)
+
+    def keep_value(self, key: tuple[str, int], value: torch.Tensor) -> torch.Tensor:
+        """``value`` (private, in the tensor's dtype) as block ``key``'s: in its slot of the frozen
+        file where a frozen block has one (copied there), else itself."""
+        if self.frozen_file is not None and not self.tensors[key[0]].trainable:
+            return self.frozen_file.store(key, value)
+        return value
+
+    def release_frozen_pages(self) -> None:
+        """Drop the frozen file's pages from the process's resident set (the page cache keeps them)."""
+        if self.frozen_file is not None:
+            self.frozen_file.release_pages()
+
+    def close_files(self) -> None:
+        if self.frozen_file is not None:
+            self.frozen_file.close()
 
     def fresh_state(self, tensor: str, numel: int) -> dict:
         """A new block's optimizer state: the optimizer's fresh one for a trainable tensor, none
@@ -270,7 +318,7 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
             for tensor, index, value in items:
                 if (tensor, index) in self.blocks:
                     continue
-                v = value.detach().to(self.tensors[tensor].dtype, copy=True)
+                v = self.keep_value((tensor, index), value.detach().to(self.tensors[tensor].dtype, copy=True))
                 self.blocks[(tensor, index)] = Block(v, self.fresh_state(tensor, v.numel()), step=self.step,
                                                      visible=self.step)
                 self.bytes += v.nbytes
@@ -281,9 +329,10 @@ class JobStore(Pushes, AheadSteps, Commits, Applying, EarlySteps, CopyHolder, Ow
 class NodeStore:
     """All jobs on a node."""
 
-    def __init__(self):
+    def __init__(self, spill_dir: str | None = None):
         self._jobs: dict[str, JobStore] = {}
         self._lock = threading.Lock()
+        self.spill_dir = spill_dir   # where jobs keep their frozen values in files (None: in memory)
 
     def get(self, name: str) -> JobStore | None:
         return self._jobs.get(name)
@@ -295,7 +344,7 @@ class NodeStore:
         with self._lock:
             job = self._jobs.get(spec.name)
             if job is None:
-                job = JobStore(spec)
+                job = JobStore(spec, spill_dir=self.spill_dir)
                 job.uid = uid
                 if on_create is not None:
                     on_create(job)
@@ -308,7 +357,15 @@ class NodeStore:
 
     def remove(self, name: str) -> JobStore | None:
         with self._lock:
-            return self._jobs.pop(name, None)
+            job = self._jobs.pop(name, None)
+        if job is not None:
+            job.close_files()
+        return job
+
+    def release_frozen_pages(self) -> None:
+        """Every job's frozen values out of the resident set (the heartbeat loop, each beat)."""
+        for job in self.jobs():
+            job.release_frozen_pages()
 
     def totals(self) -> tuple[int, int]:
         jobs = self.jobs()

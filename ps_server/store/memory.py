@@ -18,6 +18,8 @@ replay_spares        replicate_gradients: the previous step's mean gradient, kep
 kept_values          exact restarts (BSP): a primary's value from before its last step
 staging              pipelined apply: blocks stepped ahead of their step's commits
 held_copies          a copy holder: copies their primary stepped ahead of the commits, held apart
+frozen_files         frozen tensors' values kept in the job's file (frozen_file.py): the page cache,
+                     not the process heap
 ===================  ===========================================================================
 
 Node-wide memory (data-plane receive buffers, the subscribers' delta history) is not a job's:
@@ -29,7 +31,7 @@ from __future__ import annotations
 import torch
 
 MEMORY_KINDS = ("values", "optimizer_state", "gradients", "parked_gradients", "replay_spares", "kept_values",
-                "staging", "held_copies")
+                "staging", "held_copies", "frozen_files")
 
 
 class _Tally:
@@ -60,8 +62,12 @@ def job_memory(job) -> dict[str, int]:
     with job.cond:
         blocks = list(job.blocks.values())
         # what the job is for first: a buffer shared with a transient record counts as its owner
+        frozen = job.frozen_file
         for block in blocks:
-            tally.add("values", block.value)
+            if frozen is not None and frozen.holds(block.value):
+                tally.bytes["frozen_files"] += block.value.nbytes   # a slot of one mapping: its own bytes
+            else:
+                tally.add("values", block.value)
         for block in blocks:
             tally.add_state("optimizer_state", block.state)
         for block in blocks:

@@ -189,7 +189,9 @@ class Reads:
             for (tensor, index), block in blocks.items():
                 if since is not None and since.get((tensor, index)) == block.version:
                     continue
-                copies.append((tensor, index, block.version, block.value.clone(), clone_state(block.state)))
+                # a frozen value in its file is never written in place: the writer reads the slot itself
+                value = block.value if self.in_frozen_file(block.value) else block.value.clone()
+                copies.append((tensor, index, block.version, value, clone_state(block.state)))
             return self.step, held, copies
 
     def restore(self, step: int, blocks: dict) -> None:

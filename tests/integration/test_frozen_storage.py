@@ -1,5 +1,6 @@
 """A frozen bfloat16 tensor on a real cluster (two PS nodes, replication 2): stored as bfloat16
 with no optimizer state on both copies (2 bytes per parameter, not 12 as fp32 with AdamW state),
+in each node's unnamed frozen-value file (the page cache, not the heap),
 read back bit for bit, still there bit for bit after its primary is killed, while the trainable
 tensor beside it trains as torch.optim does."""
 
@@ -42,7 +43,8 @@ def test_a_frozen_bfloat16_tensor_is_stored_as_bfloat16_read_back_exactly_and_su
         for node, report in memory.items():
             job = report["jobs"]["frozen-bf16"]
             assert job["parameters"] == BASE + ADAPTER, node                 # both copies of every block
-            assert job["bytes"]["values"] == 2 * BASE + 4 * ADAPTER, node      # the base as bfloat16
+            assert job["bytes"]["values"] == 4 * ADAPTER, node                 # the heap: the adapter
+            assert job["bytes"]["frozen_files"] == 2 * BASE, node              # the base: bfloat16, in a file
             assert job["bytes"]["optimizer_state"] == 8 * ADAPTER + 4, node    # moments and step count: adapter only
         assert torch.equal(client.pull(["base"])["base"], base)
 

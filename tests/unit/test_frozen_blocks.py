@@ -208,3 +208,69 @@ def test_the_dispatcher_stores_only_frozen_tensors_in_bfloat16():
     bf16 = torch.zeros(2, dtype=torch.bfloat16)
     assert storage_dtype(bf16, trainable=False) == "bfloat16"
     assert storage_dtype(bf16, trainable=True) == storage_dtype(bf16.float(), trainable=False) == "float32"
+
+
+# --- frozen values in a file, off the heap ------------------------------------------------------
+
+def filed(tmp_path, job_spec=None) -> JobStore:
+    job = JobStore(job_spec or bf16_spec(), spill_dir=str(tmp_path))
+    base = initial()["base"].to(job.tensors["base"].dtype)
+    job.init_blocks([("adapter", s.index, initial()["adapter"][s.start:s.stop]) for s in block_slices(TRAINED, BLOCK)]
+                    + [("base", s.index, base[s.start:s.stop]) for s in block_slices(BASE, BLOCK)])
+    return job
+
+
+def test_frozen_values_live_in_an_unnamed_file_and_read_back_exactly(tmp_path):
+    job = filed(tmp_path)
+    assert list(tmp_path.iterdir()) == []                       # unnamed: nothing left behind, ever
+    base = [b for (t, _i), b in job.blocks.items() if t == "base"]
+    assert all(job.in_frozen_file(b.value) for b in base)
+    assert not any(job.in_frozen_file(b.value) for (t, _i), b in job.blocks.items() if t == "adapter")
+    got = job_memory(job)
+    assert got["frozen_files"] == 2 * BASE and got["values"] == 4 * TRAINED   # the heap holds the adapter only
+    wanted = [("base", s.index, None) for s in block_slices(BASE, BLOCK)]
+    job.release_frozen_pages()                                  # out of the resident set: read again from the cache
+    _step, read = job.changed_blocks(wanted, copy=False, dtypes=[torch.float32] * len(wanted))
+    assert torch.equal(torch.cat([v for _t, _i, _v, v in read]), initial()["base"].to(torch.bfloat16).float())
+    step, _held, copies = job.snapshot()                         # a checkpoint reads the slots, no clone
+    assert all(job.in_frozen_file(value) for t, _i, _v, value, _s in copies if t == "base")
+
+
+def test_a_frozen_copy_installed_again_keeps_its_slot_and_an_unfrozen_one_leaves_the_file(tmp_path):
+    job = filed(tmp_path)
+    key = ("base", 1)
+    slot = job.blocks[key].value
+    job.apply_copies([("base", 1, 0, 0, slot.clone(), {})])     # a sync sends it again: unchanged
+    assert job.blocks[key].value.data_ptr() == slot.data_ptr()
+    assert job.extend(unfreeze_base(job))
+    value = job.blocks[key].value
+    assert value.dtype == torch.float32 and not job.in_frozen_file(value)   # trained in the heap
+    assert torch.equal(value, slot.float())
+
+
+def test_without_room_for_the_file_frozen_values_stay_in_memory(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    job = filed(tmp_path)
+    assert not any(job.in_frozen_file(b.value) for b in job.blocks.values())
+    assert job_memory(job)["values"] == 4 * TRAINED + 2 * BASE
+    assert "stay in memory" in caplog.text and "No space left" in caplog.text
+    missing = JobStore(bf16_spec(), spill_dir=str(tmp_path / "absent"))   # a directory that is gone
+    assert missing.frozen_file is None and missing.spill_dir is None
+
+
+def test_status_shows_frozen_values_in_files_apart_from_memory():
+    from shardline.cli import render_memory
+
+    job = {"parameters": 1_000_000, "bytes": {"values": 4_000, "optimizer_state": 8_000, "frozen_files": 1_990_000}}
+    text = render_memory({"ps-0": {"rss_bytes": 300 << 20, "anon_bytes": 200 << 20, "receive_buffer_bytes": 0,
+                                   "jobs": {"lora": job}}})
+    header = next(line for line in text.splitlines() if line.startswith("NODE") and " JOB " in line)
+    assert "IN FILES" in header
+    row = next(line for line in text.splitlines() if " lora " in line)
+    assert row.split()[-1] == "0.0"         # 12,000 B of memory for 1,000,000 parameters (files apart)
