@@ -874,7 +874,11 @@ def test_a_member_whose_leader_stalls_pulls_itself_after_leader_timeout(take):
     assert 1.0 <= by_rank[1].seconds < 10
     assert any("no answer for the pull of step 1 within leader_timeout" in line for line in logs(by_rank[1]))
     by_rank[0].resume()
-    # the member hung up: nobody is left to share with
+    # the member hung up: once the leader's connection thread saw it go, nobody is left to share with
+    deadline = time.monotonic() + 10
+    while not any("rank 1 left" in line for line in logs(by_rank[0], "INFO")):
+        assert time.monotonic() < deadline, "the leader did not see the member hang up"
+        time.sleep(0.05)
     assert by_rank[0].call("share", 7, 1) == (False, "leading")
 
 
