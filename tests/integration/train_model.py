@@ -42,7 +42,8 @@ class SmallModel(nn.Module):
         torch.manual_seed(1234)
         self.embed = nn.Embedding(VOCAB, DIM)          # most rows untouched per step: zero blocks
         self.proj = nn.Linear(DIM, OUT)
-        self.scale = nn.Parameter(torch.full((OUT,), 0.5), requires_grad=False)  # frozen
+        # frozen, bf16: the PS nodes store it as bf16 in their frozen-value files
+        self.scale = nn.Parameter(torch.full((OUT,), 0.5, dtype=torch.bfloat16), requires_grad=False)
         self.unused = nn.Parameter(torch.randn(5))     # never in the graph: grad stays None
 
     def forward(self, tokens):
