@@ -3,7 +3,7 @@
 what the process took (its anonymous memory above an idle node), for the cluster a user gets.
 
 Two PS nodes (replication 2, every option at its default), a BSP AdamW job of TinyGPT
-(``--model``: tiny 0.92 M, 25m 25.7 M, 100m 101.7 M parameters; lora: a frozen bf16 base of
+(``--model``: tiny 0.92 M, 25m 25.7 M, 100m 101.8 M parameters; lora: a frozen bf16 base of
 104.9 M and a trainable adapter of 1.05 M; ``--replication``: the job's, default the
 cluster's 2), two ranks on this host training it with
 ``PSOptimizer`` at its defaults on random tokens. Each node's ``RssAnon`` is read before the job (idle) and

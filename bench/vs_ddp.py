@@ -8,8 +8,8 @@ CPU/gloo) and Shardline BSP on the same post-training workload (issues 11 and 40
 Workload: ``--world`` machines (2) x ``--workers-per-host`` ranks (1), each rank its own process
 pinned to one core (``os.sched_setaffinity``, round-robin over the cores, 1 torch thread);
 ``--model tiny``: TinyGPT of 922,880 parameters (vocab 512, d_model 128, 4 layers, 4 heads, up
-to 512 tokens, seed 0), or ``--model 25m``: 25,732,096 (vocab 512, d_model 512, 8 layers, 8
-heads, up to 512 tokens); AdamW; every step a global minibatch of 4 sequences per rank, lengths
+to 512 tokens, seed 0), ``--model 25m``: 25,732,096 (vocab 512, d_model 512, 8 layers, 8
+heads, up to 512 tokens), or ``--model 100m``: 101,795,840 (d_model 1024, 16 heads); AdamW; every step a global minibatch of 4 sequences per rank, lengths
 lognormal(ln 64, 1) clipped to [16, 512] (``--workload lognormal``) or all equal to that
 distribution's mean (``--workload balanced``); random token ids; a causal LM loss (labels = the
 next token). Every mode sees the same global minibatches and starts from the same weights.
@@ -116,9 +116,10 @@ SHARDLINE_MODES = {"shardline_default": {},
                    # the defaults, but every rank pushes alone (no host aggregation): its baseline
                    "shardline_host_alone": dict(host_aggregation=False)}
 DEFAULT_MODES = ("shardline_default",)
-# TinyGPT sizes (--model): 922,880 and 25,732,096 parameters, every one trainable (tied LM head).
+# TinyGPT sizes (--model): 922,880, 25,732,096 and 101,795,840 parameters, every one trainable (tied LM head).
 MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0),
-          "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0)}
+          "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0),
+          "100m": dict(vocab_size=512, d_model=1024, n_layers=8, n_heads=16, max_seq_len=512, seed=0)}
 HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
 PER_RANK = 4
 MAX_LEN = 512  # a sequence of L tokens: L - 1 positions predict the next token (its loss tokens)
@@ -985,7 +986,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers-per-host", type=int, default=1,
                     help="rank processes per machine (with --link they share the host's namespace and NIC)")
     ap.add_argument("--model", choices=tuple(MODELS), default="tiny",
-                    help="TinyGPT size: tiny (922,880 params) or 25m (25,732,096: 8 layers, d_model 512)")
+                    help="TinyGPT size: tiny (922,880 params), 25m (25,732,096: 8 layers, d_model 512) or 100m "
+                         "(101,795,840: 8 layers, d_model 1024)")
     ap.add_argument("--split-cost", choices=("fitted", "tokens"), default="fitted",
                     help="what the balanced split (ddp_balanced and every shardline mode) evens out: a CostModel "
                          "fitted on this machine first (c0 + c1*L + c2*L^2 seconds), or the token count")
