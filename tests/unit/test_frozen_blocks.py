@@ -274,3 +274,21 @@ def test_status_shows_frozen_values_in_files_apart_from_memory():
     assert "IN FILES" in header
     row = next(line for line in text.splitlines() if " lora " in line)
     assert row.split()[-1] == "0.0"         # 12,000 B of memory for 1,000,000 parameters (files apart)
+
+
+def test_the_spill_dir_is_made_and_checked_at_start(tmp_path):
+    from types import SimpleNamespace
+
+    import pytest
+
+    from shardline.ps_server.main import open_spill_dir
+    from shardline.services.errors import ShardlineConfigError
+
+    made = tmp_path / "spill" / "a"
+    assert open_spill_dir(SimpleNamespace(frozen_values="files", spill_dir=str(made))) == str(made)
+    assert made.is_dir() and list(made.iterdir()) == []
+    assert open_spill_dir(SimpleNamespace(frozen_values="memory", spill_dir=str(made))) is None
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    with pytest.raises(ShardlineConfigError, match="spill_dir .*a-file/sub.* cannot hold .*frozen_values: memory"):
+        open_spill_dir(SimpleNamespace(frozen_values="files", spill_dir=str(afile / "sub")))
