@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_local_cluster import kill_leftovers, status_json
+from test_local_cluster import kill_leftovers, start_nodes, status_json
 
 from shardline import connect
 from shardline.local_cluster import LocalCluster
@@ -27,11 +27,7 @@ def test_a_frozen_bfloat16_tensor_is_stored_as_bfloat16_read_back_exactly_and_su
     adapter = torch.randn(ADAPTER, generator=gen)
     grads = [torch.randn(ADAPTER, generator=gen) for _ in range(4)]
     try:
-        cluster.start_dispatcher()
-        nodes = [cluster.add_node(wait=False), cluster.add_node(wait=False)]
-        for node in nodes:
-            cluster.wait_ready(node)
-        cluster.wait_for_nodes(2, timeout=30)
+        nodes = start_nodes(cluster)
         client = connect(cluster.address, job="frozen-bf16")
         client.init({"base": base.clone(), "adapter": adapter.clone()}, trainable={"base": False}, optimizer="adamw",
                     lr=0.01, weight_decay=0.1, block_elements=BLOCK)

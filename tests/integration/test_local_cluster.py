@@ -78,6 +78,16 @@ def status_json(address: str) -> dict:
     return json.loads(out.stdout)
 
 
+def start_nodes(cluster: LocalCluster, count: int = 2) -> list:
+    """A dispatcher and ``count`` PS nodes at their defaults, every one ready and registered."""
+    cluster.start_dispatcher()
+    nodes = [cluster.add_node(wait=False) for _ in range(count)]
+    for node in nodes:
+        cluster.wait_ready(node)
+    cluster.wait_for_nodes(count, timeout=30)
+    return nodes
+
+
 @pytest.fixture
 def two_node_cluster(tmp_path):
     workdir = tmp_path / "cluster"

@@ -12,7 +12,7 @@ import urllib.request
 import pytest
 import torch
 
-from test_local_cluster import kill_leftovers, shardline_cmd, status_json
+from test_local_cluster import kill_leftovers, shardline_cmd, start_nodes, status_json
 
 from shardline import connect
 from shardline.local_cluster import LocalCluster
@@ -35,11 +35,7 @@ def test_status_and_metrics_account_for_every_kind_of_a_jobs_bytes(tmp_path):
     workdir = tmp_path / "cluster"
     cluster = LocalCluster(workdir, start_timeout=60)
     try:
-        cluster.start_dispatcher()
-        nodes = [cluster.add_node(wait=False), cluster.add_node(wait=False)]
-        for node in nodes:
-            cluster.wait_ready(node)
-        cluster.wait_for_nodes(2, timeout=30)
+        start_nodes(cluster)
         client = connect(cluster.address, job="mem-job")
         client.init({k: torch.zeros(n) for k, n in PARAMS.items()}, optimizer="adamw", lr=0.01, block_elements=BLOCK)
         for _ in range(3):
