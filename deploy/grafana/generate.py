@@ -305,17 +305,19 @@ def build() -> dict:
     ], unit="bytes", description="Bytes of fp32 parameter values per job, summed over PS nodes."), w=8)
     g.add(timeseries("PS memory by kind", [
         (f"sum by (kind) (shardline_ps_memory_bytes{{{JOB}}})", "{{kind}}"),
-        ("sum(shardline_ps_process_anon_bytes) - sum(shardline_ps_memory_bytes)", "process, not the jobs' tensors"),
+        ('sum(shardline_ps_process_anon_bytes) - sum(shardline_ps_memory_bytes{kind!="frozen_files"})',
+         "process, not the jobs' tensors"),
     ], unit="bytes", description="Bytes the PS nodes' jobs keep by kind (values, optimizer state, gradient buffers, "
-                                 "kept values, ...: docs/operations.md, \"Memory\"), and the rest of their anonymous "
+                                 "kept values, ...; frozen_files: frozen values in files, the page cache: "
+                                 "docs/operations.md, \"Memory\"), and the rest of their anonymous "
                                  "memory (interpreter, receive buffers, allocator slack)."), w=8)
     g.add(timeseries("PS bytes per parameter held", [
-        (f"sum by (instance) (shardline_ps_memory_bytes{{{JOB}}}) / sum by (instance) "
-         f"(shardline_ps_memory_parameters{{{JOB}}})", "tensors {{instance}}"),
+        (f'sum by (instance) (shardline_ps_memory_bytes{{{JOB},kind!="frozen_files"}}) / sum by (instance) '
+         f"(shardline_ps_memory_parameters{{{JOB}}})", "tensors in memory {{instance}}"),
         (f"sum by (instance) (shardline_ps_process_anon_bytes) / sum by (instance) "
          f"(shardline_ps_memory_parameters{{{JOB}}})", "anonymous memory {{instance}}"),
-    ], description="Per parameter a PS node holds (primaries and copies): the bytes its jobs' tensors account for, "
-                   "and its whole anonymous memory."), w=8)
+    ], description="Per parameter a PS node holds (primaries and copies): the bytes its jobs' tensors account for "
+                   "in memory (frozen values in files left out), and its whole anonymous memory."), w=8)
     g.add(timeseries("Ring share per node", [
         ("shardline_node_vnodes / on (instance) group_left () sum by (instance) (shardline_node_vnodes)", "{{node_id}}"),
     ], unit="percentunit", description="Share of the ring's virtual nodes (about the share of keys) each PS node owns."), w=8)
