@@ -90,9 +90,25 @@ def open_checkpoint_dir(path: str | None, node_id: str) -> CheckpointDir | None:
         raise ShardlineConfigError(f"checkpoint_dir: {exc}") from None
 
 
+def filesystem_of(path: str, mounts: str) -> str:
+    """The file system type of the mount holding ``path`` (absolute, resolved) in ``mounts`` (the
+    text of /proc/self/mounts); "" if none matches."""
+    best, kind = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
 def open_spill_dir(args) -> str | None:
     """The directory of the node's frozen-value files (created if missing, checked writable), or
-    None where frozen values stay in memory (``frozen_values: memory``)."""
+    None where frozen values stay in memory (``frozen_values: memory``). A WARNING if it is a
+    tmpfs (the files would be shared memory: out of the heap, not out of RAM)."""
     if args.frozen_values != "files":
         return None
     path = os.path.abspath(os.path.expanduser(args.spill_dir))
@@ -103,6 +119,14 @@ def open_spill_dir(args) -> str | None:
     except OSError as exc:
         raise ShardlineConfigError(f"spill_dir {args.spill_dir!r} cannot hold the node's frozen-value files: {exc} "
                                    f"(or set frozen_values: memory)") from None
+    try:
+        with open("/proc/self/mounts") as f:
+            kind = filesystem_of(os.path.realpath(path), f.read())
+    except OSError:
+        kind = ""
+    if kind == "tmpfs":
+        log.warning("spill_dir %s is on a tmpfs: frozen values there are shared memory, out of the heap but not "
+                    "out of RAM; point spill_dir at a disk", path)
     return path
 
 

@@ -292,3 +292,17 @@ def test_the_spill_dir_is_made_and_checked_at_start(tmp_path):
     afile.write_text("x")
     with pytest.raises(ShardlineConfigError, match="spill_dir .*a-file/sub.* cannot hold .*frozen_values: memory"):
         open_spill_dir(SimpleNamespace(frozen_values="files", spill_dir=str(afile / "sub")))
+
+
+def test_a_spill_dir_on_a_tmpfs_is_told_apart_from_a_disk():
+    from shardline.ps_server.main import filesystem_of
+
+    mounts = ("overlay / overlay rw 0 0\n"
+              "tmpfs /tmp tmpfs rw,nosuid 0 0\n"
+              "/dev/vda /var/lib ext4 rw 0 0\n"
+              "tmpfs /var/lib/odd\\040dir tmpfs rw 0 0\n")
+    assert filesystem_of("/tmp/shardline", mounts) == "tmpfs"
+    assert filesystem_of("/var/tmp", mounts) == "overlay"
+    assert filesystem_of("/var/lib/shardline/spill", mounts) == "ext4"
+    assert filesystem_of("/var/lib/odd dir/x", mounts) == "tmpfs"
+    assert filesystem_of("/tmpx", mounts) == "overlay"       # a prefix of a name is not its mount
