@@ -25,6 +25,10 @@ log = logging.getLogger("shardline.ps.replication")
 
 # Blocks per OP_REPLICATE frame of a sync (bounds a frame; the link sends them in order).
 SYNC_BATCH_BYTES = 64 << 20
+# A step's blocks go to a copy holder in REPLICATE_STEP frames of about this many payload bytes
+# at most (the holder's receive buffer, kept from step to step, is one frame: not all of the
+# node's primaries' gradients or copies, 2-12 bytes per parameter).
+STEP_FRAME_BYTES = 16 << 20
 # A holder dropped this long ago that has not asked for a sync is invited to (REPLICATE_RESYNC),
 # again at this interval until it asks: it may not know it was dropped (a frame that timed out).
 INVITE_AFTER_SECONDS = 2.0
@@ -176,7 +180,6 @@ class PrimarySide:
             if plan.unprotected:  # the rest is visible now; those wait for a holder's sync
                 job.mark_visible(plan.protected, step + 1)
             return bool(plan.unprotected)
-        acks = StepAcks(job, step, plan.protected, set(plan.by_peer))
         copy = job.sync == "asp"  # ASP steps the blocks again at the next push: send a snapshot
         with self._lock:
             ahead = self._job(job.name).take_sent_ahead(key for key, _block in items)
@@ -185,18 +188,35 @@ class PrimarySide:
             staged = ahead.get(peer, {}).get(key)
             return staged is not None and block.value is staged.value
 
+        codec = self.codec(job)
+
+        def nbytes(item) -> int:   # what a stepped block adds to the frame
+            block = item[1]
+            if not copy and block.replay is not None:
+                return 0 if block.replay.grad is None else block.replay.grad.numel() * 4
+            return codec.copy_nbytes(block.value, block.state)
+
+        frames = {}
+        for peer, peer_items in plan.by_peer.items():
+            stepped = [(k, b) for k, b in peer_items if b.version == step + 1 and not sent_ahead(k, b, peer)]
+            carried = [(k, b) for k, b in peer_items if b.version != step + 1 or sent_ahead(k, b, peer)]
+            batches = runs_of(stepped, nbytes, STEP_FRAME_BYTES) or [[]]
+            frames[peer] = (batches, carried)
+        acks = StepAcks(job, step, plan.protected, {peer: len(batches) for peer, (batches, _c) in frames.items()})
         checksums = {} if self.check_due(step + 1) else None
-        for peer, items in plan.by_peer.items():
-            stepped = [(k, b) for k, b in items if b.version == step + 1 and not sent_ahead(k, b, peer)]
-            carried = [(k, b) for k, b in items if b.version != step + 1 or sent_ahead(k, b, peer)]
-            refs, payloads = stepped_refs(self.codec(job), stepped, replay=not copy, checksums=checksums)
-            if copy:
-                payloads = [bytes(p) for p in payloads]
-            for key, block in carried:
-                refs.append(dp.BlockRef(tensor=key[0], index=key[1], zero=True, version=block.version, step=block.step))
-            header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs, replicate_kind=dp.REPLICATE_STEP,
-                                  payload_bytes=sum(r.nbytes for r in refs))
-            self.links.link(peer).send(Send(header, payloads, self._acked(acks, peer, holders[peer])))
+        for peer, (batches, carried) in frames.items():
+            link, done = self.links.link(peer), self._acked(acks, peer, holders[peer])
+            for n, batch in enumerate(batches):
+                refs, payloads = stepped_refs(codec, batch, replay=not copy, checksums=checksums)
+                if copy:
+                    payloads = [bytes(p) for p in payloads]
+                if n == len(batches) - 1:   # the blocks carried through go with the step's last frame
+                    for key, block in carried:
+                        refs.append(dp.BlockRef(tensor=key[0], index=key[1], zero=True, version=block.version,
+                                                step=block.step))
+                header = self._header(dp.OP_REPLICATE, job, step=step + 1, blocks=refs,
+                                      replicate_kind=dp.REPLICATE_STEP, payload_bytes=sum(r.nbytes for r in refs))
+                link.send(Send(header, payloads, done))
         return True
 
     def check_due(self, step: int) -> bool:
@@ -215,8 +235,7 @@ class PrimarySide:
                     pending.deposed = True
                 self.drop_holder(pending.job.name, peer, f"replication of step {pending.step} failed: {error}", round_)
             with self._lock:
-                pending.waiting.discard(peer)
-                finished = not pending.waiting
+                finished = pending.answered(peer)
             if finished:
                 blocks = [b for b in pending.blocks if b.primary] if pending.deposed else pending.blocks
                 pending.job.mark_visible(blocks, pending.step + 1)

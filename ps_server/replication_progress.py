@@ -91,13 +91,24 @@ class Fetch:
 
 @dataclass(eq=False)
 class StepAcks:
-    """An applied step waiting for its copy holders' acknowledgements."""
+    """An applied step waiting for its copy holders' acknowledgements: ``waiting`` maps each holder
+    to the frames of the step not answered yet (a step goes to a holder in frames of at most
+    STEP_FRAME_BYTES)."""
 
     job: object
     step: int
     blocks: list
-    waiting: set = field(default_factory=set)
+    waiting: dict = field(default_factory=dict)
     deposed: bool = False   # a holder answered NOT_OWNER: only blocks still applied here become visible
+
+    def answered(self, peer: str) -> bool:
+        """One frame to ``peer`` was answered (or failed); True once no frame of the step waits."""
+        left = self.waiting.get(peer, 0) - 1
+        if left > 0:
+            self.waiting[peer] = left
+        else:
+            self.waiting.pop(peer, None)
+        return not self.waiting
 
 
 @dataclass(frozen=True)

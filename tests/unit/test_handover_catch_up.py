@@ -141,7 +141,7 @@ def test_a_copy_refused_as_not_owner_leaves_the_deposed_primary_invisible():
     push_and_commit(old, 0)
     assert all(b.visible == 0 for b in old.blocks.values())
     blocks = [b for b in old.blocks.values()]
-    pending = StepAcks(old, 0, blocks, {"new"})
+    pending = StepAcks(old, 0, blocks, {"new": 1})
     rep._acked(pending, "new", 1)(RemoteError("NOT_OWNER", "node 'old' is not the primary"), None)
     assert all(b.visible == 1 for k, b in old.blocks.items() if k in kept)
     assert all(b.visible == 0 for k, b in old.blocks.items() if k not in kept)

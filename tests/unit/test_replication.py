@@ -314,6 +314,37 @@ def test_a_frame_replayed_in_batches_of_a_few_blocks_equals_torch_and_its_primar
         assert sum(node.job("job").steps_replayed for node in bus.nodes.values()) > 0
 
 
+def test_a_step_goes_to_each_holder_in_frames_of_a_bounded_size_and_becomes_visible_after_the_last(initial, push_lr,
+                                                                                                     monkeypatch):
+    """A primary sends a step's blocks to a copy holder in REPLICATE_STEP frames of about
+    STEP_FRAME_BYTES (the holder's receive buffer is one frame, not the node's primaries' whole
+    step); the step becomes visible once every frame was answered. Forced here to a block or two
+    per frame: the run still equals torch.optim and every copy its primary, bit for bit."""
+    from shardline.ps_server import replication_primary
+
+    monkeypatch.setattr(replication_primary, "STEP_FRAME_BYTES", 4 * BLOCK)
+    frames, counting = {}, [False]
+    original = FakeLink.send
+
+    def send(self, item):
+        header = item.header
+        if counting[0] and header.op == dp.OP_REPLICATE and header.replicate_kind == dp.REPLICATE_STEP:
+            frames.setdefault((header.step, header.node, self.peer), []).append(header.payload_bytes)
+        return original(self, item)
+
+    monkeypatch.setattr(FakeLink, "send", send)
+    bus, cluster = start(initial=initial)
+    counting[0] = True
+    finish_and_compare(cluster, initial, gradients(3), 0)
+    job = bus.nodes["n0"].job("job")
+    largest_block = bus.nodes["n0"].replicator.codec(job).packed_numel(BLOCK) * 4
+    assert max(p for sizes in frames.values() for p in sizes) <= 4 * BLOCK + largest_block
+    if push_lr is None:    # stepped at the commits: a holder of several blocks gets them in several frames
+        assert max(len(sizes) for sizes in frames.values()) >= 3, frames
+    else:                  # stepped ahead, sent ahead: the step's one frame only names them
+        assert all(sizes == [0] for sizes in frames.values()), frames
+
+
 def test_initial_values_go_to_the_copy_holders_in_sync_sized_frames(initial, monkeypatch):
     """A job's initial values reach each copy holder in frames of about SYNC_BATCH_BYTES, as a
     sync's do (one frame of a large job's values and state ran past replication_timeout: each node
