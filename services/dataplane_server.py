@@ -58,11 +58,20 @@ IDLE_BUFFER_SECONDS = 30.0
 OVERSIZE_MIN_BYTES = 16 * 1024 * 1024
 OVERSIZE_FACTOR = 2
 OVERSIZE_FRAMES = 4
+# One far larger still (a job's INIT: the whole model's values) is given back at the first frame
+# it dwarfs: kept for OVERSIZE_FRAMES steps it was the PS node's largest transient.
+FAR_OVERSIZE_MIN_BYTES = 128 * 1024 * 1024
+FAR_OVERSIZE_FACTOR = 16
 
 
 def oversized(held: int, needed: int) -> bool:
     """Whether a connection holding a ``held``-byte buffer gives it back for a ``needed``-byte frame."""
     return held > OVERSIZE_MIN_BYTES and held > OVERSIZE_FACTOR * max(needed, 1)
+
+
+def far_oversized(held: int, needed: int) -> bool:
+    """Whether it gives it back for that frame at once (not after OVERSIZE_FRAMES such frames)."""
+    return held > FAR_OVERSIZE_MIN_BYTES and held > FAR_OVERSIZE_FACTOR * max(needed, 1)
 
 
 class RequestHandler(Protocol):
@@ -146,16 +155,19 @@ class _Connection:
             self.policy.budget.release(len(self.buffer))
         self.buffer = bytearray(0)
 
-    def ensure_buffer(self, nbytes: int) -> bool:
+    def ensure_buffer(self, nbytes: int, push: bool = False) -> bool:
         """A buffer of at least ``nbytes``; False if the node's budget could not grant it in time.
         One kept from a frame much larger than the last OVERSIZE_FRAMES frames with a payload (a
         job's INIT, a replica's initial sync: once) is given back and made this frame's size: a
-        connection holds what its frames need from step to step, not its largest frame ever."""
+        connection holds what its frames need from step to step, not its largest frame ever. One
+        far larger (``far_oversized``) is given back at the first such frame. ``push``: the frame is
+        a push, whose ``nbytes`` are what it needs besides the blocks received straight into their
+        gradient buffers (0 for most: a frame that needs no buffer at all)."""
         if nbytes <= len(self.buffer):
-            if not nbytes:
+            if not nbytes and not push:
                 return True     # a frame without a payload (a pull) says nothing of the buffer's size
             self.smaller_frames = self.smaller_frames + 1 if oversized(len(self.buffer), nbytes) else 0
-            if self.smaller_frames < OVERSIZE_FRAMES:
+            if self.smaller_frames < OVERSIZE_FRAMES and not far_oversized(len(self.buffer), nbytes):
                 return True
         self.smaller_frames = 0
         self.drop_buffer()  # never hold two
@@ -210,7 +222,7 @@ class _Connection:
                     # buffer holds only the others (a host's one push of a step needs none).
                     try:
                         job, ticket = node.begin_push(header, None, self.regions)
-                        if not self.ensure_buffer(ticket.scratch_bytes):
+                        if not self.ensure_buffer(ticket.scratch_bytes, push=True):
                             job.abort_push(ticket)
                             raise self.budget_exhausted()
                     except RequestError as exc:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shardline.services.dataplane_server import (OVERSIZE_FRAMES, OVERSIZE_MIN_BYTES, _Connection, oversized)
+from shardline.services.dataplane_server import (FAR_OVERSIZE_MIN_BYTES, OVERSIZE_FRAMES, OVERSIZE_MIN_BYTES,
+                                                 _Connection, far_oversized, oversized)
 from shardline.services.payload_budget import PayloadBudget
 
 MIB = 1024 * 1024
@@ -49,3 +50,31 @@ def test_frames_that_alternate_sizes_keep_the_large_buffer():
         assert conn.ensure_buffer(1 * MIB)
         assert len(conn.buffer) == 64 * MIB
     assert budget.in_use == 64 * MIB
+
+
+def test_a_buffer_far_larger_than_the_next_frame_is_given_back_at_once():
+    """A job's INIT (the whole model's values, 245 MiB in a LoRA run) then pushes of a few MiB:
+    the buffer goes at the first push, not after OVERSIZE_FRAMES steps."""
+    assert not far_oversized(FAR_OVERSIZE_MIN_BYTES, 1) and far_oversized(FAR_OVERSIZE_MIN_BYTES + 1, 1)
+    assert not far_oversized(256 * MIB, 16 * MIB) and far_oversized(256 * MIB, 16 * MIB - 1)
+    budget = PayloadBudget(1024 * MIB)
+    conn = connection(budget)
+    assert conn.ensure_buffer(245 * MIB)
+    assert conn.ensure_buffer(2 * MIB) and len(conn.buffer) == 2 * MIB and budget.in_use == 2 * MIB
+    assert conn.ensure_buffer(0) and len(conn.buffer) == 2 * MIB    # a pull changes nothing
+
+
+def test_pushes_received_straight_into_gradient_buffers_count_as_frames_that_need_none():
+    """Over shm a push's blocks come from the worker's regions straight into the gradient buffers:
+    it needs no payload buffer (0 bytes), unlike a pull, which says nothing of the buffer's size."""
+    budget = PayloadBudget(1024 * MIB)
+    conn = connection(budget)
+    assert conn.ensure_buffer(100 * MIB)                       # the INIT, one frame
+    for _ in range(3 * OVERSIZE_FRAMES):
+        assert conn.ensure_buffer(0) and len(conn.buffer) == 100 * MIB      # pulls: kept
+    for _ in range(OVERSIZE_FRAMES - 1):
+        assert conn.ensure_buffer(0, push=True) and len(conn.buffer) == 100 * MIB
+    assert conn.ensure_buffer(0, push=True) and len(conn.buffer) == 0 and budget.in_use == 0
+    conn = connection(budget)
+    assert conn.ensure_buffer(245 * MIB)
+    assert conn.ensure_buffer(0, push=True) and len(conn.buffer) == 0 and budget.in_use == 0   # far larger: at once
