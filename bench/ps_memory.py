@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from host_counters import reset_peak_rss, status_mib  # noqa: E402
 
+from shardline.cli import in_memory  # noqa: E402
+
 MODELS = {"tiny": dict(vocab_size=512, d_model=128, n_layers=4, n_heads=4, max_seq_len=512, seed=0),
           "25m": dict(vocab_size=512, d_model=512, n_layers=8, n_heads=8, max_seq_len=512, seed=0),
           "100m": dict(vocab_size=512, d_model=1024, n_layers=8, n_heads=16, max_seq_len=512, seed=0)}
@@ -122,11 +124,6 @@ class Sampler:
                 if anon > self.max_anon[n.node_id]:
                     self.max_anon[n.node_id] = anon
                     self.accounted_at_max[n.node_id] = in_memory(report["kinds"]) + report["receive_buffers"]
-
-
-def in_memory(kinds: dict) -> float:
-    """Bytes of the kinds the process holds in memory (frozen values in files are page cache)."""
-    return sum(v for k, v in kinds.items() if k != "frozen_files")
 
 
 def scrape(metrics_address: str) -> dict:

@@ -121,10 +121,23 @@ def stepped_refs(codec: BlockCodec, items, *, replay: bool = True, checksums: di
     (copy_refs), or, for a block carrying a ``replay`` (replicate_gradients) when ``replay``
     allows, the gradient its holders step it with (gradient_refs; ``checksums`` given: with the
     divergence check's checksum, computed once per block into that dict)."""
-    replayed = [(k, b) for k, b in items if replay and b.replay is not None]
-    refs, payloads = copy_refs(codec, [(k, b) for k, b in items if not (replay and b.replay is not None)])
+    replayed = [(k, b) for k, b in items if _replayed(b, replay)]
+    refs, payloads = copy_refs(codec, [(k, b) for k, b in items if not _replayed(b, replay)])
     replay_refs, replay_payloads = gradient_refs(replayed, codec if checksums is not None else None, checksums)
     return refs + replay_refs, payloads + replay_payloads
+
+
+def _replayed(block, replay: bool) -> bool:
+    """Whether a stepped block goes as the gradient its holders replay (else as a copy)."""
+    return replay and block.replay is not None
+
+
+def stepped_nbytes(codec: BlockCodec, block, *, replay: bool = True) -> int:
+    """The payload bytes ``stepped_refs`` gives ``block``: its gradient where it carries a
+    ``replay`` and ``replay`` allows (none for a zero gradient), else its copy."""
+    if _replayed(block, replay):
+        return 0 if block.replay.grad is None else block.replay.grad.numel() * 4
+    return codec.copy_nbytes(block.value, block.state)
 
 
 def gradient_refs(items, codec: BlockCodec | None = None, checksums: dict | None = None) -> tuple[list, list]:

@@ -12,7 +12,7 @@ import time
 from types import SimpleNamespace
 from typing import Callable
 
-from shardline.ps_server.replication_codec import copy_refs, handover_refs, stepped_refs
+from shardline.ps_server.replication_codec import copy_refs, handover_refs, stepped_nbytes, stepped_refs
 from shardline.ps_server.replication_links import Send
 from shardline.ps_server.replication_progress import HolderProgress, StepAcks, SyncWait, plan_step
 from shardline.ps_server.store import JobStore
@@ -191,10 +191,7 @@ class PrimarySide:
         codec = self.codec(job)
 
         def nbytes(item) -> int:   # what a stepped block adds to the frame
-            block = item[1]
-            if not copy and block.replay is not None:
-                return 0 if block.replay.grad is None else block.replay.grad.numel() * 4
-            return codec.copy_nbytes(block.value, block.state)
+            return stepped_nbytes(codec, item[1], replay=not copy)
 
         frames = {}
         for peer, peer_items in plan.by_peer.items():

@@ -282,7 +282,8 @@ MEMORY_COLUMNS = {"values": "VALUES", "optimizer_state": "OPT STATE", "gradients
 FILE_KINDS = ("frozen_files",)
 
 
-def _in_memory(by_kind: dict) -> int:
+def in_memory(by_kind: dict) -> int:
+    """Bytes of the kinds a PS node holds in memory (frozen values in files are the page cache)."""
     return sum(v for k, v in by_kind.items() if k not in FILE_KINDS)
 
 
@@ -295,11 +296,11 @@ def render_memory(memory: dict[str, dict]) -> str:
     kinds = [k for k in MEMORY_COLUMNS if any(j["bytes"].get(k) for n in memory.values() for j in n["jobs"].values())]
     node_rows, job_rows = [], []
     for node, report in sorted(memory.items()):
-        accounted = sum(_in_memory(j["bytes"]) for j in report["jobs"].values())
+        accounted = sum(in_memory(j["bytes"]) for j in report["jobs"].values())
         node_rows.append([node, human_bytes(report["rss_bytes"]), human_bytes(report["anon_bytes"]),
                           human_bytes(accounted), human_bytes(report["receive_buffer_bytes"])])
         for job, j in sorted(report["jobs"].items()):
-            total = _in_memory(j["bytes"])
+            total = in_memory(j["bytes"])
             per = f"{total / j['parameters']:.1f}" if j["parameters"] else "-"
             job_rows.append([node, job, f"{j['parameters']:,}", *(human_bytes(j["bytes"].get(k, 0)) for k in kinds),
                              human_bytes(total), per])

@@ -55,7 +55,7 @@ class FrozenFile:
         offsets, size = [], 0
         for _key, numel, dtype in blocks:
             offsets.append(size)
-            size += -(-numel * torch.empty((), dtype=dtype).element_size() // ALIGN) * ALIGN
+            size += -(-numel * dtype.itemsize // ALIGN) * ALIGN
         size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         fd = self._file.fileno()
         try:
@@ -69,9 +69,8 @@ class FrozenFile:
         raw = torch.frombuffer(region, dtype=torch.uint8)
         self._storages.add(raw.untyped_storage().data_ptr())
         for (key, numel, dtype), offset in zip(blocks, offsets):
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            self._slots[key] = raw[offset:offset + numel * itemsize].view(dtype)
-            self.nbytes += numel * itemsize
+            self._slots[key] = raw[offset:offset + numel * dtype.itemsize].view(dtype)
+            self.nbytes += numel * dtype.itemsize
         self._maps.append(region)
         self._size += size
         return True
